@@ -1,0 +1,53 @@
+# Everything a person runs. Each target sets up what it needs (virtualenv, packages, services).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+SERVICES := deploy/local/services.sh
+# Point every target at the local services unless the caller says otherwise.
+LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
+
+.PHONY: help venv services services-stop migrate test test-fast demo bench chaos lint serve publish clean java
+
+help:  ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (3.11+)"; exit 1; }
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+venv: $(VENV)/.installed  ## create the virtualenv and install the package with its test tools
+
+java:  ## make sure a Java 17+ runtime is there for Spark (installs Debian's when missing)
+	@deploy/local/ensure-java.sh
+
+services:  ## start RabbitMQ and PostgreSQL on 127.0.0.1 (idempotent)
+	@$(SERVICES) start
+	@$(SERVICES) status
+
+services-stop:  ## stop the services that `make services` started
+	@$(SERVICES) stop
+
+migrate: venv services  ## create or upgrade the outbox schema (OUTBOX_DATABASE_URL, default local PostgreSQL)
+	@$(LOCAL_ENV) $(VENV)/bin/outbox migrate
+
+test: venv services java  ## run the whole test suite against the local services
+	@$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-fast: venv services  ## the suite without Spark and slow scenarios
+	@$(VENV)/bin/pytest -m "not spark and not slow" $(PYTEST_ARGS)
+
+LINT_PATHS = $(wildcard app spark_writer migrations tests bench)
+lint: venv  ## ruff (lint and format) and mypy --strict on app/ and spark_writer/
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy app $(if $(wildcard spark_writer/*.py),spark_writer)
+
+clean:  ## remove the virtualenv, local service data and caches (stops the services first)
+	-@$(SERVICES) stop
+	rm -rf $(VENV) .local .pytest_cache .mypy_cache .ruff_cache .hypothesis outbox.db* demo-data

@@ -1,0 +1,573 @@
+"""The outbox repository: every state change of a row, as one batched statement per call.
+
+Sync SQLAlchemy Core, so the API, the CLI, the tests and the publisher's DB thread share it.
+Every publisher-side write is guarded by ``status = 'in_flight' AND lease_owner = :owner``: a
+publisher whose lease has expired (and whose rows another publisher may hold now) changes nothing,
+and the counts returned tell it so.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import random
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    ColumnElement,
+    Connection,
+    Engine,
+    Select,
+    and_,
+    any_,
+    bindparam,
+    case,
+    delete,
+    exists,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.exc import IntegrityError
+
+from app.outbox.schema import audit, outbox, publishers
+from app.outbox.states import TERMINAL_FAILURES, Status, check_transition
+
+Clock = Callable[[], dt.datetime]
+SQLITE_MAX_IDS = 10_000
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class RepositoryError(Exception):
+    """Base of the repository's own errors."""
+
+
+class PublisherLocked(RepositoryError):
+    """A second publisher tried to start on a SQLite outbox that another live publisher holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedRow:
+    """A row this publisher now holds ``in_flight`` under its lease."""
+
+    id: int
+    message_id: str
+    batch_id: str
+    exchange: str
+    routing_key: str
+    mandatory: bool
+    body: bytes
+    content_type: str | None
+    headers: dict[str, Any] | None
+    properties: dict[str, Any] | None
+    ordering_key: str | None
+    attempts: int
+    max_attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnedRow:
+    id: int
+    reply_code: int
+    reply_text: str
+
+
+@dataclass(frozen=True, slots=True)
+class RetryOutcome:
+    retried: int
+    exhausted: int
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential backoff, jittered within [d/2, d] where d = ``base * 2**(attempt-1)``, capped."""
+
+    base: float = 0.5
+    cap: float = 60.0
+    rng: random.Random = field(default_factory=random.Random, compare=False)
+
+    def delay(self, attempt: int) -> float:
+        ceiling = min(self.cap, self.base * (2 ** max(0, attempt - 1)))
+        return float(ceiling * (0.5 + 0.5 * self.rng.random()))
+
+
+@dataclass(frozen=True, slots=True)
+class RepublishFilter:
+    """Which terminal rows an operator moves back to ``pending``."""
+
+    batch_id: str | None = None
+    statuses: frozenset[Status] = TERMINAL_FAILURES
+    exchange: str | None = None
+    created_after: dt.datetime | None = None
+    created_before: dt.datetime | None = None
+
+    def __post_init__(self) -> None:
+        wrong = set(self.statuses) - TERMINAL_FAILURES
+        if wrong or not self.statuses:
+            names = ", ".join(sorted(s.value for s in TERMINAL_FAILURES))
+            raise ValueError(
+                f"republish takes statuses among {names}; got {sorted(wrong) or 'none'}"
+            )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "batch_id": self.batch_id,
+            "statuses": sorted(s.value for s in self.statuses),
+            "exchange": self.exchange,
+            "created_after": self.created_after.isoformat() if self.created_after else None,
+            "created_before": self.created_before.isoformat() if self.created_before else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RepublishResult:
+    dry_run: bool
+    count: int
+    matched: int
+    sample: list[str]
+    audit_id: int | None
+    replayed: bool = False
+
+
+CLAIM_COLUMNS = (
+    outbox.c.id, outbox.c.message_id, outbox.c.batch_id, outbox.c.exchange, outbox.c.routing_key,
+    outbox.c.mandatory, outbox.c.body, outbox.c.content_type, outbox.c.headers,
+    outbox.c.properties, outbox.c.ordering_key, outbox.c.attempts, outbox.c.max_attempts,
+)  # fmt: skip
+
+
+class OutboxRepository:
+    """All reads and writes of outbox rows that change their state."""
+
+    def __init__(self, engine: Engine, *, clock: Clock = utcnow) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.dialect = engine.dialect.name
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.dialect == "postgresql"
+
+    # ---------------------------------------------------------------- helpers
+
+    def _ids_in(self, ids: Sequence[int]) -> ColumnElement[bool]:
+        if self.is_postgres:  # one array parameter, whatever the count
+            return outbox.c.id == any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger)))
+        return outbox.c.id.in_(list(ids))
+
+    def _chunks(self, ids: Sequence[int]) -> Iterator[Sequence[int]]:
+        step = (len(ids) or 1) if self.is_postgres else SQLITE_MAX_IDS
+        for start in range(0, len(ids), step):
+            yield ids[start : start + step]
+
+    def _held(self, owner: str, ids: Sequence[int]) -> ColumnElement[bool]:
+        return and_(
+            self._ids_in(ids), outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == owner
+        )
+
+    def transition(
+        self,
+        *,
+        ids: Sequence[int],
+        source: Status,
+        target: Status,
+        owner: str | None = None,
+        values: dict[str, Any] | None = None,
+    ) -> int:
+        """Move rows ``source -> target`` if the edge is legal (else :class:`IllegalTransition`).
+
+        Only rows now in ``source`` (and, given an owner, leased by it) move; returns how many.
+        """
+        check_transition(source, target)
+        if not ids:
+            return 0
+        moved = 0
+        with self.engine.begin() as conn:
+            for chunk in self._chunks(ids):
+                cond = and_(self._ids_in(chunk), outbox.c.status == source)
+                if owner is not None:
+                    cond = and_(cond, outbox.c.lease_owner == owner)
+                stmt = update(outbox).where(cond).values(status=target, **(values or {}))
+                moved += conn.execute(stmt).rowcount
+        return moved
+
+    # ------------------------------------------------------- publisher registry
+
+    def register_publisher(self, *, publisher_id: str, stale_after: float) -> None:
+        """Record this publisher. On SQLite, refuse when another live publisher holds the outbox."""
+        now = self.clock()
+        row = {"publisher_id": publisher_id, "hostname": socket.gethostname(), "pid": os.getpid(),
+               "started_at": now, "heartbeat_at": now, "stopped_at": None}  # fmt: skip
+        with self.engine.begin() as conn:
+            if not self.is_postgres:
+                self._register_sole(conn, row, cutoff=now - dt.timedelta(seconds=stale_after))
+                return
+            conn.execute(delete(publishers).where(publishers.c.publisher_id == publisher_id))
+            conn.execute(insert(publishers).values(**row))
+
+    def _register_sole(self, conn: Connection, row: dict[str, Any], *, cutoff: dt.datetime) -> None:
+        me = row["publisher_id"]
+        others = select(publishers).where(
+            publishers.c.publisher_id != me,
+            publishers.c.stopped_at.is_(None),
+            publishers.c.heartbeat_at > cutoff,
+        )
+        # One statement: SQLite takes its write lock for it, so two starters cannot both pass.
+        conn.execute(delete(publishers).where(publishers.c.publisher_id == me, ~exists(others)))
+        cols = list(row)
+        values = select(*[literal(row[c], type_=publishers.c[c].type) for c in cols])
+        inserted = conn.execute(
+            insert(publishers).from_select(cols, values.where(~exists(others)))
+        ).rowcount
+        if inserted:
+            return
+        holder = conn.execute(others.limit(1)).mappings().first()
+        assert holder is not None
+        raise PublisherLocked(
+            f"another publisher {holder['publisher_id']!r} (pid {holder['pid']} on "
+            f"{holder['hostname']}) holds this SQLite outbox; "
+            "SQLite allows one publisher at a time: "
+            "stop it, or move the outbox to PostgreSQL to run several"
+        )
+
+    def heartbeat(self, *, publisher_id: str, lease_seconds: float) -> int:
+        """Refresh this publisher's heartbeat and extend the leases of the rows it holds."""
+        now = self.clock()
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(publishers)
+                .where(publishers.c.publisher_id == publisher_id)
+                .values(heartbeat_at=now, stopped_at=None)
+            )
+            stmt = (
+                update(outbox)
+                .where(outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == publisher_id)
+                .values(lease_until=now + dt.timedelta(seconds=lease_seconds))
+            )
+            return conn.execute(stmt).rowcount
+
+    def unregister_publisher(self, *, publisher_id: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(publishers)
+                .where(publishers.c.publisher_id == publisher_id)
+                .values(stopped_at=self.clock())
+            )
+
+    # ---------------------------------------------------------------- hot path
+
+    def _due(self, now: dt.datetime, limit: int) -> Select[tuple[int]]:
+        due = (
+            select(outbox.c.id)
+            .where(outbox.c.status == Status.PENDING, outbox.c.available_at <= now)
+            .order_by(outbox.c.available_at, outbox.c.id)
+            .limit(limit)
+        )
+        return due.with_for_update(skip_locked=True) if self.is_postgres else due
+
+    def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedRow]:
+        """Take up to ``limit`` due rows, oldest first, into ``in_flight`` under a lease.
+
+        PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in a CTE, so concurrent claimers never share a row.
+        SQLite: one statement under SQLite's single-writer lock (and one publisher at a time).
+        """
+        check_transition(Status.PENDING, Status.IN_FLIGHT)
+        now = self.clock()
+        values = {
+            "status": Status.IN_FLIGHT, "lease_owner": owner,
+            "lease_until": now + dt.timedelta(seconds=lease_seconds),
+            "attempts": outbox.c.attempts + 1, "channel_id": None, "delivery_tag": None,
+        }  # fmt: skip
+        due = self._due(now, limit)
+        if self.is_postgres:
+            cte = due.cte("due")
+            stmt = update(outbox).where(outbox.c.id == cte.c.id)
+        else:
+            stmt = update(outbox).where(outbox.c.id.in_(due.scalar_subquery()))
+        with self.engine.begin() as conn:
+            rows = conn.execute(stmt.values(**values).returning(*CLAIM_COLUMNS)).all()
+        claimed = [ClaimedRow(**row._asdict()) for row in rows]
+        claimed.sort(key=lambda r: r.id)
+        return claimed
+
+    def record_published(
+        self, *, owner: str, channel_id: int, tags: Sequence[tuple[int, int]]
+    ) -> int:
+        """Note on each held row the channel and delivery tag it was published with."""
+        if not tags:
+            return 0
+        now = self.clock()
+        stmt = (
+            update(outbox)
+            .where(
+                outbox.c.id == bindparam("row_id"),
+                outbox.c.status == Status.IN_FLIGHT,
+                outbox.c.lease_owner == owner,
+            )
+            .values(channel_id=channel_id, delivery_tag=bindparam("tag"), published_at=now)
+        )
+        params = [{"row_id": row_id, "tag": tag} for row_id, tag in tags]
+        with self.engine.begin() as conn:
+            conn.execute(stmt, params)
+        return len(params)
+
+    def mark_confirmed(self, *, owner: str, ids: Sequence[int]) -> int:
+        """Broker acked (and did not return) these publishes."""
+        values = {"confirmed_at": self.clock(), "lease_owner": None, "lease_until": None,
+                  "last_error": None}  # fmt: skip
+        return self.transition(
+            ids=ids, source=Status.IN_FLIGHT, target=Status.CONFIRMED, owner=owner, values=values
+        )
+
+    def mark_returned(self, *, owner: str, returns: Sequence[ReturnedRow]) -> int:
+        """Broker returned these mandatory publishes as unroutable (``basic.return``)."""
+        check_transition(Status.IN_FLIGHT, Status.RETURNED)
+        if not returns:
+            return 0
+        stmt = (
+            update(outbox)
+            .where(
+                outbox.c.id == bindparam("row_id"),
+                outbox.c.status == Status.IN_FLIGHT,
+                outbox.c.lease_owner == owner,
+            )
+            .values(
+                status=Status.RETURNED, reply_code=bindparam("code"), reply_text=bindparam("text"),
+                last_error=bindparam("error"), confirmed_at=self.clock(), lease_owner=None,
+                lease_until=None,
+            )
+        )  # fmt: skip
+        params = [
+            {"row_id": r.id, "code": r.reply_code, "text": r.reply_text,
+             "error": f"returned by broker: {r.reply_code} {r.reply_text}"}
+            for r in returns
+        ]  # fmt: skip
+        with self.engine.begin() as conn:
+            before = self._count_held(conn, owner, [r.id for r in returns])
+            conn.execute(stmt, params)
+        return before
+
+    def _count_held(self, conn: Connection, owner: str, ids: Sequence[int]) -> int:
+        stmt = select(func.count()).select_from(outbox).where(self._held(owner, ids))
+        return int(conn.execute(stmt).scalar_one())
+
+    def mark_failed(self, *, owner: str, ids: Sequence[int], reason: str) -> int:
+        """A permanent error (oversized body, destination gone past its budget): keep the reason."""
+        values = {"last_error": reason, "lease_owner": None, "lease_until": None}
+        return self.transition(
+            ids=ids, source=Status.IN_FLIGHT, target=Status.FAILED, owner=owner, values=values
+        )
+
+    def retry(
+        self,
+        *,
+        owner: str,
+        ids: Sequence[int],
+        error: str,
+        backoff: Backoff,
+        exhausted: Status,
+        max_attempts: int | None = None,
+    ) -> RetryOutcome:
+        """Back to ``pending`` after a jittered backoff, or to ``exhausted`` once attempts are spent
+
+        The budget is ``max_attempts`` when given (destination errors), else each row's own.
+        """
+        check_transition(Status.IN_FLIGHT, exhausted)
+        if not ids:
+            return RetryOutcome(0, 0)
+        now = self.clock()
+        held = select(outbox.c.id, outbox.c.attempts, outbox.c.max_attempts).where(
+            self._held(owner, ids)
+        )
+        if self.is_postgres:
+            held = held.with_for_update()
+        with self.engine.begin() as conn:
+            rows = conn.execute(held).all()
+            spent_rows = [r for r in rows if r.attempts >= (max_attempts or r.max_attempts)]
+            spent = [r.id for r in spent_rows]
+            again = [r for r in rows if r not in spent_rows]
+            if spent:
+                conn.execute(
+                    update(outbox)
+                    .where(self._held(owner, spent))
+                    .values(status=exhausted, last_error=error, lease_owner=None, lease_until=None)
+                )
+            if again:
+                self._reschedule(conn, owner, again, now=now, error=error, backoff=backoff)
+        return RetryOutcome(retried=len(again), exhausted=len(spent))
+
+    def _reschedule(
+        self, conn: Connection, owner: str, rows: Sequence[Any], *, now: dt.datetime,
+        error: str, backoff: Backoff,
+    ) -> None:  # fmt: skip
+        stmt = (
+            update(outbox)
+            .where(
+                outbox.c.id == bindparam("row_id"),
+                outbox.c.status == Status.IN_FLIGHT,
+                outbox.c.lease_owner == owner,
+            )
+            .values(status=Status.PENDING, available_at=bindparam("at"), last_error=error,
+                    lease_owner=None, lease_until=None)
+        )  # fmt: skip
+        params = [
+            {"row_id": r.id, "at": now + dt.timedelta(seconds=backoff.delay(r.attempts))}
+            for r in rows
+        ]
+        conn.execute(stmt, params)
+
+    def release(
+        self, *, owner: str, ids: Sequence[int], lost: bool, error: str | None = None
+    ) -> int:
+        """Give held rows back to ``pending``, due now.
+
+        ``lost=True``: they were published but their confirm will never come (channel or
+        connection gone), so the next publish may be a duplicate: count it in ``lost_confirms``.
+        """
+        values: dict[str, Any] = {
+            "available_at": self.clock(), "lease_owner": None, "lease_until": None,
+            "lost_confirms": outbox.c.lost_confirms + (1 if lost else 0),
+        }  # fmt: skip
+        if error is not None:
+            values["last_error"] = error
+        return self.transition(
+            ids=ids, source=Status.IN_FLIGHT, target=Status.PENDING, owner=owner, values=values
+        )
+
+    def release_expired(self) -> int:
+        """Rows of a publisher that died (lease expired) go back to ``pending``.
+
+        A row that had a delivery tag recorded was on the wire: count a lost confirm.
+        """
+        now = self.clock()
+        published = case((outbox.c.delivery_tag.is_not(None), 1), else_=0)
+        stmt = (
+            update(outbox)
+            .where(outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_until < now)
+            .values(
+                status=Status.PENDING, available_at=now, lease_owner=None, lease_until=None,
+                lost_confirms=outbox.c.lost_confirms + published,
+                last_error="lease expired: publisher stopped without settling",
+            )
+        )  # fmt: skip
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount
+
+    # ------------------------------------------------------------ operator side
+
+    def republish(
+        self,
+        *,
+        actor: str,
+        filter: RepublishFilter,
+        limit: int,
+        dry_run: bool,
+        request_id: str | None = None,
+    ) -> RepublishResult:
+        """Move terminal-failure rows matching ``filter`` back to ``pending``, with an audit row.
+
+        ``dry_run`` counts and samples, changes nothing. A ``request_id`` seen before returns that
+        run's result again and moves nothing (safe to retry an operator call).
+        """
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        if request_id is not None and not dry_run:
+            previous = self._replay(request_id)
+            if previous is not None:
+                return previous
+        try:
+            return self._republish(actor=actor, flt=filter, limit=limit, dry_run=dry_run,
+                                   request_id=request_id)  # fmt: skip
+        except IntegrityError:  # a concurrent call with the same request id won the race
+            previous = self._replay(request_id) if request_id else None
+            if previous is None:
+                raise
+            return previous
+
+    def _replay(self, request_id: str) -> RepublishResult | None:
+        stmt = select(audit.c.id, audit.c.result).where(audit.c.request_id == request_id)
+        with self.engine.connect() as conn:
+            row = conn.execute(stmt).first()
+        if row is None:
+            return None
+        res = row.result or {}
+        return RepublishResult(dry_run=False, count=res.get("count", 0),
+                               matched=res.get("matched", 0), sample=res.get("sample", []),
+                               audit_id=row.id, replayed=True)  # fmt: skip
+
+    def _filter_cond(self, flt: RepublishFilter) -> ColumnElement[bool]:
+        cond: ColumnElement[bool] = outbox.c.status.in_([s.value for s in flt.statuses])
+        if flt.batch_id is not None:
+            cond = and_(cond, outbox.c.batch_id == flt.batch_id)
+        if flt.exchange is not None:
+            cond = and_(cond, outbox.c.exchange == flt.exchange)
+        if flt.created_after is not None:
+            cond = and_(cond, outbox.c.created_at >= flt.created_after)
+        if flt.created_before is not None:
+            cond = and_(cond, outbox.c.created_at < flt.created_before)
+        return cond
+
+    def _republish(
+        self, *, actor: str, flt: RepublishFilter, limit: int, dry_run: bool,
+        request_id: str | None,
+    ) -> RepublishResult:  # fmt: skip
+        cond = self._filter_cond(flt)
+        pick = select(outbox.c.id, outbox.c.message_id, outbox.c.status).where(cond)
+        pick = pick.order_by(outbox.c.id).limit(limit)
+        if self.is_postgres and not dry_run:
+            pick = pick.with_for_update(skip_locked=True)
+        with self.engine.begin() as conn:
+            matched = int(conn.execute(select(func.count()).where(cond)).scalar_one())
+            rows = conn.execute(pick).all()
+            sample = [r.message_id for r in rows[:20]]
+            if dry_run:
+                return RepublishResult(dry_run=True, count=len(rows), matched=matched,
+                                       sample=sample, audit_id=None)  # fmt: skip
+            for status in {Status(r.status) for r in rows}:
+                check_transition(status, Status.PENDING)
+            ids = [r.id for r in rows]
+            for chunk in self._chunks(ids):
+                conn.execute(
+                    update(outbox)
+                    .where(self._ids_in(chunk), cond)
+                    .values(status=Status.PENDING, attempts=0, available_at=self.clock(),
+                            last_error=None, reply_code=None, reply_text=None)
+                )  # fmt: skip
+            result = {"count": len(ids), "matched": matched, "sample": sample}
+            audit_id = conn.execute(
+                insert(audit)
+                .values(at=self.clock(), actor=actor, action="republish", request_id=request_id,
+                        filter=flt.as_json(), count=len(ids), result=result)
+                .returning(audit.c.id)
+            ).scalar_one()  # fmt: skip
+        return RepublishResult(dry_run=False, count=len(ids), matched=matched, sample=sample,
+                               audit_id=int(audit_id))  # fmt: skip
+
+    def purge_confirmed(self, *, older_than: dt.timedelta, chunk: int = 1000) -> int:
+        """Delete ``confirmed`` rows confirmed before ``now - older_than``, ``chunk`` rows per
+        transaction so that no long lock or huge WAL burst stalls the publishers."""
+        cutoff = self.clock() - older_than
+        old = (
+            select(outbox.c.id)
+            .where(outbox.c.status == Status.CONFIRMED, outbox.c.confirmed_at < cutoff)
+            .limit(chunk)
+        )
+        total = 0
+        while True:
+            with self.engine.begin() as conn:
+                deleted = conn.execute(
+                    delete(outbox).where(outbox.c.id.in_(old.scalar_subquery()))
+                ).rowcount
+            total += deleted
+            if deleted < chunk:
+                return total

@@ -1,0 +1,170 @@
+"""SQLAlchemy Core tables of the outbox. The migrations in ``migrations/`` create exactly these."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Dialect,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.types import TypeDecorator
+
+from app.outbox.states import Status
+
+metadata = MetaData()
+
+STATUS_VALUES = ", ".join(f"'{s.value}'" for s in Status)
+#: ``BIGINT`` identity on PostgreSQL, ``INTEGER PRIMARY KEY`` (the rowid) on SQLite.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """Timezone-aware UTC datetimes on both backends (SQLite stores naive UTC text)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        aware: dt.datetime = value.astimezone(dt.UTC)
+        return aware.replace(tzinfo=None) if dialect.name == "sqlite" else aware
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):  # a plain-SQL default such as CURRENT_TIMESTAMP on SQLite
+            value = dt.datetime.fromisoformat(value)
+        stamp: dt.datetime = value
+        return stamp.replace(tzinfo=dt.UTC) if stamp.tzinfo is None else stamp.astimezone(dt.UTC)
+
+
+def _now() -> Any:
+    return func.now()
+
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("message_id", Text, nullable=False),
+    Column("batch_id", Text, nullable=False),
+    Column("exchange", Text, nullable=False),
+    Column("routing_key", Text, nullable=False),
+    Column("mandatory", Boolean, nullable=False, server_default=text("true")),
+    Column("body", LargeBinary, nullable=False),
+    Column("content_type", Text),
+    Column("headers", JSON),
+    Column("properties", JSON),
+    Column("ordering_key", Text),
+    Column("status", Text, nullable=False, server_default=Status.PENDING.value),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("max_attempts", Integer, nullable=False, server_default=text("10")),
+    Column("lost_confirms", Integer, nullable=False, server_default=text("0")),
+    Column("available_at", UTCDateTime, nullable=False, server_default=_now()),
+    Column("lease_owner", Text),
+    Column("lease_until", UTCDateTime),
+    Column("channel_id", Integer),
+    Column("delivery_tag", BigInteger),
+    Column("created_at", UTCDateTime, nullable=False, server_default=_now()),
+    Column("published_at", UTCDateTime),
+    Column("confirmed_at", UTCDateTime),
+    Column("last_error", Text),
+    Column("reply_code", Integer),
+    Column("reply_text", Text),
+    UniqueConstraint("message_id", name="uq_outbox_message_id"),
+    CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_outbox_status"),
+    CheckConstraint("attempts >= 0", name="ck_outbox_attempts_nonneg"),
+    CheckConstraint("max_attempts >= 1", name="ck_outbox_max_attempts_pos"),
+    CheckConstraint("length(routing_key) <= 255", name="ck_outbox_routing_key_len"),
+    CheckConstraint(
+        "status <> 'in_flight' OR (lease_owner IS NOT NULL AND lease_until IS NOT NULL)",
+        name="ck_outbox_in_flight_leased",
+    ),
+    # Partial indexes only on the rows a publisher looks for: a confirmed row leaves them once,
+    # and updates that keep a row outside them stay cheap (HOT on PostgreSQL).
+    Index(
+        "ix_outbox_due",
+        "available_at",
+        "id",
+        postgresql_where=text("status = 'pending'"),
+        sqlite_where=text("status = 'pending'"),
+    ),
+    Index(
+        "ix_outbox_lease",
+        "lease_until",
+        postgresql_where=text("status = 'in_flight'"),
+        sqlite_where=text("status = 'in_flight'"),
+    ),
+    Index("ix_outbox_batch", "batch_id"),
+)
+
+batches = Table(
+    "outbox_batches",
+    metadata,
+    Column("batch_id", Text, primary_key=True),
+    Column("sink", Text, nullable=False),
+    Column("spark_batch_id", BigInteger, nullable=False),
+    Column("query_id", Text),
+    Column("row_count", BigInteger, nullable=False),
+    Column("rejected_count", BigInteger, nullable=False, server_default=text("0")),
+    Column("committed_at", UTCDateTime, nullable=False, server_default=_now()),
+    CheckConstraint("row_count >= 0", name="ck_outbox_batches_row_count_nonneg"),
+)
+
+rejects = Table(
+    "outbox_rejects",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("batch_id", Text, nullable=False),
+    Column("sink", Text, nullable=False),
+    Column("message_id", Text),
+    Column("reason", Text, nullable=False),
+    Column("row_json", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False, server_default=_now()),
+    Index("ix_outbox_rejects_batch", "batch_id"),
+)
+
+audit = Table(
+    "outbox_audit",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("at", UTCDateTime, nullable=False, server_default=_now()),
+    Column("actor", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("request_id", Text),
+    UniqueConstraint("request_id", name="uq_outbox_audit_request_id"),
+    Column("filter", JSON, nullable=False),
+    Column("count", Integer, nullable=False),
+    Column("result", JSON),
+    CheckConstraint("count >= 0", name="ck_outbox_audit_count_nonneg"),
+)
+
+publishers = Table(
+    "outbox_publishers",
+    metadata,
+    Column("publisher_id", Text, primary_key=True),
+    Column("hostname", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("heartbeat_at", UTCDateTime, nullable=False),
+    Column("stopped_at", UTCDateTime),
+)

@@ -1,0 +1,65 @@
+"""Outbox row states and the legal transitions between them, kept as data.
+
+::
+
+    pending ──claim──▶ in_flight ──ack──────────▶ confirmed
+       ▲                  │  ├──return─────────▶ returned ─┐
+       │                  │  ├──nack, spent────▶ nacked   ─┤ operator
+       │                  │  └──permanent error▶ failed   ─┤ republish
+       └──retry / lost / lease expired / release ◀──┘      │
+       ▲                                                   │
+       └───────────────────────────────────────────────────┘
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Status(StrEnum):
+    PENDING = "pending"
+    IN_FLIGHT = "in_flight"
+    CONFIRMED = "confirmed"
+    RETURNED = "returned"
+    NACKED = "nacked"
+    FAILED = "failed"
+
+
+TERMINAL_FAILURES: frozenset[Status] = frozenset({Status.RETURNED, Status.NACKED, Status.FAILED})
+TERMINAL: frozenset[Status] = TERMINAL_FAILURES | {Status.CONFIRMED}
+
+#: (from, to) -> the event that moves a row along that edge.
+TRANSITIONS: dict[tuple[Status, Status], str] = {
+    (Status.PENDING, Status.IN_FLIGHT): "claim",
+    (Status.IN_FLIGHT, Status.CONFIRMED): "ack",
+    (Status.IN_FLIGHT, Status.RETURNED): "return",
+    (Status.IN_FLIGHT, Status.NACKED): "nack, attempts spent",
+    (Status.IN_FLIGHT, Status.FAILED): "permanent error",
+    (Status.IN_FLIGHT, Status.PENDING): "retry, lost confirm, expired lease or release",
+    (Status.RETURNED, Status.PENDING): "operator republish",
+    (Status.NACKED, Status.PENDING): "operator republish",
+    (Status.FAILED, Status.PENDING): "operator republish",
+}
+
+
+class IllegalTransition(ValueError):
+    """A caller asked for a state change that the table above does not allow."""
+
+    def __init__(self, source: Status, target: Status) -> None:
+        super().__init__(f"illegal outbox transition {source.value} -> {target.value}")
+        self.source = source
+        self.target = target
+
+
+def check_transition(source: Status | str, target: Status | str) -> str:
+    """Return the event name of a legal edge; raise :class:`IllegalTransition` otherwise."""
+    edge = (Status(source), Status(target))
+    try:
+        return TRANSITIONS[edge]
+    except KeyError:
+        raise IllegalTransition(*edge) from None
+
+
+def sources_of(target: Status) -> frozenset[Status]:
+    """Every state from which ``target`` may legally be reached."""
+    return frozenset(src for (src, dst) in TRANSITIONS if dst == target)

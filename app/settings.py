@@ -1,0 +1,74 @@
+"""Settings: one class, read from ``OUTBOX_*`` environment variables, built once and passed down."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob of the service. Secrets are ``SecretStr`` so they never print or log."""
+
+    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="ignore")
+
+    database_url: SecretStr = Field(
+        default=SecretStr("sqlite:///outbox.db"),
+        description="SQLAlchemy URL of the outbox: SQLite file (embedded default) or PostgreSQL.",
+    )
+    amqp_url: SecretStr = Field(
+        default=SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
+        description="AMQP URL of the RabbitMQ broker.",
+    )
+    api_token: SecretStr | None = Field(
+        default=None, description="Bearer token for read endpoints."
+    )
+    operator_token: SecretStr | None = Field(
+        default=None, description="Bearer token for write (operator) endpoints."
+    )
+    api_insecure: bool = Field(
+        default=False, description="Allow the API to start with no tokens (local use only)."
+    )
+
+    publisher_id: str | None = Field(
+        default=None, description="Name of this publisher; default host:pid:random."
+    )
+    claim_batch: int = Field(
+        default=500, ge=1, le=10_000, description="Rows claimed per statement."
+    )
+    window: int = Field(default=5_000, ge=1, description="Most unconfirmed publishes in flight.")
+    channels: int = Field(
+        default=1, ge=1, le=64, description="Confirm-mode channels per publisher."
+    )
+    lease_seconds: float = Field(default=60.0, gt=0, description="Lease on claimed rows.")
+    poll_interval: float = Field(default=0.2, gt=0, description="Idle wait between empty claims.")
+    flush_interval: float = Field(
+        default=0.02, gt=0, description="Most delay before outcomes hit the DB."
+    )
+    max_attempts: int = Field(default=10, ge=1, description="Default publish attempts per row.")
+    backoff_base: float = Field(default=0.5, gt=0, description="First retry delay, seconds.")
+    backoff_max: float = Field(default=60.0, gt=0, description="Largest retry delay, seconds.")
+    destination_retry_budget: int = Field(
+        default=5, ge=1, description="Attempts before rows for a missing exchange end failed."
+    )
+    confirm_timeout: float = Field(
+        default=30.0, gt=0, description="A publish unconfirmed this long means the channel is dead."
+    )
+    heartbeat: int = Field(default=10, ge=0, description="AMQP heartbeat, seconds (0 = off).")
+    reconnect_max_delay: float = Field(default=10.0, gt=0, description="Largest reconnect backoff.")
+    shutdown_timeout: float = Field(default=10.0, ge=0, description="Most wait to settle on stop.")
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1, description="Largest body accepted (RabbitMQ default max)."
+    )
+    retention_days: float = Field(default=7.0, gt=0, description="Keep confirmed rows this long.")
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_backend(cls, value: SecretStr) -> SecretStr:
+        url = value.get_secret_value()
+        if not url.startswith(("sqlite", "postgresql")):
+            raise ValueError("database_url must be a sqlite:// or postgresql:// URL")
+        return value
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.get_secret_value().startswith("sqlite")

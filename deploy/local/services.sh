@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Start, stop or inspect a local RabbitMQ and PostgreSQL bound to 127.0.0.1.
+#
+#   deploy/local/services.sh start    install missing Debian packages, start both, wait until ready
+#   deploy/local/services.sh stop     stop exactly the processes this script started (by pid file)
+#   deploy/local/services.sh status   print what runs and where
+#   deploy/local/services.sh env      print the OUTBOX_* exports that point at these services
+#
+# Data, logs and pid files live under $OUTBOX_LOCAL_DIR (default: <repo>/.local, git-ignored).
+# Ports: $OUTBOX_LOCAL_AMQP_PORT (5673) and $OUTBOX_LOCAL_PG_PORT (5433), chosen apart from the
+# standard ports so that a system-wide broker or database is never touched.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+LOCAL_DIR=${OUTBOX_LOCAL_DIR:-$repo/.local}
+AMQP_PORT=${OUTBOX_LOCAL_AMQP_PORT:-5673}
+PG_PORT=${OUTBOX_LOCAL_PG_PORT:-5433}
+NODE=${OUTBOX_LOCAL_RABBIT_NODE:-outbox-$AMQP_PORT@localhost}
+PG_BIN=${OUTBOX_PG_BIN:-/usr/lib/postgresql/15/bin}
+RMQ_BIN=/usr/lib/rabbitmq/bin
+RMQ_DIR=$LOCAL_DIR/rabbitmq
+
+log() { printf '[services] %s\n' "$*" >&2; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+apt_install() {
+  log "installing Debian packages: $*"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+ensure_packages() {
+  local missing=()
+  [ -x "$RMQ_BIN/rabbitmq-server" ] || missing+=(rabbitmq-server)
+  [ -x "$PG_BIN/postgres" ] || missing+=(postgresql-15)
+  [ ${#missing[@]} -eq 0 ] || apt_install "${missing[@]}"
+}
+
+# PostgreSQL refuses to run as root: its data must sit where the postgres user can reach it.
+pg_dir() {
+  local want=$LOCAL_DIR/postgres
+  mkdir -p "$LOCAL_DIR"
+  if [ "$(id -u)" = 0 ] && ! runuser -u postgres -- test -x "$LOCAL_DIR" 2>/dev/null; then
+    want=/var/tmp/outbox-local-$(printf '%s' "$LOCAL_DIR" | md5sum | cut -c1-12)/postgres
+  fi
+  printf '%s' "$want"
+}
+
+pg_run() {  # run a PostgreSQL binary as the postgres user when we are root
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+rmq_env() {
+  export HOME=$RMQ_DIR/home
+  export RABBITMQ_MNESIA_BASE=$RMQ_DIR/mnesia RABBITMQ_LOG_BASE=$RMQ_DIR/log
+  export RABBITMQ_NODENAME=$NODE RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 RABBITMQ_NODE_PORT=$AMQP_PORT
+  export RABBITMQ_DIST_PORT=$((AMQP_PORT + 20000)) RABBITMQ_PID_FILE=$RMQ_DIR/rabbitmq.pid
+  export RABBITMQ_CONFIG_FILE=$RMQ_DIR/rabbitmq RABBITMQ_ENABLED_PLUGINS_FILE=$RMQ_DIR/enabled_plugins
+  export ERL_EPMD_ADDRESS=127.0.0.1 ERL_CRASH_DUMP=$RMQ_DIR/log/erl_crash.dump
+  mkdir -p "$HOME" "$RMQ_DIR/log"
+}
+
+rmq_alive() { rmq_env; "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" status >/dev/null 2>&1; }
+
+start_rabbitmq() {
+  rmq_env
+  if rmq_alive; then log "rabbitmq already running on 127.0.0.1:$AMQP_PORT"; return; fi
+  mkdir -p "$HOME" "$RABBITMQ_MNESIA_BASE" "$RABBITMQ_LOG_BASE"
+  [ -f "$RMQ_DIR/rabbitmq.conf" ] || cat >"$RMQ_DIR/rabbitmq.conf" <<CONF
+listeners.tcp.default = 127.0.0.1:$AMQP_PORT
+loopback_users.guest = true
+CONF
+  [ -f "$RABBITMQ_ENABLED_PLUGINS_FILE" ] || echo '[].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"
+  log "starting rabbitmq node $NODE on 127.0.0.1:$AMQP_PORT"
+  "$RMQ_BIN/rabbitmq-server" -detached
+  "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" wait --timeout 60 "$RABBITMQ_PID_FILE" >/dev/null
+  "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" await_startup --timeout 60 >/dev/null
+  log "rabbitmq ready (pid $(cat "$RABBITMQ_PID_FILE"))"
+}
+
+stop_rabbitmq() {
+  rmq_env
+  [ -f "$RABBITMQ_PID_FILE" ] || { log "rabbitmq: not started by this script"; return; }
+  local pid; pid=$(cat "$RABBITMQ_PID_FILE")
+  if kill -0 "$pid" 2>/dev/null; then
+    log "stopping rabbitmq (pid $pid)"
+    "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" stop "$RABBITMQ_PID_FILE" >/dev/null 2>&1 || kill "$pid" || true
+  fi
+  rm -f "$RABBITMQ_PID_FILE"
+}
+
+pg_alive() { "$PG_BIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT" 2>/dev/null; }
+
+start_postgres() {
+  local data; data=$(pg_dir)
+  if [ -f "$data/postmaster.pid" ] && pg_alive; then
+    log "postgresql already running on 127.0.0.1:$PG_PORT"; return
+  fi
+  mkdir -p "$data"
+  [ "$(id -u)" = 0 ] && chown postgres: "$data" && chmod 700 "$data"
+  if [ ! -f "$data/PG_VERSION" ]; then
+    log "initialising postgresql data in $data"
+    pg_run "$PG_BIN/initdb" -D "$data" -U postgres --auth-local=trust --auth-host=scram-sha-256 \
+      -E UTF8 --locale=C.UTF-8 >/dev/null
+    cat >>"$data/postgresql.conf" <<CONF
+listen_addresses = '127.0.0.1'
+port = $PG_PORT
+unix_socket_directories = '$data'
+max_connections = 200
+shared_buffers = 256MB
+fsync = on
+CONF
+  fi
+  log "starting postgresql on 127.0.0.1:$PG_PORT"
+  pg_run "$PG_BIN/pg_ctl" -D "$data" -l "$data/server.log" -w -t 60 start >/dev/null
+  pg_run "$PG_BIN/psql" -q -h "$data" -p "$PG_PORT" -U postgres -d postgres -v ON_ERROR_STOP=1 <<'SQL' >/dev/null
+DO $$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox') THEN
+    CREATE ROLE outbox LOGIN CREATEDB PASSWORD 'outbox';
+  END IF;
+END $$;
+SELECT 'CREATE DATABASE outbox OWNER outbox' WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = 'outbox')\gexec
+SQL
+  log "postgresql ready (pid $(head -1 "$data/postmaster.pid"))"
+}
+
+stop_postgres() {
+  local data; data=$(pg_dir)
+  [ -f "$data/postmaster.pid" ] || { log "postgresql: not started by this script"; return; }
+  log "stopping postgresql (pid $(head -1 "$data/postmaster.pid"))"
+  pg_run "$PG_BIN/pg_ctl" -D "$data" -m fast -w -t 60 stop >/dev/null || true
+}
+
+print_env() {  # OUTBOX_KEEP=1: variables already set win over the local defaults
+  local amqp=amqp://guest:guest@127.0.0.1:$AMQP_PORT/
+  local db=postgresql+psycopg://outbox:outbox@127.0.0.1:$PG_PORT/outbox
+  if [ "${OUTBOX_KEEP:-}" = 1 ]; then amqp=${OUTBOX_AMQP_URL:-$amqp}; db=${OUTBOX_DATABASE_URL:-$db}; fi
+  echo "export OUTBOX_AMQP_URL=$amqp"
+  echo "export OUTBOX_DATABASE_URL=$db"
+  echo "export OUTBOX_LOCAL_RABBIT_NODE=$NODE"
+}
+
+status() {
+  if rmq_alive; then echo "rabbitmq:   running  127.0.0.1:$AMQP_PORT (node $NODE)"; else echo "rabbitmq:   stopped"; fi
+  if pg_alive; then echo "postgresql: running  127.0.0.1:$PG_PORT ($(pg_dir))"; else echo "postgresql: stopped"; fi
+}
+
+what=${2:-all}
+case "${1:-}" in
+  start)
+    ensure_packages
+    case $what in all) start_rabbitmq; start_postgres;; rabbitmq) start_rabbitmq;; postgres) start_postgres;; esac ;;
+  stop)
+    case $what in all) stop_rabbitmq; stop_postgres;; rabbitmq) stop_rabbitmq;; postgres) stop_postgres;; esac ;;
+  status) status ;;
+  env) print_env ;;
+  ctl) shift; rmq_env; exec "$RMQ_BIN/rabbitmqctl" -n "$NODE" "$@" ;;
+  *) echo "usage: $0 start|stop [all|rabbitmq|postgres] | status | env | ctl ARGS…" >&2; exit 2 ;;
+esac

@@ -1,0 +1,311 @@
+"""One behaviour contract for the outbox repository, run on PostgreSQL and on SQLite.
+
+Time is injected (a settable clock), so leases and backoff are tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import threading
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, func, select, update
+
+from app.db import make_engine
+from app.outbox.repository import (
+    Backoff,
+    OutboxRepository,
+    PublisherLocked,
+    RepublishFilter,
+    ReturnedRow,
+)
+from app.outbox.schema import audit, outbox
+from app.outbox.states import TRANSITIONS, IllegalTransition, Status
+from tests.factories import add_rows
+
+T0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += dt.timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    eng = make_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def repo(engine: Engine, clock: Clock) -> OutboxRepository:
+    return OutboxRepository(engine, clock=clock)
+
+
+def seed(engine: Engine, n: int, **kw: object) -> list[str]:
+    return add_rows(engine, n=n, available_at=T0 - dt.timedelta(seconds=1), **kw)  # type: ignore[arg-type]
+
+
+def statuses(engine: Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(outbox.c.status, func.count()).group_by(outbox.c.status)).all()
+    return {status: count for status, count in rows}
+
+
+def row(engine: Engine, row_id: int) -> dict[str, object]:
+    with engine.connect() as conn:
+        return dict(conn.execute(select(outbox).where(outbox.c.id == row_id)).mappings().one())
+
+
+class TestRepositoryContract:
+    def test_claim_takes_due_rows_oldest_first_under_lease(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        seed(engine, 5)
+        got = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        assert [r.id for r in got] == sorted(r.id for r in got)
+        assert len(got) == 3 and all(r.attempts == 1 for r in got)
+        assert got[0].body == b"x" * 256 and got[0].mandatory is True
+        r0 = row(engine, got[0].id)
+        assert r0["status"] == "in_flight" and r0["lease_owner"] == "p1"
+        assert r0["lease_until"] == T0 + dt.timedelta(seconds=30)
+        assert statuses(engine) == {"in_flight": 3, "pending": 2}
+
+    def test_claim_skips_rows_not_yet_due(
+        self, repo: OutboxRepository, engine: Engine, clock: Clock
+    ) -> None:
+        add_rows(engine, n=2, available_at=T0 + dt.timedelta(seconds=10))
+        assert repo.claim(owner="p1", limit=10, lease_seconds=30) == []
+        clock.advance(11)
+        assert len(repo.claim(owner="p1", limit=10, lease_seconds=30)) == 2
+
+    def test_two_concurrent_claimers_never_get_the_same_row(
+        self, db_url: str, engine: Engine, clock: Clock
+    ) -> None:
+        seed(engine, 600)
+        claimed: dict[str, list[int]] = {"a": [], "b": []}
+
+        def claimer(owner: str) -> None:
+            own = OutboxRepository(make_engine(db_url), clock=clock)
+            for _ in range(200):
+                rows = own.claim(owner=owner, limit=7, lease_seconds=30)
+                if not rows and not statuses(engine).get("pending"):
+                    break
+                claimed[owner].extend(r.id for r in rows)
+            own.engine.dispose()
+
+        threads = [threading.Thread(target=claimer, args=(o,)) for o in claimed]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        both = claimed["a"] + claimed["b"]
+        assert len(both) == 600 and len(set(both)) == 600
+        assert set(claimed["a"]).isdisjoint(claimed["b"])
+
+    def test_expired_lease_returns_rows_to_pending(
+        self, repo: OutboxRepository, engine: Engine, clock: Clock
+    ) -> None:
+        seed(engine, 4)
+        got = repo.claim(owner="dead", limit=4, lease_seconds=30)
+        repo.record_published(owner="dead", channel_id=1, tags=[(got[0].id, 1), (got[1].id, 2)])
+        clock.advance(29)
+        assert repo.release_expired() == 0
+        clock.advance(2)
+        assert repo.release_expired() == 4
+        assert statuses(engine) == {"pending": 4}
+        # published rows count a lost confirm (possible duplicate); unpublished ones do not
+        assert [row(engine, r.id)["lost_confirms"] for r in got] == [1, 1, 0, 0]
+
+    def test_heartbeat_extends_the_lease(
+        self, repo: OutboxRepository, engine: Engine, clock: Clock
+    ) -> None:
+        seed(engine, 2)
+        repo.register_publisher(publisher_id="p1", stale_after=30)
+        repo.claim(owner="p1", limit=2, lease_seconds=30)
+        clock.advance(20)
+        assert repo.heartbeat(publisher_id="p1", lease_seconds=30) == 2
+        clock.advance(20)
+        assert repo.release_expired() == 0
+
+    def test_mark_from_publisher_that_lost_its_lease_is_refused(
+        self, repo: OutboxRepository, engine: Engine, clock: Clock
+    ) -> None:
+        seed(engine, 3)
+        old = repo.claim(owner="slow", limit=3, lease_seconds=10)
+        clock.advance(11)
+        repo.release_expired()
+        new = repo.claim(owner="fresh", limit=3, lease_seconds=10)
+        ids = [r.id for r in old]
+        assert repo.mark_confirmed(owner="slow", ids=ids) == 0
+        assert repo.mark_failed(owner="slow", ids=ids, reason="x") == 0
+        assert repo.release(owner="slow", ids=ids, lost=True) == 0
+        assert repo.record_published(owner="slow", channel_id=9, tags=[(ids[0], 5)]) == 1
+        assert row(engine, ids[0])["delivery_tag"] is None  # the guarded update touched nothing
+        assert repo.mark_confirmed(owner="fresh", ids=[r.id for r in new]) == 3
+        assert statuses(engine) == {"confirmed": 3}
+
+    def test_every_transition_outside_the_table_raises(self, repo: OutboxRepository) -> None:
+        illegal = [e for e in itertools.product(Status, Status) if e not in TRANSITIONS]
+        assert len(illegal) == 36 - len(TRANSITIONS)
+        for source, target in illegal:
+            with pytest.raises(IllegalTransition):
+                repo.transition(ids=[1], source=source, target=target)
+
+    def test_confirm_return_fail_mark_only_held_rows(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        seed(engine, 3)
+        a, b, c = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        repo.record_published(owner="p1", channel_id=2, tags=[(a.id, 1), (b.id, 2), (c.id, 3)])
+        assert row(engine, a.id)["delivery_tag"] == 1 and row(engine, c.id)["channel_id"] == 2
+        assert repo.mark_confirmed(owner="p1", ids=[a.id]) == 1
+        assert repo.mark_returned(owner="p1", returns=[ReturnedRow(b.id, 312, "NO_ROUTE")]) == 1
+        assert repo.mark_failed(owner="p1", ids=[c.id], reason="body too large") == 1
+        assert row(engine, a.id)["confirmed_at"] == T0
+        rb, rc = row(engine, b.id), row(engine, c.id)
+        assert (rb["status"], rb["reply_code"], rb["reply_text"]) == ("returned", 312, "NO_ROUTE")
+        assert (rc["status"], rc["last_error"]) == ("failed", "body too large")
+        assert repo.mark_confirmed(owner="p1", ids=[b.id, c.id]) == 0  # terminal stays terminal
+
+    def test_retry_backs_off_then_exhausts(
+        self, repo: OutboxRepository, engine: Engine, clock: Clock
+    ) -> None:
+        seed(engine, 1, max_attempts=2)
+        backoff = Backoff(base=4, cap=60)
+        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+        out = repo.retry(owner="p1", ids=[r.id], error="nacked", backoff=backoff,
+                         exhausted=Status.NACKED)  # fmt: skip
+        assert (out.retried, out.exhausted) == (1, 0)
+        due = row(engine, r.id)["available_at"]
+        assert isinstance(due, dt.datetime) and T0 + dt.timedelta(seconds=2) <= due
+        assert due <= T0 + dt.timedelta(seconds=4)
+        assert repo.claim(owner="p1", limit=1, lease_seconds=30) == []
+        clock.advance(4)
+        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+        assert r.attempts == 2
+        out = repo.retry(owner="p1", ids=[r.id], error="nacked", backoff=backoff,
+                         exhausted=Status.NACKED)  # fmt: skip
+        assert (out.retried, out.exhausted) == (0, 1)
+        assert (row(engine, r.id)["status"], row(engine, r.id)["last_error"]) == (
+            "nacked",
+            "nacked",
+        )
+
+    def test_retry_with_destination_budget_fails_rows(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        seed(engine, 2)
+        rows = repo.claim(owner="p1", limit=2, lease_seconds=30)
+        out = repo.retry(owner="p1", ids=[r.id for r in rows], error="404 no exchange",
+                         backoff=Backoff(), exhausted=Status.FAILED, max_attempts=1)  # fmt: skip
+        assert (out.retried, out.exhausted) == (0, 2)
+        assert statuses(engine) == {"failed": 2}
+
+    def test_release_counts_lost_confirms(self, repo: OutboxRepository, engine: Engine) -> None:
+        seed(engine, 2)
+        a, b = repo.claim(owner="p1", limit=2, lease_seconds=30)
+        assert repo.release(owner="p1", ids=[a.id], lost=True, error="channel closed") == 1
+        assert repo.release(owner="p1", ids=[b.id], lost=False) == 1
+        assert row(engine, a.id)["lost_confirms"] == 1 and row(engine, b.id)["lost_confirms"] == 0
+        assert row(engine, a.id)["last_error"] == "channel closed"
+        assert len(repo.claim(owner="p2", limit=5, lease_seconds=30)) == 2
+
+    def test_republish_moves_only_filtered_terminal_rows_and_audits(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        seed(engine, 3, batch_id="orders:1")
+        seed(engine, 2, batch_id="orders:2")
+        rows = repo.claim(owner="p1", limit=5, lease_seconds=30)
+        one, two = rows[:3], rows[3:]
+        repo.retry(owner="p1", ids=[one[0].id], error="nack", backoff=Backoff(),
+                   exhausted=Status.NACKED, max_attempts=1)  # fmt: skip
+        repo.mark_returned(owner="p1", returns=[ReturnedRow(one[1].id, 312, "NO_ROUTE")])
+        repo.mark_confirmed(owner="p1", ids=[one[2].id])
+        repo.mark_failed(owner="p1", ids=[r.id for r in two], reason="404")
+
+        flt = RepublishFilter(batch_id="orders:1")
+        dry = repo.republish(actor="alice", filter=flt, limit=100, dry_run=True)
+        assert (dry.count, dry.matched, dry.audit_id) == (2, 2, None)
+        assert statuses(engine)["nacked"] == 1
+
+        res = repo.republish(actor="alice", filter=flt, limit=100, dry_run=False, request_id="r1")
+        assert res.count == 2 and sorted(res.sample) == sorted(
+            [one[0].message_id, one[1].message_id]
+        )
+        assert statuses(engine) == {"pending": 2, "confirmed": 1, "failed": 2}
+        assert row(engine, one[0].id)["attempts"] == 0
+        with engine.connect() as conn:
+            (entry,) = conn.execute(select(audit)).mappings().all()
+        assert (entry["actor"], entry["action"], entry["count"]) == ("alice", "republish", 2)
+        assert entry["filter"]["batch_id"] == "orders:1" and entry["request_id"] == "r1"
+
+        again = repo.republish(actor="alice", filter=flt, limit=100, dry_run=False, request_id="r1")
+        assert again.replayed and again.count == 2 and again.audit_id == res.audit_id
+
+        only_failed = RepublishFilter(statuses=frozenset({Status.FAILED}))
+        assert repo.republish(actor="bob", filter=only_failed, limit=1, dry_run=False).count == 1
+        assert statuses(engine) == {"pending": 3, "confirmed": 1, "failed": 1}
+
+    def test_republish_refuses_non_terminal_statuses(self) -> None:
+        with pytest.raises(ValueError, match="republish takes statuses"):
+            RepublishFilter(statuses=frozenset({Status.CONFIRMED}))
+
+    def test_retention_deletes_only_old_confirmed_rows(
+        self, repo: OutboxRepository, engine: Engine, clock: Clock
+    ) -> None:
+        seed(engine, 7)
+        rows = repo.claim(owner="p1", limit=7, lease_seconds=30)
+        repo.mark_confirmed(owner="p1", ids=[r.id for r in rows[:5]])
+        repo.mark_failed(owner="p1", ids=[rows[5].id], reason="x")
+        clock.advance(3600)
+        (young,) = repo.claim(owner="p1", limit=1, lease_seconds=30) or [None]
+        assert young is None
+        repo.release(owner="p1", ids=[rows[6].id], lost=False)
+        (r6,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+        repo.mark_confirmed(owner="p1", ids=[r6.id])  # confirmed one hour later than the rest
+        clock.advance(60)
+        assert repo.purge_confirmed(older_than=dt.timedelta(minutes=30), chunk=2) == 5
+        assert statuses(engine) == {"confirmed": 1, "failed": 1}
+
+    def test_sqlite_allows_one_publisher_postgres_many(
+        self, repo: OutboxRepository, clock: Clock
+    ) -> None:
+        repo.register_publisher(publisher_id="first", stale_after=30)
+        if repo.is_postgres:
+            repo.register_publisher(publisher_id="second", stale_after=30)
+            return
+        with pytest.raises(PublisherLocked, match="SQLite allows one publisher at a time"):
+            repo.register_publisher(publisher_id="second", stale_after=30)
+        repo.register_publisher(publisher_id="first", stale_after=30)  # a restart of itself is fine
+        clock.advance(31)  # the first one stopped heartbeating: it is dead
+        repo.register_publisher(publisher_id="second", stale_after=30)
+
+    def test_sqlite_lock_released_on_clean_stop(self, repo: OutboxRepository) -> None:
+        repo.register_publisher(publisher_id="first", stale_after=30)
+        repo.unregister_publisher(publisher_id="first")
+        repo.register_publisher(publisher_id="second", stale_after=30)
+
+    def test_claim_after_lease_theft_guard_on_record(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        seed(engine, 1)
+        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+        with engine.begin() as conn:  # another process took it over
+            conn.execute(update(outbox).where(outbox.c.id == r.id).values(lease_owner="p2"))
+        assert repo.mark_returned(owner="p1", returns=[ReturnedRow(r.id, 312, "NO_ROUTE")]) == 0
+        assert row(engine, r.id)["status"] == "in_flight"
