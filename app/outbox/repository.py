@@ -240,14 +240,18 @@ class OutboxRepository:
             "stop it, or move the outbox to PostgreSQL to run several"
         )
 
-    def heartbeat(self, *, publisher_id: str, lease_seconds: float) -> int:
-        """Refresh this publisher's heartbeat and extend the leases of the rows it holds."""
+    def heartbeat(
+        self, *, publisher_id: str, lease_seconds: float, stats: dict[str, Any] | None = None
+    ) -> int:
+        """Refresh this publisher's heartbeat (and its counters, for the API's /metrics) and
+        extend the leases of the rows it holds. Returns how many leases were extended."""
         now = self.clock()
+        beat: dict[str, Any] = {"heartbeat_at": now, "stopped_at": None}
+        if stats is not None:
+            beat["stats"] = stats
         with self.engine.begin() as conn:
             conn.execute(
-                update(publishers)
-                .where(publishers.c.publisher_id == publisher_id)
-                .values(heartbeat_at=now, stopped_at=None)
+                update(publishers).where(publishers.c.publisher_id == publisher_id).values(**beat)
             )
             stmt = (
                 update(outbox)
@@ -256,12 +260,15 @@ class OutboxRepository:
             )
             return conn.execute(stmt).rowcount
 
-    def unregister_publisher(self, *, publisher_id: str) -> None:
+    def unregister_publisher(
+        self, *, publisher_id: str, stats: dict[str, Any] | None = None
+    ) -> None:
+        values: dict[str, Any] = {"stopped_at": self.clock()}
+        if stats is not None:
+            values["stats"] = stats
         with self.engine.begin() as conn:
             conn.execute(
-                update(publishers)
-                .where(publishers.c.publisher_id == publisher_id)
-                .values(stopped_at=self.clock())
+                update(publishers).where(publishers.c.publisher_id == publisher_id).values(**values)
             )
 
     # ---------------------------------------------------------------- hot path

@@ -167,4 +167,5 @@ publishers = Table(
     Column("started_at", UTCDateTime, nullable=False),
     Column("heartbeat_at", UTCDateTime, nullable=False),
     Column("stopped_at", UTCDateTime),
+    Column("stats", JSON),
 )

@@ -21,7 +21,7 @@ from app.outbox.repository import (
     RepublishFilter,
     ReturnedRow,
 )
-from app.outbox.schema import audit, outbox
+from app.outbox.schema import audit, outbox, publishers
 from app.outbox.states import TRANSITIONS, IllegalTransition, Status
 from tests.factories import add_rows
 
@@ -138,7 +138,9 @@ class TestRepositoryContract:
         repo.register_publisher(publisher_id="p1", stale_after=30)
         repo.claim(owner="p1", limit=2, lease_seconds=30)
         clock.advance(20)
-        assert repo.heartbeat(publisher_id="p1", lease_seconds=30) == 2
+        assert repo.heartbeat(publisher_id="p1", lease_seconds=30, stats={"confirmed": 7}) == 2
+        with engine.connect() as conn:
+            assert conn.execute(select(publishers.c.stats)).scalar_one() == {"confirmed": 7}
         clock.advance(20)
         assert repo.release_expired() == 0
 
