@@ -26,7 +26,6 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
-    case,
     delete,
     exists,
     func,
@@ -314,6 +313,8 @@ class OutboxRepository:
         if not tags:
             return 0
         now = self.clock()
+        if self.is_postgres:
+            return self._record_published_pg(owner, channel_id, tags, now)
         stmt = (
             update(outbox)
             .where(
@@ -327,6 +328,30 @@ class OutboxRepository:
         with self.engine.begin() as conn:
             conn.execute(stmt, params)
         return len(params)
+
+    def _record_published_pg(
+        self, owner: str, channel_id: int, tags: Sequence[tuple[int, int]], now: dt.datetime
+    ) -> int:
+        """One statement for the whole batch: ``UPDATE … FROM unnest(ids, tags)``."""
+        pairs = (
+            select(
+                func.unnest(bindparam("ids", [r for r, _ in tags], type_=ARRAY(BigInteger)))
+                .label("id"),
+                func.unnest(bindparam("tags", [t for _, t in tags], type_=ARRAY(BigInteger)))
+                .label("tag"),
+            )
+        ).subquery("v")  # fmt: skip
+        stmt = (
+            update(outbox)
+            .where(
+                outbox.c.id == pairs.c.id,
+                outbox.c.status == Status.IN_FLIGHT,
+                outbox.c.lease_owner == owner,
+            )
+            .values(channel_id=channel_id, delivery_tag=pairs.c.tag, published_at=now)
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount
 
     def mark_confirmed(self, *, owner: str, ids: Sequence[int]) -> int:
         """Broker acked (and did not return) these publishes."""
@@ -454,16 +479,17 @@ class OutboxRepository:
     def release_expired(self) -> int:
         """Rows of a publisher that died (lease expired) go back to ``pending``.
 
-        A row that had a delivery tag recorded was on the wire: count a lost confirm.
+        Each counts a lost confirm: the publisher records delivery tags lazily (batched with the
+        outcomes), so a row without a tag may still have been on the wire. ``lost_confirms`` is
+        therefore an upper bound of the duplicates, never an undercount.
         """
         now = self.clock()
-        published = case((outbox.c.delivery_tag.is_not(None), 1), else_=0)
         stmt = (
             update(outbox)
             .where(outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_until < now)
             .values(
                 status=Status.PENDING, available_at=now, lease_owner=None, lease_until=None,
-                lost_confirms=outbox.c.lost_confirms + published,
+                lost_confirms=outbox.c.lost_confirms + 1,
                 last_error="lease expired: publisher stopped without settling",
             )
         )  # fmt: skip

@@ -1,0 +1,707 @@
+"""Read-side queries for operators: stats, outstanding confirms, batches, one message, metrics.
+
+Nothing here changes a row (state changes live in :mod:`app.outbox.repository`). Every function
+takes the engine and the current time as keyword arguments and returns plain frozen dataclasses,
+so the REST API and the CLI share them. Each works on PostgreSQL and on SQLite; percentiles are
+computed in Python from a bounded select for that reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    and_,
+    case,
+    func,
+    literal,
+    or_,
+    select,
+    true,
+    union,
+)
+
+from app.outbox.schema import audit, batches, outbox, publishers
+from app.outbox.states import Status
+
+#: Counters a publisher reports in ``outbox_publishers.stats`` (monotonic per publisher).
+PUBLISHER_COUNTERS: tuple[str, ...] = (
+    "published", "confirmed", "nacked", "returned", "failed", "lost_confirms",
+    "channel_closes", "reconnects", "protocol_errors", "blocked_seconds",
+)  # fmt: skip
+LATENCY_KEY = "confirm_latency_buckets"
+MAX_ROW_ID = 2**63 - 1
+T = TypeVar("T")
+
+
+class BadCursor(ValueError):
+    """A pagination cursor that this module did not produce (or that was tampered with)."""
+
+
+# ------------------------------------------------------------------------ small pure helpers
+
+
+def age_seconds(since: dt.datetime | None, now: dt.datetime) -> float | None:
+    """Seconds from ``since`` to ``now``, never negative (clocks of other hosts may run ahead)."""
+    if since is None:
+        return None
+    return max(0.0, (now - since).total_seconds())
+
+
+def percentile(ordered: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..1) of an ascending sequence; None when empty."""
+    if not ordered:
+        return None
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def plain_text(value: str, *, max_length: int = 1024) -> bool:
+    """Whether ``value`` can be stored and compared by both backends: bounded, no NUL byte,
+    valid UTF-8 (no lone surrogates)."""
+    if len(value) > max_length or "\x00" in value:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def encode_cursor(payload: dict[str, Any]) -> str:
+    raw = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> dict[str, Any]:
+    """The payload of a cursor made by :func:`encode_cursor`; :class:`BadCursor` otherwise."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        payload = json.loads(raw)
+    except (binascii.Error, ValueError, RecursionError) as exc:  # RecursionError: deep nesting
+        raise BadCursor("not a cursor returned by this endpoint") from exc
+    if not isinstance(payload, dict):
+        raise BadCursor("not a cursor returned by this endpoint")
+    return payload
+
+
+# ------------------------------------------------------------------------------ stats
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherInfo:
+    publisher_id: str
+    hostname: str
+    pid: int
+    started_at: dt.datetime
+    heartbeat_at: dt.datetime
+    stopped_at: dt.datetime | None
+    alive: bool
+    stats: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """Confirm latency (``confirmed_at - published_at``) of recently confirmed rows, seconds."""
+
+    window_seconds: float
+    samples: int
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxStats:
+    at: dt.datetime
+    counts: dict[Status, int]
+    oldest_pending_age_seconds: float | None
+    oldest_in_flight_age_seconds: float | None
+    confirm_latency: LatencySummary
+    possible_duplicates: int
+    operator_republished: int
+    publishers: list[PublisherInfo]
+
+    @property
+    def publishers_alive(self) -> int:
+        return sum(1 for p in self.publishers if p.alive)
+
+
+def status_counts(conn: Connection) -> tuple[dict[Status, int], int]:
+    """Rows per status (every status present, zero when none) and the sum of ``lost_confirms``
+    (possible duplicates), in one scan of the table."""
+    stmt = select(outbox.c.status, func.count(), func.sum(outbox.c.lost_confirms)).group_by(
+        outbox.c.status
+    )
+    counts = dict.fromkeys(Status, 0)
+    lost = 0
+    for status, count, lost_here in conn.execute(stmt).all():
+        counts[Status(status)] = int(count)
+        lost += int(lost_here or 0)
+    return counts, lost
+
+
+def _sent_at() -> ColumnElement[dt.datetime]:
+    """When the publish of the current attempt went out: only rows with a delivery tag have one
+    (a claim clears the tag but keeps the previous attempt's ``published_at``)."""
+    return case((outbox.c.delivery_tag.is_not(None), outbox.c.published_at), else_=None)
+
+
+def oldest_ages(conn: Connection, *, now: dt.datetime) -> tuple[float | None, float | None]:
+    """(age of the oldest pending row since it was created, age of the oldest unconfirmed
+    publish since it was sent), in seconds."""
+    pending = select(func.min(outbox.c.created_at)).where(outbox.c.status == Status.PENDING)
+    in_flight = select(func.min(_sent_at())).where(outbox.c.status == Status.IN_FLIGHT)
+    return (
+        age_seconds(conn.execute(pending).scalar_one(), now),
+        age_seconds(conn.execute(in_flight).scalar_one(), now),
+    )
+
+
+def confirm_latencies(
+    conn: Connection, *, now: dt.datetime, window: dt.timedelta, max_rows: int
+) -> list[float]:
+    """Latencies of confirms within ``window`` among the newest rows (at most ``max_rows``,
+    newest by id: a primary-key walk, no sort of the table), sorted."""
+    stmt = (
+        select(outbox.c.published_at, outbox.c.confirmed_at)
+        .where(
+            outbox.c.status == Status.CONFIRMED,
+            outbox.c.confirmed_at >= now - window,
+            outbox.c.published_at.is_not(None),
+        )
+        .order_by(outbox.c.id.desc())
+        .limit(max_rows)
+    )
+    return sorted(
+        max(0.0, (confirmed - published).total_seconds())
+        for published, confirmed in conn.execute(stmt).all()
+    )
+
+
+def publisher_rows(
+    conn: Connection, *, now: dt.datetime, alive_after: float, limit: int = 100
+) -> list[PublisherInfo]:
+    """Known publishers, most recent heartbeat first. Alive: not stopped, beat within
+    ``alive_after`` seconds."""
+    stmt = select(publishers).order_by(publishers.c.heartbeat_at.desc()).limit(limit)
+    out = []
+    for row in conn.execute(stmt).mappings():
+        beat_age = age_seconds(row["heartbeat_at"], now) or 0.0
+        stats = row["stats"] if isinstance(row["stats"], dict) else None
+        out.append(
+            PublisherInfo(
+                publisher_id=row["publisher_id"], hostname=row["hostname"], pid=row["pid"],
+                started_at=row["started_at"], heartbeat_at=row["heartbeat_at"],
+                stopped_at=row["stopped_at"], stats=stats,
+                alive=row["stopped_at"] is None and beat_age <= alive_after,
+            )
+        )  # fmt: skip
+    return out
+
+
+def operator_republished(conn: Connection) -> int:
+    """Rows moved back to pending by operators, over the audit log."""
+    stmt = select(func.coalesce(func.sum(audit.c.count), 0)).where(audit.c.action == "republish")
+    return int(conn.execute(stmt).scalar_one())
+
+
+def read_stats(
+    engine: Engine,
+    *,
+    now: dt.datetime,
+    alive_after: float,
+    latency_window: dt.timedelta,
+    latency_rows: int,
+) -> OutboxStats:
+    """Everything ``GET /v1/stats`` and ``outbox status`` show, read in one transaction."""
+    with engine.connect() as conn:
+        pending_age, in_flight_age = oldest_ages(conn, now=now)
+        lat = confirm_latencies(conn, now=now, window=latency_window, max_rows=latency_rows)
+        counts, lost = status_counts(conn)
+        return OutboxStats(
+            at=now,
+            counts=counts,
+            oldest_pending_age_seconds=pending_age,
+            oldest_in_flight_age_seconds=in_flight_age,
+            confirm_latency=summarize_latency(lat, window=latency_window),
+            possible_duplicates=lost,
+            operator_republished=operator_republished(conn),
+            publishers=publisher_rows(conn, now=now, alive_after=alive_after),
+        )
+
+
+def summarize_latency(ordered: Sequence[float], *, window: dt.timedelta) -> LatencySummary:
+    return LatencySummary(
+        window_seconds=window.total_seconds(), samples=len(ordered),
+        p50=percentile(ordered, 0.5), p90=percentile(ordered, 0.9), p99=percentile(ordered, 0.99),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- outstanding confirms
+
+
+@dataclass(frozen=True, slots=True)
+class OutstandingFilter:
+    publisher: str | None = None
+    exchange: str | None = None
+    batch_id: str | None = None
+    min_age_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutstandingKey:
+    """Keyset position: rows not yet sent (``sent_at`` None) first by id, then by (sent_at, id)."""
+
+    sent_at: dt.datetime | None
+    id: int
+
+    def encode(self) -> str:
+        sent = self.sent_at.isoformat() if self.sent_at else None
+        return encode_cursor({"k": "outstanding", "s": sent, "i": self.id})
+
+    @classmethod
+    def decode(cls, cursor: str) -> OutstandingKey:
+        payload = decode_cursor(cursor)
+        sent, row_id = payload.get("s"), payload.get("i")
+        if payload.get("k") != "outstanding" or type(row_id) is not int:
+            raise BadCursor("not a cursor returned by this endpoint")
+        if not 0 <= row_id <= MAX_ROW_ID:
+            raise BadCursor("not a cursor returned by this endpoint")
+        if sent is None:
+            return cls(sent_at=None, id=row_id)
+        try:
+            stamp = dt.datetime.fromisoformat(sent) if isinstance(sent, str) else None
+            utc = stamp.astimezone(dt.UTC) if stamp and stamp.tzinfo else None
+        except (ValueError, OverflowError):
+            utc = None
+        if utc is None:
+            raise BadCursor("not a cursor returned by this endpoint")
+        return cls(sent_at=utc, id=row_id)
+
+
+@dataclass(frozen=True, slots=True)
+class OutstandingConfirm:
+    """An in-flight row: claimed by ``publisher``; sent when it has a channel and delivery tag."""
+
+    id: int
+    message_id: str
+    batch_id: str
+    publisher: str
+    channel_id: int | None
+    delivery_tag: int | None
+    attempt: int
+    max_attempts: int
+    exchange: str
+    routing_key: str
+    published_at: dt.datetime | None
+    age_seconds: float | None
+    lease_until: dt.datetime
+    lost_confirms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[T]):
+    items: list[T]
+    next_cursor: str | None
+
+
+def _outstanding_where(
+    flt: OutstandingFilter, *, now: dt.datetime, after: OutstandingKey | None
+) -> ColumnElement[bool]:
+    sent = _sent_at()
+    cond: ColumnElement[bool] = outbox.c.status == Status.IN_FLIGHT
+    if flt.publisher is not None:
+        cond = and_(cond, outbox.c.lease_owner == flt.publisher)
+    if flt.exchange is not None:
+        cond = and_(cond, outbox.c.exchange == flt.exchange)
+    if flt.batch_id is not None:
+        cond = and_(cond, outbox.c.batch_id == flt.batch_id)
+    if flt.min_age_seconds is not None:
+        cond = and_(cond, sent <= now - dt.timedelta(seconds=flt.min_age_seconds))
+    if after is None:
+        return cond
+    if after.sent_at is None:
+        return and_(cond, or_(and_(sent.is_(None), outbox.c.id > after.id), sent.is_not(None)))
+    later = or_(sent > after.sent_at, and_(sent == after.sent_at, outbox.c.id > after.id))
+    return and_(cond, sent.is_not(None), later)
+
+
+def outstanding_confirms(
+    engine: Engine,
+    *,
+    now: dt.datetime,
+    flt: OutstandingFilter,
+    limit: int,
+    after: OutstandingKey | None = None,
+) -> Page[OutstandingConfirm]:
+    """In-flight rows, oldest publish first (claimed-but-unsent rows lead), keyset paginated."""
+    sent = _sent_at().label("sent_at")
+    stmt = (
+        select(outbox, sent)
+        .where(_outstanding_where(flt, now=now, after=after))
+        .order_by(case((_sent_at().is_(None), 0), else_=1), _sent_at(), outbox.c.id)
+        .limit(limit + 1)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).mappings().all()
+    items = [_outstanding(row, now) for row in rows[:limit]]
+    cursor = None
+    if len(rows) > limit:
+        last = items[-1]
+        cursor = OutstandingKey(sent_at=last.published_at, id=last.id).encode()
+    return Page(items=items, next_cursor=cursor)
+
+
+def _outstanding(row: Any, now: dt.datetime) -> OutstandingConfirm:
+    return OutstandingConfirm(
+        id=row["id"], message_id=row["message_id"], batch_id=row["batch_id"],
+        publisher=row["lease_owner"], channel_id=row["channel_id"],
+        delivery_tag=row["delivery_tag"], attempt=row["attempts"],
+        max_attempts=row["max_attempts"], exchange=row["exchange"],
+        routing_key=row["routing_key"], published_at=row["sent_at"],
+        age_seconds=age_seconds(row["sent_at"], now), lease_until=row["lease_until"],
+        lost_confirms=row["lost_confirms"],
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSummary:
+    """One Spark batch (or any ``batch_id`` rows were written with)."""
+
+    batch_id: str
+    sink: str | None
+    spark_batch_id: int | None
+    query_id: str | None
+    committed_at: dt.datetime | None
+    row_count: int | None
+    rejected_count: int | None
+    rows: int
+    counts: dict[Status, int]
+    first_created_at: dt.datetime | None
+    first_published_at: dt.datetime | None
+    last_published_at: dt.datetime | None
+    first_confirmed_at: dt.datetime | None
+    last_confirmed_at: dt.datetime | None
+    republished: int
+
+
+def _batch_walk(*, after: str | None, status: Status | None, limit: int) -> Any:
+    """Distinct ``batch_id`` values of the outbox in order, one index probe each (a recursive
+    CTE, i.e. a loose index scan: it never reads a batch's rows one by one)."""
+    inner = outbox.alias("o2")
+
+    def probe(bound: Any) -> Any:
+        cond: ColumnElement[bool] = true() if bound is None else inner.c.batch_id > bound
+        if status is not None:
+            cond = and_(cond, inner.c.status == status)
+        return select(func.min(inner.c.batch_id)).where(cond).scalar_subquery()
+
+    walk = select(probe(after).label("batch_id"), literal(1).label("n")).cte("walk", recursive=True)
+    step = select(probe(walk.c.batch_id), walk.c.n + 1).where(
+        walk.c.batch_id.is_not(None), walk.c.n < limit
+    )
+    walk = walk.union_all(step)
+    return select(walk.c.batch_id).where(walk.c.batch_id.is_not(None))
+
+
+def _page_batch_ids(
+    conn: Connection, *, after: str | None, status: Status | None, limit: int
+) -> list[str]:
+    ids = _batch_walk(after=after, status=status, limit=limit)
+    if status is None:  # batches recorded with no outbox rows (every row rejected) show too
+        recorded = select(batches.c.batch_id)
+        if after is not None:
+            recorded = recorded.where(batches.c.batch_id > after)
+        recorded = recorded.order_by(batches.c.batch_id).limit(limit)
+        ids = union(ids, select(recorded.subquery().c.batch_id))
+    both = ids.subquery()
+    stmt = select(both.c.batch_id).order_by(both.c.batch_id).limit(limit)
+    return [str(b) for b in conn.execute(stmt).scalars()]
+
+
+def _when_status(status: Status | None, col: Any) -> Any:
+    return col if status is None else case((outbox.c.status == status, col), else_=None)
+
+
+def _summaries(conn: Connection, batch_ids: Sequence[str]) -> list[BatchSummary]:
+    if not batch_ids:
+        return []
+    per_status = [func.sum(case((outbox.c.status == s, 1), else_=0)).label(s.value) for s in Status]
+    confirmed_at = _when_status(Status.CONFIRMED, outbox.c.confirmed_at)
+    agg = (
+        select(
+            outbox.c.batch_id, func.count().label("rows"), *per_status,
+            func.min(outbox.c.created_at).label("first_created_at"),
+            func.min(outbox.c.published_at).label("first_published_at"),
+            func.max(outbox.c.published_at).label("last_published_at"),
+            func.min(confirmed_at).label("first_confirmed_at"),
+            func.max(confirmed_at).label("last_confirmed_at"),
+            func.sum(outbox.c.lost_confirms).label("republished"),
+        )
+        .where(outbox.c.batch_id.in_(list(batch_ids)))
+        .group_by(outbox.c.batch_id)
+    )  # fmt: skip
+    aggs = {row["batch_id"]: row for row in conn.execute(agg).mappings()}
+    meta_stmt = select(batches).where(batches.c.batch_id.in_(list(batch_ids)))
+    metas = {row["batch_id"]: row for row in conn.execute(meta_stmt).mappings()}
+    return [_summary(b, aggs.get(b), metas.get(b)) for b in batch_ids if b in aggs or b in metas]
+
+
+def _summary(batch_id: str, agg: Any, meta: Any) -> BatchSummary:
+    def a(key: str) -> Any:
+        return agg[key] if agg is not None else None
+
+    def m(key: str) -> Any:
+        return meta[key] if meta is not None else None
+
+    return BatchSummary(
+        batch_id=batch_id, sink=m("sink"), spark_batch_id=m("spark_batch_id"),
+        query_id=m("query_id"), committed_at=m("committed_at"), row_count=m("row_count"),
+        rejected_count=m("rejected_count"), rows=int(a("rows") or 0),
+        counts={s: int(a(s.value) or 0) for s in Status},
+        first_created_at=a("first_created_at"), first_published_at=a("first_published_at"),
+        last_published_at=a("last_published_at"), first_confirmed_at=a("first_confirmed_at"),
+        last_confirmed_at=a("last_confirmed_at"), republished=int(a("republished") or 0),
+    )  # fmt: skip
+
+
+def encode_batch_cursor(batch_id: str) -> str:
+    return encode_cursor({"k": "batches", "b": batch_id})
+
+
+def decode_batch_cursor(cursor: str) -> str:
+    payload = decode_cursor(cursor)
+    batch_id = payload.get("b")
+    if payload.get("k") != "batches" or not isinstance(batch_id, str) or not plain_text(batch_id):
+        raise BadCursor("not a cursor returned by this endpoint")
+    return batch_id
+
+
+def list_batches(
+    engine: Engine, *, limit: int, after: str | None = None, status: Status | None = None
+) -> Page[BatchSummary]:
+    """Batches in ``batch_id`` order after ``after``; with ``status``, only batches holding at
+    least one row in that status."""
+    with engine.connect() as conn:
+        ids = _page_batch_ids(conn, after=after, status=status, limit=limit + 1)
+        items = _summaries(conn, ids[:limit])
+    cursor = encode_batch_cursor(ids[limit - 1]) if len(ids) > limit else None
+    return Page(items=items, next_cursor=cursor)
+
+
+def batch_summary(engine: Engine, *, batch_id: str) -> BatchSummary | None:
+    with engine.connect() as conn:
+        found = _summaries(conn, [batch_id])
+    return found[0] if found else None
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class MessageRecord:
+    """One outbox row, every field; ``body`` only when asked for."""
+
+    id: int
+    message_id: str
+    batch_id: str
+    exchange: str
+    routing_key: str
+    mandatory: bool
+    content_type: str | None
+    headers: dict[str, Any] | None
+    properties: dict[str, Any] | None
+    ordering_key: str | None
+    status: Status
+    attempts: int
+    max_attempts: int
+    lost_confirms: int
+    available_at: dt.datetime
+    lease_owner: str | None
+    lease_until: dt.datetime | None
+    channel_id: int | None
+    delivery_tag: int | None
+    created_at: dt.datetime
+    published_at: dt.datetime | None
+    confirmed_at: dt.datetime | None
+    last_error: str | None
+    reply_code: int | None
+    reply_text: str | None
+    body_size: int
+    body: bytes | None
+
+
+_MESSAGE_COLUMNS = [c for c in outbox.c if c.name != "body"]
+
+
+def message(engine: Engine, *, message_id: str, include_body: bool = False) -> MessageRecord | None:
+    cols = [*_MESSAGE_COLUMNS, func.length(outbox.c.body).label("body_size")]
+    if include_body:
+        cols.append(outbox.c.body)
+    stmt = select(*cols).where(outbox.c.message_id == message_id)
+    with engine.connect() as conn:
+        row = conn.execute(stmt).mappings().first()
+    if row is None:
+        return None
+    values = dict(row)
+    values["body"] = bytes(values["body"]) if include_body else None
+    values["status"] = Status(values["status"])
+    values["headers"] = _as_dict(values["headers"])
+    values["properties"] = _as_dict(values["properties"])
+    return MessageRecord(**values)
+
+
+def _as_dict(value: Any) -> dict[str, Any] | None:
+    """JSON columns written by other producers may hold a non-object; show those wrapped."""
+    if value is None or isinstance(value, dict):
+        return value
+    return {"value": value}
+
+
+# ------------------------------------------------------------------------------- audit
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    id: int
+    at: dt.datetime
+    actor: str
+    action: str
+    request_id: str | None
+    filter: dict[str, Any]
+    count: int
+
+
+def audit_by_request_id(engine: Engine, *, request_id: str) -> AuditRecord | None:
+    stmt = select(audit).where(audit.c.request_id == request_id)
+    with engine.connect() as conn:
+        row = conn.execute(stmt).mappings().first()
+    if row is None:
+        return None
+    return AuditRecord(
+        id=row["id"], at=row["at"], actor=row["actor"], action=row["action"],
+        request_id=row["request_id"], filter=dict(row["filter"] or {}), count=row["count"],
+    )  # fmt: skip
+
+
+def batch_exists(engine: Engine, *, batch_id: str) -> bool:
+    in_rows = select(outbox.c.id).where(outbox.c.batch_id == batch_id).limit(1)
+    recorded = select(batches.c.batch_id).where(batches.c.batch_id == batch_id)
+    with engine.connect() as conn:
+        return (
+            conn.execute(in_rows).first() is not None or conn.execute(recorded).first() is not None
+        )
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyHistogram:
+    """Cumulative buckets (upper bound in seconds -> count, ``inf`` last), sum and count."""
+
+    buckets: list[tuple[float, int]]
+    sum: float
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    counts: dict[Status, int]
+    oldest_pending_age_seconds: float | None
+    oldest_in_flight_age_seconds: float | None
+    possible_duplicates: int
+    operator_republished: int
+    publishers_alive: int
+    publishers_known: int
+    counters: dict[str, float]
+    confirm_latency: LatencyHistogram
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def sum_counters(stats: Iterable[dict[str, Any] | None]) -> dict[str, float]:
+    """Each known counter summed over publishers; missing or malformed values count 0."""
+    totals = dict.fromkeys(PUBLISHER_COUNTERS, 0.0)
+    for one in stats:
+        for key in PUBLISHER_COUNTERS:
+            totals[key] += _number((one or {}).get(key)) or 0.0
+    return totals
+
+
+def _own_buckets(raw: Any) -> tuple[dict[float, float], float, float] | None:
+    if not isinstance(raw, dict):
+        return None
+    buckets: dict[float, float] = {}
+    for bound, count in raw.items():
+        if bound in ("sum", "count"):
+            continue
+        try:
+            upper = float(bound)
+        except (TypeError, ValueError):
+            continue
+        number = _number(count)
+        if number is not None and not math.isnan(upper):
+            buckets[upper] = number
+    count = _number(raw.get("count")) or max(buckets.values(), default=0.0)
+    return buckets, _number(raw.get("sum")) or 0.0, count
+
+
+def merge_histograms(stats: Iterable[dict[str, Any] | None]) -> LatencyHistogram:
+    """Merge publishers' cumulative latency buckets over the union of their bounds.
+
+    A publisher without a given bound contributes its count at its largest bound below it
+    (still cumulative, never an overcount).
+    """
+    owns = [b for b in (_own_buckets((s or {}).get(LATENCY_KEY)) for s in stats) if b]
+    bounds = sorted({u for own, _, _ in owns for u in own if not math.isinf(u)})
+    merged = []
+    for upper in bounds:
+        total = 0.0
+        for own, _, own_count in owns:
+            below = [c for u, c in own.items() if u <= upper]
+            total += min(own_count, max(below, default=0.0))
+        merged.append((upper, int(total)))
+    count = int(sum(c for _, _, c in owns))
+    merged.append((math.inf, count))
+    return LatencyHistogram(buckets=merged, sum=sum(s for _, s, _ in owns), count=count)
+
+
+def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) -> MetricsSnapshot:
+    """The figures ``/metrics`` exposes: publishers' summed counters plus DB-derived gauges."""
+    with engine.connect() as conn:
+        pending_age, in_flight_age = oldest_ages(conn, now=now)
+        pubs = conn.execute(
+            select(publishers.c.stats, publishers.c.heartbeat_at, publishers.c.stopped_at)
+        ).all()
+        stats = [s if isinstance(s, dict) else None for s, _, _ in pubs]
+        alive = sum(
+            1 for _, beat, stopped in pubs
+            if stopped is None and (age_seconds(beat, now) or 0.0) <= alive_after
+        )  # fmt: skip
+        counts, lost = status_counts(conn)
+        return MetricsSnapshot(
+            counts=counts, oldest_pending_age_seconds=pending_age,
+            oldest_in_flight_age_seconds=in_flight_age, possible_duplicates=lost,
+            operator_republished=operator_republished(conn), publishers_alive=alive,
+            publishers_known=len(pubs), counters=sum_counters(stats),
+            confirm_latency=merge_histograms(stats),
+        )  # fmt: skip
