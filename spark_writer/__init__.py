@@ -1,0 +1,33 @@
+"""Spark → outbox writers: ``OutboxSink`` (foreachBatch), ``write_outbox`` (batch jobs) and the
+``format("outbox")`` data source. Every row lands in the outbox exactly once per ``message_id``.
+"""
+
+from spark_writer.datasource import OutboxDataSource, register_data_source
+from spark_writer.envelope import derive_message_id
+from spark_writer.errors import (
+    OutboxConfigError,
+    OutboxDataError,
+    OutboxSchemaError,
+    OutboxWriterError,
+    ProblemCount,
+)
+from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OutboxOptions
+from spark_writer.sinks import OutboxSink, write_outbox
+from spark_writer.writer import BatchResult, PartitionResult
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "BatchResult",
+    "OutboxConfigError",
+    "OutboxDataError",
+    "OutboxDataSource",
+    "OutboxOptions",
+    "OutboxSchemaError",
+    "OutboxSink",
+    "OutboxWriterError",
+    "PartitionResult",
+    "ProblemCount",
+    "derive_message_id",
+    "register_data_source",
+    "write_outbox",
+]

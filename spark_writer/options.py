@@ -1,0 +1,148 @@
+"""What the writer is told: one frozen ``OutboxOptions``, checked when built, sent to executors."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from spark_writer.errors import OutboxConfigError
+
+#: RabbitMQ's default largest message (``max_message_size``), 16 MiB.
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: AMQP ``shortstr``: exchange names, routing keys and message ids are at most 255 bytes.
+SHORTSTR_MAX = 255
+_SINK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_URL_PREFIXES = ("postgresql", "postgres://", "sqlite")
+
+OnInvalid = Literal["fail", "reject"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutboxOptions:
+    """Where rows go and how each row maps to a message.
+
+    Give exactly one of ``exchange`` (a literal; ``""`` is the default exchange) and
+    ``exchange_column``, and exactly one of ``routing_key`` and ``routing_key_column``. With no
+    ``body_column`` the whole row is the body, as JSON with ``content_type=application/json``.
+    ``on_invalid="fail"`` refuses a batch holding any bad row; ``"reject"`` writes the good rows
+    and puts the bad ones in ``outbox_rejects`` with the reason.
+    """
+
+    url: str
+    sink: str
+    exchange: str | None = None
+    exchange_column: str | None = None
+    routing_key: str | None = None
+    routing_key_column: str | None = None
+    body_column: str | None = None
+    content_type: str | None = None
+    header_columns: tuple[str, ...] = field(default_factory=tuple)
+    message_id_column: str | None = None
+    ordering_key_column: str | None = None
+    mandatory: bool = True
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    on_invalid: OnInvalid = "fail"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "header_columns", tuple(self.header_columns))
+        problems = _problems(self)
+        if problems:
+            raise OutboxConfigError("invalid outbox options: " + "; ".join(problems))
+
+    @property
+    def columns(self) -> list[tuple[str, str]]:
+        """Every (role, column) the options name; one column may serve several roles."""
+        named = [
+            ("exchange", self.exchange_column),
+            ("routing key", self.routing_key_column),
+            ("body", self.body_column),
+            ("message id", self.message_id_column),
+            ("ordering key", self.ordering_key_column),
+        ]
+        named += [("header", col) for col in self.header_columns]
+        return [(role, col) for role, col in named if col is not None]
+
+
+def _problems(o: OutboxOptions) -> list[str]:
+    out: list[str] = []
+    if not o.url.startswith(_URL_PREFIXES) or o.url.rstrip("/") in ("sqlite:", "sqlite:/"):
+        out.append("url must be a postgresql://, postgresql+psycopg:// or sqlite:///PATH URL")
+    if not _SINK_NAME.fullmatch(o.sink):
+        out.append(f"sink {o.sink!r} must be 1-100 letters, digits, '.', '_' or '-'")
+    out += _one_of("exchange", o.exchange, o.exchange_column)
+    out += _one_of("routing_key", o.routing_key, o.routing_key_column)
+    for name, literal in (("exchange", o.exchange), ("routing_key", o.routing_key)):
+        if literal is not None and len(literal.encode()) > SHORTSTR_MAX:
+            out.append(f"{name} is longer than {SHORTSTR_MAX} bytes")
+    if o.max_body_bytes < 1:
+        out.append("max_body_bytes must be at least 1")
+    if o.on_invalid not in ("fail", "reject"):
+        out.append(f"on_invalid must be 'fail' or 'reject', not {o.on_invalid!r}")
+    return out
+
+
+def _one_of(name: str, literal: str | None, column: str | None) -> list[str]:
+    if (literal is None) == (column is None):
+        return [f"give exactly one of {name} and {name}_column"]
+    return []
+
+
+# --- Spark data source options (strings, case-insensitive) ------------------------------------
+
+_SPARK_KEYS = {
+    "url": "url",
+    "sink": "sink",
+    "exchange": "exchange",
+    "exchangecolumn": "exchange_column",
+    "routingkey": "routing_key",
+    "routingkeycolumn": "routing_key_column",
+    "bodycolumn": "body_column",
+    "contenttype": "content_type",
+    "headercolumns": "header_columns",
+    "messageidcolumn": "message_id_column",
+    "orderingkeycolumn": "ordering_key_column",
+    "mandatory": "mandatory",
+    "maxbodybytes": "max_body_bytes",
+    "oninvalid": "on_invalid",
+}
+#: Options Spark itself passes along with the user's; the writer does not use them.
+_SPARK_OWN = {"checkpointlocation", "path", "queryname"}
+
+
+def from_spark_options(raw: Mapping[str, str]) -> tuple[OutboxOptions, int | None]:
+    """Parse data source options (``routingKey`` or ``routing_key``, any case) and ``batchId``."""
+    values: dict[str, object] = {}
+    batch_id: int | None = None
+    for key, value in raw.items():
+        norm = key.lower().replace("_", "")
+        if norm == "batchid":
+            batch_id = _to_int(key, value)
+        elif norm in _SPARK_KEYS:
+            values[_SPARK_KEYS[norm]] = _convert(_SPARK_KEYS[norm], key, value)
+        elif norm not in _SPARK_OWN:
+            raise OutboxConfigError(f"unknown outbox option {key!r}")
+    for required in ("url", "sink"):
+        if required not in values:
+            raise OutboxConfigError(f"option {required!r} is required")
+    return OutboxOptions(**values), batch_id  # type: ignore[arg-type]
+
+
+def _convert(name: str, key: str, value: str) -> object:
+    if name == "header_columns":
+        return tuple(c.strip() for c in value.split(",") if c.strip())
+    if name == "mandatory":
+        if value.strip().lower() not in ("true", "false"):
+            raise OutboxConfigError(f"option {key!r} must be true or false, not {value!r}")
+        return value.strip().lower() == "true"
+    if name == "max_body_bytes":
+        return _to_int(key, value)
+    return value
+
+
+def _to_int(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise OutboxConfigError(f"option {key!r} must be an integer, not {value!r}") from None
