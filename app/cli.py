@@ -1,34 +1,462 @@
-"""The ``outbox`` command line: one entry point for operators and scripts."""
+"""The ``outbox`` command line: one entry point for operators and scripts.
+
+Exit codes: 0 done; 1 operational failure (database unreachable, schema missing, unknown batch);
+2 usage error or bad configuration.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import getpass
+import ipaddress
+import socket
 import sys
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
-from app.db import migrate
+from pydantic import ValidationError
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, ProgrammingError
+
+from app.db import make_engine, migrate
+from app.outbox import queries
+from app.outbox.repository import OutboxRepository, RepositoryError, RepublishFilter, utcnow
+from app.outbox.states import TERMINAL_FAILURES, Status
 from app.settings import Settings
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+MAX_REPUBLISH_LIMIT = 100_000
+
+
+class UsageError(Exception):
+    """The command line or the configuration is wrong (exit code 2)."""
+
+
+class Failure(Exception):
+    """The command could not do its job (exit code 1)."""
+
+
+# -------------------------------------------------------------------------- rendering
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain text table; numbers right-aligned."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], int | float) for row in rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in cells)])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dt.datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    return str(value)
+
+
+def duration(seconds: float | None) -> str:
+    """``None`` -> "-"; else a short human duration (ms below one second)."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
+    shown = [f"{n}{unit}" for n, unit in parts if n][:2]
+    return " ".join(shown) or "0s"
+
+
+def render_stats(s: queries.OutboxStats) -> str:
+    lat = s.confirm_latency
+    counts = [(status.value, n) for status, n in s.counts.items()]
+    pubs = [
+        (p.publisher_id, p.hostname, p.pid, duration(_ago(p.heartbeat_at, s.at)) + " ago",
+         "alive" if p.alive else ("stopped" if p.stopped_at else "silent"))
+        for p in s.publishers
+    ]  # fmt: skip
+    lines = [
+        f"outbox at {_cell(s.at)} UTC",
+        "",
+        table(["status", "rows"], [*counts, ("total", sum(s.counts.values()))]),
+        "",
+        f"oldest pending        {duration(s.oldest_pending_age_seconds)}",
+        f"oldest unconfirmed    {duration(s.oldest_in_flight_age_seconds)}",
+        f"confirm latency       p50 {duration(lat.p50)}, p90 {duration(lat.p90)}, "
+        f"p99 {duration(lat.p99)} ({lat.samples} confirms, last {duration(lat.window_seconds)})",
+        f"possible duplicates   {s.possible_duplicates}",
+        f"operator republished  {s.operator_republished}",
+        "",
+        f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known",
+    ]
+    if pubs:
+        lines.append(table(["publisher", "host", "pid", "heartbeat", "state"], pubs))
+    return "\n".join(lines)
+
+
+def _ago(then: dt.datetime, now: dt.datetime) -> float:
+    return max(0.0, (now - then).total_seconds())
+
+
+BATCH_HEADERS = ["batch", "rows", *(s.value for s in Status), "dup", "last confirmed"]
+
+
+def render_batches(items: Sequence[queries.BatchSummary]) -> str:
+    rows = [
+        (b.batch_id, b.rows, *(b.counts[s] for s in Status), b.republished, b.last_confirmed_at)
+        for b in items
+    ]
+    return table(BATCH_HEADERS, rows) if rows else "no batches"
+
+
+def render_republish(r: Any, *, flt: RepublishFilter, request_id: str | None) -> str:
+    what = ", ".join(f"{k} {v}" for k, v in flt.as_json().items() if v) or "everything"
+    if r.dry_run:
+        head = f"dry run: would republish {r.count} of {r.matched} matching rows ({what})"
+    elif r.replayed:
+        head = (
+            f"request id {request_id} was already used: it republished {r.count} rows "
+            f"(audit {r.audit_id}); nothing moved now"
+        )
+    else:
+        head = (
+            f"republished {r.count} of {r.matched} matching rows ({what}); "
+            f"audit {r.audit_id}, request id {request_id}"
+        )
+    sample = ", ".join(r.sample) if r.sample else "-"
+    return f"{head}\nsample: {sample}"
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _engine(settings: Settings) -> Engine:
+    return make_engine(settings.database_url.get_secret_value())
 
 
 def _cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     migrate(settings.database_url.get_secret_value(), args.revision)
     print(f"outbox schema at revision {args.revision}")
-    return 0
+    return EXIT_OK
+
+
+def _cmd_publish(settings: Settings, args: argparse.Namespace) -> int:
+    from app.publisher import main as run_publisher_main  # lazy: the CLI imports without it
+
+    try:
+        rc = run_publisher_main(settings)
+    except RepositoryError as exc:  # e.g. another publisher holds this SQLite outbox
+        raise Failure(str(exc)) from None
+    return rc if isinstance(rc, int) else EXIT_OK
+
+
+def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.api import ApiConfigError, create_app
+
+    host = args.host or settings.api_host
+    port = args.port or settings.api_port
+    if args.insecure:
+        if not _loopback(host):
+            raise UsageError(f"--insecure serves on loopback addresses only, not {host}")
+        settings = settings.model_copy(update={"api_insecure": True})
+        print("outbox: serving WITHOUT authentication (insecure local mode)", file=sys.stderr)
+    try:
+        app = create_app(settings)
+    except ApiConfigError as exc:
+        raise UsageError(str(exc)) from None
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level)
+    return EXIT_OK
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        stats = queries.read_stats(
+            engine, now=utcnow(), alive_after=3 * settings.publisher_heartbeat_interval,
+            latency_window=dt.timedelta(seconds=settings.stats_latency_window),
+            latency_rows=settings.stats_latency_rows,
+        )  # fmt: skip
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.models import StatsOut
+
+        print(StatsOut.of(stats).model_dump_json(indent=2))
+    else:
+        print(render_stats(stats))
+    return EXIT_OK
+
+
+def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        if args.batch_id is not None:
+            one = queries.batch_summary(engine, batch_id=args.batch_id)
+            if one is None:
+                raise Failure(f"no batch {args.batch_id!r}")
+            items = [one]
+        else:
+            status = Status(args.status) if args.status else None
+            items = queries.list_batches(engine, limit=args.limit, status=status).items
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.models import BatchOut
+
+        print("[" + ",\n".join(BatchOut.of(b).model_dump_json(indent=2) for b in items) + "]")
+    else:
+        print(render_batches(items))
+    return EXIT_OK
+
+
+def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
+    flt = _republish_filter(args)
+    request_id = None if args.dry_run else (args.request_id or f"cli-{uuid.uuid4()}")
+    engine = _engine(settings)
+    try:
+        if flt.batch_id is not None and not queries.batch_exists(engine, batch_id=flt.batch_id):
+            raise Failure(f"no batch {flt.batch_id!r}")
+        _refuse_reused_request_id(engine, request_id, flt)
+        result = OutboxRepository(engine).republish(
+            actor=args.actor, filter=flt, limit=args.limit, dry_run=args.dry_run,
+            request_id=request_id,
+        )  # fmt: skip
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.models import RepublishOut
+
+        out = RepublishOut.of(result, request_id=request_id or "", flt=flt)
+        print(out.model_dump_json(indent=2))
+    else:
+        print(render_republish(result, flt=flt, request_id=request_id))
+    return EXIT_OK
+
+
+def _refuse_reused_request_id(engine: Engine, request_id: str | None, flt: RepublishFilter) -> None:
+    seen = queries.audit_by_request_id(engine, request_id=request_id) if request_id else None
+    if seen is not None and (seen.action != "republish" or seen.filter != flt.as_json()):
+        raise UsageError(
+            f"request id {request_id} was already used (audit {seen.id}) with another filter"
+        )
+
+
+def _republish_filter(args: argparse.Namespace) -> RepublishFilter:
+    statuses = frozenset(Status(s) for s in args.status) if args.status else TERMINAL_FAILURES
+    if not (
+        args.batch or args.status or args.exchange or args.created_after or args.created_before
+    ):
+        raise UsageError(
+            "say what to republish: --batch, --status, --exchange, --created-after/--before"
+        )
+    after, before = args.created_after, args.created_before
+    if after is not None and before is not None and after >= before:
+        raise UsageError("--created-after must be earlier than --created-before")
+    return RepublishFilter(
+        batch_id=args.batch, statuses=statuses, exchange=args.exchange,
+        created_after=after, created_before=before,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _timestamp(text: str) -> dt.datetime:
+    try:
+        stamp = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r}") from None
+    return stamp.replace(tzinfo=dt.UTC) if stamp.tzinfo is None else stamp.astimezone(dt.UTC)
+
+
+def _bounded_int(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be within {low}..{high}, got {value}")
+        return value
+
+    return parse
+
+
+def _default_actor() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"cli:{user}@{socket.gethostname()}"[:64]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outbox", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="outbox",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Settings come from OUTBOX_* environment variables (see the README).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_migrate(sub)
+    _add_publish(sub)
+    _add_serve(sub)
+    _add_status(sub)
+    _add_batches(sub)
+    _add_republish(sub)
+    return parser
+
+
+Sub = Any  # argparse's _SubParsersAction is private
+
+
+def _add_migrate(sub: Sub) -> None:
     mig = sub.add_parser("migrate", help="create or upgrade the outbox schema")
     mig.add_argument("--revision", default="head", help="target alembic revision (default head)")
     mig.set_defaults(func=_cmd_migrate)
-    return parser
+
+
+def _add_publish(sub: Sub) -> None:
+    pub = sub.add_parser(
+        "publish",
+        help="run a publisher: outbox rows to RabbitMQ with publisher confirms",
+        description="Run a publisher until SIGINT/SIGTERM, then settle and stop.",
+    )
+    pub.set_defaults(func=_cmd_publish)
+
+
+def _add_serve(sub: Sub) -> None:
+    srv = sub.add_parser(
+        "serve",
+        help="serve the REST API (uvicorn)",
+        description="Serve the operator REST API. Needs OUTBOX_API_TOKEN and/or "
+        "OUTBOX_OPERATOR_TOKEN, or --insecure on a loopback address.",
+    )
+    srv.add_argument("--host", help="address to bind (default OUTBOX_API_HOST, 127.0.0.1)")
+    srv.add_argument(
+        "--port", type=_bounded_int(1, 65535), help="port (default OUTBOX_API_PORT, 8080)"
+    )
+    srv.add_argument(
+        "--insecure", action="store_true", help="allow serving without tokens (loopback only)"
+    )
+    srv.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    srv.set_defaults(func=_cmd_serve)
+
+
+def _add_status(sub: Sub) -> None:
+    st = sub.add_parser("status", help="rows per status, oldest ages, confirm latency, publishers")
+    st.add_argument("--json", action="store_true", help="the same as GET /v1/stats, as JSON")
+    st.set_defaults(func=_cmd_status)
+
+
+def _add_batches(sub: Sub) -> None:
+    bat = sub.add_parser("batches", help="rows per status for each batch")
+    bat.add_argument("batch_id", nargs="?", help="show this batch only")
+    bat.add_argument(
+        "--status", choices=[s.value for s in Status], help="only batches with rows in it"
+    )
+    bat.add_argument("--limit", type=_bounded_int(1, 500), default=50, help="most batches shown")
+    bat.add_argument("--json", action="store_true", help="as JSON (like GET /v1/batches)")
+    bat.set_defaults(func=_cmd_batches)
+
+
+def _add_republish(sub: Sub) -> None:
+    rep = sub.add_parser(
+        "republish",
+        help="move returned/nacked/failed rows back to pending (audited)",
+        description="Move terminal-failure rows back to pending so the publisher sends them "
+        "again. Every real run writes an audit row; repeating a --request-id replays its result "
+        "and moves nothing.",
+    )
+    rep.add_argument("--batch", help="only this batch id")
+    rep.add_argument(
+        "--status",
+        action="append",
+        choices=sorted(s.value for s in TERMINAL_FAILURES),
+        help="only rows in this status (repeatable; default all three)",
+    )
+    rep.add_argument("--exchange", help="only rows for this exchange")
+    rep.add_argument("--created-after", type=_timestamp, help="ISO time, inclusive; naive = UTC")
+    rep.add_argument("--created-before", type=_timestamp, help="ISO time, exclusive; naive = UTC")
+    rep.add_argument(
+        "--limit", type=_bounded_int(1, MAX_REPUBLISH_LIMIT), default=1000,
+        help="most rows moved (default 1000)",
+    )  # fmt: skip
+    rep.add_argument("--dry-run", action="store_true", help="count and sample; move nothing")
+    rep.add_argument("--request-id", help="idempotency key (default: a new one, printed)")
+    rep.add_argument("--actor", default=_default_actor(), help="who acts (audit row)")
+    rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")
+    rep.set_defaults(func=_cmd_republish)
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def _config_problem(exc: ValidationError) -> str:
+    """The fields and messages of a settings error, never the values (they may be secrets)."""
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]).upper()
+        parts.append(f"OUTBOX_{field}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _db_problem(exc: DBAPIError) -> str:
+    first = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+    if isinstance(exc, ProgrammingError) or "no such table" in first:
+        return f"database schema missing or outdated ({first}): run `outbox migrate`"
+    return f"database unavailable: {first}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = Settings()
-    return int(args.func(settings, args))
+    err = sys.stderr
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        print(f"outbox: bad configuration: {_config_problem(exc)}", file=err)
+        return EXIT_USAGE
+    return _run(args, settings, err)
+
+
+def _run(args: argparse.Namespace, settings: Settings, err: TextIO) -> int:
+    try:
+        return int(args.func(settings, args))
+    except UsageError as exc:
+        print(f"outbox: {exc}", file=err)
+        return EXIT_USAGE
+    except Failure as exc:
+        print(f"outbox: {exc}", file=err)
+        return EXIT_FAILURE
+    except DBAPIError as exc:
+        print(f"outbox: {_db_problem(exc)}", file=err)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -61,6 +61,24 @@ class Settings(BaseSettings):
     )
     retention_days: float = Field(default=7.0, gt=0, description="Keep confirmed rows this long.")
 
+    # operator surface (REST API, CLI)
+    api_host: str = Field(default="127.0.0.1", description="Address `outbox serve` binds.")
+    api_port: int = Field(default=8080, ge=1, le=65535, description="Port `outbox serve` binds.")
+    publisher_heartbeat_interval: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds between a publisher's DB heartbeats; alive within 3 intervals.",
+    )
+    api_probe_timeout: float = Field(
+        default=3.0, gt=0, description="Most wait of /readyz for the database and the broker."
+    )
+    stats_latency_window: float = Field(
+        default=900.0, gt=0, description="Confirms of the last N seconds feed latency percentiles."
+    )
+    stats_latency_rows: int = Field(
+        default=10_000, ge=1, le=1_000_000, description="Most confirms read for the percentiles."
+    )
+
     @field_validator("database_url")
     @classmethod
     def _known_backend(cls, value: SecretStr) -> SecretStr:

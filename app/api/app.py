@@ -1,0 +1,73 @@
+"""The FastAPI application factory. Importing this module needs no database."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import Engine
+from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
+
+from app.api import health, metrics, v1
+from app.api.auth import check_auth_config
+from app.api.context import ApiContext
+from app.api.strict import reject_unknown_query
+from app.db import head_revision, make_engine
+from app.outbox.repository import Clock, OutboxRepository, utcnow
+from app.settings import Settings
+
+DESCRIPTION = """Operator surface of the outbox: what is pending, in flight (awaiting a broker
+confirm), confirmed or failed, per batch and per message; safe, audited, idempotent republish.
+
+Read endpoints take `Authorization: Bearer $OUTBOX_API_TOKEN` (or the operator token);
+republish takes `Authorization: Bearer $OUTBOX_OPERATOR_TOKEN`. `/healthz` and `/readyz` are open.
+"""
+
+
+def create_app(
+    settings: Settings, *, clock: Clock = utcnow, engine: Engine | None = None
+) -> FastAPI:
+    """Build the API for ``settings``; :class:`~app.api.auth.ApiConfigError` when it has no
+    tokens (and is not explicitly insecure). ``engine`` given: the caller owns it."""
+    check_auth_config(settings)
+    owned = engine is None
+    engine = engine or make_engine(settings.database_url.get_secret_value())
+    ctx = ApiContext(
+        settings=settings, engine=engine, repo=OutboxRepository(engine, clock=clock),
+        clock=clock, head_revision=head_revision(),
+    )  # fmt: skip
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owned:
+            engine.dispose()
+
+    app = FastAPI(
+        title="outbox-sink operator API",
+        version="1",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        dependencies=[Depends(reject_unknown_query)],
+    )
+    app.state.ctx = ctx
+    app.include_router(health.router)
+    app.include_router(v1.router)
+    app.include_router(metrics.router)
+    app.add_exception_handler(OperationalError, _database_unavailable)
+    app.add_exception_handler(InterfaceError, _database_unavailable)
+    app.add_exception_handler(ProgrammingError, _schema_missing)
+    return app
+
+
+async def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    """Connection refused, lock timeout, server gone: the database's fault, not a bug."""
+    return JSONResponse({"detail": f"database unavailable: {type(exc).__name__}"}, 503)
+
+
+async def _schema_missing(_request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(
+        {"detail": "database schema missing or outdated: run `outbox migrate`"}, 503
+    )

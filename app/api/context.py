@@ -1,0 +1,34 @@
+"""What every request handler needs, built once by :func:`app.api.create_app`."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from fastapi import Request
+from sqlalchemy import Engine
+
+from app.outbox.repository import Clock, OutboxRepository
+from app.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class ApiContext:
+    settings: Settings
+    engine: Engine
+    repo: OutboxRepository
+    clock: Clock
+    head_revision: str | None
+
+    def now(self) -> dt.datetime:
+        return self.clock()
+
+    @property
+    def alive_after(self) -> float:
+        """A publisher that beat within this many seconds (and did not stop) counts as alive."""
+        return 3 * self.settings.publisher_heartbeat_interval
+
+
+def get_ctx(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.ctx
+    return ctx

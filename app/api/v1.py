@@ -1,0 +1,191 @@
+"""``/v1``: stats, outstanding confirms, batches, messages, republish."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
+from fastapi.exceptions import RequestValidationError
+
+from app.api.auth import require_operator, require_reader
+from app.api.context import ApiContext, get_ctx
+from app.api.models import (
+    MAX_AGE_SECONDS,
+    BatchOut,
+    BatchPage,
+    BatchRepublishRequest,
+    Cursor,
+    ErrorBody,
+    MessageOut,
+    OutstandingOut,
+    OutstandingPage,
+    RepublishOut,
+    RepublishRequest,
+    StatsOut,
+    Text,
+)
+from app.outbox import queries
+from app.outbox.repository import RepublishFilter
+from app.outbox.states import Status
+
+Ctx = Annotated[ApiContext, Depends(get_ctx)]
+Operator = Annotated[str, Depends(require_operator)]
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "Missing or unknown bearer token."},
+    503: {"model": ErrorBody, "description": "The database is unreachable."},
+}
+WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    400: {"model": ErrorBody, "description": "The body could not be read (not UTF-8 JSON)."},
+    403: {"model": ErrorBody, "description": "A read token on an operator action."},
+    409: {"model": ErrorBody, "description": "request_id already used for another action."},
+}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "Unknown."}}
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS)
+
+
+def _bad_cursor(exc: queries.BadCursor) -> RequestValidationError:
+    return RequestValidationError(
+        [{"type": "value_error", "loc": ("query", "cursor"), "msg": str(exc), "input": None}]
+    )
+
+
+@router.get("/stats", response_model=StatsOut, summary="Counts, ages, latency, publishers")
+def get_stats(ctx: Ctx) -> StatsOut:
+    stats = queries.read_stats(
+        ctx.engine, now=ctx.now(), alive_after=ctx.alive_after,
+        latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
+        latency_rows=ctx.settings.stats_latency_rows,
+    )  # fmt: skip
+    return StatsOut.of(stats)
+
+
+@router.get(
+    "/confirms/outstanding",
+    response_model=OutstandingPage,
+    summary="In-flight publishes awaiting a broker confirm, oldest first",
+)
+def get_outstanding(
+    ctx: Ctx,
+    publisher: Annotated[Text | None, Query(description="Lease owner (publisher id).")] = None,
+    exchange: Annotated[Text | None, Query()] = None,
+    batch_id: Annotated[Text | None, Query()] = None,
+    min_age_seconds: Annotated[
+        float | None, Query(ge=0, le=MAX_AGE_SECONDS, allow_inf_nan=False)
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Annotated[Cursor | None, Query(description="next_cursor of the previous page")] = None,
+) -> OutstandingPage:
+    try:
+        after = queries.OutstandingKey.decode(cursor) if cursor else None
+    except queries.BadCursor as exc:
+        raise _bad_cursor(exc) from None
+    flt = queries.OutstandingFilter(
+        publisher=publisher, exchange=exchange, batch_id=batch_id, min_age_seconds=min_age_seconds
+    )
+    page = queries.outstanding_confirms(
+        ctx.engine, now=ctx.now(), flt=flt, limit=limit, after=after
+    )
+    return OutstandingPage(
+        items=[OutstandingOut.of(o) for o in page.items], next_cursor=page.next_cursor
+    )
+
+
+@router.get("/batches", response_model=BatchPage, summary="Batches in batch_id order")
+def get_batches(
+    ctx: Ctx,
+    status: Annotated[
+        Status | None, Query(description="Only batches holding a row in this status.")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[Cursor | None, Query(description="next_cursor of the previous page")] = None,
+) -> BatchPage:
+    try:
+        after = queries.decode_batch_cursor(cursor) if cursor else None
+    except queries.BadCursor as exc:
+        raise _bad_cursor(exc) from None
+    page = queries.list_batches(ctx.engine, limit=limit, after=after, status=status)
+    return BatchPage(items=[BatchOut.of(b) for b in page.items], next_cursor=page.next_cursor)
+
+
+BatchId = Annotated[Text, Path(description="As the Spark sink wrote it", examples=["orders:1"])]
+
+
+@router.get(
+    "/batches/{batch_id}", response_model=BatchOut, responses=NOT_FOUND, summary="One batch"
+)
+def get_batch(ctx: Ctx, batch_id: BatchId) -> BatchOut:
+    found = queries.batch_summary(ctx.engine, batch_id=batch_id)
+    if found is None:
+        raise HTTPException(404, f"no batch {batch_id!r}")
+    return BatchOut.of(found)
+
+
+@router.get(
+    "/messages/{message_id}",
+    response_model=MessageOut,
+    responses=NOT_FOUND,
+    summary="One outbox row (body only when asked)",
+)
+def get_message(
+    ctx: Ctx,
+    message_id: Annotated[Text, Path(examples=["order-1-0"])],
+    include_body: Annotated[bool, Query(description="Add the body, base64.")] = False,
+) -> MessageOut:
+    found = queries.message(ctx.engine, message_id=message_id, include_body=include_body)
+    if found is None:
+        raise HTTPException(404, f"no message {message_id!r}")
+    return MessageOut.of(found)
+
+
+@router.post(
+    "/batches/{batch_id}/republish",
+    response_model=RepublishOut,
+    responses={**WRITE_ERRORS, **NOT_FOUND},
+    summary="Move a batch's returned/nacked/failed rows back to pending (operator)",
+)
+def republish_batch(
+    ctx: Ctx, actor: Operator, batch_id: BatchId, body: Annotated[BatchRepublishRequest, Body()]
+) -> RepublishOut:
+    if not queries.batch_exists(ctx.engine, batch_id=batch_id):
+        raise HTTPException(404, f"no batch {batch_id!r}")
+    return _republish(ctx, actor=actor, flt=body.to_filter(batch_id), req=body)
+
+
+@router.post(
+    "/republish",
+    response_model=RepublishOut,
+    responses=WRITE_ERRORS,
+    summary="Move returned/nacked/failed rows matching a filter back to pending (operator)",
+)
+def republish(ctx: Ctx, actor: Operator, body: Annotated[RepublishRequest, Body()]) -> RepublishOut:
+    return _republish(ctx, actor=actor, flt=body.to_filter(), req=body)
+
+
+def _republish(
+    ctx: ApiContext,
+    *,
+    actor: str,
+    flt: RepublishFilter,
+    req: BatchRepublishRequest | RepublishRequest,
+) -> RepublishOut:
+    if not req.dry_run:
+        _refuse_reused_request_id(ctx, request_id=req.request_id, flt=flt)
+    result = ctx.repo.republish(
+        actor=actor, filter=flt, limit=req.limit, dry_run=req.dry_run,
+        request_id=None if req.dry_run else req.request_id,
+    )  # fmt: skip
+    return RepublishOut.of(result, request_id=req.request_id, flt=flt)
+
+
+def _refuse_reused_request_id(ctx: ApiContext, *, request_id: str, flt: RepublishFilter) -> None:
+    """The same request_id with the same filter replays; with another filter it is a mistake."""
+    seen = queries.audit_by_request_id(ctx.engine, request_id=request_id)
+    if seen is not None and (seen.action != "republish" or seen.filter != flt.as_json()):
+        raise HTTPException(
+            409,
+            f"request_id {request_id!r} was already used (audit row {seen.id}) "
+            "with a different filter; choose a new request_id",
+        )

@@ -1,0 +1,685 @@
+"""The REST API against a real database holding rows in every state (PostgreSQL and SQLite).
+
+Rows reach their states through the repository (claim, record_published, mark_*, retry, release),
+as a publisher would move them; time is a settable clock shared by the repository and the API.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+from sqlalchemy import Engine, insert, select
+
+from app.api import ApiConfigError, create_app
+from app.db import make_engine, migrate
+from app.outbox.repository import Backoff, OutboxRepository, ReturnedRow
+from app.outbox.schema import audit, batches, outbox, publishers
+from app.outbox.states import Status
+from app.settings import Settings
+from tests.factories import add_rows
+
+T0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)
+READ = "read-token-0123456789"
+OPERATOR = "operator-token-9876543210"
+R = {"Authorization": f"Bearer {READ}"}
+OP = {"Authorization": f"Bearer {OPERATOR}"}
+
+
+class Clock:
+    def __init__(self, now: dt.datetime = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += dt.timedelta(seconds=seconds)
+
+
+@dataclass
+class Seeded:
+    """Message ids by the state the seed left them in."""
+
+    ids: dict[str, list[str]] = field(default_factory=dict)
+    lost: str = ""
+
+    def __getitem__(self, key: str) -> list[str]:
+        return self.ids[key]
+
+
+LATENCY_STATS = {
+    "published": 120, "confirmed": 100, "nacked": 4, "returned": 2, "failed": 2,
+    "lost_confirms": 3, "channel_closes": 1, "reconnects": 1, "protocol_errors": 0,
+    "blocked_seconds": 1.5,
+    "confirm_latency_buckets": {"0.005": 10, "0.05": 60, "0.5": 95, "+Inf": 100,
+                                "sum": 9.5, "count": 100},
+}  # fmt: skip
+
+
+def _published(repo: OutboxRepository, owner: str, engine: Engine, clock: Clock, *, n: int,
+               batch_id: str, channel: int, tag0: int, exchange: str = "orders",
+               publish: bool = True, prefix: str | None = None) -> list[str]:  # fmt: skip
+    """``n`` new rows claimed by ``owner`` (and published on ``channel`` from ``tag0``)."""
+    ids = add_rows(engine, n=n, batch_id=batch_id, exchange=exchange, prefix=prefix,
+                   created_at=clock.now, available_at=clock.now)  # fmt: skip
+    got = repo.claim(owner=owner, limit=n, lease_seconds=600)
+    assert len(got) == n
+    if publish:
+        repo.record_published(
+            owner=owner, channel_id=channel, tags=[(r.id, tag0 + i) for i, r in enumerate(got)]
+        )
+    return ids
+
+
+def _row_ids(engine: Engine, message_ids: list[str]) -> list[int]:
+    with engine.connect() as conn:
+        stmt = select(outbox.c.id).where(outbox.c.message_id.in_(message_ids))
+        return sorted(conn.execute(stmt).scalars())
+
+
+def seed_every_state(engine: Engine, clock: Clock) -> Seeded:
+    """Batch ``orders:1``: confirmed, returned, nacked. Batch ``orders:2``: failed, in flight
+    (published and claimed-only), pending (one after a lost confirm). ``orders:3``: recorded by
+    Spark with every row rejected. Two publishers: ``p1`` alive with counters, ``p0`` stopped."""
+    repo = OutboxRepository(engine, clock=clock)
+    s = Seeded()
+    # "order-1-0" is the OpenAPI example of a message id: the fuzzer finds it
+    s.ids["confirmed"] = _published(repo, "p1", engine, clock, n=3, batch_id="orders:1",
+                                    channel=1, tag0=1, prefix="order-1")  # fmt: skip
+    clock.advance(0.25)
+    repo.mark_confirmed(owner="p1", ids=_row_ids(engine, s["confirmed"]))
+    s.ids["returned"] = _published(repo, "p1", engine, clock, n=2, batch_id="orders:1",
+                                   channel=1, tag0=4)  # fmt: skip
+    repo.mark_returned(owner="p1", returns=[ReturnedRow(i, 312, "NO_ROUTE")
+                                            for i in _row_ids(engine, s["returned"])])  # fmt: skip
+    s.ids["nacked"] = _published(repo, "p1", engine, clock, n=2, batch_id="orders:1",
+                                 channel=1, tag0=6, exchange="payments")  # fmt: skip
+    repo.retry(owner="p1", ids=_row_ids(engine, s["nacked"]), error="nacked by broker",
+               backoff=Backoff(), exhausted=Status.NACKED, max_attempts=1)  # fmt: skip
+    clock.advance(10)
+    s.ids["failed"] = _published(repo, "p1", engine, clock, n=2, batch_id="orders:2",
+                                 channel=2, tag0=1, publish=False)  # fmt: skip
+    repo.mark_failed(owner="p1", ids=_row_ids(engine, s["failed"]), reason="body too large")
+    clock.advance(5)
+    s.ids["pending"] = add_rows(engine, n=1, batch_id="orders:2", created_at=clock.now,
+                                available_at=clock.now + dt.timedelta(hours=1))  # fmt: skip
+    s.ids["in_flight"] = []
+    for i in range(3):
+        clock.advance(1)
+        s.ids["in_flight"] += _published(repo, "p1", engine, clock, n=1, batch_id="orders:2",
+                                         channel=3, tag0=10 + i)  # fmt: skip
+    s.ids["claimed"] = _published(repo, "p2", engine, clock, n=1, batch_id="orders:2",
+                                  channel=0, tag0=0, publish=False)  # fmt: skip
+    # published, then its channel closed before the confirm: pending again, a possible duplicate
+    s.lost = _published(repo, "p1", engine, clock, n=1, batch_id="orders:2", channel=2, tag0=1)[0]
+    repo.release(owner="p1", ids=_row_ids(engine, [s.lost]), lost=True, error="channel closed")
+    s.ids["pending"].append(s.lost)
+    _spark_batches(engine)
+    _publishers(engine, clock)
+    return s
+
+
+def _spark_batches(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(insert(batches), [
+            {"batch_id": "orders:1", "sink": "orders", "spark_batch_id": 1, "query_id": "q",
+             "row_count": 7, "rejected_count": 0, "committed_at": T0},
+            {"batch_id": "orders:3", "sink": "orders", "spark_batch_id": 3, "query_id": "q",
+             "row_count": 0, "rejected_count": 5, "committed_at": T0},
+        ])  # fmt: skip
+
+
+def _publishers(engine: Engine, clock: Clock) -> None:
+    old = {**LATENCY_STATS, "published": 10, "confirmed": 10,
+           "confirm_latency_buckets": {"0.05": 4, "1.0": 10, "sum": 2.0, "count": 10}}  # fmt: skip
+    with engine.begin() as conn:
+        conn.execute(insert(publishers), [
+            {"publisher_id": "p1", "hostname": "h1", "pid": 11, "started_at": T0,
+             "heartbeat_at": clock.now, "stopped_at": None, "stats": LATENCY_STATS},
+            {"publisher_id": "p0", "hostname": "h0", "pid": 10, "started_at": T0,
+             "heartbeat_at": T0, "stopped_at": T0, "stats": old},
+        ])  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def settings_for(url: str, **kw: object) -> Settings:
+    values: dict[str, object] = {
+        "database_url": SecretStr(url), "api_token": SecretStr(READ),
+        "operator_token": SecretStr(OPERATOR), "api_insecure": False,
+        "amqp_url": SecretStr("amqp://guest:guest@127.0.0.1:1/"), **kw,
+    }  # fmt: skip
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def client_for(app: object) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    return httpx.AsyncClient(transport=transport, base_url="http://outbox.test")
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    eng = make_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def seeded(engine: Engine, clock: Clock) -> Seeded:
+    s = seed_every_state(engine, clock)
+    clock.advance(2)  # p1's heartbeat is 2 s old: alive; p0 stopped
+    return s
+
+
+@pytest.fixture
+async def client(
+    db_url: str, engine: Engine, clock: Clock, seeded: Seeded
+) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings_for(db_url), clock=clock, engine=engine)
+    async with client_for(app) as c:
+        yield c
+
+
+def statuses_of(engine: Engine, message_ids: list[str]) -> dict[str, str]:
+    stmt = select(outbox.c.message_id, outbox.c.status).where(outbox.c.message_id.in_(message_ids))
+    with engine.connect() as conn:
+        return {m: s for m, s in conn.execute(stmt).all()}
+
+
+def audit_rows(engine: Engine) -> list[dict[str, object]]:
+    with engine.connect() as conn:
+        return [dict(r) for r in conn.execute(select(audit).order_by(audit.c.id)).mappings()]
+
+
+# -------------------------------------------------------------------------------- stats
+
+
+async def test_stats_show_every_state_ages_latency_and_publishers(
+    client: httpx.AsyncClient, clock: Clock
+) -> None:
+    r = await client.get("/v1/stats", headers=R)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["counts"] == {"pending": 2, "in_flight": 4, "confirmed": 3, "returned": 2,
+                              "nacked": 2, "failed": 2}  # fmt: skip
+    assert body["total"] == 15
+    # oldest pending: the one written at T0+15.25; oldest unconfirmed publish: T0+16.25
+    assert body["oldest_pending_age_seconds"] == pytest.approx(
+        (clock.now - T0).total_seconds() - 15.25
+    )
+    assert body["oldest_in_flight_age_seconds"] == pytest.approx(
+        (clock.now - T0).total_seconds() - 16.25
+    )
+    assert body["confirm_latency"]["samples"] == 3
+    assert body["confirm_latency"]["p50"] == pytest.approx(0.25)
+    assert body["confirm_latency"]["p99"] == pytest.approx(0.25)
+    assert body["possible_duplicates"] == 1
+    assert body["publishers_alive"] == 1
+    assert {p["publisher_id"]: p["alive"] for p in body["publishers"]} == {"p1": True, "p0": False}
+
+
+async def test_publishers_stop_counting_as_alive_after_three_heartbeat_intervals(
+    client: httpx.AsyncClient, clock: Clock
+) -> None:
+    clock.advance(3 * 5.0)  # default publisher_heartbeat_interval is 5 s; p1 beat 2 s before
+    assert (await client.get("/v1/stats", headers=R)).json()["publishers_alive"] == 0
+
+
+# ------------------------------------------------------------------ outstanding confirms
+
+
+async def test_outstanding_confirms_show_publisher_channel_tag_attempt_and_age(
+    client: httpx.AsyncClient, seeded: Seeded, clock: Clock
+) -> None:
+    r = await client.get("/v1/confirms/outstanding", headers=R)
+    assert r.status_code == 200, r.text
+    items = r.json()["items"]
+    assert r.json()["next_cursor"] is None
+    # claimed but not yet published first, then oldest publish first
+    assert [i["message_id"] for i in items] == seeded["claimed"] + seeded["in_flight"]
+    unsent, *sent = items
+    assert (unsent["publisher"], unsent["delivery_tag"], unsent["age_seconds"]) == (
+        "p2",
+        None,
+        None,
+    )
+    assert [(i["publisher"], i["channel_id"], i["delivery_tag"], i["attempt"]) for i in sent] == [
+        ("p1", 3, 10, 1), ("p1", 3, 11, 1), ("p1", 3, 12, 1),
+    ]  # fmt: skip
+    assert sent[0]["exchange"] == "orders" and sent[0]["routing_key"] == "rk"
+    assert sent[0]["age_seconds"] == pytest.approx((clock.now - T0).total_seconds() - 16.25)
+
+
+async def test_outstanding_confirms_keyset_pages_see_every_row_once(
+    client: httpx.AsyncClient, seeded: Seeded, engine: Engine, clock: Clock
+) -> None:
+    seen: list[str] = []
+    cursor = None
+    for page in range(10):
+        params = {"limit": 1, **({"cursor": cursor} if cursor else {})}
+        body = (await client.get("/v1/confirms/outstanding", params=params, headers=R)).json()
+        seen += [i["message_id"] for i in body["items"]]
+        if page == 1:  # a publish that goes out while the operator pages lands at the end
+            repo = OutboxRepository(engine, clock=clock)
+            late = add_rows(engine, n=1, batch_id="orders:2", available_at=clock.now)
+            got = repo.claim(owner="p1", limit=5, lease_seconds=60)
+            repo.record_published(owner="p1", channel_id=3, tags=[(got[-1].id, 99)])
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    expected = seeded["claimed"] + seeded["in_flight"] + late
+    assert seen == expected, "keyset pages skip or repeat nothing"
+
+
+async def test_outstanding_confirms_filter_by_publisher_exchange_batch_and_age(
+    client: httpx.AsyncClient, seeded: Seeded, clock: Clock
+) -> None:
+    async def ids(**params: object) -> list[str]:
+        r = await client.get("/v1/confirms/outstanding", params=params, headers=R)
+        assert r.status_code == 200, r.text
+        return [i["message_id"] for i in r.json()["items"]]
+
+    assert await ids(publisher="p2") == seeded["claimed"]
+    assert await ids(exchange="payments") == []
+    assert await ids(batch_id="orders:2", publisher="p1") == seeded["in_flight"]
+    age_of_second = (clock.now - T0).total_seconds() - 17.25
+    assert await ids(min_age_seconds=age_of_second) == seeded["in_flight"][:2]
+
+
+def _cursor(payload: str) -> str:
+    return base64.urlsafe_b64encode(payload.encode()).decode().rstrip("=")
+
+
+CRAFTED = [
+    _cursor("[" * 1500 + "]" * 1500),  # deeper than json's recursion limit
+    _cursor('{"k":"outstanding","i":1,"s":"0001-01-01T00:00:00+05:00"}'),  # UTC overflows
+    _cursor('{"k":"outstanding","i":-1,"s":null}'),
+    _cursor('{"k":"batches","b":"a\\u0000b"}'),  # NUL: PostgreSQL text refuses it
+    _cursor('{"k":"batches","b":7}'),
+]
+
+
+@pytest.mark.parametrize("cursor", CRAFTED)
+async def test_crafted_cursors_are_422_too(client: httpx.AsyncClient, cursor: str) -> None:
+    for path in ("/v1/confirms/outstanding", "/v1/batches"):
+        r = await client.get(path, params={"cursor": cursor}, headers=R)
+        assert r.status_code == 422, (path, r.text)
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    ["!!!!", "abcd", "e30", "eyJrIjoib3V0c3RhbmRpbmcifQ",  # "{}", {"k":"outstanding"}
+     "eyJpIjoxMDAwMDAwMDAwMDAwMDAwMDAwMDAwLCJrIjoib3V0c3RhbmRpbmciLCJzIjpudWxsfQ",  # i=10**21
+     "eyJpIjoxLCJrIjoib3V0c3RhbmRpbmciLCJzIjoieWVzdGVyZGF5In0"],  # s="yesterday"
+)  # fmt: skip
+async def test_a_cursor_not_made_by_the_endpoint_is_a_422_naming_cursor(
+    client: httpx.AsyncClient, cursor: str
+) -> None:
+    r = await client.get("/v1/confirms/outstanding", params={"cursor": cursor}, headers=R)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["query", "cursor"]
+    r = await client.get("/v1/batches", params={"cursor": cursor}, headers=R)
+    assert r.status_code == 422, r.text
+
+
+# ------------------------------------------------------------------------------ batches
+
+
+async def test_batches_show_rows_per_status_times_and_republished(
+    client: httpx.AsyncClient,
+) -> None:
+    r = await client.get("/v1/batches", headers=R)
+    assert r.status_code == 200, r.text
+    by_id = {b["batch_id"]: b for b in r.json()["items"]}
+    assert list(by_id) == ["orders:1", "orders:2", "orders:3"]
+    one, two, three = by_id["orders:1"], by_id["orders:2"], by_id["orders:3"]
+    assert one["counts"] == {"pending": 0, "in_flight": 0, "confirmed": 3, "returned": 2,
+                             "nacked": 2, "failed": 0}  # fmt: skip
+    assert (one["sink"], one["spark_batch_id"], one["row_count"], one["rows"]) == (
+        "orders",
+        1,
+        7,
+        7,
+    )
+    assert one["first_published_at"] == "2026-11-21T12:00:00Z"
+    assert one["last_published_at"] == "2026-11-21T12:00:00.250000Z"
+    assert one["first_confirmed_at"] == one["last_confirmed_at"] == "2026-11-21T12:00:00.250000Z"
+    assert two["counts"]["in_flight"] == 4 and two["counts"]["failed"] == 2
+    assert two["republished"] == 1 and two["sink"] is None
+    assert three["rows"] == 0 and three["rejected_count"] == 5
+
+
+async def test_batches_page_by_keyset_and_filter_by_status(client: httpx.AsyncClient) -> None:
+    seen, cursor = [], None
+    for _ in range(5):
+        params = {"limit": 1, **({"cursor": cursor} if cursor else {})}
+        body = (await client.get("/v1/batches", params=params, headers=R)).json()
+        seen += [b["batch_id"] for b in body["items"]]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == ["orders:1", "orders:2", "orders:3"]
+    failed = (await client.get("/v1/batches", params={"status": "failed"}, headers=R)).json()
+    assert [b["batch_id"] for b in failed["items"]] == ["orders:2"]
+    r = await client.get("/v1/batches/orders:1", headers=R)
+    assert r.status_code == 200 and r.json()["counts"]["nacked"] == 2
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+async def test_message_shows_its_history_fields_and_the_body_only_when_asked(
+    client: httpx.AsyncClient, seeded: Seeded
+) -> None:
+    r = await client.get(f"/v1/messages/{seeded.lost}", headers=R)
+    assert r.status_code == 200, r.text
+    m = r.json()
+    assert (m["status"], m["lost_confirms"], m["last_error"]) == ("pending", 1, "channel closed")
+    assert (m["channel_id"], m["delivery_tag"], m["body_size"], m["body_base64"]) == (
+        2,
+        1,
+        256,
+        None,
+    )
+    r = await client.get(f"/v1/messages/{seeded['returned'][0]}?include_body=true", headers=R)
+    m = r.json()
+    assert (m["status"], m["reply_code"], m["reply_text"]) == ("returned", 312, "NO_ROUTE")
+    assert m["body_base64"] == base64.b64encode(b"x" * 256).decode()
+
+
+async def test_unknown_ids_are_404_naming_the_id(client: httpx.AsyncClient) -> None:
+    for path in ("/v1/messages/nope", "/v1/batches/nope"):
+        r = await client.get(path, headers=R)
+        assert r.status_code == 404 and "nope" in r.json()["detail"]
+    r = await client.post("/v1/batches/nope/republish", json={"request_id": "x"}, headers=OP)
+    assert r.status_code == 404 and "nope" in r.json()["detail"]
+
+
+# ---------------------------------------------------------------------------- republish
+
+
+async def test_republish_a_nacked_batch_dry_run_then_real_then_replayed(
+    client: httpx.AsyncClient, seeded: Seeded, engine: Engine
+) -> None:
+    nacked = seeded["nacked"]
+    body = {"request_id": "incident-7", "statuses": ["nacked"], "dry_run": True}
+    dry = await client.post("/v1/batches/orders:1/republish", json=body, headers=OP)
+    assert dry.status_code == 200, dry.text
+    assert (dry.json()["count"], dry.json()["audit_id"], dry.json()["dry_run"]) == (2, None, True)
+    assert sorted(dry.json()["sample"]) == sorted(nacked)
+    assert set(statuses_of(engine, nacked).values()) == {"nacked"}, "a dry run moves nothing"
+    assert audit_rows(engine) == []
+
+    real = await client.post("/v1/batches/orders:1/republish", json={**body, "dry_run": False},
+                             headers={**OP, "X-Outbox-Actor": "alice"})  # fmt: skip
+    assert real.status_code == 200, real.text
+    out = real.json()
+    assert (out["count"], out["replayed"], out["filter"]["batch_id"]) == (2, False, "orders:1")
+    assert set(statuses_of(engine, nacked).values()) == {"pending"}
+    assert set(statuses_of(engine, seeded["returned"]).values()) == {"returned"}, "filter held"
+    [row] = audit_rows(engine)
+    assert (row["id"], row["actor"], row["action"], row["count"], row["request_id"]) == (
+        out["audit_id"], "alice", "republish", 2, "incident-7",
+    )  # fmt: skip
+    assert row["filter"] == {"batch_id": "orders:1", "statuses": ["nacked"], "exchange": None,
+                             "created_after": None, "created_before": None}  # fmt: skip
+
+    again = await client.post("/v1/batches/orders:1/republish", json={**body, "dry_run": False},
+                              headers=OP)  # fmt: skip
+    assert again.status_code == 200
+    assert (again.json()["replayed"], again.json()["count"]) == (True, 2)
+    assert again.json()["audit_id"] == out["audit_id"]
+    assert len(audit_rows(engine)) == 1, "a replayed request id writes no second audit row"
+
+
+async def test_reusing_a_request_id_for_another_filter_is_a_409(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    first = {"request_id": "r-1", "statuses": ["returned"]}
+    assert (await client.post("/v1/republish", json=first, headers=OP)).status_code == 200
+    other = {"request_id": "r-1", "statuses": ["failed"]}
+    r = await client.post("/v1/republish", json=other, headers=OP)
+    assert r.status_code == 409 and "r-1" in r.json()["detail"]
+    assert len(audit_rows(engine)) == 1
+
+
+async def test_republish_by_filter_honours_exchange_time_range_and_limit(
+    client: httpx.AsyncClient, seeded: Seeded, engine: Engine
+) -> None:
+    by_exchange = {"request_id": "a", "exchange": "payments", "dry_run": True}
+    r = await client.post("/v1/republish", json=by_exchange, headers=OP)
+    assert sorted(r.json()["sample"]) == sorted(seeded["nacked"])
+    # created in [T0+5, T0+11): only the failed rows (written at T0+10.25)
+    window = {"request_id": "b", "created_after": "2026-11-21T12:00:05Z",
+              "created_before": "2026-11-21T14:00:11+02:00", "dry_run": True}  # fmt: skip
+    r = await client.post("/v1/republish", json=window, headers=OP)
+    assert r.status_code == 200, r.text
+    assert sorted(r.json()["sample"]) == sorted(seeded["failed"])
+    limited = {"request_id": "c", "limit": 3}
+    r = await client.post("/v1/republish", json=limited, headers=OP)
+    assert (r.json()["count"], r.json()["matched"]) == (3, 6)
+    moved = statuses_of(engine, seeded["returned"] + seeded["nacked"] + seeded["failed"])
+    assert sorted(moved.values()).count("pending") == 3
+
+
+# --------------------------------------------------------------------------------- auth
+
+
+async def test_auth_refuses_missing_and_unknown_tokens_and_read_tokens_on_writes(
+    client: httpx.AsyncClient,
+) -> None:
+    guess = "Bearer not-the-token-s3cr3t"
+    for path in ("/v1/stats", "/v1/batches", "/v1/confirms/outstanding", "/metrics"):
+        r = await client.get(path)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = await client.get(path, headers={"Authorization": guess})
+        assert r.status_code == 401 and "not-the-token" not in r.text
+        assert (await client.get(path, headers=OP)).status_code == 200, "operator token reads"
+    body = {"request_id": "w", "dry_run": True}
+    assert (await client.post("/v1/republish", json=body)).status_code == 401
+    r = await client.post("/v1/republish", json=body, headers=R)
+    assert r.status_code == 403 and "operator token" in r.json()["detail"]
+    assert READ not in r.text and OPERATOR not in r.text
+    r = await client.post("/v1/batches/orders:1/republish", json=body, headers=R)
+    assert r.status_code == 403
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("actor", ["", " leading-space", "tab\there", "x" * 65, "é"])
+async def test_an_unprintable_or_long_actor_is_a_422(client: httpx.AsyncClient, actor: str) -> None:
+    headers = {**OP, "X-Outbox-Actor": actor.encode()}
+    r = await client.post("/v1/republish", json={"request_id": "z"}, headers=headers)
+    assert r.status_code == 422, r.text
+
+
+def test_create_app_refuses_without_tokens_unless_insecure(sqlite_url: str) -> None:
+    with pytest.raises(ApiConfigError, match="OUTBOX_API_TOKEN"):
+        create_app(settings_for(sqlite_url, api_token=None, operator_token=None))
+    with pytest.raises(ApiConfigError, match="must differ"):
+        create_app(
+            settings_for(sqlite_url, api_token=SecretStr("t"), operator_token=SecretStr("t"))
+        )
+    create_app(settings_for(sqlite_url, api_token=None, operator_token=None, api_insecure=True))
+
+
+async def test_insecure_mode_serves_without_tokens_and_audits_anonymous(sqlite_url: str) -> None:
+    engine = make_engine(sqlite_url)
+    try:
+        seeded = seed_every_state(engine, Clock())
+        settings = settings_for(sqlite_url, api_token=None, operator_token=None, api_insecure=True)
+        async with client_for(create_app(settings, engine=engine)) as c:
+            assert (await c.get("/v1/stats")).status_code == 200
+            r = await c.post("/v1/republish", json={"request_id": "i", "statuses": ["failed"]})
+            assert r.status_code == 200 and r.json()["count"] == len(seeded["failed"])
+        assert audit_rows(engine)[0]["actor"] == "anonymous (insecure mode)"
+    finally:
+        engine.dispose()
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "payload", "field"),
+    [
+        ("GET", "/v1/confirms/outstanding?limit=0", None, "limit"),
+        ("GET", "/v1/confirms/outstanding?limit=1001", None, "limit"),
+        ("GET", "/v1/confirms/outstanding?limit=10000000000000000000000", None, "limit"),
+        ("GET", "/v1/confirms/outstanding?min_age_seconds=nan", None, "min_age_seconds"),
+        ("GET", "/v1/confirms/outstanding?min_age_seconds=1e300", None, "min_age_seconds"),
+        ("GET", "/v1/confirms/outstanding?publisher=a%00b", None, "publisher"),
+        ("GET", "/v1/batches?status=lost", None, "status"),
+        ("GET", "/v1/confirms/outstanding?publisher=a&publisher=b", None, "publisher"),
+        ("GET", "/v1/confirms/outstanding?limit=5&limit=6", None, "limit"),
+        ("GET", "/v1/confirms/outstanding?publsher=a", None, "publsher"),
+        ("GET", "/v1/messages/a%00b", None, "message_id"),
+        ("POST", "/v1/republish", {}, "request_id"),
+        ("POST", "/v1/republish", {"request_id": "x", "statuses": ["confirmed"]}, "statuses"),
+        ("POST", "/v1/republish", {"request_id": "x", "statuses": []}, "statuses"),
+        ("POST", "/v1/republish", {"request_id": "x", "limit": 10**9}, "limit"),
+        ("POST", "/v1/republish", {"request_id": "x", "stauses": ["failed"]}, "stauses"),
+        ("POST", "/v1/republish", {"request_id": "x", "created_after": "2026-01-01T00:00:00"},
+         "created_after"),
+        ("POST", "/v1/republish", {"request_id": "x", "created_after": "yesterday"},
+         "created_after"),
+        ("POST", "/v1/republish", {"request_id": "x", "created_after": "0001-01-01T00:00:00+05:00"},
+         "created_after"),
+        ("POST", "/v1/republish", {"request_id": "x", "created_after": "2026-01-02T00:00:00Z",
+                                   "created_before": "2026-01-01T00:00:00Z"}, "created_after"),
+    ],
+)  # fmt: skip
+async def test_bad_requests_are_422_naming_the_field(
+    client: httpx.AsyncClient, method: str, path: str, payload: object, field: str
+) -> None:
+    r = await client.request(method, path, json=payload, headers=OP)
+    assert r.status_code == 422, r.text
+    assert field in r.text
+
+
+async def test_malformed_json_and_wrong_types_are_4xx(client: httpx.AsyncClient) -> None:
+    for raw in (b"{", b"[]", b'"x"', b"null", b'{"request_id": 5}', b"\xff\xfe"):
+        r = await client.post(
+            "/v1/republish", content=raw, headers={**OP, "Content-Type": "application/json"}
+        )
+        assert 400 <= r.status_code < 500, (raw, r.status_code, r.text)
+    lone_surrogate = b'{"request_id": "x", "batch_id": "\\ud800"}'
+    r = await client.post("/v1/republish", content=lone_surrogate, headers=OP)
+    assert r.status_code == 422 and "batch_id" in r.text, r.text
+    r = await client.post("/v1/republish", content=b"request_id=x", headers={
+        **OP, "Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert 400 <= r.status_code < 500
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+async def test_metrics_sum_publisher_counters_and_add_db_gauges(
+    client: httpx.AsyncClient,
+) -> None:
+    r = await client.get("/metrics", headers=R)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(r.text) for s in fam.samples
+    }  # fmt: skip
+
+    def v(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert v("outbox_published_total") == 130  # 120 (p1) + 10 (p0, stopped: still counted)
+    assert v("outbox_confirmed_total") == 110
+    assert v("outbox_lost_confirms_total") == 6
+    assert v("outbox_channel_closes_total") == 2
+    assert v("outbox_rows", status="failed") == 2
+    assert v("outbox_in_flight") == 4
+    assert v("outbox_possible_duplicates") == 1
+    assert v("outbox_publishers_alive") == 1
+    assert v("outbox_oldest_pending_age_seconds") > 0
+    # p1 buckets 0.005:10 0.05:60 0.5:95 (+Inf 100); p0 0.05:4 1.0:10
+    assert v("outbox_confirm_latency_seconds_bucket", le="0.05") == 64
+    assert v("outbox_confirm_latency_seconds_bucket", le="0.5") == 99
+    assert v("outbox_confirm_latency_seconds_bucket", le="1.0") == 105
+    assert v("outbox_confirm_latency_seconds_bucket", le="+Inf") == 110
+    assert v("outbox_confirm_latency_seconds_count") == 110
+    assert v("outbox_confirm_latency_seconds_sum") == pytest.approx(11.5)
+
+
+async def test_metrics_survive_malformed_publisher_stats(sqlite_url: str) -> None:
+    engine = make_engine(sqlite_url)
+    bad = [
+        None, [], {"published": "many", "confirmed": -1, "confirm_latency_buckets": "x"},
+        {"published": 5, "confirm_latency_buckets": {"abc": 1, "0.1": "two", "nan": 3}},
+    ]  # fmt: skip
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert(publishers), [
+                {"publisher_id": f"b{i}", "hostname": "h", "pid": i, "started_at": T0,
+                 "heartbeat_at": T0, "stats": stats} for i, stats in enumerate(bad)
+            ])  # fmt: skip
+        async with client_for(create_app(settings_for(sqlite_url), engine=engine)) as c:
+            r = await c.get("/metrics", headers=R)
+        assert r.status_code == 200, r.text
+        assert "outbox_published_total 5.0" in r.text
+    finally:
+        engine.dispose()
+
+
+# ------------------------------------------------------------------------ health, errors
+
+
+async def test_readyz_checks_database_schema_and_broker(
+    sqlite_url: str, amqp_url: str, tmp_path: Path
+) -> None:
+    ok = create_app(settings_for(sqlite_url, amqp_url=SecretStr(amqp_url)))
+    async with client_for(ok) as c:
+        r = await c.get("/readyz")
+    assert r.status_code == 200, r.text
+    assert r.json()["ready"] is True
+    old = f"sqlite:///{tmp_path / 'old.db'}"
+    migrate(old, "0001")
+    behind = create_app(settings_for(old))  # broker on port 1: refused
+    async with client_for(behind) as c:
+        r = await c.get("/readyz")
+    assert r.status_code == 503
+    body = r.json()
+    assert body["database"]["ok"] is True
+    assert body["migrations"]["ok"] is False and "migrate" in body["migrations"]["detail"]
+    assert body["broker"]["ok"] is False
+    assert "guest" not in r.text, "no URL (or password) in the answer"
+
+
+async def test_an_unreachable_database_is_a_503_not_a_500() -> None:
+    url = "postgresql+psycopg://outbox:pw-s3cret@127.0.0.1:1/outbox"
+    app = create_app(settings_for(url))
+    async with client_for(app) as c:
+        r = await c.get("/v1/stats", headers=R)
+        ready = await c.get("/readyz")
+    assert r.status_code == 503 and "database unavailable" in r.json()["detail"]
+    assert ready.status_code == 503 and ready.json()["database"]["ok"] is False
+    assert "s3cret" not in r.text + ready.text
+
+
+def test_importing_the_api_needs_no_database() -> None:
+    code = "import app.api, app.cli; print('ok')"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["OUTBOX_DATABASE_URL"] = "postgresql+psycopg://nobody@127.0.0.1:1/none"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60, check=True)  # fmt: skip
+    assert out.stdout.strip() == "ok"

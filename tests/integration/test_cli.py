@@ -1,0 +1,246 @@
+"""The ``outbox`` command line against real databases: tables, JSON, republish, exit codes.
+
+Commands run in-process through :func:`app.cli.main` (fast); the console script and ``serve``
+run as real subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import Engine, inspect, select
+
+from app.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, duration, main, table
+from app.db import make_engine
+from app.outbox.schema import audit, outbox
+from tests.integration.test_api import OPERATOR, READ, Clock, Seeded, seed_every_state
+
+REPO = Path(__file__).resolve().parents[2]
+COMMANDS = ["migrate", "publish", "serve", "status", "batches", "republish"]
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, db_url: str) -> str:
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", db_url)
+    return db_url
+
+
+@pytest.fixture
+def engine(env: str) -> Iterator[Engine]:
+    eng = make_engine(env)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def seeded(engine: Engine) -> Seeded:
+    return seed_every_state(engine, Clock())
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def statuses(engine: Engine, ids: list[str]) -> set[str]:
+    stmt = select(outbox.c.status).where(outbox.c.message_id.in_(ids))
+    with engine.connect() as conn:
+        return set(conn.execute(stmt).scalars())
+
+
+# --------------------------------------------------------------------------------- help
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--help"])
+    assert stop.value.code == 0
+    assert f"usage: outbox {command}" in capsys.readouterr().out
+
+
+def test_the_console_script_runs_and_publish_help_needs_no_publisher() -> None:
+    script = Path(sys.executable).parent / "outbox"
+    top = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0 and all(c in top.stdout for c in COMMANDS)
+    code = "import sys; sys.modules['app.publisher'] = None; from app.cli import main; main()"
+    pub = subprocess.run([sys.executable, "-c", code, "publish", "--help"], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert pub.returncode == 0, pub.stderr
+    assert "usage: outbox publish" in pub.stdout
+
+
+# ------------------------------------------------------------------------- status, batches
+
+
+def test_status_prints_a_readable_table_and_json(
+    env: str, seeded: Seeded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = run(capsys, "status")
+    assert rc == EXIT_OK
+    rows = [line.split() for line in out.splitlines()]
+    for pair in (["pending", "2"], ["in_flight", "4"], ["failed", "2"], ["total", "15"]):
+        assert pair in rows
+    assert "possible duplicates   1" in out
+    assert "publishers: 0 alive of 2 known" in out  # seeded heartbeats are old
+    rc, out, _ = run(capsys, "status", "--json")
+    body = json.loads(out)
+    assert body["counts"]["returned"] == 2 and body["total"] == 15
+
+
+def test_batches_table_json_one_batch_and_unknown_batch(
+    env: str, seeded: Seeded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = run(capsys, "batches")
+    assert rc == EXIT_OK
+    lines = out.splitlines()
+    assert lines[0].split()[:8] == ["batch", "rows", "pending", "in_flight", "confirmed",
+                                    "returned", "nacked", "failed"]  # fmt: skip
+    assert lines[1].split()[:8] == ["orders:1", "7", "0", "0", "3", "2", "2", "0"]
+    rc, out, _ = run(capsys, "batches", "--status", "failed", "--json")
+    assert [b["batch_id"] for b in json.loads(out)] == ["orders:2"]
+    rc, out, _ = run(capsys, "batches", "orders:3")
+    assert rc == EXIT_OK and "orders:3" in out
+    rc, _, err = run(capsys, "batches", "nope")
+    assert rc == EXIT_FAILURE and "no batch 'nope'" in err
+
+
+# ---------------------------------------------------------------------------- republish
+
+
+def test_republish_dry_run_then_real_then_replayed(
+    env: str, seeded: Seeded, engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["republish", "--batch", "orders:1", "--status", "nacked"]
+    rc, out, _ = run(capsys, *args, "--dry-run")
+    assert rc == EXIT_OK and "would republish 2 of 2" in out
+    assert statuses(engine, seeded["nacked"]) == {"nacked"}
+
+    rc, out, _ = run(capsys, *args, "--request-id", "inc-9", "--actor", "bob")
+    assert rc == EXIT_OK and "republished 2 of 2" in out and "inc-9" in out
+    assert statuses(engine, seeded["nacked"]) == {"pending"}
+    with engine.connect() as conn:
+        [row] = conn.execute(select(audit)).mappings().all()
+    assert (row["actor"], row["count"], row["request_id"]) == ("bob", 2, "inc-9")
+
+    rc, out, _ = run(capsys, *args, "--request-id", "inc-9", "--json")
+    assert rc == EXIT_OK and json.loads(out)["replayed"] is True
+    rc, _, err = run(capsys, "republish", "--status", "failed", "--request-id", "inc-9")
+    assert rc == EXIT_USAGE and "already used" in err
+    assert statuses(engine, seeded["failed"]) == {"failed"}
+
+
+def test_republish_usage_errors_exit_2(env: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "republish")[0] == EXIT_USAGE  # no filter: refuse to move everything
+    rc, _, err = run(capsys, "republish", "--status", "failed", "--created-after", "2026-01-02",
+                     "--created-before", "2026-01-01")  # fmt: skip
+    assert rc == EXIT_USAGE and "earlier" in err
+    for bad in (["--status", "confirmed"], ["--limit", "0"], ["--created-after", "yesterday"]):
+        with pytest.raises(SystemExit) as stop:
+            main(["republish", *bad])
+        assert stop.value.code == EXIT_USAGE
+    rc, _, err = run(capsys, "republish", "--batch", "nope")
+    assert rc == EXIT_FAILURE and "no batch" in err
+
+
+# ---------------------------------------------------------------------------- exit codes
+
+
+def test_unreachable_database_exits_1_and_bad_config_exits_2_without_echoing_secrets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql+psycopg://u:pw-s3cret@127.0.0.1:1/x")
+    rc, _, err = run(capsys, "status")
+    assert rc == EXIT_FAILURE and "database unavailable" in err and "s3cret" not in err
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "mysql://u:pw-s3cret@db/x")
+    rc, _, err = run(capsys, "status")
+    assert rc == EXIT_USAGE and "OUTBOX_DATABASE_URL" in err and "s3cret" not in err
+
+
+def test_a_database_without_schema_exits_1_naming_migrate(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", url)
+    rc, _, err = run(capsys, "batches")
+    assert rc == EXIT_FAILURE and "outbox migrate" in err
+    rc, out, _ = run(capsys, "migrate")
+    assert rc == EXIT_OK and "head" in out
+    assert "outbox" in inspect(make_engine(url)).get_table_names()
+    assert run(capsys, "batches")[0] == EXIT_OK
+
+
+def test_serve_refuses_without_tokens_and_insecure_off_loopback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("OUTBOX_API_TOKEN", "OUTBOX_OPERATOR_TOKEN", "OUTBOX_API_INSECURE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"sqlite:///{tmp_path / 'o.db'}")
+    rc, _, err = run(capsys, "serve")
+    assert rc == EXIT_USAGE and "OUTBOX_API_TOKEN" in err and "--insecure" in err
+    rc, _, err = run(capsys, "serve", "--insecure", "--host", "0.0.0.0")
+    assert rc == EXIT_USAGE and "loopback" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_really_starts_under_uvicorn_and_answers(sqlite_url: str) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_API_TOKEN=READ,
+               OUTBOX_OPERATOR_TOKEN=OPERATOR)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        health = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(f"{base}/healthz", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert health is not None and health.json() == {"status": "ok"}, proc.poll()
+        stats = httpx.get(f"{base}/v1/stats", headers={"Authorization": f"Bearer {READ}"})
+        assert stats.status_code == 200 and stats.json()["total"] == 0
+        assert httpx.get(f"{base}/v1/stats", timeout=5).status_code == 401
+    finally:
+        proc.terminate()
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate(timeout=5)
+    assert READ not in err and OPERATOR not in err
+
+
+# ------------------------------------------------------------------------------ rendering
+
+
+def test_table_and_duration_render_for_people() -> None:
+    assert table(["a", "n"], [("x", 1), ("long", 22)]).splitlines() == [
+        "a      n", "x      1", "long  22",
+    ]  # fmt: skip
+    assert [duration(s) for s in (None, 0.25, 59, 3600 + 61, 90000)] == [
+        "-", "250 ms", "59s", "1h 1m", "1d 1h",
+    ]  # fmt: skip
