@@ -12,7 +12,9 @@ import datetime as dt
 import os
 import random
 import socket
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,16 @@ class ClaimedRow:
     ordering_key: str | None
     attempts: int
     max_attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """Where and when a held row was published: written with its outcome, in one statement."""
+
+    id: int
+    channel_id: int
+    delivery_tag: int
+    published_at: dt.datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +164,30 @@ class OutboxRepository:
         self.engine = engine
         self.clock = clock
         self.dialect = engine.dialect.name
+        self._local = threading.local()
+
+    @contextmanager
+    def unit_of_work(self) -> Iterator[None]:
+        """Run the calls inside in one transaction (one commit): a publisher writes all the
+        outcomes of one flush this way. Nested units join the outer one."""
+        if getattr(self._local, "conn", None) is not None:
+            yield
+            return
+        with self.engine.begin() as conn:
+            self._local.conn = conn
+            try:
+                yield
+            finally:
+                self._local.conn = None
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            yield conn
+            return
+        with self.engine.begin() as fresh:
+            yield fresh
 
     @property
     def is_postgres(self) -> bool:
@@ -191,7 +227,7 @@ class OutboxRepository:
         if not ids:
             return 0
         moved = 0
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             for chunk in self._chunks(ids):
                 cond = and_(self._ids_in(chunk), outbox.c.status == source)
                 if owner is not None:
@@ -207,7 +243,7 @@ class OutboxRepository:
         now = self.clock()
         row = {"publisher_id": publisher_id, "hostname": socket.gethostname(), "pid": os.getpid(),
                "started_at": now, "heartbeat_at": now, "stopped_at": None}  # fmt: skip
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             if not self.is_postgres:
                 self._register_sole(conn, row, cutoff=now - dt.timedelta(seconds=stale_after))
                 return
@@ -248,7 +284,7 @@ class OutboxRepository:
         beat: dict[str, Any] = {"heartbeat_at": now, "stopped_at": None}
         if stats is not None:
             beat["stats"] = stats
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(
                 update(publishers).where(publishers.c.publisher_id == publisher_id).values(**beat)
             )
@@ -265,7 +301,7 @@ class OutboxRepository:
         values: dict[str, Any] = {"stopped_at": self.clock()}
         if stats is not None:
             values["stats"] = stats
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(
                 update(publishers).where(publishers.c.publisher_id == publisher_id).values(**values)
             )
@@ -300,9 +336,9 @@ class OutboxRepository:
             stmt = update(outbox).where(outbox.c.id == cte.c.id)
         else:
             stmt = update(outbox).where(outbox.c.id.in_(due.scalar_subquery()))
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             rows = conn.execute(stmt.values(**values).returning(*CLAIM_COLUMNS)).all()
-        claimed = [ClaimedRow(**row._asdict()) for row in rows]
+        claimed = [ClaimedRow(*row) for row in rows]
         claimed.sort(key=lambda r: r.id)
         return claimed
 
@@ -325,7 +361,7 @@ class OutboxRepository:
             .values(channel_id=channel_id, delivery_tag=bindparam("tag"), published_at=now)
         )
         params = [{"row_id": row_id, "tag": tag} for row_id, tag in tags]
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(stmt, params)
         return len(params)
 
@@ -350,16 +386,69 @@ class OutboxRepository:
             )
             .values(channel_id=channel_id, delivery_tag=pairs.c.tag, published_at=now)
         )
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             return conn.execute(stmt).rowcount
 
-    def mark_confirmed(self, *, owner: str, ids: Sequence[int]) -> int:
-        """Broker acked (and did not return) these publishes."""
+    def mark_confirmed(
+        self, *, owner: str, ids: Sequence[int] = (), published: Sequence[Published] = ()
+    ) -> int:
+        """Broker acked (and did not return) these publishes.
+
+        Rows given in ``published`` also get their channel, delivery tag and publish time in the
+        same statement (one row version: no separate "published" write per row).
+        """
         values = {"confirmed_at": self.clock(), "lease_owner": None, "lease_until": None,
                   "last_error": None}  # fmt: skip
-        return self.transition(
-            ids=ids, source=Status.IN_FLIGHT, target=Status.CONFIRMED, owner=owner, values=values
-        )
+        moved = 0
+        if ids:
+            moved += self.transition(
+                ids=ids, source=Status.IN_FLIGHT, target=Status.CONFIRMED, owner=owner,
+                values=values,
+            )  # fmt: skip
+        if published:
+            moved += self._confirm_published(owner, published, values)
+        return moved
+
+    def _confirm_published(
+        self, owner: str, published: Sequence[Published], values: dict[str, Any]
+    ) -> int:
+        check_transition(Status.IN_FLIGHT, Status.CONFIRMED)
+        if not self.is_postgres:
+            stmt = (
+                update(outbox)
+                .where(
+                    outbox.c.id == bindparam("row_id"),
+                    outbox.c.status == Status.IN_FLIGHT,
+                    outbox.c.lease_owner == owner,
+                )
+                .values(status=Status.CONFIRMED, channel_id=bindparam("ch"),
+                        delivery_tag=bindparam("tag"), published_at=bindparam("at"), **values)
+            )  # fmt: skip
+            params = [{"row_id": p.id, "ch": p.channel_id, "tag": p.delivery_tag,
+                       "at": p.published_at} for p in published]  # fmt: skip
+            with self._begin() as conn:
+                held = self._count_held(conn, owner, [p.id for p in published])
+                conn.execute(stmt, params)
+            return held
+        arrays = {
+            "id": ([p.id for p in published], BigInteger()),
+            "ch": ([p.channel_id for p in published], BigInteger()),
+            "tag": ([p.delivery_tag for p in published], BigInteger()),
+            "at": ([p.published_at for p in published], outbox.c.published_at.type),
+        }
+        v = select(
+            *[func.unnest(bindparam(f"u_{k}", vals, type_=ARRAY(t))).label(k)
+              for k, (vals, t) in arrays.items()]
+        ).subquery("v")  # fmt: skip
+        stmt = (
+            update(outbox)
+            .where(outbox.c.id == v.c.id, outbox.c.status == Status.IN_FLIGHT,
+                   outbox.c.lease_owner == owner)
+            .values(status=Status.CONFIRMED, channel_id=v.c.ch, delivery_tag=v.c.tag,
+                    published_at=v.c.at, **values)
+        )  # fmt: skip
+        with self._begin() as conn:
+            return conn.execute(stmt).rowcount
 
     def mark_returned(self, *, owner: str, returns: Sequence[ReturnedRow]) -> int:
         """Broker returned these mandatory publishes as unroutable (``basic.return``)."""
@@ -384,7 +473,7 @@ class OutboxRepository:
              "error": f"returned by broker: {r.reply_code} {r.reply_text}"}
             for r in returns
         ]  # fmt: skip
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             before = self._count_held(conn, owner, [r.id for r in returns])
             conn.execute(stmt, params)
         return before
@@ -423,7 +512,7 @@ class OutboxRepository:
         )
         if self.is_postgres:
             held = held.with_for_update()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             rows = conn.execute(held).all()
             spent_rows = [r for r in rows if r.attempts >= (max_attempts or r.max_attempts)]
             spent = [r.id for r in spent_rows]
@@ -493,8 +582,16 @@ class OutboxRepository:
                 last_error="lease expired: publisher stopped without settling",
             )
         )  # fmt: skip
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             return conn.execute(stmt).rowcount
+
+    def count_open(self) -> int:
+        """Rows not settled yet (``pending`` or ``in_flight``): zero means the outbox is drained."""
+        stmt = select(func.count()).where(
+            outbox.c.status.in_([Status.PENDING.value, Status.IN_FLIGHT.value])
+        )
+        with self._begin() as conn:
+            return int(conn.execute(stmt).scalar_one())
 
     # ------------------------------------------------------------ operator side
 
@@ -559,7 +656,7 @@ class OutboxRepository:
         pick = pick.order_by(outbox.c.id).limit(limit)
         if self.is_postgres and not dry_run:
             pick = pick.with_for_update(skip_locked=True)
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             matched = int(conn.execute(select(func.count()).where(cond)).scalar_one())
             rows = conn.execute(pick).all()
             sample = [r.message_id for r in rows[:20]]
@@ -597,7 +694,7 @@ class OutboxRepository:
         )
         total = 0
         while True:
-            with self.engine.begin() as conn:
+            with self._begin() as conn:
                 deleted = conn.execute(
                     delete(outbox).where(outbox.c.id.in_(old.scalar_subquery()))
                 ).rowcount

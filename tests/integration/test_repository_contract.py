@@ -17,6 +17,7 @@ from app.db import make_engine
 from app.outbox.repository import (
     Backoff,
     OutboxRepository,
+    Published,
     PublisherLocked,
     RepublishFilter,
     ReturnedRow,
@@ -311,3 +312,34 @@ class TestRepositoryContract:
             conn.execute(update(outbox).where(outbox.c.id == r.id).values(lease_owner="p2"))
         assert repo.mark_returned(owner="p1", returns=[ReturnedRow(r.id, 312, "NO_ROUTE")]) == 0
         assert row(engine, r.id)["status"] == "in_flight"
+
+    def test_confirm_with_publish_facts_in_one_statement(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        seed(engine, 3)
+        a, b, c = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        at = T0 - dt.timedelta(milliseconds=250)
+        facts = [Published(a.id, 2, 7, at), Published(b.id, 2, 8, at)]
+        assert repo.mark_confirmed(owner="p1", published=facts, ids=[c.id]) == 3
+        ra, rc = row(engine, a.id), row(engine, c.id)
+        assert (ra["status"], ra["channel_id"], ra["delivery_tag"]) == ("confirmed", 2, 7)
+        assert ra["published_at"] == at and ra["confirmed_at"] == T0
+        assert rc["status"] == "confirmed" and rc["delivery_tag"] is None
+        assert repo.mark_confirmed(owner="p2", published=facts) == 0  # guarded like every mark
+
+    def test_unit_of_work_commits_once_or_not_at_all(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        seed(engine, 3)
+        a, b, c = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        with pytest.raises(RuntimeError), repo.unit_of_work():
+            repo.mark_confirmed(owner="p1", ids=[a.id])
+            repo.mark_failed(owner="p1", ids=[b.id], reason="x")
+            raise RuntimeError("the flush died half way")
+        assert statuses(engine) == {"in_flight": 3}
+        with repo.unit_of_work():
+            repo.mark_confirmed(owner="p1", ids=[a.id])
+            repo.release(owner="p1", ids=[b.id, c.id], lost=True)
+            assert repo.count_open() == 2  # reads see the unit's own writes
+        assert statuses(engine) == {"confirmed": 1, "pending": 2}
+        assert repo.count_open() == 2
