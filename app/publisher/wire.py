@@ -1,0 +1,789 @@
+"""An AMQP 0-9-1 client for the publish hot path, on pamqp's frame codec.
+
+aio-pika (aiormq underneath) gives every publish its own socket write and its own asyncio future;
+that caps a Python publisher near 5k msg/s on this kind of machine (docs/publisher.md). Here a
+batch of publishes is marshalled into one buffer and written with one ``transport.write``, and the
+broker's answers go to plain synchronous callbacks (:class:`WireListener`): no future per message.
+
+What it speaks: the handshake (PLAIN, capabilities for confirms, ``connection.blocked`` and
+authentication-failure close), channels in confirm mode, ``basic.publish`` with content frames
+split at ``frame_max``, passive ``exchange.declare`` on a scratch channel, heartbeats (sent, and
+missed ones detected), ``connection.blocked``/``unblocked``, ``basic.ack``/``nack``/``return`` and
+channel/connection closes from either side. Futures exist only for the few control RPCs
+(channel open, confirm.select, passive declare, close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import platform
+import ssl
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+from urllib.parse import unquote, urlsplit
+
+from pamqp import commands, common, constants, encode, frame, header, heartbeat
+from pamqp.base import Frame
+from pamqp.body import ContentBody
+from pamqp.exceptions import PAMQPException
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_HEADER = header.ProtocolHeader().marshal()
+HEARTBEAT_FRAME = heartbeat.Heartbeat.marshal()
+DEFAULT_FRAME_MAX = 131_072
+FRAME_OVERHEAD = 8  # type (1) + channel (2) + size (4) + frame-end (1)
+_FRAME_HEADER = struct.Struct(">BHI")
+_METHOD_INDEX = struct.Struct(">I")
+_CONTENT_HEADER = struct.Struct(">HxxQ")
+_PROPERTY_FLAGS = struct.Struct(">H")
+_FRAME_END = constants.FRAME_END_CHAR
+_METHOD_CACHE_MAX = 4096
+
+# AMQP reply codes the engine acts on
+REPLY_SUCCESS = 200
+CONNECTION_FORCED = 320
+ACCESS_REFUSED = 403
+NOT_FOUND = 404
+PRECONDITION_FAILED = 406
+FRAME_ERROR = 501
+
+F = TypeVar("F", bound=Frame)
+
+# ---------------------------------------------------------------- values and errors
+
+
+@dataclass(frozen=True, slots=True)
+class AMQPParams:
+    """Where and as whom to connect, parsed from an ``amqp://`` or ``amqps://`` URL."""
+
+    host: str
+    port: int
+    vhost: str
+    username: str
+    password: str = field(repr=False)
+    tls: bool = False
+
+
+def parse_url(url: str) -> AMQPParams:
+    """``amqp://user:pass@host:port/vhost`` -> :class:`AMQPParams` (vhost ``/`` by default)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("amqp", "amqps"):
+        raise ValueError(f"not an AMQP URL (scheme {parts.scheme!r})")
+    tls = parts.scheme == "amqps"
+    path = parts.path[1:] if parts.path.startswith("/") else parts.path
+    return AMQPParams(
+        host=parts.hostname or "localhost",
+        port=parts.port or (5671 if tls else 5672),
+        vhost=unquote(path) if path else "/",
+        username=unquote(parts.username or "guest"),
+        password=unquote(parts.password or "guest"),
+        tls=tls,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CloseReason:
+    """Why a channel or the connection closed (``by_peer``: the broker closed it)."""
+
+    reply_code: int
+    reply_text: str
+    class_id: int = 0
+    method_id: int = 0
+    by_peer: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.reply_code} {self.reply_text}"
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingMessage:
+    """One ``basic.publish`` with its content.
+
+    ``properties``: a pamqp ``Basic.Properties``, or bytes already marshalled by
+    :func:`marshal_properties` (the hot path's form).
+    """
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    properties: commands.Basic.Properties | bytes
+    mandatory: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnedMessage:
+    """A ``basic.return`` with its content header and body, assembled."""
+
+    reply_code: int
+    reply_text: str
+    exchange: str
+    routing_key: str
+    properties: commands.Basic.Properties
+    body: bytes
+
+    @property
+    def message_id(self) -> str | None:
+        return self.properties.message_id
+
+
+class WireError(Exception):
+    """Base of the wire layer's errors."""
+
+
+class ConnectionClosedError(WireError):
+    """The connection is closed or lost; ``reason`` says why."""
+
+    def __init__(self, reason: CloseReason) -> None:
+        super().__init__(f"connection closed: {reason}")
+        self.reason = reason
+
+
+class ChannelClosedError(WireError):
+    """The channel is closed; ``reason`` says why."""
+
+    def __init__(self, channel_id: int, reason: CloseReason) -> None:
+        super().__init__(f"channel {channel_id} closed: {reason}")
+        self.channel_id = channel_id
+        self.reason = reason
+
+
+class HandshakeError(WireError):
+    """The broker refused or broke the connection handshake."""
+
+
+class AuthenticationError(HandshakeError):
+    """The broker refused the credentials (403 during the handshake)."""
+
+
+class WireListener(Protocol):
+    """Synchronous callbacks for everything the broker sends unasked. Keep them short."""
+
+    def on_ack(self, channel_id: int, delivery_tag: int, multiple: bool) -> None: ...
+
+    def on_nack(self, channel_id: int, delivery_tag: int, multiple: bool) -> None: ...
+
+    def on_return(self, channel_id: int, message: ReturnedMessage) -> None: ...
+
+    def on_channel_closed(self, channel_id: int, reason: CloseReason) -> None: ...
+
+    def on_blocked(self, reason: str) -> None: ...
+
+    def on_unblocked(self) -> None: ...
+
+    def on_connection_lost(self, reason: CloseReason) -> None: ...
+
+
+def _close_reason(method: commands.Connection.Close | commands.Channel.Close) -> CloseReason:
+    return CloseReason(method.reply_code or 0, method.reply_text or "", method.class_id or 0,
+                       method.method_id or 0, by_peer=True)  # fmt: skip
+
+
+# ---------------------------------------------------------------- codec (pure)
+
+
+def _frame(frame_type: int, channel_id: int, payload: bytes) -> bytes:
+    return _FRAME_HEADER.pack(frame_type, channel_id, len(payload)) + payload + _FRAME_END
+
+
+def method_frame(channel_id: int, method: Frame) -> bytes:
+    """One marshalled method frame (pamqp's codec)."""
+    return frame.marshal(method, channel_id)
+
+
+def _property_codecs() -> tuple[tuple[str, int, Callable[[Any], bytes]], ...]:
+    props = commands.Basic.Properties
+    encoders: dict[str, Callable[[Any], bytes]] = {
+        "shortstr": encode.short_string, "octet": encode.octet, "table": encode.field_table,
+        "timestamp": encode.timestamp,
+    }  # fmt: skip
+    return tuple(
+        (name, props.flags[name], encoders[props.amqp_type(name)])
+        for name in props.attributes()
+        if name != "cluster_id"
+    )
+
+
+_PROPERTY_CODECS = _property_codecs()
+
+
+def marshal_properties(values: Mapping[str, Any]) -> bytes:
+    """Content-header properties, as ``Basic.Properties(**values).marshal()`` encodes them.
+
+    Same flags and value encoders (pamqp's), without building and reflecting over a
+    ``Basic.Properties`` per message. Keys are ``Basic.Properties`` attribute names; no validation
+    beyond the encoders' own (callers check delivery_mode and priority ranges).
+    """
+    flags = 0
+    parts: list[bytes] = []
+    for name, flag, encoder in _PROPERTY_CODECS:
+        value = values.get(name)
+        if value is not None and value != "":
+            flags |= flag
+            parts.append(encoder(value))
+    return _PROPERTY_FLAGS.pack(flags) + b"".join(parts)
+
+
+class PublishEncoder:
+    """Marshals ``basic.publish`` + content header + body frames for one connection.
+
+    The method frame of a (channel, exchange, routing key, mandatory) is built once by pamqp and
+    cached; properties are marshalled by pamqp per message; bodies are split at
+    ``frame_max - 8``.
+    """
+
+    def __init__(self, *, frame_max: int) -> None:
+        self.frame_max = frame_max or DEFAULT_FRAME_MAX
+        self.body_chunk = self.frame_max - FRAME_OVERHEAD
+        self._methods: dict[tuple[int, str, str, bool], bytes] = {}
+
+    def publish_method(
+        self, channel_id: int, exchange: str, routing_key: str, mandatory: bool
+    ) -> bytes:
+        key = (channel_id, exchange, routing_key, mandatory)
+        cached = self._methods.get(key)
+        if cached is None:
+            if len(self._methods) >= _METHOD_CACHE_MAX:
+                self._methods.clear()
+            method = commands.Basic.Publish(
+                exchange=exchange, routing_key=routing_key, mandatory=mandatory
+            )
+            cached = self._methods[key] = frame.marshal(method, channel_id)
+        return cached
+
+    def encode(self, channel_id: int, message: OutgoingMessage, out: list[bytes]) -> None:
+        """Append the frames of one publish to ``out``; ValueError/TypeError if unencodable."""
+        if len(message.routing_key.encode()) > 255:
+            raise ValueError("routing key longer than 255 bytes")
+        body = message.body
+        props = message.properties
+        if not isinstance(props, bytes):
+            props = props.marshal()
+        content_header = _CONTENT_HEADER.pack(commands.Basic.frame_id, len(body)) + props
+        method = self.publish_method(
+            channel_id, message.exchange, message.routing_key, message.mandatory
+        )
+        out.append(method)
+        out.append(_frame(constants.FRAME_HEADER, channel_id, content_header))
+        step = self.body_chunk
+        if len(body) <= step:
+            if body:
+                out.append(_frame(constants.FRAME_BODY, channel_id, body))
+            return
+        for start in range(0, len(body), step):
+            out.append(_frame(constants.FRAME_BODY, channel_id, body[start : start + step]))
+
+
+# ---------------------------------------------------------------- the connection
+
+
+@dataclass(slots=True)
+class _Assembly:
+    """A ``basic.return`` whose content frames are still arriving."""
+
+    method: commands.Basic.Return
+    properties: commands.Basic.Properties | None = None
+    size: int = -1
+    parts: list[bytes] = field(default_factory=list)
+    received: int = 0
+
+
+@dataclass(slots=True)
+class _Waiter:
+    expect: tuple[type[Frame], ...]
+    future: asyncio.Future[Frame]
+
+
+class AMQPConnection(asyncio.Protocol):
+    """One AMQP connection. Build it with :meth:`connect`; it calls ``listener`` from the loop."""
+
+    def __init__(self, *, listener: WireListener, params: AMQPParams, heartbeat: int,
+                 frame_max: int, channel_max: int, name: str) -> None:  # fmt: skip
+        self._listener = listener
+        self._params = params
+        self._want_heartbeat = heartbeat
+        self._want_frame_max = frame_max
+        self._want_channel_max = channel_max
+        self._name = name
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._waiters: dict[int, _Waiter] = {}
+        self._channels: set[int] = set()  # open channels (confirm mode or scratch)
+        self._notify_channels: set[int] = set()  # channels whose closes go to the listener
+        self._assembling: dict[int, _Assembly] = {}
+        self._next_channel = 1
+        self._scratch: int | None = None
+        self._scratch_lock = asyncio.Lock()
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._handshake_done = False
+        self._closed: CloseReason | None = None
+        self._close_sent = False
+        self._lost = self._loop.create_future()
+        self._heartbeat_timer: asyncio.TimerHandle | None = None
+        self._last_recv = time.monotonic()
+        self.server_properties: dict[str, Any] = {}
+        self.frame_max = DEFAULT_FRAME_MAX
+        self.channel_max = channel_max
+        self.heartbeat = 0
+        self.blocked = False
+        self.encoder = PublishEncoder(frame_max=DEFAULT_FRAME_MAX)
+        self.bytes_written = 0
+        self.writes = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        listener: WireListener,
+        heartbeat: int = 10,
+        frame_max: int = DEFAULT_FRAME_MAX,
+        channel_max: int = 2047,
+        timeout: float = 10.0,
+        name: str = "outbox-publisher",
+    ) -> AMQPConnection:
+        """Open a TCP (or TLS) connection and run the AMQP handshake."""
+        params = parse_url(url)
+        loop = asyncio.get_running_loop()
+        proto = cls(listener=listener, params=params, heartbeat=heartbeat, frame_max=frame_max,
+                    channel_max=channel_max, name=name)  # fmt: skip
+        tls = ssl.create_default_context() if params.tls else None
+        async with asyncio.timeout(timeout):
+            await loop.create_connection(lambda: proto, params.host, params.port, ssl=tls)
+            try:
+                await proto._handshake()
+            except BaseException:
+                proto.abort()
+                raise
+        return proto
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.set_write_buffer_limits(high=4 << 20, low=1 << 20)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = self._closed or CloseReason(
+            CONNECTION_FORCED, f"connection lost: {exc or 'closed by peer'}", by_peer=True
+        )
+        self._closed = reason
+        self._stop_heartbeats()
+        for waiter in self._waiters.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(ConnectionClosedError(reason))
+        self._waiters.clear()
+        self._wake_drainers()
+        self._channels.clear()
+        if not self._lost.done():
+            self._lost.set_result(reason)
+        if self._handshake_done:
+            self._listener.on_connection_lost(reason)
+
+    @property
+    def is_open(self) -> bool:
+        return self._closed is None and self._handshake_done
+
+    @property
+    def close_reason(self) -> CloseReason | None:
+        return self._closed
+
+    async def wait_closed(self) -> CloseReason:
+        return await asyncio.shield(self._lost)
+
+    async def close(self, *, timeout: float = 5.0) -> None:
+        """Close politely (``connection.close``, wait for ``close-ok``), then the socket."""
+        if self._transport is None or self._lost.done():
+            return
+        if self.is_open and not self._close_sent:
+            self._closed = CloseReason(REPLY_SUCCESS, "closed by client", by_peer=False)
+            self._close_sent = True
+            self._write(method_frame(0, commands.Connection.Close(REPLY_SUCCESS, "bye", 0, 0)))
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._lost)
+        except TimeoutError:
+            self.abort(reason="close timed out")
+
+    def abort(self, *, reason: str = "aborted by client") -> None:
+        """Drop the socket now: outstanding publishes become of unknown outcome."""
+        if self._closed is None:
+            self._closed = CloseReason(CONNECTION_FORCED, reason, by_peer=False)
+        if self._transport is not None:
+            self._transport.abort()
+
+    # ------------------------------------------------------------ handshake
+
+    async def _handshake(self) -> None:
+        start = await self._request(0, None, (commands.Connection.Start,), raw=PROTOCOL_HEADER)
+        assert isinstance(start, commands.Connection.Start)
+        self.server_properties = dict(start.server_properties or {})
+        mechanisms = start.mechanisms
+        if isinstance(mechanisms, bytes):
+            mechanisms = mechanisms.decode()
+        if "PLAIN" not in str(mechanisms).split():
+            raise HandshakeError(f"broker offers no PLAIN authentication ({mechanisms})")
+        tune = await self._request(0, self._start_ok(), (commands.Connection.Tune,))
+        assert isinstance(tune, commands.Connection.Tune)
+        self._apply_tune(tune)
+        self._write(method_frame(0, commands.Connection.TuneOk(
+            self.channel_max, self.frame_max, self.heartbeat)))  # fmt: skip
+        await self._request(0, commands.Connection.Open(self._params.vhost),
+                            (commands.Connection.OpenOk,))  # fmt: skip
+        self._handshake_done = True
+        self._start_heartbeats()
+
+    def _start_ok(self) -> commands.Connection.StartOk:
+        capabilities: common.FieldTable = {
+            "publisher_confirms": True, "consumer_cancel_notify": True,
+            "connection.blocked": True, "authentication_failure_close": True,
+            "basic.nack": True, "exchange_exchange_bindings": True,
+        }  # fmt: skip
+        client_properties: common.FieldTable = {
+            "product": "outbox-publisher", "platform": f"Python {platform.python_version()}",
+            "connection_name": self._name, "capabilities": capabilities,
+            "information": "pamqp frame codec, batched publish path",
+        }  # fmt: skip
+        response = f"\0{self._params.username}\0{self._params.password}"
+        return commands.Connection.StartOk(client_properties, "PLAIN", response, "en_US")
+
+    def _apply_tune(self, tune: commands.Connection.Tune) -> None:
+        def lowest(ours: int, theirs: int) -> int:
+            return min(x for x in (ours, theirs) if x) if (ours or theirs) else 0
+
+        self.channel_max = lowest(self._want_channel_max, tune.channel_max or 0) or 65535
+        self.frame_max = lowest(self._want_frame_max, tune.frame_max or 0) or DEFAULT_FRAME_MAX
+        self.heartbeat = self._want_heartbeat
+        self.encoder = PublishEncoder(frame_max=self.frame_max)
+
+    # ------------------------------------------------------------ heartbeats
+
+    def _start_heartbeats(self) -> None:
+        if self.heartbeat > 0:
+            self._last_recv = time.monotonic()
+            self._heartbeat_timer = self._loop.call_later(self.heartbeat / 2, self._heartbeat_tick)
+
+    def _stop_heartbeats(self) -> None:
+        if self._heartbeat_timer is not None:
+            self._heartbeat_timer.cancel()
+            self._heartbeat_timer = None
+
+    def _heartbeat_tick(self) -> None:
+        if self._closed is not None:
+            return
+        if time.monotonic() - self._last_recv > 2 * self.heartbeat:
+            log.warning("no frame from the broker for %ss: connection dead", 2 * self.heartbeat)
+            self.abort(reason=f"missed heartbeats ({2 * self.heartbeat}s without a frame)")
+            return
+        self._write(HEARTBEAT_FRAME)
+        self._heartbeat_timer = self._loop.call_later(self.heartbeat / 2, self._heartbeat_tick)
+
+    # ------------------------------------------------------------ channels
+
+    def _allocate_channel(self) -> int:
+        for _ in range(self.channel_max):
+            channel_id = self._next_channel
+            self._next_channel = channel_id % self.channel_max + 1
+            if channel_id not in self._channels and channel_id not in self._waiters:
+                return channel_id
+        raise WireError(f"all {self.channel_max} channels are in use")
+
+    async def open_channel(self, *, confirm: bool = True) -> int:
+        """Open a channel (in confirm mode by default); its closes go to the listener."""
+        channel_id = self._allocate_channel()
+        await self._request(channel_id, commands.Channel.Open(), (commands.Channel.OpenOk,))
+        self._channels.add(channel_id)
+        if confirm:
+            await self._request(channel_id, commands.Confirm.Select(), (commands.Confirm.SelectOk,))
+        self._notify_channels.add(channel_id)
+        return channel_id
+
+    async def close_channel(self, channel_id: int, *, timeout: float = 5.0) -> None:
+        """Close a channel of ours; frames still arriving for it are dropped."""
+        self._notify_channels.discard(channel_id)
+        if channel_id not in self._channels or not self.is_open:
+            self._channels.discard(channel_id)
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self._request(channel_id, commands.Channel.Close(REPLY_SUCCESS, "done", 0, 0),
+                                    (commands.Channel.CloseOk,))  # fmt: skip
+        except (WireError, TimeoutError):
+            pass
+        self._channels.discard(channel_id)
+
+    def channel_is_open(self, channel_id: int) -> bool:
+        return channel_id in self._channels
+
+    async def exchange_exists(self, name: str, *, timeout: float = 5.0) -> CloseReason | None:
+        """Passive ``exchange.declare`` on a scratch channel: None if it exists, else why not."""
+        async with self._scratch_lock:
+            if self._scratch is None or self._scratch not in self._channels:
+                self._scratch = None
+                channel_id = self._allocate_channel()
+                async with asyncio.timeout(timeout):
+                    await self._request(channel_id, commands.Channel.Open(),
+                                        (commands.Channel.OpenOk,))  # fmt: skip
+                self._channels.add(channel_id)
+                self._scratch = channel_id
+            declare = commands.Exchange.Declare(exchange=name, passive=True)
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._request(self._scratch, declare, (commands.Exchange.DeclareOk,))
+            except ChannelClosedError as exc:
+                self._scratch = None
+                return exc.reason
+            return None
+
+    # ------------------------------------------------------------ publishing
+
+    def encode_batch(
+        self, channel_id: int, messages: Sequence[OutgoingMessage]
+    ) -> tuple[bytes, list[tuple[int, Exception]]]:
+        """Marshal publishes into one buffer (nothing is sent).
+
+        Returns the bytes and ``(index, error)`` for messages that could not be encoded: those
+        are left out, so they take no delivery tag.
+        """
+        out: list[bytes] = []
+        errors: list[tuple[int, Exception]] = []
+        encode = self.encoder.encode
+        for index, message in enumerate(messages):
+            mark = len(out)
+            try:
+                encode(channel_id, message, out)
+            except (ValueError, TypeError, PAMQPException, struct.error) as exc:
+                del out[mark:]
+                errors.append((index, exc))
+        return b"".join(out), errors
+
+    def write_batch(self, channel_id: int, data: bytes) -> None:
+        """Send publishes encoded by :meth:`encode_batch` with one ``transport.write``.
+
+        Raises ChannelClosedError / ConnectionClosedError (nothing sent) when they cannot go.
+        """
+        if not self.is_open:
+            raise ConnectionClosedError(self._closed or CloseReason(CONNECTION_FORCED, "not open"))
+        if channel_id not in self._channels:
+            raise ChannelClosedError(channel_id, CloseReason(0, "channel is not open"))
+        if data:
+            self._write(data)
+
+    def publish_batch(
+        self, channel_id: int, messages: Sequence[OutgoingMessage]
+    ) -> list[tuple[int, Exception]]:
+        """:meth:`encode_batch` then :meth:`write_batch`: one write for the whole batch."""
+        data, errors = self.encode_batch(channel_id, messages)
+        self.write_batch(channel_id, data)
+        return errors
+
+    @property
+    def write_paused(self) -> bool:
+        return self._write_paused
+
+    async def drain(self) -> None:
+        """Wait while the socket's write buffer is above its high-water mark."""
+        if not self._write_paused or self._lost.done():
+            return
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        self._drain_waiters.append(waiter)
+        await waiter
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_drainers()
+
+    def _wake_drainers(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _write(self, data: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
+        self._transport.write(data)
+        self.bytes_written += len(data)
+        self.writes += 1
+
+    async def _request(
+        self, channel_id: int, method: Frame | None, expect: tuple[type[Frame], ...],
+        *, raw: bytes | None = None,
+    ) -> Frame:  # fmt: skip
+        if self._closed is not None:
+            raise ConnectionClosedError(self._closed)
+        if channel_id in self._waiters:
+            raise WireError(f"channel {channel_id} already has a request in flight")
+        future: asyncio.Future[Frame] = self._loop.create_future()
+        self._waiters[channel_id] = _Waiter(expect, future)
+        self._write(raw if raw is not None else method_frame(channel_id, method))  # type: ignore[arg-type]
+        try:
+            return await future
+        finally:
+            waiter = self._waiters.get(channel_id)
+            if waiter is not None and waiter.future is future:
+                del self._waiters[channel_id]
+
+    # ------------------------------------------------------------ reading
+
+    def data_received(self, data: bytes) -> None:
+        self._last_recv = time.monotonic()
+        buf = self._buffer
+        buf += data
+        offset, size = 0, len(buf)
+        if not self._handshake_done and buf[:4] == b"AMQP":
+            self._fail_handshake(f"broker wants protocol {bytes(buf[:8])!r}")
+            return
+        while size - offset >= 8:
+            frame_type, channel_id, length = _FRAME_HEADER.unpack_from(buf, offset)
+            end = offset + 7 + length + 1
+            if end > size:
+                break
+            if buf[end - 1] != constants.FRAME_END:
+                self._protocol_violation("frame does not end with 0xCE")
+                return
+            chunk = bytes(buf[offset:end])
+            offset = end
+            if frame_type == constants.FRAME_HEARTBEAT:
+                continue
+            try:
+                _, _, value = frame.unmarshal(chunk)
+            except PAMQPException as exc:
+                self._protocol_violation(f"undecodable frame: {exc}")
+                return
+            self._dispatch(channel_id, value)
+            if self._transport is None or self._transport.is_closing():
+                return
+        del buf[:offset]
+
+    def _fail_handshake(self, why: str) -> None:
+        for waiter in self._waiters.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(HandshakeError(why))
+        self.abort(reason=why)
+
+    def _protocol_violation(self, why: str) -> None:
+        log.error("AMQP framing error from the broker: %s", why)
+        if self._closed is None:
+            self._closed = CloseReason(FRAME_ERROR, why, by_peer=False)
+            self._write(method_frame(0, commands.Connection.Close(FRAME_ERROR, why[:200], 0, 0)))
+        self.abort(reason=why)
+
+    def _dispatch(self, channel_id: int, value: Any) -> None:
+        if isinstance(value, commands.Basic.Ack):
+            if channel_id in self._notify_channels:
+                self._listener.on_ack(channel_id, value.delivery_tag, value.multiple)
+        elif isinstance(value, commands.Basic.Nack):
+            if channel_id in self._notify_channels:
+                self._listener.on_nack(channel_id, value.delivery_tag, value.multiple)
+        elif isinstance(value, commands.Basic.Return):
+            self._assembling[channel_id] = _Assembly(value)
+        elif isinstance(value, header.ContentHeader):
+            self._on_content_header(channel_id, value)
+        elif isinstance(value, ContentBody):
+            self._on_content_body(channel_id, value.value)
+        elif channel_id == 0:
+            self._dispatch_connection(value)
+        else:
+            self._dispatch_channel(channel_id, value)
+
+    def _resolve(self, channel_id: int, value: Frame) -> bool:
+        waiter = self._waiters.get(channel_id)
+        if waiter is None or not isinstance(value, waiter.expect):
+            return False
+        if not waiter.future.done():
+            waiter.future.set_result(value)
+        return True
+
+    def _dispatch_connection(self, value: Any) -> None:
+        if self._resolve(0, value):
+            return
+        if isinstance(value, commands.Connection.Close):
+            reason = _close_reason(value)
+            self._closed = self._closed or reason
+            self._write(method_frame(0, commands.Connection.CloseOk()))
+            if not self._handshake_done:
+                self._fail_waiters(reason)
+            if self._transport is not None:
+                self._transport.close()
+        elif isinstance(value, commands.Connection.CloseOk):
+            if self._transport is not None:
+                self._transport.close()
+        elif isinstance(value, commands.Connection.Blocked):
+            self.blocked = True
+            self._listener.on_blocked(value.reason or "")
+        elif isinstance(value, commands.Connection.Unblocked):
+            self.blocked = False
+            self._listener.on_unblocked()
+        else:
+            log.debug("ignored connection frame %s", getattr(value, "name", value))
+
+    def _fail_waiters(self, reason: CloseReason) -> None:
+        error: Exception = ConnectionClosedError(reason)
+        if reason.reply_code == ACCESS_REFUSED:
+            error = AuthenticationError(f"broker refused the login: {reason}")
+        for waiter in self._waiters.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+
+    def _dispatch_channel(self, channel_id: int, value: Any) -> None:
+        if isinstance(value, commands.Channel.Close):
+            self._on_channel_close(channel_id, value)
+        elif self._resolve(channel_id, value):
+            return
+        elif isinstance(value, commands.Channel.Flow):
+            self._write(method_frame(channel_id, commands.Channel.FlowOk(value.active)))
+        else:
+            log.debug("ignored frame %s on channel %d", getattr(value, "name", value), channel_id)
+
+    def _on_channel_close(self, channel_id: int, value: commands.Channel.Close) -> None:
+        reason = _close_reason(value)
+        self._write(method_frame(channel_id, commands.Channel.CloseOk()))
+        self._channels.discard(channel_id)
+        self._assembling.pop(channel_id, None)
+        waiter = self._waiters.pop(channel_id, None)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_exception(ChannelClosedError(channel_id, reason))
+        if channel_id in self._notify_channels:
+            self._notify_channels.discard(channel_id)
+            self._listener.on_channel_closed(channel_id, reason)
+
+    def _on_content_header(self, channel_id: int, value: header.ContentHeader) -> None:
+        pending = self._assembling.get(channel_id)
+        if pending is None:
+            return  # content of something we do not consume (a delivery): ignore
+        pending.properties = value.properties
+        pending.size = value.body_size
+        if pending.size == 0:
+            self._finish_return(channel_id, pending)
+
+    def _on_content_body(self, channel_id: int, data: bytes) -> None:
+        pending = self._assembling.get(channel_id)
+        if pending is None or pending.size < 0:
+            return
+        pending.parts.append(data)
+        pending.received += len(data)
+        if pending.received >= pending.size:
+            self._finish_return(channel_id, pending)
+
+    def _finish_return(self, channel_id: int, pending: _Assembly) -> None:
+        del self._assembling[channel_id]
+        method = pending.method
+        message = ReturnedMessage(
+            reply_code=method.reply_code or 0, reply_text=method.reply_text or "",
+            exchange=method.exchange or "", routing_key=method.routing_key or "",
+            properties=pending.properties or commands.Basic.Properties(),
+            body=b"".join(pending.parts),
+        )  # fmt: skip
+        if channel_id in self._notify_channels:
+            self._listener.on_return(channel_id, message)

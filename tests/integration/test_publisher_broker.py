@@ -1,0 +1,381 @@
+"""The publisher against the real RabbitMQ: drains, real nacks, returns, missing and forbidden
+exchanges, oversized bodies, a cut connection, several publishers on one PostgreSQL outbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, make_url, select
+
+from app.db import make_engine
+from app.outbox.repository import OutboxRepository
+from app.outbox.schema import publishers
+from app.publisher import Publisher
+from tests.factories import add_rows
+from tests.publisher_support import (
+    all_in,
+    consume_ids,
+    declare,
+    delete,
+    rows,
+    run_until_empty,
+    running_publisher,
+    settings_for,
+    wait_rows,
+)
+
+SERVICES = Path(__file__).resolve().parents[2] / "deploy" / "local" / "services.sh"
+
+
+def _name(kind: str) -> str:
+    return f"test-pub-{kind}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    eng = make_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[Engine]:
+    eng = make_engine(pg_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+async def topology(amqp_url: str) -> AsyncIterator[dict[str, str]]:
+    """A direct exchange bound to a durable queue with routing key ``rk``; deleted afterwards."""
+    names = {"exchange": _name("ex"), "queue": _name("q")}
+    await declare(amqp_url, exchange=names["exchange"], queue=names["queue"])
+    yield names
+    await delete(amqp_url, exchanges=(names["exchange"],), queues=(names["queue"],))
+
+
+async def test_drain_10k_each_message_exactly_once(
+    db_url: str, engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    ids = add_rows(engine, n=10_000, exchange=topology["exchange"], routing_key="rk")
+    settings = settings_for(db_url=db_url, amqp_url=amqp_url, window=2000)
+    stats = await run_until_empty(settings, engine)
+    final = rows(engine)
+    assert all(r.status == "confirmed" and r.attempts == 1 for r in final)
+    assert stats.confirmed == stats.published == 10_000
+    with engine.connect() as conn:
+        registry = conn.execute(select(publishers.c.stats, publishers.c.stopped_at)).one()
+    assert registry.stopped_at is not None
+    assert registry.stats["confirmed"] == 10_000 and registry.stats["lost_confirms"] == 0
+    seen = await consume_ids(amqp_url, topology["queue"], expect=10_000)
+    assert set(seen) == set(ids)
+    assert set(seen.values()) == {1}
+
+
+async def test_reject_publish_nacks_retry_until_the_queue_drains(
+    sqlite_url: str, amqp_url: str
+) -> None:
+    exchange, queue = _name("ex"), _name("q")
+    limited = {"x-max-length": 10, "x-overflow": "reject-publish"}
+    await declare(amqp_url, exchange=exchange, queue=queue, arguments=limited)
+    engine = make_engine(sqlite_url)
+    try:
+        ids = add_rows(engine, n=40, exchange=exchange, max_attempts=100)
+        settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url, backoff_max=0.2)
+        async with running_publisher(settings, engine) as publisher:
+            await wait_rows(engine, lambda rs: sum(r.status == "confirmed" for r in rs) == 10)
+            assert publisher.metrics.nacked >= 30  # the queue was full: real broker nacks
+            seen = await consume_ids(amqp_url, queue, expect=40, timeout=60)
+            final = await wait_rows(engine, all_in("confirmed"))
+        assert set(seen) == set(ids) and set(seen.values()) == {1}
+        assert max(r.attempts for r in final) > 1
+    finally:
+        engine.dispose()
+        await delete(amqp_url, exchanges=(exchange,), queues=(queue,))
+
+
+async def test_reject_publish_nacks_end_nacked_after_max_attempts(
+    sqlite_url: str, amqp_url: str
+) -> None:
+    exchange, queue = _name("ex"), _name("q")
+    limited = {"x-max-length": 10, "x-overflow": "reject-publish"}
+    await declare(amqp_url, exchange=exchange, queue=queue, arguments=limited)
+    engine = make_engine(sqlite_url)
+    try:
+        add_rows(engine, n=30, exchange=exchange, max_attempts=2)
+        settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url)
+        async with running_publisher(settings, engine):
+            final = await wait_rows(engine, all_in("confirmed", "nacked"))
+        by_status = {s: [r for r in final if r.status == s] for s in ("confirmed", "nacked")}
+        assert len(by_status["confirmed"]) == 10
+        assert len(by_status["nacked"]) == 20
+        assert all(r.attempts == 2 for r in by_status["nacked"])
+        assert all(r.last_error == "nacked by the broker" for r in by_status["nacked"])
+    finally:
+        engine.dispose()
+        await delete(amqp_url, exchanges=(exchange,), queues=(queue,))
+
+
+async def test_unroutable_rows_end_returned_312(db_url: str, engine: Engine, amqp_url: str) -> None:
+    exchange = _name("unbound")
+    await declare(amqp_url, exchange=exchange)
+    try:
+        add_rows(engine, n=20, exchange=exchange, routing_key="nowhere")
+        settings = settings_for(db_url=db_url, amqp_url=amqp_url)
+        async with running_publisher(settings, engine) as publisher:
+            final = await wait_rows(engine, all_in("returned", "confirmed"))
+        assert all(r.status == "returned" for r in final)
+        assert {(r.reply_code, r.reply_text) for r in final} == {(312, "NO_ROUTE")}
+        assert publisher.metrics.confirmed == 0
+    finally:
+        await delete(amqp_url, exchanges=(exchange,))
+
+
+async def test_missing_exchange_does_not_stall_other_exchanges(
+    sqlite_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    engine = make_engine(sqlite_url)
+    missing = _name("never-declared")
+    try:
+        good: list[str] = []
+        for i in range(10):  # interleaved: 20 good rows, then 2 for the missing exchange, ...
+            good += add_rows(engine, n=20, exchange=topology["exchange"], prefix=f"good{i}")
+            add_rows(engine, n=2, exchange=missing, prefix=f"bad{i}")
+        settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url, destination_retry_budget=3,
+                                backoff_base=0.3, backoff_max=1.0)  # fmt: skip
+        async with running_publisher(settings, engine) as publisher:
+            during = await wait_rows(
+                engine, lambda rs: all(r.status == "confirmed" for r in rs if r.exchange != missing)
+            )
+            assert any(r.status != "failed" for r in during if r.exchange == missing)
+            final = await wait_rows(engine, all_in("confirmed", "failed"))
+        failed = [r for r in final if r.status == "failed"]
+        assert {r.exchange for r in failed} == {missing} and len(failed) == 20
+        assert all("NOT_FOUND" in (r.last_error or "") and r.attempts == 3 for r in failed)
+        assert publisher.metrics.channel_closes == 0  # checked passively, never published
+        seen = await consume_ids(amqp_url, topology["queue"], expect=200)
+        assert set(seen) == set(good) and set(seen.values()) == {1}
+    finally:
+        engine.dispose()
+
+
+async def test_exchange_deleted_under_the_publisher(
+    pg_url: str, pg_engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """The exchange existed when checked, then vanished: the broker closes the channel (404).
+    Its rows back off and end failed; the other rows on that channel go out again."""
+    doomed, doomed_q = _name("doomed"), _name("doomed-q")
+    await declare(amqp_url, exchange=doomed, queue=doomed_q)
+    engine = pg_engine
+    settings = settings_for(db_url=pg_url, amqp_url=amqp_url, destination_retry_budget=2,
+                            window=200, claim_batch=200)  # fmt: skip
+    try:
+        async with running_publisher(settings, engine) as publisher:
+            add_rows(engine, n=5, exchange=doomed, prefix="first")
+            await wait_rows(engine, all_in("confirmed"))
+            await delete(amqp_url, exchanges=(doomed,))
+            good = add_rows(engine, n=150, exchange=topology["exchange"], prefix="g1")
+            add_rows(engine, n=5, exchange=doomed, prefix="late")
+            good += add_rows(engine, n=150, exchange=topology["exchange"], prefix="g2")
+            final = await wait_rows(engine, all_in("confirmed", "failed"))
+        late = [r for r in final if r.message_id.startswith("late")]
+        assert all(r.status == "failed" and "NOT_FOUND" in (r.last_error or "") for r in late)
+        assert all(r.status == "confirmed" for r in final if not r.message_id.startswith("late"))
+        assert publisher.metrics.channel_closes >= 1
+        seen = await consume_ids(amqp_url, topology["queue"], expect=300)
+        assert set(seen) == set(good)
+        duplicates = sum(seen.values()) - len(seen)
+        assert duplicates <= sum(r.lost_confirms for r in final)
+    finally:
+        await delete(amqp_url, queues=(doomed_q,))
+
+
+def _rabbitmqctl(*args: str) -> None:
+    subprocess.run([str(SERVICES), "ctl", *args], check=True, capture_output=True, timeout=60)
+
+
+async def test_access_refused_exchange_backs_off_alone(
+    sqlite_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    user, password = _name("user"), uuid.uuid4().hex
+    forbidden = _name("forbidden")
+    await declare(amqp_url, exchange=forbidden)
+    await asyncio.to_thread(_rabbitmqctl, "add_user", user, password)
+    try:
+        await asyncio.to_thread(
+            _rabbitmqctl,
+            "set_permissions",
+            "-p",
+            "/",
+            user,
+            ".*",
+            "^(?!test-pub-forbidden-).*",
+            ".*",
+        )
+        url = make_url(amqp_url.replace("amqp://", "postgresql://"))  # parse user/host/port
+        limited = f"amqp://{user}:{password}@{url.host}:{url.port}/"
+        engine = make_engine(sqlite_url)
+        try:
+            good = add_rows(engine, n=50, exchange=topology["exchange"], prefix="a")
+            add_rows(engine, n=3, exchange=forbidden, prefix="f")
+            good += add_rows(engine, n=50, exchange=topology["exchange"], prefix="b")
+            settings = settings_for(db_url=sqlite_url, amqp_url=limited,
+                                    destination_retry_budget=2)  # fmt: skip
+            async with running_publisher(settings, engine) as publisher:
+                final = await wait_rows(engine, all_in("confirmed", "failed"))
+            refused = [r for r in final if r.exchange == forbidden]
+            assert all(r.status == "failed" and "ACCESS_REFUSED" in (r.last_error or "")
+                       for r in refused)  # fmt: skip
+            assert all(r.status == "confirmed" for r in final if r.exchange != forbidden)
+            assert publisher.metrics.destination_errors >= 2
+            seen = await consume_ids(amqp_url, topology["queue"], expect=100)
+            assert set(seen) == set(good)
+        finally:
+            engine.dispose()
+    finally:
+        await asyncio.to_thread(_rabbitmqctl, "delete_user", user)
+        await delete(amqp_url, exchanges=(forbidden,))
+
+
+async def test_body_over_the_limit_fails_at_once(
+    sqlite_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    engine = make_engine(sqlite_url)
+    try:
+        small = add_rows(engine, n=5, exchange=topology["exchange"], prefix="s")
+        add_rows(engine, n=2, exchange=topology["exchange"], prefix="big", body=b"b" * 5000)
+        small += add_rows(engine, n=5, exchange=topology["exchange"], prefix="t")
+        settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url, max_body_bytes=4096)
+        async with running_publisher(settings, engine) as publisher:
+            final = await wait_rows(engine, all_in("confirmed", "failed"))
+        big = [r for r in final if r.message_id.startswith("big")]
+        assert all(r.status == "failed" and r.attempts == 1 for r in big)
+        assert all("larger than the limit of 4096 bytes" in (r.last_error or "") for r in big)
+        assert publisher.metrics.published == 10
+        seen = await consume_ids(amqp_url, topology["queue"], expect=10)
+        assert set(seen) == set(small)
+    finally:
+        engine.dispose()
+
+
+class _Proxy:
+    """A TCP proxy to the broker that the test can cut (aio-pika's robust-proxy idea)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        self.writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+        self.writers.clear()
+
+    async def stop(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_cut_connection_republishes_on_a_fresh_one(
+    pg_url: str, pg_engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    url = make_url(amqp_url.replace("amqp://", "postgresql://"))
+    proxy = _Proxy(url.host or "127.0.0.1", url.port or 5672)
+    port = await proxy.start()
+    try:
+        ids = add_rows(pg_engine, n=5000, exchange=topology["exchange"])
+        via_proxy = f"amqp://{url.username}:{url.password}@127.0.0.1:{port}/"
+        settings = settings_for(db_url=pg_url, amqp_url=via_proxy, window=1000)
+        async with running_publisher(settings, pg_engine) as publisher:
+            await wait_rows(pg_engine, lambda rs: sum(r.status == "confirmed" for r in rs) > 500,
+                            timeout=30)  # fmt: skip
+            proxy.cut()
+            final = await wait_rows(pg_engine, all_in("confirmed"), timeout=60)
+        assert publisher.metrics.reconnects >= 1
+        seen = await consume_ids(amqp_url, topology["queue"], expect=5000)
+        assert set(seen) == set(ids)
+        duplicates = sum(seen.values()) - len(seen)
+        assert duplicates <= sum(r.lost_confirms for r in final) <= 1000
+    finally:
+        await proxy.stop()
+
+
+async def test_two_publishers_share_one_postgres_outbox(
+    pg_url: str, pg_engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    ids = add_rows(pg_engine, n=4000, exchange=topology["exchange"])
+    settings = settings_for(db_url=pg_url, amqp_url=amqp_url, claim_batch=100, window=300)
+    engines = [make_engine(pg_url) for _ in range(2)]
+    try:
+        publishers = [Publisher(settings=settings, repository=OutboxRepository(e),
+                                publisher_id=f"p{i}") for i, e in enumerate(engines)]  # fmt: skip
+        async with asyncio.timeout(120):
+            stats = await asyncio.gather(*(p.run(until_empty=True) for p in publishers))
+    finally:
+        for e in engines:
+            e.dispose()
+    assert all(s.confirmed > 0 for s in stats)
+    assert sum(s.confirmed for s in stats) == 4000
+    assert all(r.status == "confirmed" for r in rows(pg_engine))
+    seen = await consume_ids(amqp_url, topology["queue"], expect=4000)
+    assert set(seen) == set(ids) and set(seen.values()) == {1}
+
+
+async def test_refused_login_retries_and_fails_nothing(
+    sqlite_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    url = make_url(amqp_url.replace("amqp://", "postgresql://"))
+    wrong = f"amqp://{url.username}:not-the-password@{url.host}:{url.port}/"
+    engine = make_engine(sqlite_url)
+    try:
+        add_rows(engine, n=3, exchange=topology["exchange"])
+        settings = settings_for(db_url=sqlite_url, amqp_url=wrong, reconnect_max_delay=0.2)
+        async with running_publisher(settings, engine) as publisher:
+            async with asyncio.timeout(10):
+                while publisher.metrics.connect_failures < 2:
+                    await asyncio.sleep(0.05)
+        assert {r.status for r in rows(engine)} == {"pending"}
+        assert publisher.metrics.published == 0
+    finally:
+        engine.dispose()
+
+
+async def test_several_channels_share_the_window(
+    sqlite_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    engine = make_engine(sqlite_url)
+    try:
+        ids = add_rows(engine, n=3000, exchange=topology["exchange"])
+        settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url, channels=3, window=900,
+                                claim_batch=100)  # fmt: skip
+        stats = await run_until_empty(settings, engine)
+        assert stats.confirmed == 3000 and stats.lost == 0
+        assert all(r.status == "confirmed" for r in rows(engine))
+    finally:
+        engine.dispose()
+    seen = await consume_ids(amqp_url, topology["queue"], expect=3000)
+    assert set(seen) == set(ids) and set(seen.values()) == {1}
