@@ -14,6 +14,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from pydantic import ValidationError
@@ -257,6 +258,25 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
+    days = settings.retention_days if args.older_than_days is None else args.older_than_days
+    engine = _engine(settings)
+    try:
+        deleted = OutboxRepository(engine).purge_confirmed(
+            older_than=dt.timedelta(days=days), chunk=args.chunk
+        )
+    finally:
+        engine.dispose()
+    print(f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago")
+    return EXIT_OK
+
+
+def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+    from app.demo import main as demo_main  # lazy: Spark is an optional extra
+
+    return demo_main(settings, rows=args.rows, files=args.files, workdir=args.workdir)
+
+
 def _refuse_reused_request_id(engine: Engine, request_id: str | None, flt: RepublishFilter) -> None:
     seen = queries.audit_by_request_id(engine, request_id=request_id) if request_id else None
     if seen is not None and (seen.action != "republish" or seen.filter != flt.as_json()):
@@ -328,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_batches(sub)
     _add_republish(sub)
+    _add_purge(sub)
+    _add_demo(sub)
     return parser
 
 
@@ -413,6 +435,33 @@ def _add_republish(sub: Sub) -> None:
     rep.add_argument("--actor", default=_default_actor(), help="who acts (audit row)")
     rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")
     rep.set_defaults(func=_cmd_republish)
+
+
+def _add_purge(sub: Sub) -> None:
+    pur = sub.add_parser(
+        "purge",
+        help="delete confirmed rows past the retention period (bounded chunks)",
+        description="Delete confirmed rows confirmed longer ago than the retention period, "
+        "a bounded chunk per transaction so publishers never wait on it. Run it periodically.",
+    )
+    pur.add_argument(
+        "--older-than-days", type=float, default=None,
+        help="retention in days (default OUTBOX_RETENTION_DAYS)",
+    )  # fmt: skip
+    pur.add_argument(
+        "--chunk", type=_bounded_int(1, 100_000), default=1000, help="rows per transaction"
+    )
+    pur.set_defaults(func=_cmd_purge)
+
+
+def _add_demo(sub: Sub) -> None:
+    dem = sub.add_parser(
+        "demo", help="the main job end to end: Spark -> outbox -> RabbitMQ, verified"
+    )
+    dem.add_argument("--rows", type=_bounded_int(1, 10_000_000), default=20_000)
+    dem.add_argument("--files", type=_bounded_int(1, 1000), default=4, help="micro-batches")
+    dem.add_argument("--workdir", type=Path, default=Path("demo-data"))
+    dem.set_defaults(func=_cmd_demo)
 
 
 # -------------------------------------------------------------------------------- main

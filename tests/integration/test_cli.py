@@ -6,6 +6,7 @@ run as real subprocesses.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import socket
@@ -17,15 +18,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import Engine, inspect, select
+from sqlalchemy import Engine, func, inspect, select, update
 
 from app.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, duration, main, table
 from app.db import make_engine
+from app.outbox.repository import OutboxRepository
 from app.outbox.schema import audit, outbox
+from tests.factories import add_rows
 from tests.integration.test_api import OPERATOR, READ, Clock, Seeded, seed_every_state
 
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ["migrate", "publish", "serve", "status", "batches", "republish"]
+COMMANDS = ["migrate", "publish", "serve", "status", "batches", "republish", "purge", "demo"]
 
 
 @pytest.fixture
@@ -244,3 +247,22 @@ def test_table_and_duration_render_for_people() -> None:
     assert [duration(s) for s in (None, 0.25, 59, 3600 + 61, 90000)] == [
         "-", "250 ms", "59s", "1h 1m", "1d 1h",
     ]  # fmt: skip
+
+
+def test_purge_deletes_only_confirmed_rows_past_retention(
+    engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    add_rows(engine, n=5)
+    repo = OutboxRepository(engine)
+    rows = repo.claim(owner="p", limit=5, lease_seconds=30)
+    repo.mark_confirmed(owner="p", ids=[r.id for r in rows[:4]])
+    old = dt.datetime.now(dt.UTC) - dt.timedelta(days=10)
+    with engine.begin() as conn:  # three of them were confirmed ten days ago
+        ids = [r.id for r in rows[:3]]
+        conn.execute(update(outbox).where(outbox.c.id.in_(ids)).values(confirmed_at=old))
+    rc, out, err = run(capsys, "purge", "--older-than-days", "7", "--chunk", "2")
+    assert rc == 0, err
+    assert "deleted 3 confirmed rows" in out
+    with engine.connect() as conn:
+        left = conn.execute(select(outbox.c.status, func.count()).group_by(outbox.c.status)).all()
+    assert dict(left) == {"confirmed": 1, "in_flight": 1}

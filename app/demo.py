@@ -1,0 +1,325 @@
+"""``outbox demo``: the main job end to end on local defaults.
+
+Order events as JSON files -> a Spark Structured Streaming job writing through the foreachBatch
+sink -> the outbox (SQLite embedded default, or ``OUTBOX_DATABASE_URL``) -> the publisher on
+confirm-mode channels -> RabbitMQ -> a consumer that checks every message arrived.
+Each run has its own id, input folder, checkpoint, sink name and queue, so running it again works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import random
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from sqlalchemy import Engine, func, select
+
+from app.db import make_engine, migrate
+from app.outbox.schema import outbox
+from app.settings import Settings
+
+EXCHANGE = "demo.orders"
+EVENTS = ("order.created", "order.paid", "order.shipped")
+
+
+@dataclass
+class DemoReport:
+    run_id: str
+    rows: int
+    written: int = 0
+    batches: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    received: int = 0
+    missing: int = 0
+    duplicates_received: int = 0
+    lost_confirms: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        confirmed = self.statuses.get("confirmed", 0)
+        return self.written == self.rows == confirmed and self.missing == 0
+
+
+def progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=False,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ dataset
+
+
+def generate_orders(folder: Path, *, rows: int, files: int, seed: int) -> None:
+    """Order events as JSON lines, split over ``files`` files (one micro-batch each)."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    per_file = -(-rows // files)
+    start = dt.datetime(2026, 11, 21, 8, 0, tzinfo=dt.UTC)
+    for f in range(files):
+        lines = []
+        for i in range(f * per_file, min(rows, (f + 1) * per_file)):
+            lines.append(json.dumps(_order(i, rng, start)))
+        # write then rename: Spark's file source must never see half a file
+        tmp = folder / f".orders-{f:04d}.json.tmp"
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.rename(folder / f"orders-{f:04d}.json")
+
+
+def _order(i: int, rng: random.Random, start: dt.datetime) -> dict[str, Any]:
+    return {
+        "event_id": f"evt-{i:08d}",
+        "event_type": EVENTS[i % len(EVENTS)],
+        "order_id": f"ord-{i // len(EVENTS):07d}",
+        "customer_id": f"cust-{rng.randrange(5000):05d}",
+        "amount_cents": rng.randrange(500, 50_000),
+        "currency": rng.choice(["EUR", "USD", "GBP"]),
+        "items": rng.randrange(1, 8),
+        "event_time": (start + dt.timedelta(seconds=i)).isoformat(),
+    }
+
+
+# ------------------------------------------------------------------ broker
+
+
+async def declare_topology(amqp_url: str, queue: str) -> None:
+    import aio_pika
+
+    conn = await aio_pika.connect(amqp_url)
+    async with conn:
+        ch = await conn.channel()
+        ex = await ch.declare_exchange(EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
+        q = await ch.declare_queue(queue, durable=True, arguments={"x-queue-type": "classic"})
+        await q.bind(ex, routing_key="order.#")
+
+
+async def consume_all(
+    amqp_url: str, queue: str, *, expected: int, tick: Callable[[int], None], timeout: float
+) -> dict[str, int]:
+    """Read the run's queue with manual acks until ``expected`` distinct messages arrived
+    (or ``timeout``); return message_id -> times received. Deletes the queue afterwards."""
+    import aio_pika
+
+    seen: dict[str, int] = {}
+    conn = await aio_pika.connect(amqp_url)
+    async with conn:
+        ch = await conn.channel()
+        await ch.set_qos(prefetch_count=1000)
+        q = await ch.declare_queue(queue, durable=True, passive=True)
+        deadline = time.monotonic() + timeout
+        async with q.iterator() as it:
+            while len(seen) < expected and time.monotonic() < deadline:
+                try:
+                    msg = await asyncio.wait_for(it.__anext__(), timeout=2.0)
+                except TimeoutError:
+                    continue
+                mid = msg.message_id or ""
+                seen[mid] = seen.get(mid, 0) + 1
+                await msg.ack()
+                tick(len(seen))
+        await q.delete(if_unused=False, if_empty=False)
+    return seen
+
+
+# ------------------------------------------------------------------ steps
+
+
+def run_spark_job(settings: Settings, *, input_dir: Path, checkpoint: Path, sink: str,
+                  queue: str) -> None:  # fmt: skip
+    """Structured Streaming over the JSON files, written through the foreachBatch sink."""
+    import os
+
+    from pyspark.sql import SparkSession
+
+    from spark_writer import OutboxSink
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors use this interpreter
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    ours = SparkSession.getActiveSession() is None  # stop only a session this job started
+    spark = (
+        SparkSession.builder.master("local[2]").appName("outbox-demo")
+        .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+        .getOrCreate()
+    )  # fmt: skip
+    if ours:
+        spark.sparkContext.setLogLevel("ERROR")
+    try:
+        schema = (
+            "event_id STRING, event_type STRING, order_id STRING, customer_id STRING, "
+            "amount_cents LONG, currency STRING, items INT, event_time STRING"
+        )
+        stream = (
+            spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(input_dir))
+        )
+        writer = OutboxSink(
+            url=settings.database_url.get_secret_value(), sink=sink, exchange=EXCHANGE,
+            routing_key_column="event_type", message_id_column="event_id",
+            header_columns=["order_id"], ordering_key_column="order_id",
+        )  # fmt: skip
+        query = (
+            stream.writeStream.foreachBatch(writer)  # type: ignore[arg-type]  # returns a result
+            .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start()
+        )  # fmt: skip
+        query.awaitTermination()
+    finally:
+        if ours:
+            spark.stop()
+
+
+def outbox_counts(engine: Engine, sink: str) -> dict[str, int]:
+    stmt = (
+        select(outbox.c.status, func.count(), func.sum(outbox.c.lost_confirms))
+        .where(outbox.c.batch_id.like(f"{sink}:%"))
+        .group_by(outbox.c.status)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    counts = {status: int(n) for status, n, _ in rows}
+    counts["_lost_confirms"] = sum(int(lost or 0) for _, _, lost in rows)
+    return counts
+
+
+def run_publisher_until_drained(settings: Settings, engine: Engine, sink: str, rows: int,
+                                bar: Progress) -> None:  # fmt: skip
+    """The publisher in this process until the outbox is drained, with a progress bar."""
+    from app.publisher import run_publisher
+
+    task = bar.add_task("publish + confirm", total=rows)
+
+    async def watch(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            done = outbox_counts(engine, sink)
+            bar.update(task, completed=rows - done.get("pending", 0) - done.get("in_flight", 0))
+            await asyncio.sleep(0.25)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        try:
+            await run_publisher(settings, until_empty=True)
+        finally:
+            stop.set()
+            await watcher
+        bar.update(task, completed=rows)
+
+    asyncio.run(main())
+
+
+def run_demo(settings: Settings, *, rows: int, files: int, workdir: Path,
+             console: Console | None = None) -> DemoReport:  # fmt: skip
+    console = console or Console(stderr=True)
+    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
+    sink, queue = f"demo-{run_id}", f"demo.orders.{run_id}"
+    base = workdir / run_id
+    report = DemoReport(run_id=run_id, rows=rows)
+    db_url = settings.database_url.get_secret_value()
+    engine = make_engine(db_url)
+    amqp = settings.amqp_url.get_secret_value()
+    t = time.monotonic()
+
+    console.print(f"[bold]outbox demo[/] run {run_id}: {rows} order events")
+    migrate(db_url)
+    asyncio.run(declare_topology(amqp, queue))
+    generate_orders(base / "input", rows=rows, files=files, seed=7)
+    report.timings["generate"] = time.monotonic() - t
+
+    t = time.monotonic()
+    console.print(f"Spark Structured Streaming -> outbox ({files} micro-batches)")
+    run_spark_job(settings, input_dir=base / "input", checkpoint=base / "checkpoint", sink=sink,
+                  queue=queue)  # fmt: skip
+    report.timings["spark"] = time.monotonic() - t
+    report.written = sum(v for k, v in outbox_counts(engine, sink).items() if k[0] != "_")
+
+    with progress(console) as bar:
+        t = time.monotonic()
+        run_publisher_until_drained(settings, engine, sink, report.written, bar)
+        report.timings["publish"] = time.monotonic() - t
+        task = bar.add_task("consume + verify", total=report.written)
+        seen = asyncio.run(
+            consume_all(amqp, queue, expected=report.written, timeout=120,
+                        tick=lambda n: bar.update(task, completed=n))
+        )  # fmt: skip
+
+    counts = outbox_counts(engine, sink)
+    report.lost_confirms = counts.pop("_lost_confirms")
+    report.statuses = counts
+    report.received = len(seen)
+    report.duplicates_received = sum(n - 1 for n in seen.values())
+    report.missing = report.written - len(seen.keys() & set(_message_ids(engine, sink)))
+    engine.dispose()
+    return report
+
+
+def _message_ids(engine: Engine, sink: str) -> list[str]:
+    stmt = select(outbox.c.message_id).where(outbox.c.batch_id.like(f"{sink}:%"))
+    with engine.connect() as conn:
+        return list(conn.scalars(stmt))
+
+
+def print_summary(report: DemoReport, settings: Settings, console: Console) -> None:
+    table = Table(title=f"outbox demo {report.run_id}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    publish_s = report.timings.get("publish", 0.0)
+    rate = report.written / publish_s if publish_s else 0.0
+    rows: list[tuple[str, str]] = [
+        ("rows generated", f"{report.rows:,}"),
+        ("rows written to the outbox (Spark)", f"{report.written:,}"),
+        ("confirmed by RabbitMQ", f"{report.statuses.get('confirmed', 0):,}"),
+        ("returned / nacked / failed", "{:,} / {:,} / {:,}".format(
+            report.statuses.get("returned", 0), report.statuses.get("nacked", 0),
+            report.statuses.get("failed", 0))),
+        ("received by the consumer", f"{report.received:,}"),
+        ("missing", f"{report.missing:,}"),
+        ("duplicates received / lost confirms", f"{report.duplicates_received} / "
+                                                f"{report.lost_confirms}"),
+        ("Spark write time", f"{report.timings.get('spark', 0):.1f} s"),
+        ("publish + confirm throughput", f"{rate:,.0f} msg/s"),
+    ]  # fmt: skip
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    verdict = "[green]OK: every row confirmed and received[/]" if report.ok else "[red]FAILED[/]"
+    console.print(verdict)
+    console.print(
+        "Next: [bold]outbox status[/]; the API: [bold]outbox serve --insecure[/] then "
+        "[bold]curl -s 127.0.0.1:8080/v1/stats[/]"
+    )
+    if settings.is_sqlite:
+        console.print(f"The outbox is {settings.database_url.get_secret_value()} (SQLite).")
+
+
+def main(settings: Settings, *, rows: int, files: int, workdir: Path) -> int:
+    console = Console(stderr=False)
+    report = run_demo(settings, rows=rows, files=files, workdir=workdir, console=console)
+    print_summary(report, settings, console)
+    return 0 if report.ok else 1
+
+
+def cli(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="outbox demo", description=__doc__)
+    parser.add_argument("--rows", type=int, default=20_000, help="order events to generate")
+    parser.add_argument("--files", type=int, default=4, help="input files (= micro-batches)")
+    parser.add_argument("--workdir", type=Path, default=Path("demo-data"), help="run folders")
+    args = parser.parse_args(argv)
+    return main(Settings(), rows=args.rows, files=args.files, workdir=args.workdir)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
