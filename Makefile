@@ -48,6 +48,17 @@ lint: venv  ## ruff (lint and format) and mypy --strict on app/ and spark_writer
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy app $(if $(wildcard spark_writer/*.py),spark_writer)
 
+demo: venv java  ## the main job end to end: Spark -> outbox (SQLite default) -> RabbitMQ, verified
+	@rmq_was_up=$$($(SERVICES) status | grep -c '^rabbitmq: *running' || true); \
+	pg_was_up=$$($(SERVICES) status | grep -c '^postgresql: *running' || true); \
+	[ -n "$${OUTBOX_AMQP_URL:-}" ] || { $(SERVICES) start rabbitmq && eval "$$($(SERVICES) env | grep AMQP)"; }; \
+	case "$${OUTBOX_DATABASE_URL:-}" in *127.0.0.1:5433*) $(SERVICES) start postgres ;; esac; \
+	$(PY) -m app.demo $(DEMO_ARGS); rc=$$?; \
+	if [ -z "$(KEEP_SERVICES)" ]; then \
+	  [ "$$rmq_was_up" = 1 ] || $(SERVICES) stop rabbitmq; \
+	  [ "$$pg_was_up" = 1 ] || $(SERVICES) stop postgres >/dev/null 2>&1; \
+	fi; exit $$rc
+
 clean:  ## remove the virtualenv, local service data and caches (stops the services first)
 	-@$(SERVICES) stop
 	rm -rf $(VENV) .local .pytest_cache .mypy_cache .ruff_cache .hypothesis outbox.db* demo-data
