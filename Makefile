@@ -9,7 +9,7 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop migrate test test-fast demo bench chaos lint serve publish clean java
+.PHONY: help venv services services-stop migrate test test-fast demo bench chaos lint serve publish clean tools
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -23,8 +23,8 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed  ## create the virtualenv and install the package with its test tools
 
-java:  ## make sure a Java 17+ runtime is there for Spark (installs Debian's when missing)
-	@deploy/local/ensure-java.sh
+tools:  ## Java 17+ for Spark and jq for the README session (Debian packages when missing)
+	@deploy/local/ensure-tools.sh
 
 services:  ## start RabbitMQ and PostgreSQL on 127.0.0.1 (idempotent)
 	@$(SERVICES) start
@@ -36,7 +36,7 @@ services-stop:  ## stop the services that `make services` started
 migrate: venv services  ## create or upgrade the outbox schema (OUTBOX_DATABASE_URL, default local PostgreSQL)
 	@$(LOCAL_ENV) $(VENV)/bin/outbox migrate
 
-test: venv services java  ## run the whole test suite against the local services
+test: venv services tools  ## run the whole test suite against the local services
 	@$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test-fast: venv services  ## the suite without Spark and slow scenarios
@@ -48,7 +48,7 @@ lint: venv  ## ruff (lint and format) and mypy --strict on app/ and spark_writer
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy app $(if $(wildcard spark_writer/*.py),spark_writer)
 
-demo: venv java  ## the main job end to end: Spark -> outbox (SQLite default) -> RabbitMQ, verified
+demo: venv tools  ## the main job end to end: Spark -> outbox (SQLite default) -> RabbitMQ, verified
 	@rmq_was_up=$$($(SERVICES) status | grep -c '^rabbitmq: *running' || true); \
 	pg_was_up=$$($(SERVICES) status | grep -c '^postgresql: *running' || true); \
 	[ -n "$${OUTBOX_AMQP_URL:-}" ] || { $(SERVICES) start rabbitmq && eval "$$($(SERVICES) env | grep AMQP)"; }; \

@@ -19,11 +19,12 @@ def add_rows(
     routing_key: str = "rk",
     body: bytes = b"x" * 256,
     prefix: str | None = None,
+    sep: str = "-",
     **extra: Any,
 ) -> list[str]:
     """Insert ``n`` pending rows; return their message ids (in id order)."""
     prefix = prefix or uuid.uuid4().hex[:8]
-    ids = [f"{prefix}-{i}" for i in range(n)]
+    ids = [f"{prefix}{sep}{i}" for i in range(n)]
     rows = [
         {"message_id": m, "batch_id": batch_id, "exchange": exchange, "routing_key": routing_key,
          "body": body, **extra}
