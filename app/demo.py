@@ -62,8 +62,11 @@ def progress(console: Console) -> Progress:
 # ------------------------------------------------------------------ dataset
 
 
-def generate_orders(folder: Path, *, rows: int, files: int, seed: int) -> None:
-    """Order events as JSON lines, split over ``files`` files (one micro-batch each)."""
+def generate_orders(folder: Path, *, rows: int, files: int, seed: int, run_id: str) -> None:
+    """Order events as JSON lines, split over ``files`` files (one micro-batch each).
+
+    Event ids are the message ids: unique per run, or a second run would (rightly) be skipped
+    as a replay of the first."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
     per_file = -(-rows // files)
@@ -71,16 +74,16 @@ def generate_orders(folder: Path, *, rows: int, files: int, seed: int) -> None:
     for f in range(files):
         lines = []
         for i in range(f * per_file, min(rows, (f + 1) * per_file)):
-            lines.append(json.dumps(_order(i, rng, start)))
+            lines.append(json.dumps(_order(i, rng, start, run_id)))
         # write then rename: Spark's file source must never see half a file
         tmp = folder / f".orders-{f:04d}.json.tmp"
         tmp.write_text("\n".join(lines) + "\n")
         tmp.rename(folder / f"orders-{f:04d}.json")
 
 
-def _order(i: int, rng: random.Random, start: dt.datetime) -> dict[str, Any]:
+def _order(i: int, rng: random.Random, start: dt.datetime, run_id: str) -> dict[str, Any]:
     return {
-        "event_id": f"evt-{i:08d}",
+        "event_id": f"evt-{run_id}-{i:08d}",
         "event_type": EVENTS[i % len(EVENTS)],
         "order_id": f"ord-{i // len(EVENTS):07d}",
         "customer_id": f"cust-{rng.randrange(5000):05d}",
@@ -137,8 +140,9 @@ async def consume_all(
 
 
 def run_spark_job(settings: Settings, *, input_dir: Path, checkpoint: Path, sink: str,
-                  queue: str) -> None:  # fmt: skip
-    """Structured Streaming over the JSON files, written through the foreachBatch sink."""
+                  on_progress: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+    """Structured Streaming over the JSON files, written through the foreachBatch sink;
+    ``on_progress`` is called about every second while the query runs."""
     import os
 
     from pyspark.sql import SparkSession
@@ -174,7 +178,9 @@ def run_spark_job(settings: Settings, *, input_dir: Path, checkpoint: Path, sink
             stream.writeStream.foreachBatch(writer)  # type: ignore[arg-type]  # returns a result
             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start()
         )  # fmt: skip
-        query.awaitTermination()
+        while not query.awaitTermination(1):
+            on_progress()
+        on_progress()
     finally:
         if ours:
             spark.stop()
@@ -234,17 +240,18 @@ def run_demo(settings: Settings, *, rows: int, files: int, workdir: Path,
     console.print(f"[bold]outbox demo[/] run {run_id}: {rows} order events")
     migrate(db_url)
     asyncio.run(declare_topology(amqp, queue))
-    generate_orders(base / "input", rows=rows, files=files, seed=7)
+    generate_orders(base / "input", rows=rows, files=files, seed=7, run_id=run_id)
     report.timings["generate"] = time.monotonic() - t
 
-    t = time.monotonic()
-    console.print(f"Spark Structured Streaming -> outbox ({files} micro-batches)")
-    run_spark_job(settings, input_dir=base / "input", checkpoint=base / "checkpoint", sink=sink,
-                  queue=queue)  # fmt: skip
-    report.timings["spark"] = time.monotonic() - t
-    report.written = sum(v for k, v in outbox_counts(engine, sink).items() if k[0] != "_")
-
     with progress(console) as bar:
+        t = time.monotonic()
+        task = bar.add_task(f"Spark -> outbox ({files} batches)", total=rows)
+        run_spark_job(
+            settings, input_dir=base / "input", checkpoint=base / "checkpoint", sink=sink,
+            on_progress=lambda: bar.update(task, completed=_written(engine, sink)),
+        )  # fmt: skip
+        report.timings["spark"] = time.monotonic() - t
+        report.written = _written(engine, sink)
         t = time.monotonic()
         run_publisher_until_drained(settings, engine, sink, report.written, bar)
         report.timings["publish"] = time.monotonic() - t
@@ -262,6 +269,10 @@ def run_demo(settings: Settings, *, rows: int, files: int, workdir: Path,
     report.missing = report.written - len(seen.keys() & set(_message_ids(engine, sink)))
     engine.dispose()
     return report
+
+
+def _written(engine: Engine, sink: str) -> int:
+    return sum(v for k, v in outbox_counts(engine, sink).items() if not k.startswith("_"))
 
 
 def _message_ids(engine: Engine, sink: str) -> list[str]:

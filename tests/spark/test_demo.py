@@ -28,3 +28,5 @@ def test_demo_confirms_and_delivers_every_row(
     assert report.received == 600 and report.missing == 0
     assert report.ok
     assert "OK: every row confirmed and received" in (tmp_path / "out.txt").read_text()
+    again = run_demo(settings, rows=300, files=1, workdir=tmp_path / "demo", console=console)
+    assert again.ok and again.written == 300, "a second run must work (its own event ids)"
