@@ -9,6 +9,7 @@ and the counts returned tell it so.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import random
 import socket
@@ -148,6 +149,18 @@ class RepublishResult:
     sample: list[str]
     audit_id: int | None
     replayed: bool = False
+
+
+PUBLISH_FACTS = ("channel_id", "delivery_tag", "published_at")
+SQLITE_TIME = "%Y-%m-%d %H:%M:%S.%f"  # SQLAlchemy's SQLite DATETIME text format
+
+
+def _sqlite_json(value: Any) -> Any:
+    """A value as SQLite stores it, for ``json_each``: datetimes as naive-UTC text."""
+    if isinstance(value, dt.datetime):
+        aware = value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+        return aware.astimezone(dt.UTC).strftime(SQLITE_TIME)
+    return value
 
 
 CLAIM_COLUMNS = (
@@ -342,52 +355,63 @@ class OutboxRepository:
         claimed.sort(key=lambda r: r.id)
         return claimed
 
-    def record_published(
-        self, *, owner: str, channel_id: int, tags: Sequence[tuple[int, int]]
-    ) -> int:
-        """Note on each held row the channel and delivery tag it was published with."""
-        if not tags:
-            return 0
-        now = self.clock()
-        if self.is_postgres:
-            return self._record_published_pg(owner, channel_id, tags, now)
-        stmt = (
-            update(outbox)
-            .where(
-                outbox.c.id == bindparam("row_id"),
-                outbox.c.status == Status.IN_FLIGHT,
-                outbox.c.lease_owner == owner,
-            )
-            .values(channel_id=channel_id, delivery_tag=bindparam("tag"), published_at=now)
-        )
-        params = [{"row_id": row_id, "tag": tag} for row_id, tag in tags]
-        with self._begin() as conn:
-            conn.execute(stmt, params)
-        return len(params)
+    # -------------------------------------------- per-row values, one statement
 
-    def _record_published_pg(
-        self, owner: str, channel_id: int, tags: Sequence[tuple[int, int]], now: dt.datetime
+    def _update_rows(
+        self,
+        owner: str,
+        rows: Sequence[Sequence[Any]],
+        columns: Sequence[str],
+        values: dict[str, Any],
     ) -> int:
-        """One statement for the whole batch: ``UPDATE … FROM unnest(ids, tags)``."""
-        pairs = (
-            select(
-                func.unnest(bindparam("ids", [r for r, _ in tags], type_=ARRAY(BigInteger)))
-                .label("id"),
-                func.unnest(bindparam("tags", [t for _, t in tags], type_=ARRAY(BigInteger)))
-                .label("tag"),
-            )
-        ).subquery("v")  # fmt: skip
+        """``UPDATE outbox SET <columns> = per-row values, <values> WHERE held by owner`` for
+        ``rows`` of ``(id, *column values)``, as ONE statement: ``FROM unnest(arrays)`` on
+        PostgreSQL, ``FROM json_each(:rows)`` on SQLite. Returns the rows updated."""
+        if not rows:
+            return 0
+        v = self._pg_rows(rows, columns) if self.is_postgres else self._sqlite_rows(rows, columns)
         stmt = (
             update(outbox)
-            .where(
-                outbox.c.id == pairs.c.id,
-                outbox.c.status == Status.IN_FLIGHT,
-                outbox.c.lease_owner == owner,
-            )
-            .values(channel_id=channel_id, delivery_tag=pairs.c.tag, published_at=now)
-        )
+            .where(outbox.c.id == v.c.id, outbox.c.status == Status.IN_FLIGHT,
+                   outbox.c.lease_owner == owner)
+            .values(**{c: v.c[c] for c in columns}, **values)
+        )  # fmt: skip
         with self._begin() as conn:
             return conn.execute(stmt).rowcount
+
+    def _pg_rows(self, rows: Sequence[Sequence[Any]], columns: Sequence[str]) -> Any:
+        names = ["id", *columns]
+        return select(
+            *[
+                func.unnest(
+                    bindparam(f"u_{name}", [r[i] for r in rows], type_=ARRAY(outbox.c[name].type))
+                ).label(name)
+                for i, name in enumerate(names)
+            ]
+        ).subquery("v")
+
+    def _sqlite_rows(self, rows: Sequence[Sequence[Any]], columns: Sequence[str]) -> Any:
+        data = json.dumps([[_sqlite_json(x) for x in r] for r in rows])
+        each = func.json_each(bindparam("rows", data)).table_valued("value").alias("j")
+        names = ["id", *columns]
+        return select(
+            *[func.json_extract(each.c.value, f"$[{i}]").label(n) for i, n in enumerate(names)]
+        ).subquery("v")
+
+    # ---------------------------------------------------------------- outcomes
+
+    def record_published(
+        self,
+        *,
+        owner: str,
+        channel_id: int,
+        tags: Sequence[tuple[int, int]],
+        published_at: dt.datetime | None = None,
+    ) -> int:
+        """Note on each held row the channel and delivery tag it was published with, and when
+        (``published_at``, default now)."""
+        values = {"channel_id": channel_id, "published_at": published_at or self.clock()}
+        return self._update_rows(owner, tags, ["delivery_tag"], values)
 
     def mark_confirmed(
         self, *, owner: str, ids: Sequence[int] = (), published: Sequence[Published] = ()
@@ -397,86 +421,50 @@ class OutboxRepository:
         Rows given in ``published`` also get their channel, delivery tag and publish time in the
         same statement (one row version: no separate "published" write per row).
         """
-        values = {"confirmed_at": self.clock(), "lease_owner": None, "lease_until": None,
-                  "last_error": None}  # fmt: skip
+        values = {"status": Status.CONFIRMED, "confirmed_at": self.clock(), "lease_owner": None,
+                  "lease_until": None, "last_error": None}  # fmt: skip
+        check_transition(Status.IN_FLIGHT, Status.CONFIRMED)
+        with self.unit_of_work():
+            return self._confirm(owner, ids, published, values)
+
+    def _confirm(
+        self, owner: str, ids: Sequence[int], published: Sequence[Published],
+        values: dict[str, Any],
+    ) -> int:  # fmt: skip
         moved = 0
         if ids:
+            values_no_status = {k: v for k, v in values.items() if k != "status"}
             moved += self.transition(
                 ids=ids, source=Status.IN_FLIGHT, target=Status.CONFIRMED, owner=owner,
-                values=values,
+                values=values_no_status,
             )  # fmt: skip
         if published:
-            moved += self._confirm_published(owner, published, values)
+            facts = [(p.id, p.channel_id, p.delivery_tag, p.published_at) for p in published]
+            moved += self._update_rows(owner, facts, PUBLISH_FACTS, values)
         return moved
 
-    def _confirm_published(
-        self, owner: str, published: Sequence[Published], values: dict[str, Any]
+    def mark_returned(
+        self, *, owner: str, returns: Sequence[ReturnedRow], published: Sequence[Published] = ()
     ) -> int:
-        check_transition(Status.IN_FLIGHT, Status.CONFIRMED)
-        if not self.is_postgres:
-            stmt = (
-                update(outbox)
-                .where(
-                    outbox.c.id == bindparam("row_id"),
-                    outbox.c.status == Status.IN_FLIGHT,
-                    outbox.c.lease_owner == owner,
-                )
-                .values(status=Status.CONFIRMED, channel_id=bindparam("ch"),
-                        delivery_tag=bindparam("tag"), published_at=bindparam("at"), **values)
-            )  # fmt: skip
-            params = [{"row_id": p.id, "ch": p.channel_id, "tag": p.delivery_tag,
-                       "at": p.published_at} for p in published]  # fmt: skip
-            with self._begin() as conn:
-                held = self._count_held(conn, owner, [p.id for p in published])
-                conn.execute(stmt, params)
-            return held
-        arrays = {
-            "id": ([p.id for p in published], BigInteger()),
-            "ch": ([p.channel_id for p in published], BigInteger()),
-            "tag": ([p.delivery_tag for p in published], BigInteger()),
-            "at": ([p.published_at for p in published], outbox.c.published_at.type),
-        }
-        v = select(
-            *[func.unnest(bindparam(f"u_{k}", vals, type_=ARRAY(t))).label(k)
-              for k, (vals, t) in arrays.items()]
-        ).subquery("v")  # fmt: skip
-        stmt = (
-            update(outbox)
-            .where(outbox.c.id == v.c.id, outbox.c.status == Status.IN_FLIGHT,
-                   outbox.c.lease_owner == owner)
-            .values(status=Status.CONFIRMED, channel_id=v.c.ch, delivery_tag=v.c.tag,
-                    published_at=v.c.at, **values)
-        )  # fmt: skip
-        with self._begin() as conn:
-            return conn.execute(stmt).rowcount
-
-    def mark_returned(self, *, owner: str, returns: Sequence[ReturnedRow]) -> int:
-        """Broker returned these mandatory publishes as unroutable (``basic.return``)."""
+        """Broker returned these mandatory publishes as unroutable (``basic.return``); rows in
+        ``published`` also get their channel, tag and publish time, in the same statement."""
         check_transition(Status.IN_FLIGHT, Status.RETURNED)
-        if not returns:
-            return 0
-        stmt = (
-            update(outbox)
-            .where(
-                outbox.c.id == bindparam("row_id"),
-                outbox.c.status == Status.IN_FLIGHT,
-                outbox.c.lease_owner == owner,
+        facts = {p.id: (p.channel_id, p.delivery_tag, p.published_at) for p in published}
+        values = {"status": Status.RETURNED, "confirmed_at": self.clock(), "lease_owner": None,
+                  "lease_until": None}  # fmt: skip
+        reply = ["reply_code", "reply_text", "last_error"]
+        with_facts, without = [], []
+        for r in returns:
+            row = (r.id, r.reply_code, r.reply_text, f"returned by broker: {r.reply_code} "
+                   f"{r.reply_text}")  # fmt: skip
+            if r.id in facts:
+                with_facts.append((*row, *facts[r.id]))
+            else:
+                without.append(row)
+        with self.unit_of_work():
+            return self._update_rows(owner, with_facts, [*reply, *PUBLISH_FACTS], values) + (
+                self._update_rows(owner, without, reply, values)
             )
-            .values(
-                status=Status.RETURNED, reply_code=bindparam("code"), reply_text=bindparam("text"),
-                last_error=bindparam("error"), confirmed_at=self.clock(), lease_owner=None,
-                lease_until=None,
-            )
-        )  # fmt: skip
-        params = [
-            {"row_id": r.id, "code": r.reply_code, "text": r.reply_text,
-             "error": f"returned by broker: {r.reply_code} {r.reply_text}"}
-            for r in returns
-        ]  # fmt: skip
-        with self._begin() as conn:
-            before = self._count_held(conn, owner, [r.id for r in returns])
-            conn.execute(stmt, params)
-        return before
 
     def _count_held(self, conn: Connection, owner: str, ids: Sequence[int]) -> int:
         stmt = select(func.count()).select_from(outbox).where(self._held(owner, ids))
@@ -512,7 +500,7 @@ class OutboxRepository:
         )
         if self.is_postgres:
             held = held.with_for_update()
-        with self._begin() as conn:
+        with self.unit_of_work(), self._begin() as conn:  # one transaction: rows stay locked
             rows = conn.execute(held).all()
             spent_rows = [r for r in rows if r.attempts >= (max_attempts or r.max_attempts)]
             spent = [r.id for r in spent_rows]
@@ -524,28 +512,17 @@ class OutboxRepository:
                     .values(status=exhausted, last_error=error, lease_owner=None, lease_until=None)
                 )
             if again:
-                self._reschedule(conn, owner, again, now=now, error=error, backoff=backoff)
+                self._reschedule(owner, again, now=now, error=error, backoff=backoff)
         return RetryOutcome(retried=len(again), exhausted=len(spent))
 
     def _reschedule(
-        self, conn: Connection, owner: str, rows: Sequence[Any], *, now: dt.datetime,
-        error: str, backoff: Backoff,
+        self, owner: str, rows: Sequence[Any], *, now: dt.datetime, error: str,
+        backoff: Backoff,
     ) -> None:  # fmt: skip
-        stmt = (
-            update(outbox)
-            .where(
-                outbox.c.id == bindparam("row_id"),
-                outbox.c.status == Status.IN_FLIGHT,
-                outbox.c.lease_owner == owner,
-            )
-            .values(status=Status.PENDING, available_at=bindparam("at"), last_error=error,
-                    lease_owner=None, lease_until=None)
-        )  # fmt: skip
-        params = [
-            {"row_id": r.id, "at": now + dt.timedelta(seconds=backoff.delay(r.attempts))}
-            for r in rows
-        ]
-        conn.execute(stmt, params)
+        due = [(r.id, now + dt.timedelta(seconds=backoff.delay(r.attempts))) for r in rows]
+        values = {"status": Status.PENDING, "last_error": error, "lease_owner": None,
+                  "lease_until": None}  # fmt: skip
+        self._update_rows(owner, due, ["available_at"], values)
 
     def release(
         self, *, owner: str, ids: Sequence[int], lost: bool, error: str | None = None

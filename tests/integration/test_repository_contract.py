@@ -343,3 +343,20 @@ class TestRepositoryContract:
             assert repo.count_open() == 2  # reads see the unit's own writes
         assert statuses(engine) == {"confirmed": 1, "pending": 2}
         assert repo.count_open() == 2
+
+    def test_returned_and_late_tag_notes_keep_true_publish_facts(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        seed(engine, 3)
+        a, b, c = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        sent = T0 - dt.timedelta(seconds=2)
+        assert repo.record_published(owner="p1", channel_id=4, tags=[(c.id, 9)], published_at=sent)
+        assert (row(engine, c.id)["delivery_tag"], row(engine, c.id)["published_at"]) == (9, sent)
+        returns = [ReturnedRow(a.id, 312, "NO_ROUTE"), ReturnedRow(b.id, 313, "NO_CONSUMERS")]
+        n = repo.mark_returned(owner="p1", returns=returns, published=[Published(a.id, 4, 7, sent)])
+        assert n == 2
+        ra, rb = row(engine, a.id), row(engine, b.id)
+        assert (ra["status"], ra["reply_code"], ra["delivery_tag"], ra["published_at"]) == (
+            "returned", 312, 7, sent)  # fmt: skip
+        assert (rb["reply_text"], rb["published_at"]) == ("NO_CONSUMERS", None)
+        assert rb["last_error"] == "returned by broker: 313 NO_CONSUMERS"
