@@ -2,7 +2,13 @@
 source with the same options as ``OutboxSink`` (camelCase or snake_case, any case).
 
 Register it once per session with ``register_data_source(spark)``. Batch writes take ``batchId``
-(the data source gets no Spark batch id); streaming writes use Spark's micro-batch id.
+(the data source gets no Spark batch id); streaming writes use Spark's micro-batch id. Tasks get
+Arrow record batches and write them with ``write_partition``, like ``OutboxSink``.
+
+The data source sees the options and the schema on the driver, never the rows: those are checked
+in each task, so in fail mode a bad row stops its own partition (which writes nothing) and the
+batch is not recorded, while partitions without bad rows have committed. ``OutboxSink`` and
+``write_outbox`` check every row before any write.
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pyarrow as pa
 from pyspark import TaskContext
-from pyspark.sql import Row, SparkSession
+from pyspark.sql import SparkSession
 from pyspark.sql.datasource import (
     DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
     DataSourceStreamWriter,
     DataSourceWriter,
     WriterCommitMessage,
@@ -25,13 +34,7 @@ from spark_writer.envelope import BatchRef
 from spark_writer.errors import OutboxConfigError
 from spark_writer.options import OutboxOptions, from_spark_options
 from spark_writer.validate import check_schema
-from spark_writer.writer import (
-    PartitionResult,
-    WritePlan,
-    abort_batch,
-    commit_batch,
-    write_partition,
-)
+from spark_writer.writer import PartitionResult, WritePlan, commit_batch, write_partition
 
 #: Local properties Spark sets on the tasks of a micro-batch.
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
@@ -94,13 +97,13 @@ def _task() -> tuple[int, int]:
     return context.partitionId(), context.attemptNumber()
 
 
-class OutboxBatchWriter(DataSourceWriter):
-    """``df.write.format("outbox")``: one transaction per task, the batch made visible on commit."""
+class OutboxBatchWriter(DataSourceArrowWriter):
+    """``df.write.format("outbox")``: one transaction per task, the batch recorded on commit."""
 
     def __init__(self, plan: WritePlan) -> None:
         self.plan = plan
 
-    def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         partition, attempt = _task()
         result = write_partition(iterator, plan=self.plan, partition=partition, attempt=attempt)
         return PartitionDone(batch=self.plan.batch, result=result)
@@ -108,18 +111,15 @@ class OutboxBatchWriter(DataSourceWriter):
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         commit_batch(options=self.plan.options, batch=self.plan.batch, results=_results(messages))
 
-    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        abort_batch(options=self.plan.options, batch=self.plan.batch)
 
-
-class OutboxStreamWriter(DataSourceStreamWriter):
+class OutboxStreamWriter(DataSourceStreamArrowWriter):
     """``df.writeStream.format("outbox")``: each micro-batch id is written exactly once."""
 
     def __init__(self, *, options: OutboxOptions, schema: StructType) -> None:
         self.options = options
         self.schema = schema
 
-    def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         partition, attempt = _task()
         batch = self._task_batch()
         plan = WritePlan(options=self.options, schema=self.schema, batch=batch)
@@ -129,9 +129,6 @@ class OutboxStreamWriter(DataSourceStreamWriter):
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         batch = self._batch(messages, batchId)
         commit_batch(options=self.options, batch=batch, results=_results(messages))
-
-    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        abort_batch(options=self.options, batch=self._batch(messages, batchId))
 
     def _task_batch(self) -> BatchRef:
         context = TaskContext.get()

@@ -1,31 +1,27 @@
-"""The database side of the writer: psycopg 3 (COPY) for PostgreSQL, sqlite3 for SQLite.
+"""The database side of the writer: psycopg 3 (binary COPY) for PostgreSQL, sqlite3 for SQLite.
 
-Only a URL comes in: executors import nothing of the service. A partition's rows go in with
-``available_at`` parked far in the future, so no publisher claims them; ``commit_batch`` releases
-all rows of the batch and records it in one transaction, and ``abort_batch`` removes them. So a
-batch becomes visible whole or not at all, and a replayed batch adds no row
-(``ON CONFLICT (message_id) DO NOTHING``).
+Only a URL comes in: executors import nothing of the service. Each partition is one
+transaction; its rows are due (``available_at`` = now) when it commits. ``record_batch`` writes
+the ``outbox_batches`` row once every partition succeeded. Re-running a batch adds no row:
+``message_id`` is unique and a conflicting row is skipped (``ON CONFLICT DO NOTHING``).
 """
 
 from __future__ import annotations
 
 import sqlite3
+import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
 from types import TracebackType
-from typing import Any, Self
+from typing import IO, Any, Self
 
 import psycopg
+from psycopg import errors as pg_errors
 
-from spark_writer.envelope import BatchRef, Envelope, Rejected
+from spark_writer.envelope import BatchRef, Chunk, Layout, Rejected
 from spark_writer.errors import OutboxConfigError
-
-#: ``available_at`` of rows whose batch is not committed yet (never due).
-PARKED = "9999-12-31 00:00:00"
-_COLUMNS = (
-    "message_id, batch_id, exchange, routing_key, mandatory, body, content_type, headers, "
-    "ordering_key, available_at"
-)
+from spark_writer.pgcopy import SIGNATURE, Const, encode
 
 
 class Store(ABC):
@@ -36,20 +32,23 @@ class Store(ABC):
 
     @abstractmethod
     def write(
-        self, *, batch: BatchRef, envelopes: Iterable[Envelope], rejects: Sequence[Rejected]
+        self,
+        *,
+        batch: BatchRef,
+        layout: Layout,
+        chunks: Iterable[Chunk],
+        rejects: Sequence[Rejected],
+        first_attempt: bool,
     ) -> int:
         """Insert one partition in one transaction; return the rows new to the outbox.
 
-        ``rejects`` is read after ``envelopes`` is used up, so it may be filled meanwhile.
+        ``rejects`` is read after ``chunks`` is used up, so it may be filled meanwhile.
+        ``first_attempt``: no earlier attempt of this task can have written these rows.
         """
 
     @abstractmethod
-    def commit_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
-        """Release the batch's parked rows and record it; False when it was recorded before."""
-
-    @abstractmethod
-    def abort_batch(self, *, batch: BatchRef) -> None:
-        """Remove the parked rows and rejects of a batch that was not recorded."""
+    def record_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
+        """Record the batch in ``outbox_batches``; False when it was recorded before."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -86,6 +85,10 @@ def sqlite_path(url: str) -> str:
     return path
 
 
+def _columns(layout: Layout) -> list[str]:
+    return [*layout.varying, *(name for name, _ in layout.constant)]
+
+
 def _reject_params(batch: BatchRef, r: Rejected) -> tuple[Any, ...]:
     return (
         batch.key,
@@ -102,27 +105,38 @@ def _batch_params(batch: BatchRef, row_count: int, rejected_count: int) -> tuple
     return (batch.key, batch.sink, batch.spark_batch_id, batch.query_id, row_count, rejected_count)
 
 
-class PostgresStore(Store):
-    """COPY into a temporary staging table, then one ``INSERT … ON CONFLICT DO NOTHING``."""
+_RECORD = (
+    "INSERT INTO outbox_batches (batch_id, sink, spark_batch_id, query_id, row_count, "
+    "rejected_count) VALUES ({0}, {0}, {0}, {0}, {0}, {0}) ON CONFLICT (batch_id) DO NOTHING"
+)
+_REJECT = (
+    "INSERT INTO outbox_rejects (batch_id, sink, message_id, reason, row_json) "
+    "SELECT {0}, {0}, {0}, {0}, {0} WHERE NOT EXISTS "
+    "(SELECT 1 FROM outbox_rejects WHERE batch_id = {0} AND message_id = {0})"
+)
 
-    STAGE = (
-        "CREATE TEMP TABLE outbox_stage (pos bigint, message_id text, exchange text, "
-        "routing_key text, mandatory boolean, body bytea, content_type text, headers text, "
-        "ordering_key text) ON COMMIT DROP"
-    )
-    COPY = "COPY outbox_stage FROM STDIN (FORMAT BINARY)"
-    TYPES = ("int8", "text", "text", "text", "bool", "bytea", "text", "text", "text")
-    INSERT = (
-        f"INSERT INTO outbox ({_COLUMNS}) SELECT message_id, %s, exchange, routing_key, "
-        "mandatory, body, content_type, headers::json, ordering_key, %s::timestamptz "
-        "FROM outbox_stage ORDER BY pos ON CONFLICT (message_id) DO NOTHING"
-    )
-    REJECT = (
-        "INSERT INTO outbox_rejects (batch_id, sink, message_id, reason, row_json) "
-        "SELECT %s::text, %s::text, %s::text, %s::text, %s::text WHERE NOT EXISTS "
-        "(SELECT 1 FROM outbox_rejects WHERE batch_id = %s AND message_id = %s)"
-    )
-    PARKED = PARKED + "+00"
+
+class PostgresStore(Store):
+    """A first attempt COPYs straight into ``outbox`` (the fast path: no second copy of the
+    rows). A ``message_id`` already there fails that COPY; the partition then goes again
+    through a staging table and one ``INSERT … SELECT … ON CONFLICT DO NOTHING``, replaying
+    the COPY data kept in a spool. Retried tasks take the staging path at once."""
+
+    #: Spool held in memory up to this size, then in a temporary file.
+    SPOOL_MEMORY = 64 * 1024 * 1024
+    TYPES = {
+        "message_id": "text",
+        "batch_id": "text",
+        "exchange": "text",
+        "routing_key": "text",
+        "mandatory": "boolean",
+        "body": "bytea",
+        "content_type": "text",
+        "headers": "json",
+        "ordering_key": "text",
+    }
+    REJECT = _REJECT.format("%s")
+    RECORD = _RECORD.format("%s")
 
     def __init__(self, conninfo: str) -> None:
         self.conn = psycopg.connect(conninfo, autocommit=True)
@@ -137,59 +151,102 @@ class PostgresStore(Store):
         return row is not None
 
     def write(
-        self, *, batch: BatchRef, envelopes: Iterable[Envelope], rejects: Sequence[Rejected]
+        self,
+        *,
+        batch: BatchRef,
+        layout: Layout,
+        chunks: Iterable[Chunk],
+        rejects: Sequence[Rejected],
+        first_attempt: bool,
+    ) -> int:
+        data = _encoded(layout, chunks)
+        columns = ", ".join(_columns(layout))
+        with tempfile.SpooledTemporaryFile(max_size=self.SPOOL_MEMORY) as spool:
+            if first_attempt:
+                try:
+                    return self._direct(columns, _spooled(data, spool), batch, rejects)
+                except pg_errors.UniqueViolation:
+                    spool.seek(0)
+            replay = _replay(spool) if first_attempt else iter(())
+            return self._staged(layout, columns, _chain(replay, data), batch, rejects)
+
+    def _direct(
+        self, columns: str, data: Iterator[bytes], batch: BatchRef, rejects: Sequence[Rejected]
     ) -> int:
         with self.conn.transaction(), self.conn.cursor() as cur:
-            cur.execute(self.STAGE)
-            with cur.copy(self.COPY) as copy:
-                copy.set_types(list(self.TYPES))
-                for envelope in envelopes:
-                    copy.write_row(envelope)
-            cur.execute(self.INSERT, (batch.key, self.PARKED))
+            self._copy(cur, f"outbox ({columns})", data)
             inserted = cur.rowcount
-            if rejects:
-                cur.executemany(self.REJECT, [_reject_params(batch, r) for r in rejects])
+            self._rejects(cur, batch, rejects)
         return inserted
 
-    def commit_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
+    def _staged(
+        self,
+        layout: Layout,
+        columns: str,
+        data: Iterator[bytes],
+        batch: BatchRef,
+        rejects: Sequence[Rejected],
+    ) -> int:
+        typed = ", ".join(f"{name} {self.TYPES[name]}" for name in _columns(layout))
         with self.conn.transaction(), self.conn.cursor() as cur:
+            cur.execute("SET LOCAL jit = off")
+            cur.execute("SET LOCAL work_mem = '64MB'")  # sort the staged rows in memory
+            cur.execute(f"CREATE TEMP TABLE outbox_stage (pos bigserial, {typed}) ON COMMIT DROP")
+            self._copy(cur, f"outbox_stage ({columns})", data)
             cur.execute(
-                "UPDATE outbox SET available_at = now() WHERE batch_id = %s "
-                "AND available_at = %s::timestamptz AND status = 'pending'",
-                (batch.key, self.PARKED),
+                f"INSERT INTO outbox ({columns}) SELECT {columns} FROM outbox_stage "
+                "ORDER BY pos ON CONFLICT (message_id) DO NOTHING"
             )
-            cur.execute(
-                "INSERT INTO outbox_batches (batch_id, sink, spark_batch_id, query_id, row_count, "
-                "rejected_count) VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (batch_id) DO NOTHING",
-                _batch_params(batch, row_count, rejected_count),
-            )
-            return cur.rowcount == 1
+            inserted = cur.rowcount
+            self._rejects(cur, batch, rejects)
+        return inserted
 
-    def abort_batch(self, *, batch: BatchRef) -> None:
-        with self.conn.transaction(), self.conn.cursor() as cur:
-            if self.batch_recorded(batch):
-                return
-            cur.execute(
-                "DELETE FROM outbox WHERE batch_id = %s AND available_at = %s::timestamptz "
-                "AND status = 'pending'",
-                (batch.key, self.PARKED),
-            )
-            cur.execute("DELETE FROM outbox_rejects WHERE batch_id = %s", (batch.key,))
+    @staticmethod
+    def _copy(cur: psycopg.Cursor[Any], target: str, data: Iterator[bytes]) -> None:
+        with cur.copy(f"COPY {target} FROM STDIN (FORMAT BINARY)") as copy:
+            copy.write(SIGNATURE)
+            for block in data:
+                copy.write(block)
+
+    def _rejects(
+        self, cur: psycopg.Cursor[Any], batch: BatchRef, rejects: Sequence[Rejected]
+    ) -> None:
+        if rejects:
+            cur.executemany(self.REJECT, [_reject_params(batch, r) for r in rejects])
+
+    def record_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
+        cur = self.conn.execute(self.RECORD, _batch_params(batch, row_count, rejected_count))
+        return cur.rowcount == 1
+
+
+def _encoded(layout: Layout, chunks: Iterable[Chunk]) -> Iterator[bytes]:
+    constants = [Const.of(value) for _, value in layout.constant]
+    for chunk in chunks:
+        if chunk.rows:
+            yield encode([*chunk.columns, *constants])
+
+
+def _spooled(data: Iterator[bytes], spool: IO[bytes]) -> Iterator[bytes]:
+    for block in data:
+        spool.write(block)
+        yield block
+
+
+def _replay(spool: IO[bytes]) -> Iterator[bytes]:
+    return iter(lambda: spool.read(1 << 20), b"")
+
+
+def _chain(*parts: Iterator[bytes]) -> Iterator[bytes]:
+    for part in parts:
+        yield from part
 
 
 class SqliteStore(Store):
     """WAL mode; each partition is one ``BEGIN IMMEDIATE`` transaction with ``executemany``."""
 
-    INSERT = (
-        f"INSERT INTO outbox ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-        "ON CONFLICT (message_id) DO NOTHING"
-    )
-    REJECT = (
-        "INSERT INTO outbox_rejects (batch_id, sink, message_id, reason, row_json) "
-        "SELECT ?, ?, ?, ?, ? WHERE NOT EXISTS "
-        "(SELECT 1 FROM outbox_rejects WHERE batch_id = ? AND message_id = ?)"
-    )
     BUSY_MS = 120_000
+    REJECT = _REJECT.format("?")
+    RECORD = _RECORD.format("?")
 
     def __init__(self, path: str) -> None:
         self.conn = sqlite3.connect(path, timeout=self.BUSY_MS / 1000, isolation_level=None)
@@ -204,54 +261,36 @@ class SqliteStore(Store):
         return cur.fetchone() is not None
 
     def write(
-        self, *, batch: BatchRef, envelopes: Iterable[Envelope], rejects: Sequence[Rejected]
+        self,
+        *,
+        batch: BatchRef,
+        layout: Layout,
+        chunks: Iterable[Chunk],
+        rejects: Sequence[Rejected],
+        first_attempt: bool,
     ) -> int:
+        columns = _columns(layout)
+        constants = [int(v) if isinstance(v, bool) else v for _, v in layout.constant]
         # Map the whole partition first: SQLite has one writer, so hold its lock briefly.
-        params = [
-            (
-                e.message_id,
-                batch.key,
-                e.exchange,
-                e.routing_key,
-                int(e.mandatory),
-                e.body,
-                e.content_type,
-                e.headers,
-                e.ordering_key,
-                PARKED,
-            )
-            for e in envelopes
-        ]
+        params: list[tuple[Any, ...]] = []
+        for chunk in chunks:
+            values = [c.to_pylist() for c in chunk.columns]
+            params += zip(*values, *(repeat(v) for v in constants))  # noqa: B905 (repeat)
+        insert = (
+            f"INSERT INTO outbox ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))}) "
+            "ON CONFLICT (message_id) DO NOTHING"
+        )
         with self._transaction():
             before = self.conn.total_changes
-            self.conn.executemany(self.INSERT, params)
+            self.conn.executemany(insert, params)
             inserted = self.conn.total_changes - before
             self.conn.executemany(self.REJECT, [_reject_params(batch, r) for r in rejects])
         return inserted
 
-    def commit_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
+    def record_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
         with self._transaction():
-            self.conn.execute(
-                "UPDATE outbox SET available_at = CURRENT_TIMESTAMP WHERE batch_id = ? "
-                "AND available_at = ? AND status = 'pending'",
-                (batch.key, PARKED),
-            )
-            cur = self.conn.execute(
-                "INSERT INTO outbox_batches (batch_id, sink, spark_batch_id, query_id, row_count, "
-                "rejected_count) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (batch_id) DO NOTHING",
-                _batch_params(batch, row_count, rejected_count),
-            )
+            cur = self.conn.execute(self.RECORD, _batch_params(batch, row_count, rejected_count))
             return cur.rowcount == 1
-
-    def abort_batch(self, *, batch: BatchRef) -> None:
-        with self._transaction():
-            if self.batch_recorded(batch):
-                return
-            self.conn.execute(
-                "DELETE FROM outbox WHERE batch_id = ? AND available_at = ? AND status = 'pending'",
-                (batch.key, PARKED),
-            )
-            self.conn.execute("DELETE FROM outbox_rejects WHERE batch_id = ?", (batch.key,))
 
     def _transaction(self) -> _SqliteTransaction:
         return _SqliteTransaction(self.conn)

@@ -1,7 +1,9 @@
-"""Row → message mapping and per-row checks. Pure: no Spark job, no database.
+"""Arrow batch → outbox columns, and the per-row checks. Pure: no Spark job, no database.
 
-Both the ``foreachBatch`` writer and the ``format("outbox")`` data source hand every task's Spark
-``Row`` objects to one ``RowMapper``, so both produce the same outbox rows by construction.
+Every writer (``OutboxSink``, ``write_outbox``, ``format("outbox")``) hands each task's Arrow
+record batches to one ``ArrowMapper``, so all produce the same outbox rows by construction.
+Checks and mapping are column operations (pyarrow compute); Python touches single rows only to
+serialise a JSON body or headers, and to describe a rejected row.
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, NamedTuple
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.types import (
     BinaryType,
     BooleanType,
@@ -28,11 +31,11 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from spark_writer.options import SHORTSTR_MAX, OutboxOptions
+from spark_writer.options import OutboxOptions
+from spark_writer.rules import ROW, Check, checks
 
 _NUMBERS = (ByteType, ShortType, IntegerType, LongType, FloatType, DoubleType)
 _PLAIN = (StringType, BooleanType, *_NUMBERS)
-_item = tuple.__getitem__  # Row.__getitem__ also takes names: slower, and not needed here
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
 OCTETS = "application/octet-stream"
@@ -51,20 +54,6 @@ class BatchRef:
         return f"{self.sink}:{self.spark_batch_id}"
 
 
-class Envelope(NamedTuple):
-    """One outbox row as the writer inserts it (``headers`` already JSON text)."""
-
-    position: int
-    message_id: str
-    exchange: str
-    routing_key: str
-    mandatory: bool
-    body: bytes
-    content_type: str | None
-    headers: str | None
-    ordering_key: str | None
-
-
 class Problem(NamedTuple):
     """Why a row cannot be a message: ``summary`` groups rows, ``detail`` describes this one."""
 
@@ -81,6 +70,23 @@ class Rejected(NamedTuple):
     row_json: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The outbox columns a batch writes: ``varying`` come per row (in ``Chunk.columns``
+    order), ``constant`` hold one value for the whole batch."""
+
+    varying: tuple[str, ...]
+    constant: tuple[tuple[str, str | bool | None], ...]
+
+
+class Chunk(NamedTuple):
+    """The fit rows of one Arrow batch as outbox columns (``Layout.varying`` order)."""
+
+    rows: int
+    columns: tuple[pa.Array, ...]
+    rejected: tuple[Rejected, ...]
+
+
 def derive_message_id(*, sink: str, spark_batch_id: int, partition: int, position: int) -> str:
     """The stable id of a row with no key column, ``sink:batch:partition:position``.
 
@@ -90,28 +96,201 @@ def derive_message_id(*, sink: str, spark_batch_id: int, partition: int, positio
     return f"{sink}:{spark_batch_id}:{partition}:{position}"
 
 
-def row_json(
-    row: tuple[Any, ...], names: Sequence[str], *, allow_nan: bool = True, plain: bool = False
-) -> str:
-    """The row as one JSON object, values converted by ``jsonable`` unless all are ``plain``."""
-    if plain:
-        doc = dict(zip(names, row, strict=True))
-    else:
-        doc = {name: jsonable(value) for name, value in zip(names, row, strict=True)}
+def layout(options: OutboxOptions, schema: StructType, batch: BatchRef) -> Layout:
+    varying = ["message_id"]
+    constant: list[tuple[str, str | bool | None]] = [("batch_id", batch.key)]
+    for name, literal in (("exchange", options.exchange), ("routing_key", options.routing_key)):
+        if literal is None:
+            varying.append(name)
+        else:
+            constant.append((name, literal))
+    varying.append("body")
+    constant += [("mandatory", options.mandatory), ("content_type", _content_type(options, schema))]
+    varying += ["headers"] if options.header_columns else []
+    varying += ["ordering_key"] if options.ordering_key_column else []
+    return Layout(varying=tuple(varying), constant=tuple(constant))
+
+
+def _content_type(options: OutboxOptions, schema: StructType) -> str:
+    if options.content_type:
+        return options.content_type
+    if options.body_column is None:
+        return JSON
+    return OCTETS if isinstance(schema[options.body_column].dataType, BinaryType) else TEXT
+
+
+class ArrowMapper:
+    """Checks and maps the Arrow batches of one partition of one batch."""
+
+    def __init__(
+        self, *, options: OutboxOptions, schema: StructType, batch: BatchRef, partition: int
+    ) -> None:
+        self.options = options
+        self.batch = batch
+        self.layout = layout(options, schema, batch)
+        self.checks = checks(schema, options)
+        self.names = schema.fieldNames()
+        self._plain = all(isinstance(f.dataType, _PLAIN) for f in schema.fields)
+        self._prefix = derive_message_id(
+            sink=batch.sink, spark_batch_id=batch.spark_batch_id, partition=partition, position=0
+        )[:-1]
+
+    def map(self, rb: pa.RecordBatch, start: int) -> Chunk:
+        """Map one batch whose first row has position ``start`` in the partition."""
+        bodies, unserialisable = self._json_bodies(rb)
+        first = self._first_failures(rb, bodies, unserialisable)
+        if first is None:
+            return Chunk(rb.num_rows, self._columns(rb, bodies, start), ())
+        bad = pc.is_valid(first)
+        rejected = self._rejected(rb, bodies, first, bad, start)
+        good = pc.invert(bad)
+        fit_rows = rb.num_rows - len(rejected)
+        positions = pc.filter(_positions(start, rb.num_rows), good)
+        kept = bodies.filter(good) if bodies is not None else None
+        return Chunk(fit_rows, self._columns(rb.filter(good), kept, positions), tuple(rejected))
+
+    # --- checks ---------------------------------------------------------------------------
+
+    def _first_failures(
+        self, rb: pa.RecordBatch, bodies: pa.Array | None, unserialisable: pa.Array | None
+    ) -> pa.Array | None:
+        """Per row the index of its first failing check (null when fit); None when all fit."""
+        first = pa.nulls(rb.num_rows, pa.int16())
+        failed = False
+        for index in reversed(range(len(self.checks))):
+            mask = self._mask(self.checks[index], rb, bodies, unserialisable)
+            if mask is None or not pc.any(mask).as_py():
+                continue
+            failed = True
+            first = pc.if_else(mask, pa.scalar(index, pa.int16()), first)
+        return first if failed else None
+
+    def _mask(
+        self,
+        check: Check,
+        rb: pa.RecordBatch,
+        bodies: pa.Array | None,
+        unserialisable: pa.Array | None,
+    ) -> pa.Array | None:
+        if check.column == ROW:
+            if check.kind == "non_finite":
+                return unserialisable
+            return pc.fill_null(pc.greater(pc.binary_length(bodies), check.limit), False)
+        values = rb.column(check.column)
+        if check.kind == "null":
+            return pc.is_null(values)
+        if check.kind == "empty":
+            mask = pc.equal(values, "")
+        elif check.kind in ("too_long", "too_big"):
+            mask = pc.greater(pc.binary_length(values), check.limit)
+        else:
+            mask = pc.or_(pc.is_nan(values), pc.is_inf(values))
+        return pc.fill_null(mask, False)
+
+    def _rejected(
+        self,
+        rb: pa.RecordBatch,
+        bodies: pa.Array | None,
+        first: pa.Array,
+        bad: pa.Array,
+        start: int,
+    ) -> list[Rejected]:
+        out = []
+        rows = rb.filter(bad).to_pylist(maps_as_pydicts="lossy")
+        indices = pc.indices_nonzero(bad).to_pylist()
+        failed = pc.filter(first, bad).to_pylist()
+        for i, row, index in zip(indices, rows, failed, strict=True):
+            check = self.checks[index]
+            value = row.get(check.column) if check.column != ROW else _item(bodies, i)
+            problem = Problem(check.summary, check.detail(_size(value)))
+            out.append(Rejected(start + i, self._message_id(row, start + i), problem, _row(row)))
+        return out
+
+    def _message_id(self, row: dict[str, Any], position: int) -> str:
+        key = row.get(self.options.message_id_column or "")
+        return self._prefix + str(position) if key is None else str(key)
+
+    # --- columns --------------------------------------------------------------------------
+
+    def _columns(
+        self, rb: pa.RecordBatch, bodies: pa.Array | None, start: int | pa.Array
+    ) -> tuple[pa.Array, ...]:
+        o = self.options
+        out = {
+            "message_id": self._message_ids(rb, start),
+            "body": bodies if bodies is not None else rb.column(o.body_column).cast(pa.binary()),
+        }
+        for name, column in (
+            ("exchange", o.exchange_column),
+            ("routing_key", o.routing_key_column),
+            ("ordering_key", o.ordering_key_column),
+        ):
+            if column is not None:
+                out[name] = rb.column(column)
+        if o.header_columns:
+            out["headers"] = self._headers(rb)
+        return tuple(out[name] for name in self.layout.varying)
+
+    def _message_ids(self, rb: pa.RecordBatch, start: int | pa.Array) -> pa.Array:
+        if self.options.message_id_column is not None:
+            return rb.column(self.options.message_id_column).cast(pa.string())
+        positions = _positions(start, rb.num_rows) if isinstance(start, int) else start
+        return pc.binary_join_element_wise(self._prefix, positions.cast(pa.string()), "")
+
+    def _headers(self, rb: pa.RecordBatch) -> pa.Array:
+        names = self.options.header_columns
+        columns = [rb.column(name).to_pylist() for name in names]
+        docs = []
+        for values in zip(*columns, strict=True):
+            present = {n: v for n, v in zip(names, values, strict=True) if v is not None}
+            docs.append(json.dumps(present, separators=(",", ":"), allow_nan=False))
+        return pa.array(docs, pa.string())
+
+    def _json_bodies(self, rb: pa.RecordBatch) -> tuple[pa.Array | None, pa.Array | None]:
+        """The whole row as JSON per row (no ``body_column``), and which rows hold NaN or
+        infinity (their body is null)."""
+        if self.options.body_column is not None:
+            return None, None
+        bodies: list[bytes | None] = []
+        bad: list[bool] = []
+        for row in rb.to_pylist(maps_as_pydicts="lossy"):
+            try:
+                bodies.append(_row(row, allow_nan=False, plain=self._plain).encode())
+                bad.append(False)
+            except ValueError:
+                bodies.append(None)
+                bad.append(True)
+        return pa.array(bodies, pa.binary()), pa.array(bad, pa.bool_())
+
+
+def _item(values: pa.Array | None, i: int) -> Any:
+    return None if values is None else values[i].as_py()
+
+
+def _positions(start: int, rows: int) -> pa.Array:
+    return pa.array(range(start, start + rows), pa.int64())
+
+
+def _size(value: Any) -> int | None:
+    if isinstance(value, str):
+        return len(value.encode())
+    return len(value) if isinstance(value, bytes) else None
+
+
+def _row(row: dict[str, Any], *, allow_nan: bool = True, plain: bool = False) -> str:
+    doc = row if plain else {name: jsonable(value) for name, value in row.items()}
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan)
 
 
-def plain_schema(schema: StructType) -> bool:
-    """True when every column is already a JSON value (string, number, boolean)."""
-    return all(isinstance(f.dataType, _PLAIN) for f in schema.fields)
+def row_json(row: Sequence[Any], names: Sequence[str]) -> str:
+    """A row (values in ``names`` order) as one JSON object, values converted by ``jsonable``."""
+    return _row(dict(zip(names, row, strict=True)))
 
 
 def jsonable(value: Any) -> Any:
-    """A Spark value as JSON: bytes base64, timestamps ISO 8601 in UTC, decimals as exact text."""
+    """An Arrow value as JSON: bytes base64, timestamps ISO 8601 in UTC, decimals as exact text."""
     if value is None or isinstance(value, str | bool | int | float):
         return value
-    if isinstance(value, tuple) and hasattr(value, "__fields__"):  # a nested Row
-        return {k: jsonable(v) for k, v in zip(value.__fields__, value, strict=True)}
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -131,146 +310,3 @@ def _scalar(value: Any) -> Any:
     if isinstance(value, dt.timedelta):
         return value.total_seconds()
     return str(value)
-
-
-class RowMapper:
-    """Maps the rows of one partition of one batch to ``Envelope`` or ``Rejected``."""
-
-    def __init__(
-        self, *, options: OutboxOptions, schema: StructType, batch: BatchRef, partition: int
-    ) -> None:
-        self.options = options
-        self.batch = batch
-        self.partition = partition
-        self.names = schema.fieldNames()
-        index = {name: i for i, name in enumerate(self.names)}
-        self._index = index
-        self._plain = plain_schema(schema)
-        self._headers = [(name, index[name]) for name in options.header_columns]
-        self._body = self._body_reader(options, schema, index)
-        self._content_type = options.content_type or self._default_content_type(schema)
-
-    def map(self, row: tuple[Any, ...], position: int) -> Envelope | Rejected:
-        """Check one row and map it; ``position`` is its index in the partition, from 0."""
-        o = self.options
-        key = self._value(row, o.message_id_column)
-        message_id = self._message_id(key, position)
-        exchange = self._literal_or_column(row, o.exchange, o.exchange_column)
-        routing_key = self._literal_or_column(row, o.routing_key, o.routing_key_column)
-        body, body_problem = self._body(row)
-        headers, headers_problem = self._header_json(row)
-        problem = (
-            self._key_problem(key)
-            or _shortstr_problem(exchange, o.exchange_column, "exchange")
-            or _shortstr_problem(routing_key, o.routing_key_column, "routing key")
-            or body_problem
-            or self._size_problem(body)
-            or headers_problem
-        )
-        if problem is not None:
-            return Rejected(position, message_id, problem, row_json(row, self.names))
-        assert exchange is not None and routing_key is not None and body is not None
-        ordering_key = self._value(row, o.ordering_key_column)
-        return Envelope(
-            position,
-            message_id,
-            exchange,
-            routing_key,
-            o.mandatory,
-            body,
-            self._content_type,
-            headers,
-            ordering_key,
-        )
-
-    def _value(self, row: tuple[Any, ...], column: str | None) -> Any:
-        return None if column is None else _item(row, self._index[column])
-
-    def _literal_or_column(
-        self, row: tuple[Any, ...], literal: str | None, column: str | None
-    ) -> Any:
-        return literal if literal is not None else self._value(row, column)
-
-    def _message_id(self, key: Any, position: int) -> str:
-        if key is not None:
-            return str(key)
-        return derive_message_id(
-            sink=self.batch.sink,
-            spark_batch_id=self.batch.spark_batch_id,
-            partition=self.partition,
-            position=position,
-        )
-
-    def _key_problem(self, key: Any) -> Problem | None:
-        column = self.options.message_id_column
-        if column is None:
-            return None
-        if key is None or key == "":
-            what = "null" if key is None else "empty"
-            return Problem(f"column {column!r} (message id) is {what}", f"{column} is {what}")
-        return _shortstr_problem(str(key), column, "message id")
-
-    def _size_problem(self, body: bytes | None) -> Problem | None:
-        limit = self.options.max_body_bytes
-        if body is None or len(body) <= limit:
-            return None
-        where = f"column {self.options.body_column!r}" if self.options.body_column else "row JSON"
-        return Problem(
-            f"{where} (body) is over the {limit}-byte maximum",
-            f"body is {len(body)} bytes, over the {limit}-byte maximum",
-        )
-
-    def _header_json(self, row: tuple[Any, ...]) -> tuple[str | None, Problem | None]:
-        if not self._headers:
-            return None, None
-        values = {name: v for name, i in self._headers if (v := _item(row, i)) is not None}
-        try:
-            return json.dumps(values, separators=(",", ":"), allow_nan=False), None
-        except ValueError:
-            bad = [n for n, v in values.items() if isinstance(v, float) and not math.isfinite(v)]
-            what = f"header column {bad[0]!r} is NaN or infinite"
-            return None, Problem(what, what)
-
-    def _default_content_type(self, schema: StructType) -> str:
-        if self.options.body_column is None:
-            return JSON
-        return OCTETS if isinstance(schema[self.options.body_column].dataType, BinaryType) else TEXT
-
-    def _body_reader(
-        self, options: OutboxOptions, schema: StructType, index: dict[str, int]
-    ) -> Callable[[tuple[Any, ...]], tuple[bytes | None, Problem | None]]:
-        column = options.body_column
-        if column is None:
-            return self._json_body
-        i = index[column]
-        null = Problem(f"column {column!r} (body) is null", f"{column} is null")
-
-        def read(row: tuple[Any, ...]) -> tuple[bytes | None, Problem | None]:
-            value = _item(row, i)
-            if value is None:
-                return None, null
-            return (value.encode() if isinstance(value, str) else bytes(value)), None
-
-        return read
-
-    def _json_body(self, row: tuple[Any, ...]) -> tuple[bytes | None, Problem | None]:
-        try:
-            return row_json(row, self.names, allow_nan=False, plain=self._plain).encode(), None
-        except ValueError:
-            what = "row JSON (body) holds NaN or infinity, which JSON cannot carry"
-            return None, Problem(what, what)
-
-
-def _shortstr_problem(value: Any, column: str | None, role: str) -> Problem | None:
-    """Null or over 255 bytes: an AMQP short string cannot carry it."""
-    if column is None:  # a literal, checked with the options
-        return None
-    if value is None:
-        return Problem(f"column {column!r} ({role}) is null", f"{column} is null")
-    size = len(str(value).encode())
-    if size > SHORTSTR_MAX:
-        return Problem(
-            f"column {column!r} ({role}) is longer than {SHORTSTR_MAX} bytes",
-            f"{column} is {size} bytes, over the {SHORTSTR_MAX}-byte limit",
-        )
-    return None

@@ -3,10 +3,11 @@
 ``OutboxWriterError``
 ├── ``OutboxConfigError``: the writer's options are wrong (the caller's code).
 ├── ``OutboxSchemaError``: the DataFrame lacks a column or a column has the wrong type.
-└── ``OutboxDataError``: rows hold values the outbox cannot take; nothing of the batch was written.
+└── ``OutboxDataError``: rows hold values the outbox cannot take; the batch is not recorded.
 
-Database failures are not wrapped: psycopg and sqlite3 errors propagate as they are, and the
-batch stays unrecorded (and invisible to publishers) until a run of it succeeds.
+Database failures are not wrapped: psycopg and sqlite3 errors propagate as they are. A failed
+batch is not recorded in ``outbox_batches``; the partitions that committed before the failure
+stay (their rows may be published already), and re-running the batch adds only what is missing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import NamedTuple
 
 
 class ProblemCount(NamedTuple):
-    """How many rows share one problem, with the first row's own description."""
+    """How many rows share one problem, with an example row."""
 
     summary: str
     rows: int
@@ -40,14 +41,27 @@ class OutboxSchemaError(OutboxWriterError, ValueError):
 
 
 class OutboxDataError(OutboxWriterError, ValueError):
-    """Some rows cannot go to the outbox; the whole batch was left unwritten."""
+    """Some rows cannot go to the outbox; the batch is not recorded.
 
-    def __init__(self, *, batch_id: str, problems: Sequence[ProblemCount]) -> None:
+    ``written`` is None when the rows were found before any write (``OutboxSink`` and
+    ``write_outbox`` check the whole batch first); otherwise the executors found them, the
+    partitions holding them wrote nothing, and the others wrote ``written`` rows.
+    """
+
+    def __init__(
+        self, *, batch_id: str, problems: Sequence[ProblemCount], written: int | None = None
+    ) -> None:
         self.batch_id = batch_id
         self.problems = tuple(problems)
+        self.written = written
         invalid = sum(p.rows for p in problems)
         parts = [f"{p.summary}: {p.rows} row(s), first: {p.first}" for p in problems]
+        done = (
+            "nothing written"
+            if written is None
+            else f"batch not recorded; partitions without bad rows wrote {written} row(s)"
+        )
         super().__init__(
-            f"batch {batch_id}: {invalid} invalid row(s), nothing written ({'; '.join(parts)}). "
+            f"batch {batch_id}: {invalid} invalid row(s), {done} ({'; '.join(parts)}). "
             "Fix the rows or pass on_invalid='reject' to send them to outbox_rejects."
         )

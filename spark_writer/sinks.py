@@ -1,35 +1,45 @@
 """Spark-facing writers: ``OutboxSink`` for ``foreachBatch``, ``write_outbox`` for batch jobs.
 
-Each batch runs as: schema check on the driver → one Spark job where every task writes its own
-partition in one transaction (nothing is collected on the driver but a small result per task) →
-one driver transaction that makes the batch visible and records it in ``outbox_batches``.
+Each batch runs as: schema check on the driver → (fail mode) one aggregation of the rows'
+problems, and an error naming them before anything is written → one Spark job where every task
+writes its own partition in one transaction from Arrow batches, as the ``format("outbox")`` data
+source does (the same ``write_partition``) → one driver statement recording the batch in
+``outbox_batches``. Only a small result per task travels back to the driver.
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
-from typing import Any
 
+import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from spark_writer.envelope import BatchRef
+from spark_writer.errors import OutboxDataError
 from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OnInvalid, OutboxOptions
-from spark_writer.validate import check_schema
+from spark_writer.validate import check_schema, problem_counts
 from spark_writer.writer import (
     BatchResult,
     OnCommitted,
     PartitionResult,
     WritePlan,
-    abort_batch,
     batch_recorded,
     commit_batch,
     replayed_result,
     write_partition,
 )
+
+#: Persist a DataFrame read twice (fail mode's check, then the write) unless it is cached.
+#: Off: measured on 200k-row batches (a JSON file source, a generated plan), building the cache
+#: cost more than reading the batch again. Persist an expensive plan yourself before the call;
+#: a cached DataFrame is used as it is.
+PERSIST_BETWEEN_PASSES = False
 
 
 class OutboxSink:
@@ -132,26 +142,57 @@ def write_outbox(
         on_invalid=on_invalid,
     )
     check_schema(df.schema, options)
-    spark_batch_id = batch_id if batch_id is not None else content_batch_id(df, sink)
-    batch = BatchRef(sink=sink, spark_batch_id=spark_batch_id)
-    return run_batch(df, options=options, batch=batch, on_committed=on_partition_committed)
+    passes = (batch_id is None) + (on_invalid == "fail") + 1
+    with persisted(df, passes=passes) as source:
+        spark_batch_id = batch_id if batch_id is not None else content_batch_id(source, sink)
+        batch = BatchRef(sink=sink, spark_batch_id=spark_batch_id)
+        return run_batch(source, options=options, batch=batch, on_committed=on_partition_committed)
 
 
 def run_batch(
     df: DataFrame, *, options: OutboxOptions, batch: BatchRef, on_committed: OnCommitted | None
 ) -> BatchResult:
-    """Check, write every partition from its executor, then commit the batch on the driver."""
+    """Check, write every partition from its executor, then record the batch on the driver."""
     check_schema(df.schema, options)
     if batch_recorded(options=options, batch=batch):
         return replayed_result(batch)
-    plan = WritePlan(options=options, schema=df.schema, batch=batch)
-    job = partial(_partition_job, plan=plan, on_committed=on_committed)
-    try:
-        results: list[PartitionResult] = df.rdd.mapPartitionsWithIndex(job).collect()
-    except Exception as exc:
-        _abort_quietly(exc, options=options, batch=batch)
-        raise
+    fail = options.on_invalid == "fail"
+    with persisted(df, passes=2 if fail else 1) as source:
+        if fail:
+            problems = problem_counts(source, options)
+            if problems:
+                raise OutboxDataError(batch_id=batch.key, problems=problems)
+        plan = WritePlan(options=options, schema=source.schema, batch=batch)
+        results = write_job(source, plan=plan, on_committed=on_committed)
     return commit_batch(options=options, batch=batch, results=results)
+
+
+def write_job(
+    df: DataFrame, *, plan: WritePlan, on_committed: OnCommitted | None = None
+) -> list[PartitionResult]:
+    """One Spark job: each task writes its partition (Arrow batches in, as ``format("outbox")``
+    gets them) and sends back its ``PartitionResult``."""
+    task = partial(_arrow_task, plan=plan, on_committed=on_committed)
+    rows = df.mapInArrow(task, "result binary").collect()
+    return [pickle.loads(row["result"]) for row in rows]
+
+
+@contextmanager
+def persisted(df: DataFrame, *, passes: int) -> Iterator[DataFrame]:
+    """``df``, persisted while in the block when it is read more than once and not cached."""
+    if (
+        passes < 2
+        or not PERSIST_BETWEEN_PASSES
+        or df.storageLevel.useMemory
+        or df.storageLevel.useDisk
+    ):
+        yield df
+        return
+    df.persist()
+    try:
+        yield df
+    finally:
+        df.unpersist()
 
 
 def content_batch_id(df: DataFrame, sink: str) -> int:
@@ -165,21 +206,19 @@ def content_batch_id(df: DataFrame, sink: str) -> int:
     return int(digest[:15], 16)
 
 
-def _partition_job(
-    index: int, rows: Iterable[Any], *, plan: WritePlan, on_committed: OnCommitted | None
-) -> Iterator[PartitionResult]:
+def _arrow_task(
+    batches: Iterable[pa.RecordBatch], *, plan: WritePlan, on_committed: OnCommitted | None
+) -> Iterator[pa.RecordBatch]:
     context = TaskContext.get()
-    attempt = context.attemptNumber() if context is not None else 0
-    yield write_partition(
-        rows, plan=plan, partition=index, attempt=attempt, on_committed=on_committed
+    assert context is not None, "outbox writers run inside Spark tasks"
+    result = write_partition(
+        batches,
+        plan=plan,
+        partition=context.partitionId(),
+        attempt=context.attemptNumber(),
+        on_committed=on_committed,
     )
-
-
-def _abort_quietly(exc: Exception, *, options: OutboxOptions, batch: BatchRef) -> None:
-    try:
-        abort_batch(options=options, batch=batch)
-    except Exception as cleanup:  # keep the job's own error first
-        exc.add_note(f"removing the parked rows of {batch.key} failed too: {cleanup!r}")
+    yield pa.RecordBatch.from_pydict({"result": [pickle.dumps(result)]})
 
 
 def _query_id(df: DataFrame) -> str | None:

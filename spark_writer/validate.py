@@ -1,8 +1,16 @@
-"""Schema checks, run on the driver before any task: pure, a ``StructType`` in, errors out."""
+"""Checks run on the driver before any write.
+
+``check_schema``: a ``StructType`` in, ``OutboxSchemaError`` out. ``annotate``: a pure DataFrame →
+DataFrame function adding ``_outbox_problem``, the first failing ``rules.Check`` of each row as
+a Spark expression. ``problem_counts`` runs the one aggregation that turns it into a report.
+"""
 
 from __future__ import annotations
 
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     BooleanType,
     ByteType,
@@ -11,13 +19,20 @@ from pyspark.sql.types import (
     FloatType,
     IntegerType,
     LongType,
+    MapType,
     ShortType,
     StringType,
     StructType,
 )
 
-from spark_writer.errors import OutboxSchemaError
+from spark_writer.errors import OutboxSchemaError, ProblemCount
 from spark_writer.options import OutboxOptions
+from spark_writer.rules import ROW, Check, checks, holds_floats
+
+#: The column ``annotate`` adds: null for a fit row, else its problem's summary.
+PROBLEM = "_outbox_problem"
+#: How much of a row an example in an error shows.
+EXAMPLE_CHARS = 200
 
 _INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
 #: Which Spark types each role accepts, and how to say it in an error.
@@ -59,3 +74,103 @@ def _missing(column: str, role: str, names: list[str]) -> str:
     near = [n for n in names if n.lower() == column.lower()]
     hint = f" (did you mean {near[0]!r}?)" if near else f"; columns are {names}"
     return f"column {column!r} ({role}) not found{hint}"
+
+
+def annotate(df: DataFrame, options: OutboxOptions) -> DataFrame:
+    """``df`` plus ``_outbox_problem``: the summary of each row's first failing check, or null.
+
+    The size of a JSON body (no ``body_column``) is not known before the writer serialises the
+    row, so that one check is left to the executors.
+    """
+    problem: Column = F.lit(None).cast(StringType())
+    for check in reversed(checks(df.schema, options)):
+        condition = _condition(check, df)
+        if condition is not None:
+            problem = F.when(condition, F.lit(check.summary)).otherwise(problem)
+    return df.withColumn(PROBLEM, problem)
+
+
+def problem_counts(df: DataFrame, options: OutboxOptions) -> list[ProblemCount]:
+    """Rows per problem, each with an example row: one Spark job over ``df``, a global
+    aggregation (no shuffle) with a count and a first example per check."""
+    annotated = annotate(df, options)
+    example = _example(df, options)
+    summaries = list(dict.fromkeys(c.summary for c in checks(df.schema, options)))
+    aggregates = []
+    for i, summary in enumerate(summaries):
+        hit = F.col(PROBLEM) == F.lit(summary)
+        aggregates += [
+            F.count(F.when(hit, F.lit(1))).alias(f"n{i}"),
+            F.first(F.when(hit, example), ignorenulls=True).alias(f"e{i}"),
+        ]
+    if not aggregates:
+        return []
+    row = annotated.agg(*aggregates).first()
+    assert row is not None
+    return [
+        ProblemCount(summary, int(row[f"n{i}"]), str(row[f"e{i}"]))
+        for i, summary in enumerate(summaries)
+        if row[f"n{i}"]
+    ]
+
+
+def _condition(check: Check, df: DataFrame) -> Column | None:
+    if check.column == ROW:
+        return _non_finite_row(df) if check.kind == "non_finite" else None
+    col = df[check.column]
+    if check.kind == "null":
+        return col.isNull()
+    if check.kind == "empty":
+        return col == F.lit("")
+    if check.kind in ("too_long", "too_big"):
+        return F.octet_length(col) > F.lit(check.limit)
+    return _non_finite(col)
+
+
+def _non_finite(col: Column) -> Column:
+    return F.isnan(col) | col.isin(float("inf"), float("-inf"))
+
+
+def _non_finite_row(df: DataFrame) -> Column:
+    found = [_non_finite_in(df[f.name], f.dataType) for f in df.schema.fields]
+    return _any([c for c in found if c is not None])
+
+
+def _non_finite_in(col: Column, data_type: DataType) -> Column | None:
+    """True when a float anywhere inside ``col`` is NaN or infinite; None when none can be."""
+    if not holds_floats(data_type):
+        return None
+    if isinstance(data_type, FloatType | DoubleType):
+        return F.coalesce(_non_finite(col), F.lit(False))
+    if isinstance(data_type, ArrayType | MapType):
+        element, values = (
+            (data_type.elementType, col)
+            if isinstance(data_type, ArrayType)
+            else (data_type.valueType, F.map_values(col))
+        )
+        found = F.exists(values, lambda x: _must(_non_finite_in(x, element)))
+        return F.coalesce(found, F.lit(False))
+    assert isinstance(data_type, StructType)
+    fields = [_non_finite_in(col[f.name], f.dataType) for f in data_type.fields]
+    return _any([c for c in fields if c is not None])
+
+
+def _must(condition: Column | None) -> Column:
+    assert condition is not None
+    return condition
+
+
+def _any(conditions: list[Column]) -> Column:
+    out = conditions[0]
+    for condition in conditions[1:]:
+        out = out | condition
+    return F.coalesce(out, F.lit(False))
+
+
+def _example(df: DataFrame, options: OutboxOptions) -> Column:
+    """What identifies a row in an error: its key, else the start of its JSON."""
+    if options.message_id_column is not None:
+        name = options.message_id_column
+        return F.concat(F.lit(f"{name}="), F.coalesce(df[name].cast(StringType()), F.lit("null")))
+    row = F.to_json(F.struct(*[df[c] for c in df.columns]))
+    return F.substring(row, 1, EXAMPLE_CHARS)

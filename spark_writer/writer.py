@@ -1,6 +1,7 @@
-"""One batch's write, in two halves: ``write_partition`` runs in each task (executor), and
-``commit_batch`` / ``abort_batch`` run once on the driver after the tasks. Spark-free apart from
-the ``StructType`` carried in the plan; the Spark-facing shells are ``sinks`` and ``datasource``.
+"""One batch's write, in two halves: ``write_partition`` runs in each task (executor) and
+commits that partition; ``commit_batch`` runs once on the driver after every task succeeded and
+records the batch. Spark-free apart from the ``StructType`` carried in the plan; the
+Spark-facing shells are ``sinks`` and ``datasource``.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
 from pyspark.sql.types import StructType
 
 from spark_writer.db import open_store
-from spark_writer.envelope import BatchRef, Envelope, Problem, Rejected, RowMapper
+from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, Problem, Rejected
 from spark_writer.errors import OutboxDataError, ProblemCount
 from spark_writer.options import OutboxOptions
 
@@ -44,8 +46,8 @@ class PartitionResult:
 class BatchResult:
     """The outcome of one batch.
 
-    ``rows``: rows in the batch; ``written``: rows new to the outbox; ``duplicates``: valid rows
-    whose ``message_id`` was there already (a retried task, a replay, a repeated key);
+    ``rows``: rows in the batch; ``written``: rows new to the outbox; ``duplicates``: fit rows
+    whose ``message_id`` was there already (a retried task, a re-run, a repeated key);
     ``rejected``: rows put in ``outbox_rejects``; ``replayed``: the batch had been recorded before.
     """
 
@@ -78,41 +80,48 @@ class _Tally:
 
 
 class _Scan:
-    """Maps one partition's rows, keeping count of rows, problems and rejects."""
+    """Maps one partition's Arrow batches, keeping count of rows, problems and rejects."""
 
-    def __init__(self, plan: WritePlan, partition: int, rows: Iterable[tuple[Any, ...]]) -> None:
-        self.mapper = RowMapper(
+    def __init__(self, plan: WritePlan, partition: int, batches: Iterable[pa.RecordBatch]) -> None:
+        self.mapper = ArrowMapper(
             options=plan.options, schema=plan.schema, batch=plan.batch, partition=partition
         )
         self.fail = plan.options.on_invalid == "fail"
-        self.rows = enumerate(rows)
+        self.batches = iter(batches)
         self.seen = 0
         self.tally = _Tally()
         self.rejects: list[Rejected] = []
 
-    def envelopes(self) -> Iterator[Envelope]:
-        for position, row in self.rows:
-            self.seen += 1
-            out = self.mapper.map(row, position)
-            if isinstance(out, Envelope):
-                yield out
-                continue
-            self.tally.add(out.problem)
-            if self.fail:
+    def chunks(self) -> Iterator[Chunk]:
+        for chunk in self._mapped():
+            if chunk.rejected and self.fail:
                 raise _Invalid
-            self.rejects.append(out)
+            self.rejects += chunk.rejected
+            yield chunk
 
     def drain(self) -> None:
         """After the first bad row in fail mode: check the rest, to report every problem."""
-        for position, row in self.rows:
-            self.seen += 1
-            out = self.mapper.map(row, position)
-            if isinstance(out, Rejected):
-                self.tally.add(out.problem)
+        for _ in self._mapped():
+            pass
+
+    def _mapped(self) -> Iterator[Chunk]:
+        for rb in self.batches:
+            chunk = self.mapper.map(rb, self.seen)
+            self.seen += rb.num_rows
+            for rejected in chunk.rejected:
+                self.tally.add(_described(rejected))
+            yield chunk
+
+
+def _described(rejected: Rejected) -> Problem:
+    """The problem with the row named, for an error report."""
+    return Problem(
+        rejected.problem.summary, f"{rejected.problem.detail} (message id {rejected.message_id})"
+    )
 
 
 def write_partition(
-    rows: Iterable[tuple[Any, ...]],
+    batches: Iterable[pa.RecordBatch],
     *,
     plan: WritePlan,
     partition: int,
@@ -120,24 +129,30 @@ def write_partition(
     on_committed: OnCommitted | None = None,
 ) -> PartitionResult:
     """Write one partition in one transaction (executor side). Bad rows in fail mode: none."""
+    batches = iter(batches)
+    first = next(batches, None)
+    if first is None:  # an empty partition needs no connection
+        return PartitionResult(partition=partition, attempt=attempt)
     with open_store(plan.options.url) as store:
         if store.batch_recorded(plan.batch):
             return PartitionResult(partition=partition, attempt=attempt, skipped=True)
-        scan = _Scan(plan, partition, rows)
+        scan = _Scan(plan, partition, _prepend(first, batches))
         try:
             inserted = store.write(
-                batch=plan.batch, envelopes=scan.envelopes(), rejects=scan.rejects
+                batch=plan.batch,
+                layout=scan.mapper.layout,
+                chunks=scan.chunks(),
+                rejects=scan.rejects,
+                first_attempt=attempt == 0,
             )
         except _Invalid:
             scan.drain()
             problems = scan.tally.result()
+            invalid = sum(p.rows for p in problems)
             return PartitionResult(
-                partition=partition,
-                attempt=attempt,
-                rows=scan.seen,
-                invalid=sum(p.rows for p in problems),
+                partition=partition, attempt=attempt, rows=scan.seen, invalid=invalid,
                 problems=problems,
-            )
+            )  # fmt: skip
     result = PartitionResult(
         partition=partition,
         attempt=attempt,
@@ -151,20 +166,26 @@ def write_partition(
     return result
 
 
+def _prepend(first: pa.RecordBatch, rest: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    yield first
+    yield from rest
+
+
 def commit_batch(
     *, options: OutboxOptions, batch: BatchRef, results: Sequence[PartitionResult]
 ) -> BatchResult:
-    """Driver side, after every task succeeded: make the batch visible and record it, or, when
-    a task found bad rows in fail mode, remove what the others wrote and raise."""
-    invalid = sum(r.invalid for r in results)
-    with open_store(options.url) as store:
-        if invalid:
-            store.abort_batch(batch=batch)
-            raise OutboxDataError(batch_id=batch.key, problems=merge_problems(results))
-        rows = sum(r.rows for r in results)
-        rejected = sum(r.rejected for r in results)
-        fresh = store.commit_batch(batch=batch, row_count=rows - rejected, rejected_count=rejected)
+    """Driver side, after every task succeeded: record the batch and sum up what it did.
+
+    When a task found bad rows in fail mode (its partition wrote nothing), the batch is not
+    recorded and ``OutboxDataError`` says what the other partitions wrote.
+    """
+    rows = sum(r.rows for r in results)
+    rejected = sum(r.rejected for r in results)
     written = sum(r.inserted for r in results)
+    if any(r.invalid for r in results):
+        raise OutboxDataError(batch_id=batch.key, problems=merge_problems(results), written=written)
+    with open_store(options.url) as store:
+        fresh = store.record_batch(batch=batch, row_count=rows - rejected, rejected_count=rejected)
     return BatchResult(
         batch_id=batch.key,
         spark_batch_id=batch.spark_batch_id,
@@ -174,12 +195,6 @@ def commit_batch(
         rejected=rejected,
         replayed=not fresh,
     )
-
-
-def abort_batch(*, options: OutboxOptions, batch: BatchRef) -> None:
-    """Driver side, after a failed job: remove the parked rows of an unrecorded batch."""
-    with open_store(options.url) as store:
-        store.abort_batch(batch=batch)
 
 
 def replayed_result(batch: BatchRef) -> BatchResult:

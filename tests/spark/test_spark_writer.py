@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import (
     ArrayType,
@@ -30,6 +31,7 @@ from spark_writer import (
     OutboxSchemaError,
     OutboxSink,
     PartitionResult,
+    sinks,
     write_outbox,
 )
 from tests.spark import dbview
@@ -216,26 +218,52 @@ def test_task_failing_after_its_commit_is_retried_and_adds_no_row(
     assert [(b["batch_id"], b["row_count"]) for b in dbview.batches(db_url)] == [("orders:1", 40)]
 
 
-def test_failed_job_leaves_nothing_and_its_rerun_writes_every_row(
+def fail_on_row_25(payload: str) -> str:
+    if payload == "order 25":
+        raise RuntimeError("injected: row 25 cannot be computed")
+    return payload
+
+
+def test_failed_job_records_no_batch_and_its_rerun_writes_the_rest_once(
     spark: SparkSession, db_url: str
 ) -> None:
-    def always_fail_partition_1(result: PartitionResult) -> None:
-        if result.partition == 1:
-            raise RuntimeError("injected: partition 1 keeps failing")
-
     df = orders(spark, 30)
-    with pytest.raises(Exception, match="partition 1 keeps failing"):
-        write_outbox(
-            df, batch_id=4, on_partition_committed=always_fail_partition_1, **sink_options(db_url)
-        )
-    # Partition 0 had committed, partition 1 twice: none of it may stay behind.
-    assert dbview.counts(db_url) == {"outbox": 0, "outbox_batches": 0, "outbox_rejects": 0}
+    fails_on_row_25 = F.udf(lambda payload: fail_on_row_25(payload), StringType())
+    broken = df.withColumn("payload", fails_on_row_25("payload"))
+    options = sink_options(db_url, on_invalid="reject")  # no check pass: the write itself fails
+    with pytest.raises(Exception, match="row 25 cannot be computed"):
+        write_outbox(broken, batch_id=4, **options)
+    # Partition 1 rolled back (twice). Partition 0 (rows 0-14) commits whole or not at all: the
+    # failing job cancels it, but it may commit before, or even just after the error is raised.
+    # No batch is recorded either way.
+    assert dbview.count(db_url, "outbox") in (0, 15)
+    assert dbview.count(db_url, "outbox_batches") == 0
 
-    result = write_outbox(df, batch_id=4, **sink_options(db_url))
-    assert (result.written, result.replayed) == (30, False)
-    again = write_outbox(df, batch_id=4, **sink_options(db_url))
+    result = write_outbox(df, batch_id=4, **options)
+    assert result.duplicates in (0, 15)
+    assert (result.rows, result.written) == (30, 30 - result.duplicates)
+    assert not result.replayed
+    again = write_outbox(df, batch_id=4, **options)
     assert again.replayed and again.written == 0
-    assert dbview.count(db_url, "outbox") == 30
+    rows = dbview.outbox(db_url)
+    assert sorted(r["body"] for r in rows) == sorted(f"order {i}".encode() for i in range(30))
+    assert [(b["batch_id"], b["row_count"]) for b in dbview.batches(db_url)] == [("orders:4", 30)]
+
+
+def test_rows_already_in_the_outbox_are_skipped_and_the_rest_written_in_order(
+    spark: SparkSession, db_url: str
+) -> None:
+    keyed = sink_options(db_url, message_id_column="id")
+    first = write_outbox(orders(spark, 20).where("id < 10"), batch_id=1, **keyed)
+    assert first.written == 10
+    # Partition 0 holds ids 0-19 (0-9 there already), partition 1 ids 20-39.
+    result = write_outbox(orders(spark, 40), batch_id=2, **keyed)
+    assert (result.rows, result.written, result.duplicates) == (40, 30, 10)
+    ids = [int(r["message_id"]) for r in dbview.outbox(db_url)]  # in outbox id order
+    assert sorted(ids) == list(range(40))
+    # Within a partition, outbox ids follow row order (partitions commit in either order).
+    assert [i for i in ids if 10 <= i < 20] == list(range(10, 20))
+    assert [i for i in ids if i >= 20] == list(range(20, 40))
 
 
 def test_write_outbox_derives_its_batch_id_from_the_content(
@@ -255,6 +283,7 @@ def test_write_outbox_derives_its_batch_id_from_the_content(
 
 BAD_ROWS = {
     3: {"payload": None},
+    9: {"region": "é" * 128},  # 128 characters, 256 bytes
     12: {"region": None},
     14: {"region": "r" * 256},
     17: {"payload": "x" * 65},
@@ -264,18 +293,59 @@ BAD_ROWS = {
 def test_bad_rows_fail_the_batch_naming_each_problem_and_write_nothing(
     spark: SparkSession, db_url: str
 ) -> None:
+    df = orders(spark, 20, BAD_ROWS)
     with pytest.raises(OutboxDataError) as err:
-        write_outbox(
-            orders(spark, 20, BAD_ROWS), batch_id=2, max_body_bytes=64, **sink_options(db_url)
-        )
+        write_outbox(df, batch_id=2, max_body_bytes=64, **sink_options(db_url))
     assert {p.summary: p.rows for p in err.value.problems} == {
         "column 'payload' (body) is null": 1,
         "column 'region' (routing key) is null": 1,
-        "column 'region' (routing key) is longer than 255 bytes": 1,
+        "column 'region' (routing key) is longer than 255 bytes": 2,
         "column 'payload' (body) is over the 64-byte maximum": 1,
     }
-    assert "batch orders:2: 4 invalid row(s), nothing written" in str(err.value)
+    assert "batch orders:2: 5 invalid row(s), nothing written" in str(err.value)
     assert dbview.counts(db_url) == {"outbox": 0, "outbox_batches": 0, "outbox_rejects": 0}
+
+
+def test_nan_in_a_json_body_or_a_header_is_found_before_any_write(
+    spark: SparkSession, sqlite_url: str
+) -> None:
+    schema = "id LONG, region STRING, tenant STRING, score DOUBLE, tags ARRAY<DOUBLE>"
+    rows = [(i, "r", "t", float(i), [1.0]) for i in range(10)]
+    rows[3] = (3, "r", "t", float("nan"), [1.0])
+    rows[8] = (8, "r", "t", 8.0, [float("-inf")])
+    df = spark.createDataFrame(rows, schema).coalesce(2)
+    with pytest.raises(OutboxDataError) as err:
+        OutboxSink(url=sqlite_url, sink="s", exchange="x", routing_key_column="region")(df, 1)
+    assert [(p.summary, p.rows) for p in err.value.problems] == [
+        ("row JSON (body) holds NaN or infinity, which JSON cannot carry", 2)
+    ]
+    with pytest.raises(OutboxDataError) as err:
+        OutboxSink(
+            url=sqlite_url, sink="s", exchange="x", routing_key_column="region",
+            body_column="tenant", header_columns=["score"], message_id_column="id",
+        )(df, 1)  # fmt: skip
+    assert [(p.summary, p.rows, p.first) for p in err.value.problems] == [
+        ("header column 'score' is NaN or infinite", 1, "id=3")
+    ]
+    assert dbview.counts(sqlite_url) == {"outbox": 0, "outbox_batches": 0, "outbox_rejects": 0}
+
+
+def test_json_body_over_the_maximum_is_caught_in_the_executor(
+    spark: SparkSession, pg_url: str
+) -> None:
+    # Spark cannot size the JSON the writer will make: the task finds it, its partition writes
+    # nothing, the batch is not recorded.
+    df = orders(spark, 20, {17: {"payload": "x" * 100}})
+    with pytest.raises(OutboxDataError) as err:
+        write_outbox(
+            df, url=pg_url, sink="orders", batch_id=5, exchange="orders.x",
+            routing_key_column="region", max_body_bytes=100,
+        )  # fmt: skip
+    assert [(p.summary, p.rows) for p in err.value.problems] == [
+        ("row JSON (body) is over the 100-byte maximum", 1)
+    ]
+    assert err.value.written == 10
+    assert dbview.counts(pg_url) == {"outbox": 10, "outbox_batches": 0, "outbox_rejects": 0}
 
 
 def test_reject_mode_writes_good_rows_and_rejects_the_bad_with_reasons(
@@ -283,18 +353,19 @@ def test_reject_mode_writes_good_rows_and_rejects_the_bad_with_reasons(
 ) -> None:
     sink = OutboxSink(on_invalid="reject", max_body_bytes=64, **sink_options(db_url))
     result = sink(orders(spark, 20, BAD_ROWS), 9)
-    assert (result.rows, result.written, result.rejected) == (20, 16, 4)
-    assert dbview.count(db_url, "outbox") == 16
+    assert (result.rows, result.written, result.rejected) == (20, 15, 5)
+    assert dbview.count(db_url, "outbox") == 15
     reasons = {json.loads(r["row_json"])["id"]: r["reason"] for r in dbview.rejects(db_url)}
     assert reasons == {
         3: "payload is null",
+        9: "region is 256 bytes, over the 255-byte limit",
         12: "region is null",
         14: "region is 256 bytes, over the 255-byte limit",
         17: "body is 65 bytes, over the 64-byte maximum",
     }
-    assert [(b["row_count"], b["rejected_count"]) for b in dbview.batches(db_url)] == [(16, 4)]
+    assert [(b["row_count"], b["rejected_count"]) for b in dbview.batches(db_url)] == [(15, 5)]
     assert sink(orders(spark, 20, BAD_ROWS), 9).replayed
-    assert dbview.counts(db_url) == {"outbox": 16, "outbox_batches": 1, "outbox_rejects": 4}
+    assert dbview.counts(db_url) == {"outbox": 15, "outbox_batches": 1, "outbox_rejects": 5}
 
 
 @pytest.mark.parametrize(
@@ -415,7 +486,7 @@ def test_data_source_and_foreach_batch_write_the_same_rows(
     ]
 
 
-def test_data_source_refuses_bad_rows_and_writes_nothing(
+def test_data_source_refuses_bad_rows_in_their_partition_and_records_no_batch(
     spark: SparkSession, sqlite_url: str
 ) -> None:
     df = orders(spark, 20, {15: {"region": None}})
@@ -431,9 +502,12 @@ def test_data_source_refuses_bad_rows_and_writes_nothing(
             bodyColumn="payload",
         )
     )
-    with pytest.raises(Exception, match=r"column 'region' \(routing key\) is null: 1 row"):
+    with pytest.raises(Exception, match=r"column 'region' \(routing key\) is null: 1 row") as err:
         writer.save()
-    assert dbview.counts(sqlite_url) == {"outbox": 0, "outbox_batches": 0, "outbox_rejects": 0}
+    # The data source sees rows only in its tasks: partition 1 (rows 10-19) wrote nothing,
+    # partition 0 committed, and the batch is not recorded.
+    assert "partitions without bad rows wrote 10 row(s)" in str(err.value)
+    assert dbview.counts(sqlite_url) == {"outbox": 10, "outbox_batches": 0, "outbox_rejects": 0}
 
 
 @pytest.mark.parametrize(
@@ -459,6 +533,23 @@ def test_data_source_option_and_schema_errors_are_clear(
     with pytest.raises(Exception, match=needle):
         writer.save()
     assert dbview.count(sqlite_url, "outbox") == 0
+
+
+def test_a_frame_read_twice_is_persisted_only_while_written_and_only_if_not_cached(
+    spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sinks, "PERSIST_BETWEEN_PASSES", True)
+    df = orders(spark, 4)
+    with sinks.persisted(df, passes=1):
+        assert not df.is_cached
+    with sinks.persisted(df, passes=2):
+        assert df.is_cached
+    assert not df.is_cached
+    df.cache()
+    with sinks.persisted(df, passes=2):
+        pass
+    assert df.is_cached  # the caller's cache is the caller's
+    df.unpersist()
 
 
 def test_sink_refuses_bad_options_at_construction(sqlite_url: str) -> None:

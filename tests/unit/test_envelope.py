@@ -1,15 +1,18 @@
-"""Pure tests of options, schema checks and the row mapping: no SparkSession, no database."""
+"""Pure tests of the Spark writer: options, schema checks, the rules, the Arrow mapping and the
+COPY encoder. No SparkSession, no database."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import struct
 from decimal import Decimal
 from typing import Any
 
+import pyarrow as pa
 import pytest
-from pyspark.sql import Row
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     DoubleType,
     IntegerType,
@@ -21,8 +24,10 @@ from pyspark.sql.types import (
 )
 
 from spark_writer import OutboxConfigError, OutboxOptions, OutboxSchemaError, derive_message_id
-from spark_writer.envelope import BatchRef, Envelope, Rejected, RowMapper, jsonable
+from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, jsonable
 from spark_writer.options import from_spark_options
+from spark_writer.pgcopy import Const, encode
+from spark_writer.rules import checks
 from spark_writer.validate import check_schema
 
 URL = "sqlite:////tmp/outbox-unit.db"
@@ -33,6 +38,15 @@ SCHEMA = StructType(
         StructField("payload", StringType()),
         StructField("tenant", StringType()),
         StructField("score", DoubleType()),
+    ]
+)
+ARROW = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("region", pa.string()),
+        ("payload", pa.string()),
+        ("tenant", pa.string()),
+        ("score", pa.float64()),
     ]
 )
 BATCH = BatchRef(sink="orders", spark_batch_id=7)
@@ -48,8 +62,30 @@ def opts(**kw: Any) -> OutboxOptions:
     return OutboxOptions(**(base | kw))
 
 
-def mapper(options: OutboxOptions, schema: StructType = SCHEMA, partition: int = 0) -> RowMapper:
-    return RowMapper(options=options, schema=schema, batch=BATCH, partition=partition)
+def mapper(options: OutboxOptions, schema: StructType = SCHEMA, partition: int = 0) -> ArrowMapper:
+    return ArrowMapper(options=options, schema=schema, batch=BATCH, partition=partition)
+
+
+def batch(*rows: tuple[Any, ...], arrow: pa.Schema = ARROW) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([dict(zip(arrow.names, r, strict=True)) for r in rows], arrow)
+
+
+def single(
+    m: ArrowMapper, row: tuple[Any, ...], arrow: pa.Schema = ARROW, start: int = 0
+) -> dict[str, Any]:
+    """The one mapped row as {outbox column: value}, constants included."""
+    chunk = m.map(batch(row, arrow=arrow), start)
+    assert chunk.rows == 1 and not chunk.rejected
+    return rows_of(m, chunk)[0]
+
+
+def rows_of(m: ArrowMapper, chunk: Chunk) -> list[dict[str, Any]]:
+    columns = [c.to_pylist() for c in chunk.columns]
+    constant = dict(m.layout.constant)
+    return [
+        constant | dict(zip(m.layout.varying, values, strict=True))
+        for values in zip(*columns, strict=True)
+    ]
 
 
 # --- options ---------------------------------------------------------------------------------
@@ -142,22 +178,50 @@ def test_schema_accepts_fitting_types() -> None:
     )
 
 
-# --- row mapping -----------------------------------------------------------------------------
+# --- rules ---------------------------------------------------------------------------------
+
+
+def test_checks_come_in_order_and_only_where_they_apply() -> None:
+    options = opts(
+        exchange=None,
+        exchange_column="tenant",
+        body_column="payload",
+        message_id_column="id",
+        header_columns=("tenant", "score"),
+        max_body_bytes=9,
+    )
+    assert [c.summary for c in checks(SCHEMA, options)] == [
+        "column 'id' (message id) is null",  # an integer key cannot be empty or too long
+        "column 'tenant' (exchange) is null",
+        "column 'tenant' (exchange) is longer than 255 bytes",
+        "column 'region' (routing key) is null",
+        "column 'region' (routing key) is longer than 255 bytes",
+        "column 'payload' (body) is null",
+        "column 'payload' (body) is over the 9-byte maximum",
+        "header column 'score' is NaN or infinite",
+    ]
+    assert [c.summary for c in checks(SCHEMA, opts(max_body_bytes=9))][-2:] == [
+        "row JSON (body) holds NaN or infinity, which JSON cannot carry",
+        "row JSON (body) is over the 9-byte maximum",
+    ]
+
+
+# --- Arrow mapping ---------------------------------------------------------------------------
 
 
 def test_row_without_body_column_becomes_json_with_derived_id() -> None:
-    out = mapper(opts()).map((1, "eu", "p", "t1", 0.5), 3)
-    assert isinstance(out, Envelope)
-    assert json.loads(out.body) == {
+    out = single(mapper(opts()), (1, "eu", "p", "t1", 0.5), start=3)
+    assert json.loads(out["body"]) == {
         "id": 1,
         "region": "eu",
         "payload": "p",
         "tenant": "t1",
         "score": 0.5,
     }
-    assert out.content_type == "application/json"
-    assert out.routing_key == "eu" and out.exchange == "ex" and out.mandatory is True
-    assert out.message_id == derive_message_id(
+    assert out["content_type"] == "application/json"
+    assert (out["routing_key"], out["exchange"], out["mandatory"]) == ("eu", "ex", True)
+    assert out["batch_id"] == "orders:7"
+    assert out["message_id"] == derive_message_id(
         sink="orders", spark_batch_id=7, partition=0, position=3
     )
 
@@ -182,24 +246,22 @@ def test_body_columns_headers_key_and_ordering_key() -> None:
         header_columns=("tenant", "score"),
         ordering_key_column="tenant",
     )
-    out = mapper(options).map((42, "eu", "héllo", "t1", None), 0)
-    assert isinstance(out, Envelope)
-    assert out.body == "héllo".encode()
-    assert out.content_type == "text/plain; charset=utf-8"
-    assert out.message_id == "42"
-    assert json.loads(out.headers or "") == {"tenant": "t1"}  # null headers are left out
-    assert out.ordering_key == "t1"
+    out = single(mapper(options), (42, "eu", "héllo", "t1", None))
+    assert out["body"] == "héllo".encode()
+    assert out["content_type"] == "text/plain; charset=utf-8"
+    assert out["message_id"] == "42"
+    assert json.loads(out["headers"]) == {"tenant": "t1"}  # null headers are left out
+    assert out["ordering_key"] == "t1"
 
 
 def test_binary_body_is_octets_and_content_type_can_be_set() -> None:
     schema = StructType([StructField("region", StringType()), StructField("b", BinaryType())])
-    out = mapper(opts(body_column="b"), schema).map(("eu", bytearray(b"\x00\x01")), 0)
-    assert isinstance(out, Envelope) and out.body == b"\x00\x01"
-    assert out.content_type == "application/octet-stream"
-    out = mapper(opts(body_column="b", content_type="application/x-protobuf"), schema).map(
-        ("eu", b"x"), 0
-    )
-    assert isinstance(out, Envelope) and out.content_type == "application/x-protobuf"
+    arrow = pa.schema([("region", pa.string()), ("b", pa.binary())])
+    out = single(mapper(opts(body_column="b"), schema), ("eu", b"\x00\x01"), arrow)
+    assert out["body"] == b"\x00\x01"
+    assert out["content_type"] == "application/octet-stream"
+    custom = mapper(opts(body_column="b", content_type="application/x-protobuf"), schema)
+    assert single(custom, ("eu", b"x"), arrow)["content_type"] == "application/x-protobuf"
 
 
 @pytest.mark.parametrize(
@@ -214,6 +276,12 @@ def test_binary_body_is_octets_and_content_type_can_be_set() -> None:
         (
             opts(),
             (1, "r" * 256, "p", "t", 1.0),
+            "column 'region' (routing key) is longer than 255 bytes",
+            "region is 256 bytes, over the 255-byte limit",
+        ),
+        (
+            opts(),
+            (1, "é" * 128, "p", "t", 1.0),
             "column 'region' (routing key) is longer than 255 bytes",
             "region is 256 bytes, over the 255-byte limit",
         ),
@@ -233,7 +301,7 @@ def test_binary_body_is_octets_and_content_type_can_be_set() -> None:
             opts(max_body_bytes=10),
             (1, "eu", "p", "t", 1.0),
             "row JSON (body) is over the 10-byte maximum",
-            None,
+            "body is 61 bytes, over the 10-byte maximum",
         ),
         (
             opts(exchange=None, exchange_column="tenant"),
@@ -251,53 +319,109 @@ def test_binary_body_is_octets_and_content_type_can_be_set() -> None:
             opts(body_column="payload", header_columns=("score",)),
             (1, "eu", "p", "t", float("nan")),
             "header column 'score' is NaN or infinite",
-            None,
+            "header column 'score' is NaN or infinite",
         ),
         (
             opts(),
             (1, "eu", "p", "t", float("inf")),
             "row JSON (body) holds NaN or infinity, which JSON cannot carry",
-            None,
+            "row JSON (body) holds NaN or infinity, which JSON cannot carry",
         ),
     ],
 )
 def test_bad_rows_are_rejected_naming_column_and_problem(
-    options: OutboxOptions, row: tuple[Any, ...], summary: str, detail: str | None
+    options: OutboxOptions, row: tuple[Any, ...], summary: str, detail: str
 ) -> None:
-    out = mapper(options, partition=1).map(row, 9)
-    assert isinstance(out, Rejected)
-    assert out.problem.summary == summary
-    if detail is not None:
-        assert out.problem.detail == detail
+    chunk = mapper(options, partition=1).map(batch(row), 9)
+    assert chunk.rows == 0 and all(len(c) == 0 for c in chunk.columns)
+    [out] = chunk.rejected
+    assert (out.problem.summary, out.problem.detail) == (summary, detail)
     assert out.position == 9
+    assert out.message_id == ("orders:7:1:9" if options.message_id_column is None else "")
     assert json.loads(out.row_json.replace("NaN", "null").replace("Infinity", "null"))["id"] == 1
 
 
-def test_jsonable_converts_nested_spark_values() -> None:
-    inner = Row("x", "b")(Decimal("1.50"), b"\x00")
+def test_a_batch_keeps_its_fit_rows_in_order_with_their_own_positions() -> None:
+    rows = [(i, None if i in (1, 4) else f"r{i}", f"p{i}", "t", 0.0) for i in range(6)]
+    m = mapper(opts(body_column="payload"))
+    chunk = m.map(batch(*rows), 100)
+    assert chunk.rows == 4
+    assert [(r["message_id"], r["routing_key"], r["body"]) for r in rows_of(m, chunk)] == [
+        (f"orders:7:0:{100 + i}", f"r{i}", f"p{i}".encode()) for i in (0, 2, 3, 5)
+    ]
+    assert [(r.position, r.message_id) for r in chunk.rejected] == [
+        (101, "orders:7:0:101"),
+        (104, "orders:7:0:104"),
+    ]
+
+
+def test_json_body_of_nested_values() -> None:
+    schema = StructType(
+        [
+            StructField("k", IntegerType()),
+            StructField("region", StringType()),
+            StructField("m", MapType(StringType(), IntegerType())),
+            StructField("a", ArrayType(DoubleType())),
+        ]
+    )
+    arrow = pa.schema(
+        [
+            ("k", pa.int32()),
+            ("region", pa.string()),
+            ("m", pa.map_(pa.string(), pa.int32())),
+            ("a", pa.list_(pa.float64())),
+        ]
+    )
+    m = mapper(opts(message_id_column="k"), schema)
+    out = single(m, (5, "eu", [("a", 1)], [0.5]), arrow)
+    assert out["message_id"] == "5"
+    assert json.loads(out["body"]) == {"k": 5, "region": "eu", "m": {"a": 1}, "a": [0.5]}
+    [bad] = m.map(batch((6, "eu", [], [float("nan")]), arrow=arrow), 0).rejected
+    assert bad.problem.summary.startswith("row JSON (body) holds NaN")
+
+
+def test_jsonable_converts_nested_arrow_values() -> None:
     value = {
         "m": {"k": 1},
-        "s": inner,
+        "s": {"x": Decimal("1.50"), "b": b"\x00"},
         "a": [dt.date(2024, 1, 2)],
         "t": dt.datetime(2024, 1, 2, 3, 4, 5, tzinfo=dt.UTC),
+        "d": dt.timedelta(seconds=90),
     }
     assert jsonable(value) == {
         "m": {"k": 1},
         "s": {"x": "1.50", "b": "AA=="},
         "a": ["2024-01-02"],
         "t": "2024-01-02T03:04:05+00:00",
+        "d": 90.0,
     }
 
 
-def test_map_and_int_key_columns() -> None:
-    schema = StructType(
-        [
-            StructField("k", IntegerType()),
-            StructField("region", StringType()),
-            StructField("m", MapType(StringType(), IntegerType())),
-        ]
-    )
-    out = mapper(opts(message_id_column="k"), schema).map((5, "eu", {"a": 1}), 0)
-    assert isinstance(out, Envelope)
-    assert out.message_id == "5"
-    assert json.loads(out.body) == {"k": 5, "region": "eu", "m": {"a": 1}}
+# --- binary COPY -----------------------------------------------------------------------------
+
+
+def decode_copy(data: bytes) -> list[list[bytes | None]]:
+    """PostgreSQL binary COPY rows (no header) back into fields."""
+    rows, at = [], 0
+    while at < len(data):
+        (count,) = struct.unpack_from(">h", data, at)
+        at += 2
+        fields: list[bytes | None] = []
+        for _ in range(count):
+            (size,) = struct.unpack_from(">i", data, at)
+            at += 4
+            fields.append(None if size < 0 else data[at : at + size])
+            at += max(size, 0)
+        rows.append(fields)
+    return rows
+
+
+def test_copy_rows_carry_lengths_nulls_and_constants() -> None:
+    keys = pa.array(["a", None, "ccc", "dé"]).slice(1)  # an offset into the buffers
+    bodies = pa.array([b"x", b"\x00\x01", None, b""], pa.binary()).slice(1)
+    data = encode([keys, Const.of("b:1"), Const.of(True), bodies, Const.of(None)])
+    assert decode_copy(data.to_pybytes()) == [
+        [None, b"b:1", b"\x01", b"\x00\x01", None],
+        [b"ccc", b"b:1", b"\x01", None, None],
+        ["dé".encode(), b"b:1", b"\x01", b"", None],
+    ]

@@ -1,0 +1,104 @@
+"""What makes a row unfit for the outbox, as data: one ordered list of ``Check`` per batch.
+
+Pure: a ``StructType`` and the options in, checks out. Two engines evaluate the same list:
+``validate.annotate`` as Spark expressions on the driver, ``envelope.ArrowMapper`` with pyarrow
+in each task. A row's problem is its first failing check, so both report the same text.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+from pyspark.sql.types import (
+    ArrayType,
+    DataType,
+    DoubleType,
+    FloatType,
+    MapType,
+    StringType,
+    StructType,
+)
+
+from spark_writer.options import SHORTSTR_MAX, OutboxOptions
+
+Kind = Literal["null", "empty", "too_long", "too_big", "non_finite"]
+#: Stands for "the whole row" in checks of the JSON body (no ``body_column``).
+ROW = "*"
+
+
+class Check(NamedTuple):
+    """One rule on one column: ``summary`` groups rows, ``detail(value)`` describes one row."""
+
+    kind: Kind
+    column: str
+    role: str
+    limit: int = 0
+
+    @property
+    def summary(self) -> str:
+        where = "row JSON" if self.column == ROW else f"column {self.column!r}"
+        if self.kind == "null":
+            return f"{where} ({self.role}) is null"
+        if self.kind == "empty":
+            return f"{where} ({self.role}) is empty"
+        if self.kind == "too_long":
+            return f"{where} ({self.role}) is longer than {self.limit} bytes"
+        if self.kind == "too_big":
+            return f"{where} ({self.role}) is over the {self.limit}-byte maximum"
+        if self.column == ROW:
+            return "row JSON (body) holds NaN or infinity, which JSON cannot carry"
+        return f"header column {self.column!r} is NaN or infinite"
+
+    def detail(self, size: int | None = None) -> str:
+        """This row's reason, for ``outbox_rejects``; ``size`` is the value's length in bytes."""
+        if self.kind in ("null", "empty"):
+            return f"{self.column} is {self.kind}"
+        if self.kind == "too_long":
+            return f"{self.column} is {size} bytes, over the {self.limit}-byte limit"
+        if self.kind == "too_big":
+            return f"body is {size} bytes, over the {self.limit}-byte maximum"
+        return self.summary
+
+
+def checks(schema: StructType, options: OutboxOptions) -> list[Check]:
+    """Every check a row of ``schema`` must pass, in the order they are tried."""
+    types = {f.name: f.dataType for f in schema.fields}
+    out: list[Check] = []
+    if (key := options.message_id_column) is not None:
+        out.append(Check("null", key, "message id"))
+        if isinstance(types[key], StringType):
+            out += [
+                Check("empty", key, "message id"),
+                Check("too_long", key, "message id", SHORTSTR_MAX),
+            ]
+    for role, column in (
+        ("exchange", options.exchange_column),
+        ("routing key", options.routing_key_column),
+    ):
+        if column is not None:
+            out += [Check("null", column, role), Check("too_long", column, role, SHORTSTR_MAX)]
+    if (body := options.body_column) is not None:
+        out += [Check("null", body, "body"), Check("too_big", body, "body", options.max_body_bytes)]
+    out += [
+        Check("non_finite", name, "header")
+        for name in options.header_columns
+        if isinstance(types[name], FloatType | DoubleType)
+    ]
+    if body is None:
+        if any(holds_floats(t) for t in types.values()):
+            out.append(Check("non_finite", ROW, "body"))
+        out.append(Check("too_big", ROW, "body", options.max_body_bytes))
+    return out
+
+
+def holds_floats(data_type: DataType) -> bool:
+    """True when a value of this type is or contains a float or double."""
+    if isinstance(data_type, FloatType | DoubleType):
+        return True
+    if isinstance(data_type, ArrayType):
+        return holds_floats(data_type.elementType)
+    if isinstance(data_type, MapType):
+        return holds_floats(data_type.valueType)
+    if isinstance(data_type, StructType):
+        return any(holds_floats(f.dataType) for f in data_type.fields)
+    return False
