@@ -289,10 +289,20 @@ class OutboxRepository:
         )
 
     def heartbeat(
-        self, *, publisher_id: str, lease_seconds: float, stats: dict[str, Any] | None = None
+        self,
+        *,
+        publisher_id: str,
+        lease_seconds: float,
+        stats: dict[str, Any] | None = None,
+        held: Sequence[int] | None = None,
     ) -> int:
         """Refresh this publisher's heartbeat (and its counters, for the API's /metrics) and
-        extend the leases of the rows it holds. Returns how many leases were extended."""
+        extend the leases of its rows. Returns how many leases were extended.
+
+        ``held``: extend only these rows, the ones the process knows it holds. A row leased to
+        this owner but unknown to the process (its claim's reply was lost) then expires and comes
+        back through :meth:`release_expired` instead of being renewed forever.
+        """
         now = self.clock()
         beat: dict[str, Any] = {"heartbeat_at": now, "stopped_at": None}
         if stats is not None:
@@ -301,12 +311,24 @@ class OutboxRepository:
             conn.execute(
                 update(publishers).where(publishers.c.publisher_id == publisher_id).values(**beat)
             )
-            stmt = (
-                update(outbox)
-                .where(outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == publisher_id)
-                .values(lease_until=now + dt.timedelta(seconds=lease_seconds))
+            if held is not None and not held:
+                return 0
+            mine = and_(outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == publisher_id)
+            renew = update(outbox).values(lease_until=now + dt.timedelta(seconds=lease_seconds))
+            if held is None:
+                return conn.execute(renew.where(mine)).rowcount
+            return sum(
+                conn.execute(renew.where(mine, self._ids_in(chunk))).rowcount
+                for chunk in self._chunks(held)
             )
-            return conn.execute(stmt).rowcount
+
+    def leased_ids(self, *, owner: str) -> list[int]:
+        """Ids of the ``in_flight`` rows leased to ``owner`` (to find rows a lost reply hid)."""
+        stmt = select(outbox.c.id).where(
+            outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == owner
+        )
+        with self._begin() as conn:
+            return list(conn.scalars(stmt))
 
     def unregister_publisher(
         self, *, publisher_id: str, stats: dict[str, Any] | None = None

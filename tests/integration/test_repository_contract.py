@@ -145,6 +145,20 @@ class TestRepositoryContract:
         clock.advance(20)
         assert repo.release_expired() == 0
 
+    def test_heartbeat_renews_only_rows_the_process_holds(
+        self, repo: OutboxRepository, engine: Engine, clock: Clock
+    ) -> None:
+        seed(engine, 3)
+        repo.register_publisher(publisher_id="p1", stale_after=30)
+        a, b, orphan = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        assert sorted(repo.leased_ids(owner="p1")) == sorted([a.id, b.id, orphan.id])
+        clock.advance(20)
+        assert repo.heartbeat(publisher_id="p1", lease_seconds=30, held=[a.id, b.id]) == 2
+        clock.advance(20)
+        assert repo.release_expired() == 1  # the row whose claim reply was lost comes back
+        assert row(engine, orphan.id)["status"] == "pending"
+        assert repo.heartbeat(publisher_id="p1", lease_seconds=30, held=[]) == 0
+
     def test_mark_from_publisher_that_lost_its_lease_is_refused(
         self, repo: OutboxRepository, engine: Engine, clock: Clock
     ) -> None:
