@@ -33,9 +33,11 @@ class Settings(BaseSettings):
         default=None, description="Name of this publisher; default host:pid:random."
     )
     claim_batch: int = Field(
-        default=500, ge=1, le=10_000, description="Rows claimed per statement."
+        default=2_000, ge=1, le=10_000, description="Rows claimed per statement."
     )
-    window: int = Field(default=5_000, ge=1, description="Most unconfirmed publishes in flight.")
+    window: int = Field(
+        default=10_000, ge=1, description="Most rows held (claimed, not yet settled) at once."
+    )
     channels: int = Field(
         default=1, ge=1, le=64, description="Confirm-mode channels per publisher."
     )

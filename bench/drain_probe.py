@@ -1,6 +1,7 @@
 """Publish-path measurements against the local RabbitMQ (and PostgreSQL): median of N runs.
 
     python bench/drain_probe.py [--runs 3] [--messages 20000] [--only aio-pika,wire,pg,sqlite]
+                                [--claim-batch N] [--window N]   (drains; default: Settings)
 
 Cases (persistent 256-byte messages to a durable queue, publisher confirms on):
 
@@ -166,10 +167,15 @@ def fill(url: str, n: int, queue: str) -> None:
     engine.dispose()
 
 
+#: Settings overrides for the drain cases (--claim-batch, --window).
+DRAIN_OVERRIDES: dict[str, int] = {}
+
+
 async def drain_rate(amqp_url: str, db_url: str, n: int) -> float:
     async def run(queue: str) -> float:
         await asyncio.to_thread(fill, db_url, n, queue)
-        settings = Settings(database_url=db_url, amqp_url=amqp_url, poll_interval=0.05)  # type: ignore[arg-type]
+        settings = Settings(database_url=db_url, amqp_url=amqp_url, poll_interval=0.05,  # type: ignore[arg-type]
+                            **DRAIN_OVERRIDES)  # fmt: skip
         engine = make_engine(db_url, pool_pre_ping=False)  # as run_publisher builds it
         try:
             publisher = Publisher(settings=settings, repository=OutboxRepository(engine))
@@ -230,8 +236,14 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--only", default="aio-pika-1,aio-pika,wire,pg,sqlite")
+    parser.add_argument("--claim-batch", type=int, help="drains: Settings.claim_batch")
+    parser.add_argument("--window", type=int, help="drains: Settings.window")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = parser.parse_args()
+    if args.claim_batch:
+        DRAIN_OVERRIDES["claim_batch"] = args.claim_batch
+    if args.window:
+        DRAIN_OVERRIDES["window"] = args.window
     amqp_url, admin_url = service_urls()
     n = args.messages
     cases: dict[str, Callable[[], Awaitable[float]]] = {
@@ -244,9 +256,10 @@ def main() -> int:
     results: dict[str, dict[str, object]] = {}
     for name in args.only.split(","):
         rates = [asyncio.run(cases[name]()) for _ in range(args.runs)]
-        results[name] = {"median": statistics.median(rates), "runs": [round(r) for r in rates]}
         median, runs = statistics.median(rates), [round(r) for r in rates]
-        print(f"{name:11s} median {median:8.0f} msg/s   runs {runs}", flush=True)
+        load = round(os.getloadavg()[0], 1)
+        results[name] = {"median": median, "runs": runs, "load1": load}
+        print(f"{name:11s} median {median:8.0f} msg/s   runs {runs}   load {load}", flush=True)
     if args.json:
         print(json.dumps(results))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime as dt
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class Row:
     reply_text: str | None
     channel_id: int | None
     delivery_tag: int | None
+    published_at: dt.datetime | None
+    confirmed_at: dt.datetime | None
 
 
 def rows(engine: Engine) -> list[Row]:

@@ -8,8 +8,10 @@ Tasks on one event loop, all DB calls on one worker thread (the repository is sy
   ``window`` rows are held (claimed and not yet settled in the DB).
 - **sender**: turns queued rows into publishes, one ``transport.write`` per batch and channel,
   registers them in the channel's :class:`~app.confirms.ChannelLedger`.
-- **flusher**: every ``flush_interval`` writes the accumulated outcomes, one repository call per
-  outcome kind.
+- **flusher**: every ``flush_interval`` writes the accumulated outcomes in one transaction
+  (:meth:`~app.outbox.repository.OutboxRepository.unit_of_work`: one commit per flush), one
+  repository call per outcome kind; a confirmed row gets its channel, delivery tag and publish
+  time in the same statement that confirms it.
 - **housekeeping**: heartbeat and lease renewal, ``release_expired`` for crashed publishers,
   the confirm timeout, and ``until_empty``.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import functools
 import logging
 import os
@@ -31,9 +34,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-from sqlalchemy import func, select
+from itertools import repeat
+from typing import Any, TypeAlias, TypeVar
 
 from app.confirms import (
     ChannelLedger,
@@ -45,8 +47,7 @@ from app.confirms import (
     RemoteProtocolError,
     Returned,
 )
-from app.outbox.repository import Backoff, ClaimedRow, OutboxRepository, ReturnedRow
-from app.outbox.schema import outbox
+from app.outbox.repository import Backoff, ClaimedRow, OutboxRepository, Published, ReturnedRow
 from app.outbox.states import Status
 from app.publisher.destinations import Destinations, DestinationState
 from app.publisher.envelope import CloseCause, CloseKind, EnvelopeError, classify_close, to_message
@@ -63,10 +64,15 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: Where and when a row went out: (channel id, delivery tag, wall-clock publish time).
+SentFacts: TypeAlias = tuple[int, int, dt.datetime]
+_Facts: TypeAlias = list[tuple[int, SentFacts | None]]
 
 #: A row in this many unexplained channel closes goes to retry-with-budget instead of release,
 #: so a message the broker always rejects cannot loop forever.
 POISON_STRIKES = 3
+MAX_STRIKE_ROWS = 100_000
+ORPHAN_ERROR = "claimed by a claim whose result was lost: released unpublished"
 EXCHANGE_OK_TTL = 60.0
 #: Publishes still unconfirmed after this many seconds get their channel and delivery tag written
 #: to their row (what the API shows as outstanding confirms); faster ones skip that write.
@@ -92,11 +98,23 @@ class _Channel:
     runs: deque[tuple[int, float]] = field(default_factory=deque)  # (last tag, at) per write
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One publish write: rows ``ids`` got the contiguous tags from ``first_tag`` on ``channel``."""
+
+    at: float
+    channel: _Channel
+    first_tag: int
+    ids: list[int]
+    wall: dt.datetime
+
+
 @dataclass(slots=True)
 class _Outcomes:
     """Settled outcomes waiting for the next flush."""
 
-    published: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    #: late tag notes: (channel id, publish time) -> [(row id, delivery tag)]
+    published: dict[tuple[int, dt.datetime], list[tuple[int, int]]] = field(default_factory=dict)
     confirmed: list[int] = field(default_factory=list)
     returned: list[ReturnedRow] = field(default_factory=list)
     nacked: list[int] = field(default_factory=list)
@@ -122,8 +140,8 @@ class _Outcomes:
 
     def merge(self, older: _Outcomes) -> None:
         """Put a failed flush's outcomes back in front of the newer ones."""
-        for channel_id, tags in older.published.items():
-            self.published[channel_id] = tags + self.published.get(channel_id, [])
+        for batch, tags in older.published.items():
+            self.published[batch] = tags + self.published.get(batch, [])
         self.confirmed[:0] = older.confirmed
         self.returned[:0] = older.returned
         self.nacked[:0] = older.nacked
@@ -239,7 +257,9 @@ class Publisher:
         self._settled = asyncio.Event()
         self._aux: set[asyncio.Task[Any]] = set()
         self._reopening = False
-        self._unrecorded: deque[tuple[float, _Channel, list[tuple[int, int]]]] = deque()
+        self._orphans_possible = False
+        self._unrecorded: deque[_Batch] = deque()
+        self._sent: dict[int, SentFacts] = {}  # held row -> its latest publish
 
     # ------------------------------------------------------------ run and stop
 
@@ -301,6 +321,9 @@ class Publisher:
         self._stop.set()
         self._wake_all()
         await self._finish(tasks["claimer"])
+        if self._orphans_possible:
+            with contextlib.suppress(Exception):
+                await self._release_orphans()
         for task in list(self._aux):
             task.cancel()
         await asyncio.gather(*self._aux, return_exceptions=True)
@@ -633,17 +656,42 @@ class Publisher:
                 continue
             limit = min(s.claim_batch, room)
             try:
+                if self._orphans_possible:
+                    await self._release_orphans()
                 rows = await self._db(self._repo.claim, owner=self.publisher_id, limit=limit,
                                       lease_seconds=s.lease_seconds)  # fmt: skip
             except Exception:
+                # The claim may have committed all the same (the COMMIT's reply lost): its rows
+                # are leased to us but unknown here, and the heartbeat would renew them forever.
+                self._orphans_possible = True
                 self.metrics.db_errors += 1
                 log.exception("claim failed")
                 await self._sleep(max(s.poll_interval, 1.0))
                 continue
             if rows:
                 self._accept(rows)
-            if len(rows) < limit:
+            if not rows:  # idle: poll
                 await self._sleep(s.poll_interval)
+            elif len(rows) < limit:  # caught up: a short pause lets the next rows gather,
+                await self._sleep(min(s.poll_interval, s.flush_interval))  # not a poll's wait
+
+    async def _release_orphans(self) -> None:
+        """Give back rows leased to this publisher that it does not hold (never published)."""
+        released = await self._db(self._write_orphans, held=frozenset(self._held))
+        self._orphans_possible = False
+        if released:
+            self.metrics.released += released
+            log.warning("released %d rows a failed claim had leased to us unseen", released)
+
+    def _write_orphans(self, *, held: frozenset[int]) -> int:
+        """DB thread. Safe only between claims: every row a finished claim returned is in
+        ``held`` (flushed rows have left ``in_flight`` before their ids leave ``held``)."""
+        leased = self._repo.leased_ids(owner=self.publisher_id)
+        orphans = [row_id for row_id in leased if row_id not in held]
+        if not orphans:
+            return 0
+        return self._repo.release(owner=self.publisher_id, ids=orphans, lost=False,
+                                  error=ORPHAN_ERROR)  # fmt: skip
 
     def _accept(self, rows: list[ClaimedRow]) -> None:
         self.metrics.claims += 1
@@ -758,7 +806,10 @@ class Publisher:
             return
         conn.write_batch(ch.id, data)
         ch.runs.append((tags[-1], now))
-        self._unrecorded.append((now, ch, list(zip((r.id for r in good), tags, strict=True))))
+        ids = [r.id for r in good]
+        wall = self._repo.clock()
+        self._unrecorded.append(_Batch(now, ch, tags.start, ids, wall))
+        self._sent.update(zip(ids, zip(repeat(ch.id), tags, repeat(wall)), strict=True))
         self.metrics.published += len(good)
 
     def _pick_channel(self) -> _Channel | None:
@@ -794,24 +845,29 @@ class Publisher:
         """
         pending = self._unrecorded
         published = self._out.published
-        while pending and pending[0][0] <= now - TAG_RECORD_DELAY:
-            _, ch, pairs = pending.popleft()
-            if ch.ledger.closed:
+        while pending and pending[0].at <= now - TAG_RECORD_DELAY:
+            batch = pending.popleft()
+            ledger = batch.channel.ledger
+            if ledger.closed:
                 continue
-            still = [(row, tag) for row, tag in pairs if ch.ledger.row_for_tag(tag) == row]
+            still = [(row, tag) for tag, row in enumerate(batch.ids, batch.first_tag)
+                     if ledger.row_for_tag(tag) == row]  # fmt: skip
             if still:
-                published.setdefault(ch.id, []).extend(still)
+                published.setdefault((batch.channel.id, batch.wall), []).extend(still)
 
     def _next_tags_due(self) -> float | None:
         if not self._unrecorded:
             return None
-        return max(0.0, self._unrecorded[0][0] + TAG_RECORD_DELAY - self._clock())
+        return max(0.0, self._unrecorded[0].at + TAG_RECORD_DELAY - self._clock())
 
     async def _flush(self) -> None:
         self._note_tags(self._clock())
         out, self._out = self._out, _Outcomes()
+        sent = self._sent
+        facts = [(row_id, sent.get(row_id)) for row_id in out.confirmed]
+        returned = [(r.id, sent.get(r.id)) for r in out.returned]
         try:
-            written = await self._db(self._write, out=out)
+            written = await self._db(self._write, out=out, facts=facts, returned=returned)
         except Exception:
             self.metrics.db_errors += 1
             log.exception("writing outcomes failed; retrying")
@@ -819,13 +875,33 @@ class Publisher:
             await self._sleep(1.0)
             return
         self._count(written)
-        held, strikes = self._held, self._strikes
-        for row_id in out.settled_ids():
-            held.pop(row_id, None)
-            strikes.pop(row_id, None)
-        self.metrics.held = len(held)
+        self._forget(out)
+        self.metrics.held = len(self._held)
         self.metrics.outstanding = self._outstanding()
         self._room.set()
+
+    def _forget(self, out: _Outcomes) -> None:
+        """Drop the rows this flush settled. Runs before any later claim's rows are accepted:
+        claims and flushes share the one DB thread, so their results reach the loop in order."""
+        held, sent = self._held, self._sent
+        for row_id in out.settled_ids():
+            held.pop(row_id, None)
+            sent.pop(row_id, None)
+        self._forget_strikes(out)
+
+    def _forget_strikes(self, out: _Outcomes) -> None:
+        """Rows that may come back after an unexplained channel close (lost, poison) keep their
+        strikes, so a message that always breaks its channel reaches POISON_STRIKES."""
+        strikes = self._strikes
+        if not strikes:
+            return
+        if len(strikes) > MAX_STRIKE_ROWS:  # rows other publishers took over never come back
+            strikes.clear()
+            return
+        keep = {i for group in (out.lost, out.poison) for ids in group.values() for i in ids}
+        for row_id in out.settled_ids():
+            if row_id not in keep:
+                strikes.pop(row_id, None)
 
     def _count(self, w: _Written) -> None:
         m = self.metrics
@@ -840,16 +916,29 @@ class Publisher:
             log.warning("%d rows were no longer held by this publisher (lease lost)",
                         w.expected - w.moved)  # fmt: skip
 
-    def _write(self, *, out: _Outcomes) -> _Written:
-        """Runs on the DB thread: one repository call per outcome kind (and reason)."""
+    def _write(self, *, out: _Outcomes, facts: _Facts, returned: _Facts) -> _Written:
+        """Runs on the DB thread: the whole flush in one transaction (one commit), so a failure
+        anywhere rolls all of it back and the caller retries the same outcomes.
+
+        ``facts``/``returned``: the publish facts of the confirmed/returned rows, in their order.
+        """
+        with self._repo.unit_of_work():
+            return self._write_all(out, facts, returned)
+
+    def _write_all(self, out: _Outcomes, facts: _Facts, returned_facts: _Facts) -> _Written:
+        """One repository call per outcome kind (and reason)."""
         repo, owner = self._repo, self.publisher_id
         settled = set(out.settled_ids())
-        for channel_id, tags in out.published.items():
+        for (channel_id, at), tags in out.published.items():
             still_out = [pair for pair in tags if pair[0] not in settled]
             if still_out:
-                repo.record_published(owner=owner, channel_id=channel_id, tags=still_out)
-        confirmed = repo.mark_confirmed(owner=owner, ids=out.confirmed) if out.confirmed else 0
-        returned = repo.mark_returned(owner=owner, returns=out.returned) if out.returned else 0
+                repo.record_published(owner=owner, channel_id=channel_id, tags=still_out,
+                                      published_at=at)  # fmt: skip
+        confirmed = self._confirm(facts) if facts else 0
+        returned = repo.mark_returned(
+            owner=owner, returns=out.returned,
+            published=[Published(row_id, *f) for row_id, f in returned_facts if f is not None],
+        ) if out.returned else 0  # fmt: skip
         retried = final = failed = lost = released = 0
         if out.nacked:
             r = repo.retry(owner=owner, ids=out.nacked, error="nacked by the broker",
@@ -875,6 +964,11 @@ class Publisher:
         return _Written(expected, moved, confirmed, returned, retried, final, failed, lost,
                         released)  # fmt: skip
 
+    def _confirm(self, facts: _Facts) -> int:
+        published = [Published(row_id, *f) for row_id, f in facts if f is not None]
+        bare = [row_id for row_id, f in facts if f is None]
+        return self._repo.mark_confirmed(owner=self.publisher_id, ids=bare, published=published)
+
     # ------------------------------------------------------------ housekeeping
 
     async def _housekeeping(self, until_empty: bool) -> None:
@@ -885,8 +979,10 @@ class Publisher:
             try:
                 if now >= next_beat:
                     self.metrics.outstanding = self._outstanding()
+                    # renew only the rows we hold: one leased to us unseen (a claim whose
+                    # reply was lost) must expire and come back, not be renewed forever
                     await self._db(self._repo.heartbeat, publisher_id=self.publisher_id,
-                                   lease_seconds=s.lease_seconds,
+                                   lease_seconds=s.lease_seconds, held=list(self._held),
                                    stats=self.metrics.as_stats(now=now))  # fmt: skip
                     next_beat = now + min(s.publisher_heartbeat_interval, s.lease_seconds / 3)
                 if now >= next_sweep:
@@ -907,7 +1003,7 @@ class Publisher:
     async def _drained(self) -> bool:
         if self._held or self._queue or not self._out.empty():
             return False
-        return await self._db(open_rows, repository=self._repo) == 0
+        return await self._db(self._repo.count_open) == 0
 
     def _check_confirm_timeout(self, now: float) -> None:
         conn = self._conn
@@ -918,14 +1014,3 @@ class Publisher:
         if oldest and now - min(oldest) > self._settings.confirm_timeout:
             log.error("no confirm for %.1fs: dropping the connection", now - min(oldest))
             conn.abort(reason=f"confirm timeout ({self._settings.confirm_timeout}s)")
-
-
-def open_rows(*, repository: OutboxRepository) -> int:
-    """Rows still ``pending`` or ``in_flight`` (any publisher). Sync: call it on the DB thread."""
-    stmt = (
-        select(func.count())
-        .select_from(outbox)
-        .where(outbox.c.status.in_([Status.PENDING.value, Status.IN_FLIGHT.value]))
-    )
-    with repository.engine.connect() as conn:
-        return int(conn.execute(stmt).scalar_one())

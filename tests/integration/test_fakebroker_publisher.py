@@ -320,14 +320,39 @@ async def test_unencodable_rows_fail_alone(
 async def test_slow_confirms_show_their_channel_and_tag(
     sqlite_url: str, engine: Engine, broker: FakeBroker
 ) -> None:
-    """Publishes unconfirmed for a while are written with channel and tag (the API's view of
-    outstanding confirms); the ones confirmed at once never cost that write."""
+    """Publishes unconfirmed for a while are written with channel and tag while outstanding
+    (the API's view of outstanding confirms); every row gets them, with its publish time, in
+    the statement that confirms it."""
     add_rows(engine, n=3, exchange="")
     async with running_publisher(_settings(sqlite_url, broker), engine):
         pubs = await broker.wait_published(3)
         pubs[0].ack()
         late = await wait_rows(engine, lambda rs: rs[2].delivery_tag is not None, timeout=5)
-        assert [(r.channel_id, r.delivery_tag) for r in late] == [
-            (None, None), (pubs[1].channel_id, 2), (pubs[2].channel_id, 3)]  # fmt: skip
+        assert [(r.status, r.channel_id, r.delivery_tag) for r in late] == [
+            ("confirmed", pubs[0].channel_id, 1), ("in_flight", pubs[1].channel_id, 2),
+            ("in_flight", pubs[2].channel_id, 3)]  # fmt: skip
+        noted_at = late[2].published_at
         broker.start_auto_ack()
-        await wait_rows(engine, all_in("confirmed"))
+        final = await wait_rows(engine, all_in("confirmed"))
+    assert [(r.channel_id, r.delivery_tag) for r in final] == [
+        (p.channel_id, p.tag) for p in pubs]  # fmt: skip
+    for row in final:
+        assert row.published_at is not None and row.confirmed_at is not None
+        assert row.published_at <= row.confirmed_at
+    assert noted_at == final[2].published_at  # the note carries the true publish time
+
+
+async def test_a_message_that_always_closes_its_channel_ends_failed(
+    sqlite_url: str, engine: Engine, broker: FakeBroker
+) -> None:
+    """Strikes survive the release between attempts: after POISON_STRIKES unexplained channel
+    closes the row goes the retry-with-budget way and ends failed, instead of looping forever."""
+    add_rows(engine, n=1, exchange="", max_attempts=3)
+    async with running_publisher(_settings(sqlite_url, broker), engine) as publisher:
+        for attempt in range(1, 4):
+            pubs = await broker.wait_published(attempt)
+            broker.connection.close_channel(pubs[-1].channel_id, 504, "CHANNEL_ERROR - poison")
+        final = await wait_rows(engine, all_in("failed"), timeout=10)
+    assert final[0].attempts == 3
+    assert "in 3 channel closes" in (final[0].last_error or "")
+    assert len(broker.published) == 3 and publisher.metrics.channel_closes == 3

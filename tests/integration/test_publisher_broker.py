@@ -4,17 +4,20 @@ exchanges, oversized bodies, a cut connection, several publishers on one Postgre
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, make_url, select
+from sqlalchemy.exc import OperationalError
 
 from app.db import make_engine
-from app.outbox.repository import OutboxRepository
+from app.outbox.repository import ClaimedRow, OutboxRepository
 from app.outbox.schema import publishers
 from app.publisher import Publisher
 from tests.factories import add_rows
@@ -78,6 +81,96 @@ async def test_drain_10k_each_message_exactly_once(
     assert set(seen.values()) == {1}
 
 
+async def test_drain_writes_publish_facts_with_every_confirm(
+    db_url: str, engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """Every confirmed row carries the channel and delivery tag it was confirmed under and the
+    time it was published (the stats' confirm latencies come from these)."""
+    add_rows(engine, n=3000, exchange=topology["exchange"], routing_key="rk")
+    settings = settings_for(db_url=db_url, amqp_url=amqp_url, channels=2, claim_batch=250)
+    stats = await run_until_empty(settings, engine)
+    final = rows(engine)
+    assert stats.confirmed == 3000 and all(r.status == "confirmed" for r in final)
+    for row in final:
+        assert row.channel_id is not None and row.delivery_tag is not None, row
+        assert row.published_at is not None and row.confirmed_at is not None, row
+        assert row.published_at <= row.confirmed_at, row
+    per_channel = collections.Counter((r.channel_id, r.delivery_tag) for r in final)
+    assert set(per_channel.values()) == {1}  # each (channel, tag) names one publish
+    await consume_ids(amqp_url, topology["queue"], expect=3000)
+
+
+class _FailsOnce(OutboxRepository):
+    """The real repository, except that the first flush dies after its confirm statement ran."""
+
+    failed = False
+
+    def mark_confirmed(self, **kwargs: Any) -> int:
+        moved = super().mark_confirmed(**kwargs)
+        if not self.failed and moved:
+            self.failed = True
+            raise RuntimeError("injected failure after the confirm statement")
+        return moved
+
+
+async def test_failed_flush_rolls_back_and_is_retried_whole(
+    db_url: str, engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """A flush is one transaction: the confirm statement that ran before the failure is rolled
+    back, and the retried flush moves every row itself (a partial commit would show up as rows
+    'no longer held', i.e. lease_lost)."""
+    add_rows(engine, n=500, exchange=topology["exchange"], routing_key="rk")
+    settings = settings_for(db_url=db_url, amqp_url=amqp_url)
+    repo = _FailsOnce(engine)
+    publisher = Publisher(settings=settings, repository=repo)
+    async with asyncio.timeout(120):
+        stats = await publisher.run(until_empty=True)
+    assert repo.failed and publisher.metrics.db_errors == 1
+    assert publisher.metrics.lease_lost == 0
+    assert stats.confirmed == 500
+    final = rows(engine)
+    assert all(r.status == "confirmed" and r.published_at is not None for r in final)
+    await consume_ids(amqp_url, topology["queue"], expect=500)
+
+
+class _ClaimReplyLost(OutboxRepository):
+    """The real repository, except that the second claim commits and then raises, as when the
+    COMMIT's reply is lost on the network (chaos scenario 11c)."""
+
+    claims = 0
+    lost: list[int] = []
+
+    def claim(self, **kwargs: Any) -> list[ClaimedRow]:
+        rows = super().claim(**kwargs)
+        self.claims += 1
+        if self.claims == 2:
+            self.lost = [r.id for r in rows]
+            raise OperationalError("COMMIT", {}, Exception("connection reset"))
+        return rows
+
+
+async def test_rows_of_a_claim_whose_result_was_lost_are_released(
+    db_url: str, engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """Rows the DB leased to us in a claim we saw fail are found and released (not renewed by
+    the heartbeat forever): the drain finishes, well inside the lease, each message once."""
+    ids = add_rows(engine, n=300, exchange=topology["exchange"], routing_key="rk")
+    settings = settings_for(db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300,
+                            lease_seconds=60.0)  # fmt: skip
+    repo = _ClaimReplyLost(engine)
+    publisher = Publisher(settings=settings, repository=repo)
+    async with asyncio.timeout(30):  # the lease is 60 s: expiry cannot be what frees them
+        stats = await publisher.run(until_empty=True)
+    assert len(repo.lost) == 100 and stats.confirmed == 300
+    final = rows(engine)
+    assert all(r.status == "confirmed" for r in final)
+    assert all(r.lost_confirms == 0 for r in final)  # never published before: not a duplicate
+    orphans = [r for r in final if r.id in set(repo.lost)]
+    assert all(r.attempts == 2 for r in orphans)
+    seen = await consume_ids(amqp_url, topology["queue"], expect=300)
+    assert set(seen) == set(ids) and set(seen.values()) == {1}
+
+
 async def test_reject_publish_nacks_retry_until_the_queue_drains(
     sqlite_url: str, amqp_url: str
 ) -> None:
@@ -133,6 +226,10 @@ async def test_unroutable_rows_end_returned_312(db_url: str, engine: Engine, amq
         assert all(r.status == "returned" for r in final)
         assert {(r.reply_code, r.reply_text) for r in final} == {(312, "NO_ROUTE")}
         assert publisher.metrics.confirmed == 0
+        for row in final:  # returned rows carry their publish facts too
+            assert row.channel_id is not None and row.delivery_tag is not None, row
+            assert row.published_at is not None and row.confirmed_at is not None, row
+            assert row.published_at <= row.confirmed_at, row
     finally:
         await delete(amqp_url, exchanges=(exchange,))
 
