@@ -42,6 +42,15 @@ test: venv services tools  ## run the whole test suite against the local service
 test-fast: venv services  ## the suite without Spark and slow scenarios
 	@$(VENV)/bin/pytest -m "not spark and not slow" $(PYTEST_ARGS)
 
+bench: venv services tools  ## measure the product against bare publishing loops (BENCH_SCALE=4 for bigger)
+	@bench/ensure-jdbc.sh
+	@$(LOCAL_ENV) $(PY) -m bench.run
+
+# The matrix starts (and stops) a RabbitMQ and a PostgreSQL of its own with $(SERVICES) on ports
+# 5683/5443, data in .local/chaos: it stops and kills them, so it never touches the shared ones.
+chaos: venv tools  ## fault matrix: every fault injected mid-flow, every message accounted (CHAOS_ARGS="--only 1,4 --rows 2000")
+	@$(PY) -m chaos.run $(CHAOS_ARGS)
+
 LINT_PATHS = $(wildcard app spark_writer migrations tests bench)
 lint: venv  ## ruff (lint and format) and mypy --strict on app/ and spark_writer/
 	$(VENV)/bin/ruff check $(LINT_PATHS)

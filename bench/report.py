@@ -1,0 +1,64 @@
+"""Render the last run as Markdown (for docs/performance.md): ``python -m bench.report``.
+
+Reads ``bench/results/latest.json`` and ``latest-runs.json`` (or ``--stem partial``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bench.run import RESULTS, RSS_GROWTH_LIMIT_PCT, TARGETS
+
+
+def _fmt(value: float, unit: str) -> str:
+    return f"{value:,.1f}" if unit in ("ms", "MB") else f"{value:,.0f}"
+
+
+def render(numbers: dict[str, float], detail: dict[str, object]) -> str:
+    workloads = detail["workloads"]
+    assert isinstance(workloads, dict)
+    out = [
+        f"Run finished {detail['finished']} on {detail['cpus']} CPUs, `BENCH_SCALE` "
+        f"{numbers.get('bench_scale')}, {detail['repeats']} runs per workload, "
+        f"{numbers.get('bench_seconds', 0):.0f} s in all; load average (1, 5, 15 min) "
+        f"{detail['load_before']} before, {detail['load_after']} after.",
+        "",
+        "| key | median | unit | runs |",
+        "|---|---:|---|---|",
+    ]
+    for key, w in workloads.items():
+        runs = ", ".join(_fmt(r, w["unit"]) for r in w["runs"])
+        out.append(f"| `{key}` | {_fmt(w['median'], w['unit'])} | {w['unit']} | {runs} |")
+    out += ["", "| target | ratio | goal | met |", "|---|---:|---:|---|"]
+    for ratio, num, den, target in TARGETS:
+        if ratio in numbers:
+            met = "yes" if numbers[ratio] >= target else "**no**"
+            out.append(f"| `{num}` / `{den}` | {numbers[ratio]:.2f} | ≥ {target} | {met} |")
+    if "publisher_peak_rss_growth_pct" in numbers:
+        growth = numbers["publisher_peak_rss_growth_pct"]
+        met = "yes" if growth < RSS_GROWTH_LIMIT_PCT else "**no**"
+        out.append(
+            f"| publisher peak RSS, 4x backlog vs 1x "
+            f"({numbers['publisher_peak_rss_mb']:.1f} → {numbers['publisher_peak_rss_mb_4x']:.1f}"
+            f" MB) | {growth:+.1f} % | < {RSS_GROWTH_LIMIT_PCT:.0f} % | {met} |"
+        )
+    failed = detail.get("failed") or {}
+    assert isinstance(failed, dict)
+    out += [f"\nFAILED {name}: {error}" for name, error in failed.items()]
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stem", default="latest")
+    args = parser.parse_args()
+    numbers = json.loads((RESULTS / f"{args.stem}.json").read_text())
+    detail = json.loads((RESULTS / f"{args.stem}-runs.json").read_text())
+    print(render(numbers, detail))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

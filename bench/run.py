@@ -1,0 +1,179 @@
+"""``make bench``: every workload in one run on the same broker and database.
+
+Prints a table and writes ``bench/results/latest.json`` (one number per key: msg/s or rows/s
+unless the key says otherwise; the target ratios as ``ratio_*`` keys) and
+``bench/results/latest-runs.json`` (every run, sizes, machine load). ``BENCH_SCALE`` (default 1)
+multiplies every size; ``BENCH_ONLY=baselines,ceiling,drains,memory,latency,spark`` runs a
+subset and writes ``partial.json`` / ``partial-runs.json`` instead.
+The benchmark asserts nothing about speed: it exits non-zero only when a workload broke.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPEATS, Measured, Services, Sizes, temp_postgres
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GROUPS = ("baselines", "ceiling", "drains", "memory", "latency", "spark")
+#: Groups whose failure is reported but does not fail the run (diagnostics, not issue keys).
+OPTIONAL = {"ceiling"}
+
+#: (ratio key, numerator, denominator, target, how the target reads)
+TARGETS = [
+    ("ratio_drain_postgres_vs_aio_pika_window", "drain_postgres", "publish_aio_pika_window", 2.0),
+    ("ratio_drain_sqlite_vs_aio_pika_window", "drain_sqlite", "publish_aio_pika_window", 1.5),
+    ("ratio_drain_postgres_2_publishers_vs_drain_postgres", "drain_postgres_2_publishers",
+     "drain_postgres", 1.0),
+    ("ratio_spark_outbox_vs_jdbc", "spark_outbox_rows", "spark_jdbc_rows", 1.5),
+]  # fmt: skip
+RSS_GROWTH_LIMIT_PCT = 10.0
+
+
+def _spark(services: Services, sizes: Sizes) -> list[Measured]:
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1")
+    with temp_postgres(services) as url:
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.workloads.spark", "--rows", str(sizes.spark),
+             "--url", url, "--repeats", str(REPEATS)],
+            env=env, stdout=subprocess.PIPE, check=True,
+        )  # fmt: skip
+    runs = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    return [
+        Measured(key="spark_outbox_rows", unit="rows/s", runs=runs["outbox"]),
+        Measured(key="spark_jdbc_rows", unit="rows/s", runs=runs["jdbc"]),
+    ]
+
+
+class Bench:
+    def __init__(self, services: Services, sizes: Sizes) -> None:
+        self.services = services
+        self.sizes = sizes
+        self.measured: dict[str, Measured] = {}
+        self.failed: dict[str, str] = {}
+        self.loads: dict[str, list[float]] = {}  # load average at the end of each group
+
+    def group(self, name: str, fn: Callable[[], list[Measured]]) -> None:
+        only = os.environ.get("BENCH_ONLY")
+        if only and name not in only.split(","):
+            return
+        print(f"\n== {name}", flush=True)
+        started = time.monotonic()
+        try:
+            for m in fn():
+                self.measured[m.key] = m
+        except Exception as exc:
+            traceback.print_exc()
+            self.failed[name] = f"{type(exc).__name__}: {exc}"
+        self.loads[name] = _load()
+        print(
+            f"   ({time.monotonic() - started:.0f}s, load average {self.loads[name]})", flush=True
+        )
+
+    def run(self) -> None:
+        from bench.workloads import baselines, ceiling, drain
+
+        s, z = self.services, self.sizes
+        self.group("baselines", lambda: baselines.run(s, z))
+        self.group("ceiling", lambda: ceiling.run(s, z))
+        self.group("drains", lambda: drain.run_drains(s, z))
+        self.group("memory", lambda: [drain.run_memory(s, z, one_x=self._drain_rss())])
+        self.group("latency", lambda: drain.run_latency(s, z, drain_rate=self._drain_rate()))
+        self.group("spark", lambda: _spark(s, z))
+
+    def _drain_rss(self) -> list[float] | None:
+        m = self.measured.get("drain_postgres")
+        return list(m.extra["peak_rss_mb"]) if m is not None else None
+
+    def _drain_rate(self) -> float:
+        if "drain_postgres" in self.measured:
+            return self.measured["drain_postgres"].value
+        env = os.environ.get("BENCH_LATENCY_DRAIN_RATE")
+        if env:
+            return float(env)
+        raise RuntimeError("latency needs drain_postgres (or BENCH_LATENCY_DRAIN_RATE)")
+
+    # ------------------------------------------------------------------ output
+
+    def numbers(self) -> dict[str, float]:
+        out = {key: round(m.value, 2) for key, m in self.measured.items()}
+        for ratio, num, den, _target in TARGETS:
+            if num in out and den in out and out[den] > 0:
+                out[ratio] = round(out[num] / out[den], 3)
+        mem = self.measured.get("publisher_peak_rss_mb")
+        if mem is not None:
+            one, four = mem.extra["peak_rss_mb_1x"], mem.extra["peak_rss_mb_4x"]
+            out["publisher_peak_rss_mb_4x"] = round(four, 2)
+            out["publisher_peak_rss_growth_pct"] = round(100 * (four - one) / one, 2)
+            out["drain_postgres_4x_backlog"] = round(mem.extra["rows_per_s_4x"], 2)
+        return out
+
+    def table(self, numbers: dict[str, float]) -> str:
+        lines = [f"{'key':<36} {'median':>12}  {'unit':<7} runs"]
+        for key, m in self.measured.items():
+            runs = "  ".join(f"{r:,.1f}" if m.unit in ("ms", "MB") else f"{r:,.0f}"
+                             for r in m.runs)  # fmt: skip
+            value = f"{m.value:,.1f}" if m.unit in ("ms", "MB") else f"{m.value:,.0f}"
+            lines.append(f"{key:<36} {value:>12}  {m.unit:<7} {runs}")
+        lines += ["", f"{'target':<56} {'ratio':>7}  {'goal':>6}  met"]
+        for ratio, num, den, target in TARGETS:
+            if ratio in numbers:
+                ok = "yes" if numbers[ratio] >= target else "NO"
+                label = f"{num} / {den}"
+                lines.append(f"{label:<56} {numbers[ratio]:>7.2f}  >={target:<4}  {ok}")
+        if "publisher_peak_rss_growth_pct" in numbers:
+            growth = numbers["publisher_peak_rss_growth_pct"]
+            ok = "yes" if growth < RSS_GROWTH_LIMIT_PCT else "NO"
+            label = "publisher peak RSS growth, 4x backlog (%)"
+            lines.append(f"{label:<56} {growth:>7.1f}  <{RSS_GROWTH_LIMIT_PCT:<5.0f}  {ok}")
+        for name, error in self.failed.items():
+            lines.append(f"FAILED {name}: {error}")
+        return "\n".join(lines)
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def main() -> int:
+    services, sizes = Services.from_env(), Sizes.from_env()
+    load_before, started = _load(), time.time()
+    print(f"bench: scale {sizes.scale}, {REPEATS} runs per workload, load {load_before}, "
+          f"sizes {sizes}", flush=True)  # fmt: skip
+    bench = Bench(services, sizes)
+    bench.run()
+    numbers = bench.numbers()
+    load_after, seconds = _load(), time.time() - started
+    numbers.update(bench_scale=sizes.scale, bench_seconds=round(seconds, 1),
+                   load_avg_1m_start=load_before[0], load_avg_1m_end=load_after[0])  # fmt: skip
+    print("\n" + bench.table(numbers))
+    print(f"\n{seconds:.0f}s; load average before {load_before}, after {load_after}")
+    RESULTS.mkdir(exist_ok=True)
+    # A subset (BENCH_ONLY) must not pass for a whole run: it goes to partial*.json instead.
+    stem = "partial" if os.environ.get("BENCH_ONLY") else "latest"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(numbers, indent=2) + "\n")
+    detail: dict[str, Any] = {
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(), "cpus": os.cpu_count(), "sizes": vars(sizes),
+        "repeats": REPEATS, "load_before": load_before, "load_after": load_after,
+        "load_after_group": bench.loads,
+        "workloads": {k: {"unit": m.unit, "median": m.value, "runs": m.runs, **m.extra}
+                      for k, m in bench.measured.items()},
+        "failed": bench.failed,
+    }  # fmt: skip
+    (RESULTS / f"{stem}-runs.json").write_text(json.dumps(detail, indent=2) + "\n")
+    print(f"wrote {RESULTS / f'{stem}.json'} and {stem}-runs.json")
+    return 1 if set(bench.failed) - OPTIONAL else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""What users write instead of the product: bare publishing loops with publisher confirms.
+
+Each run publishes persistent 256-byte messages (``mandatory``, a ``message_id`` each, like the
+product) to its own durable exchange and classic queue, and is timed from the first publish to the
+last confirm (connecting is not timed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aio_pika
+import pika
+
+from bench.common import BODY, Measured, Services, Sizes, rate, repeat, topology
+
+WINDOW = 1_000
+
+
+def _message(i: int) -> aio_pika.Message:
+    return aio_pika.Message(
+        BODY, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=f"m-{i}"
+    )
+
+
+async def _aio_pika_each(services: Services, exchange: str, key: str, n: int) -> float:
+    conn = await aio_pika.connect(services.amqp_url)
+    try:
+        channel = await conn.channel(publisher_confirms=True)
+        ex = await channel.get_exchange(exchange)
+        start = time.perf_counter()
+        for i in range(n):
+            await ex.publish(_message(i), routing_key=key, mandatory=True)
+        return time.perf_counter() - start
+    finally:
+        await conn.close()
+
+
+async def _aio_pika_window(services: Services, exchange: str, key: str, n: int) -> float:
+    conn = await aio_pika.connect(services.amqp_url)
+    try:
+        channel = await conn.channel(publisher_confirms=True)
+        ex = await channel.get_exchange(exchange)
+        slots = asyncio.Semaphore(WINDOW)
+        pending: set[asyncio.Task[object]] = set()
+
+        async def one(i: int) -> None:
+            try:
+                await ex.publish(_message(i), routing_key=key, mandatory=True)
+            finally:
+                slots.release()
+
+        start = time.perf_counter()
+        for i in range(n):
+            await slots.acquire()
+            task = asyncio.create_task(one(i))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        await asyncio.gather(*pending)
+        return time.perf_counter() - start
+    finally:
+        await conn.close()
+
+
+def _pika_blocking(services: Services, exchange: str, key: str, n: int) -> float:
+    conn = pika.BlockingConnection(pika.URLParameters(services.amqp_url))
+    try:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        start = time.perf_counter()
+        for i in range(n):
+            props = pika.BasicProperties(delivery_mode=2, message_id=f"m-{i}")
+            channel.basic_publish(exchange, key, BODY, properties=props, mandatory=True)
+        return time.perf_counter() - start
+    finally:
+        conn.close()
+
+
+def _checked(services: Services, tag: str, n: int, publish: object) -> float:
+    """One run on a fresh exchange and queue; check every message arrived; return msg/s."""
+    with topology(services, tag) as topo:
+        if asyncio.iscoroutinefunction(publish):
+            seconds = asyncio.run(publish(services, topo.exchange, topo.routing_key, n))
+        else:
+            seconds = publish(services, topo.exchange, topo.routing_key, n)  # type: ignore[operator]
+        depth = topo.depth()
+    if depth != n:
+        raise RuntimeError(f"{tag}: queue holds {depth} messages, published {n}")
+    return rate(n, seconds)
+
+
+def run(services: Services, sizes: Sizes) -> list[Measured]:
+    each = sizes.publish_each
+    return [
+        repeat("publish_aio_pika_each", "msg/s",
+               lambda: _checked(services, "each", each, _aio_pika_each)),
+        repeat("publish_aio_pika_window", "msg/s",
+               lambda: _checked(services, "window", sizes.publish, _aio_pika_window)),
+        repeat("publish_pika_blocking", "msg/s",
+               lambda: _checked(services, "pika", each, _pika_blocking)),
+    ]  # fmt: skip

@@ -1,0 +1,279 @@
+"""The product: publisher processes draining an outbox, its confirm latency and its memory.
+
+Every publisher runs as its own process (``python -m app.publisher``), configured through
+``OUTBOX_*`` like in production. A drain is timed from just before the first process starts to
+the newest ``confirmed_at`` in the table, so start-up, claims and all DB bookkeeping count.
+Peak RSS is the kernel's ``ru_maxrss`` of the process, read when it exits (``os.wait4``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from sqlalchemy import create_engine, func, select
+
+from app.outbox.schema import outbox
+from app.outbox.states import Status
+from bench.common import (
+    Measured,
+    Services,
+    Sizes,
+    libpq_url,
+    repeat,
+    seed_postgres,
+    seed_sqlite,
+    temp_postgres,
+    temp_sqlite,
+    topology,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LATENCY_WARMUP = 3.0
+PUBLISHER_ENV = os.environ.get("BENCH_PUBLISHER_ENV", "")  # extra "K=V,K=V" for experiments
+
+
+@dataclass
+class Proc:
+    """A publisher process and what it left behind."""
+
+    popen: subprocess.Popen[bytes]
+    log: Path
+    returncode: int | None = None
+    peak_rss_kb: int = 0
+    cpu_seconds: float = 0.0
+
+    def wait(self, timeout: float) -> None:
+        """Reap the process (``os.wait4`` gives its peak RSS); SIGTERM, then SIGKILL on timeout."""
+        deadline = time.monotonic() + timeout
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                self.popen.send_signal(sig)
+                deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                pid, status, usage = os.wait4(self.popen.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+                    self.popen.returncode = self.returncode
+                    self.peak_rss_kb = usage.ru_maxrss
+                    self.cpu_seconds = usage.ru_utime + usage.ru_stime
+                    return
+                time.sleep(0.02)
+        raise RuntimeError(f"publisher {self.popen.pid} did not exit; log: {self.log}")
+
+    def stop(self, timeout: float = 30) -> None:
+        self.popen.send_signal(signal.SIGTERM)
+        self.wait(timeout)
+
+    def check(self) -> None:
+        if self.returncode != 0:
+            tail = self.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"publisher exited with {self.returncode}:\n{tail}")
+
+
+def start_publisher(
+    services: Services, db_url: str, logdir: Path, *, until_empty: bool, name: str
+) -> Proc:
+    env = dict(os.environ)
+    env.update(OUTBOX_DATABASE_URL=db_url, OUTBOX_AMQP_URL=services.amqp_url,
+               OUTBOX_PUBLISHER_ID=f"bench-{name}-{os.getpid()}")  # fmt: skip
+    for pair in filter(None, PUBLISHER_ENV.split(",")):
+        key, _, value = pair.partition("=")
+        env[key.strip()] = value.strip()
+    args = [sys.executable, "-m", "app.publisher"] + (["--until-empty"] if until_empty else [])
+    log = logdir / f"publisher-{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT)  # fmt: skip
+    return Proc(popen=popen, log=log)
+
+
+def _confirmed(db_url: str) -> tuple[int, dt.datetime | None, dt.datetime | None]:
+    """Confirmed rows: how many, the first and the last ``confirmed_at``."""
+    engine = create_engine(db_url)
+    try:
+        at = outbox.c.confirmed_at
+        stmt = select(func.count(), func.min(at), func.max(at)).where(
+            outbox.c.status == Status.CONFIRMED.value
+        )
+        with engine.connect() as conn:
+            count, first, last = conn.execute(stmt).one()
+    finally:
+        engine.dispose()
+    return int(count), first, last
+
+
+@dataclass
+class DrainResult:
+    rows_per_s: float
+    seconds: float
+    first_confirm_s: float  # process start → first row confirmed (start-up)
+    peak_rss_mb: list[float]
+    cpu_seconds: list[float]
+    duplicates: int
+
+
+def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1) -> DrainResult:
+    """Seed ``n`` rows, run ``publishers`` processes with ``--until-empty``, time the drain."""
+    make_db = temp_postgres(services) if backend == "postgresql" else temp_sqlite()
+    seed = seed_postgres if backend == "postgresql" else seed_sqlite
+    with make_db as db_url, topology(services, f"drain-{backend}") as topo, \
+            tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir:  # fmt: skip
+        seed(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key)
+        start = dt.datetime.now(dt.UTC)
+        procs = [start_publisher(services, db_url, Path(logdir), until_empty=True, name=str(i))
+                 for i in range(publishers)]  # fmt: skip
+        timeout = 120 + n / 500
+        for proc in procs:
+            proc.wait(timeout)
+        for proc in procs:
+            proc.check()
+        count, first, last = _confirmed(db_url)
+        depth = topo.depth()
+    if count != n or first is None or last is None:
+        raise RuntimeError(f"drain {backend}: {count} of {n} rows confirmed")
+    if depth < n:
+        raise RuntimeError(f"drain {backend}: {n} rows confirmed but the queue holds {depth}")
+    seconds = (last - start).total_seconds()
+    return DrainResult(rows_per_s=n / seconds, seconds=seconds,
+                       first_confirm_s=(first - start).total_seconds(),
+                       peak_rss_mb=[p.peak_rss_kb / 1024 for p in procs],
+                       cpu_seconds=[p.cpu_seconds for p in procs],
+                       duplicates=depth - n)  # fmt: skip
+
+
+def _drain_repeat(key: str, run: Callable[[], DrainResult]) -> Measured:
+    results: list[DrainResult] = []
+
+    def one() -> float:
+        result = run()
+        results.append(result)
+        rss = ", ".join(f"{mb:.0f}" for mb in result.peak_rss_mb)
+        cpu = ", ".join(f"{s:.1f}" for s in result.cpu_seconds)
+        print(f"    {result.seconds:.2f}s (first confirm at {result.first_confirm_s:.2f}s), "
+              f"publisher CPU {cpu}s, peak RSS {rss} MB, "
+              f"duplicates {result.duplicates}", flush=True)  # fmt: skip
+        return result.rows_per_s
+
+    measured = repeat(key, "rows/s", one)
+    measured.extra["peak_rss_mb"] = [max(r.peak_rss_mb) for r in results]
+    measured.extra["duplicates"] = sum(r.duplicates for r in results)
+    measured.extra["first_confirm_s"] = [r.first_confirm_s for r in results]
+    measured.extra["publisher_cpu_s"] = [r.cpu_seconds for r in results]
+    return measured
+
+
+def run_drains(services: Services, sizes: Sizes) -> list[Measured]:
+    n = sizes.drain
+    return [
+        _drain_repeat("drain_postgres",
+                      lambda: drain_once(services, backend="postgresql", n=n)),
+        _drain_repeat("drain_sqlite", lambda: drain_once(services, backend="sqlite", n=n)),
+        _drain_repeat("drain_postgres_2_publishers",
+                      lambda: drain_once(services, backend="postgresql", n=n, publishers=2)),
+    ]  # fmt: skip
+
+
+def run_memory(services: Services, sizes: Sizes, *, one_x: list[float] | None = None) -> Measured:
+    """Peak RSS of one publisher draining N rows and 4N rows (PostgreSQL).
+
+    ``one_x``: the peak RSS of the ``drain_postgres`` runs (N rows each), when they ran, so only
+    the 4N drain runs here."""
+    out = Measured(key="publisher_peak_rss_mb", unit="MB")
+    if one_x:
+        out.runs.extend(one_x)
+    else:
+        out.runs.append(drain_once(services, backend="postgresql", n=sizes.drain).peak_rss_mb[0])
+    print(f"  publisher peak RSS draining {sizes.drain:,} rows: "
+          + ", ".join(f"{mb:.1f}" for mb in out.runs) + " MB", flush=True)  # fmt: skip
+    result = drain_once(services, backend="postgresql", n=sizes.drain * 4)
+    four = result.peak_rss_mb[0]
+    out.extra.update(peak_rss_mb_1x=out.value, peak_rss_mb_4x=four,
+                     rows_per_s_4x=result.rows_per_s)  # fmt: skip
+    print(f"  publisher peak RSS draining {sizes.drain * 4:,} rows: {four:.1f} MB "
+          f"({result.rows_per_s:,.0f} rows/s)", flush=True)  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------- latency
+
+
+def _produce(db_url: str, *, rate: float, seconds: float, exchange: str, key: str) -> int:
+    """Insert rows at a steady ``rate`` for ``seconds`` (one small INSERT every 20 ms)."""
+    insert = (
+        "INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body) "
+        "SELECT %(prefix)s || g, 'bench:latency', %(ex)s, %(rk)s, %(body)s "
+        "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) g"
+    )
+    body = bytes(range(256))
+    done = 0
+    start = time.monotonic()
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        while (elapsed := time.monotonic() - start) < seconds:
+            due = int(elapsed * rate) - done
+            if due > 0:
+                conn.execute(insert, {"prefix": "lat-", "ex": exchange, "rk": key, "body": body,
+                                      "lo": done, "hi": done + due - 1})  # fmt: skip
+                done += due
+            time.sleep(0.02)
+    return done
+
+
+def _wait_drained(db_url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    query = "SELECT count(*) FROM outbox WHERE status IN ('pending', 'in_flight')"
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(query).fetchone()
+            if row is not None and row[0] == 0:
+                return
+            time.sleep(0.1)
+    raise RuntimeError("latency run: the publisher did not catch up")
+
+
+def _percentiles(db_url: str, since: dt.datetime) -> tuple[float, float, int]:
+    query = (
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), "
+        "percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), count(*) FROM ("
+        " SELECT extract(epoch FROM confirmed_at - created_at) * 1000 AS ms FROM outbox"
+        " WHERE status = 'confirmed' AND created_at >= %(since)s) t"
+    )
+    with psycopg.connect(libpq_url(db_url)) as conn:
+        row = conn.execute(query, {"since": since}).fetchone()
+    assert row is not None
+    return float(row[0]), float(row[1]), int(row[2])
+
+
+def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[Measured]:
+    """Rows committed at 50% of the measured drain rate; latency = created_at → confirmed_at."""
+    rate = 0.5 * drain_rate
+    seconds = LATENCY_WARMUP + sizes.latency_seconds
+    with temp_postgres(services) as db_url, topology(services, "latency") as topo, \
+            tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir:  # fmt: skip
+        proc = start_publisher(services, db_url, Path(logdir), until_empty=False, name="lat")
+        try:
+            time.sleep(1.0)  # let it connect before rows arrive
+            steady_from = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=LATENCY_WARMUP)
+            produced = _produce(db_url, rate=rate, seconds=seconds, exchange=topo.exchange,
+                                key=topo.routing_key)  # fmt: skip
+            _wait_drained(db_url, timeout=60 + produced / 1000)
+        finally:
+            proc.stop()
+        proc.check()
+        p50, p99, count = _percentiles(db_url, steady_from)
+    print(f"  confirm latency at {rate:,.0f} rows/s over {count:,} rows: "
+          f"p50 {p50:.1f} ms, p99 {p99:.1f} ms", flush=True)  # fmt: skip
+    extra = {"latency_rate_rows_per_s": rate, "latency_rows": count}
+    return [
+        Measured(key="confirm_latency_p50_ms", unit="ms", runs=[p50], extra=extra),
+        Measured(key="confirm_latency_p99_ms", unit="ms", runs=[p99]),
+    ]
