@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import make_url, text
+from sqlalchemy import Engine, make_url, text
+from sqlalchemy.exc import DBAPIError
 
 from app.db import make_engine, migrate
 
@@ -55,9 +57,21 @@ def pg_template(service_urls: dict[str, str]) -> Iterator[str]:
     url = make_url(service_urls["pg"]).set(database=name).render_as_string(hide_password=False)
     migrate(url)
     yield name
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    drop_database(admin, name)
     admin.dispose()
+
+
+def drop_database(admin: Engine, name: str) -> None:
+    """Drop a test database; retried, since a background worker (autovacuum) may be inside it."""
+    for attempt in range(20):
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            return
+        except DBAPIError:
+            if attempt == 19:
+                raise
+            time.sleep(0.25)
 
 
 @pytest.fixture
@@ -68,8 +82,7 @@ def pg_url(service_urls: dict[str, str], pg_template: str) -> Iterator[str]:
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
     yield make_url(service_urls["pg"]).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    drop_database(admin, name)
     admin.dispose()
 
 

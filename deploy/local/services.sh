@@ -95,7 +95,7 @@ pg_alive() { "$PG_BIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT" 2>/dev/null; }
 start_postgres() {
   local data; data=$(pg_dir)
   if [ -f "$data/postmaster.pid" ] && pg_alive; then
-    log "postgresql already running on 127.0.0.1:$PG_PORT"; return
+    log "postgresql already running on 127.0.0.1:$PG_PORT"; pg_ensure_role "$data"; return
   fi
   mkdir -p "$data"
   [ "$(id -u)" = 0 ] && chown postgres: "$data" && chmod 700 "$data"
@@ -114,15 +114,22 @@ CONF
   fi
   log "starting postgresql on 127.0.0.1:$PG_PORT"
   pg_run "$PG_BIN/pg_ctl" -D "$data" -l "$data/server.log" -w -t 60 start >/dev/null
+  pg_ensure_role "$data"
+  log "postgresql ready (pid $(head -1 "$data/postmaster.pid"))"
+}
+
+pg_ensure_role() {  # the outbox role and database (idempotent)
+  local data=$1
   pg_run "$PG_BIN/psql" -q -h "$data" -p "$PG_PORT" -U postgres -d postgres -v ON_ERROR_STOP=1 <<'SQL' >/dev/null
 DO $$ BEGIN
   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox') THEN
     CREATE ROLE outbox LOGIN CREATEDB PASSWORD 'outbox';
   END IF;
 END $$;
+-- lets the role drop its throw-away test databases WITH (FORCE) even when autovacuum is in them
+GRANT pg_signal_backend TO outbox;
 SELECT 'CREATE DATABASE outbox OWNER outbox' WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = 'outbox')\gexec
 SQL
-  log "postgresql ready (pid $(head -1 "$data/postmaster.pid"))"
 }
 
 stop_postgres() {
