@@ -51,7 +51,7 @@ bench: venv services tools  ## measure the product against bare publishing loops
 chaos: venv tools  ## fault matrix: every fault injected mid-flow, every message accounted (CHAOS_ARGS="--only 1,4 --rows 2000")
 	@$(PY) -m chaos.run $(CHAOS_ARGS)
 
-LINT_PATHS = $(wildcard app spark_writer migrations tests bench)
+LINT_PATHS = $(wildcard app spark_writer migrations tests bench chaos)
 lint: venv  ## ruff (lint and format) and mypy --strict on app/ and spark_writer/
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)

@@ -1,0 +1,7 @@
+"""The fault matrix: real faults injected while rows flow, every message accounted for.
+
+``python -m chaos.run`` (``make chaos``) runs every scenario of :mod:`chaos.scenarios` against a
+RabbitMQ and a PostgreSQL of its own (other ports, another data directory), so stopping or killing
+them never disturbs anything else on the machine. ``tests/chaos/`` runs a reduced set inside
+``make test``.
+"""

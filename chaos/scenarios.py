@@ -1,0 +1,555 @@
+"""The scenarios of the fault matrix: one fault each, injected while rows flow.
+
+Each is a :class:`~chaos.runner.Scenario`: what it breaks (``inject``), the publisher settings it
+needs, and where its rows must end. The runner does the rest (batch, verifier, drain, accounting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from chaos import amqp
+from chaos import outbox as ob
+from chaos.amqp import Topology
+from chaos.outbox import Expect, PlannedRow
+from chaos.runner import Ctx, Scenario, ScenarioError, Step, default_plan, default_topology
+from chaos.services import ArmedEval
+from chaos.spark import produce_with_spark
+
+LEASE = 3  # seconds; the kill scenarios wait for it to expire
+
+
+def _env(**values: object) -> dict[str, str]:
+    return {f"OUTBOX_{k.upper()}": str(v) for k, v in values.items()}
+
+
+async def _reconnected(ctx: Ctx) -> None:
+    """Check, from the publishers' own counters, that they reconnected."""
+    stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+    total = sum(int(s.get("reconnects", 0)) for s in stats.values())
+    ctx.check(f"publisher reconnected ({total} reconnects counted)", total >= 1)
+
+
+# ---------------------------------------------------------------- 1, 2, 12: publisher crashes
+
+
+async def kill_after_publish(ctx: Ctx) -> None:
+    """1. Many rows published and acked, the acks not yet in the DB (flush every 0.5 s): kill."""
+    want = min(ctx.scenario.window // 2, (ctx.rows - ctx.rows * 3 // 10) // 2)
+    await ctx.wait_counts(lambda c: c.get("in_flight", 0) >= want, timeout=30,
+                          what=f"{want} rows in flight")  # fmt: skip
+    await ctx.fault_now("kill -9 of the publisher with its window out")
+    await ctx.kill9(ctx.publishers[0])
+    await ctx.landed()
+    held = await asyncio.to_thread(ctx.snapshot_in_flight)
+    ctx.note(f"{len(held)} rows in flight at the kill")
+    ctx.check("rows were in flight at the kill", len(held) > 0)
+    ctx.result.allowed = min(ctx.result.allowed, len(held))
+    await ctx.spawn_publisher()
+
+
+async def kill_after_claim(ctx: Ctx) -> None:
+    """2. Publishes stop leaving (proxy black-holed) while the publisher keeps claiming; kill."""
+    assert ctx.proxy is not None
+    ctx.proxy.blackhole(new=True)
+    window = ctx.scenario.window
+    await ctx.wait_counts(lambda c: c.get("in_flight", 0) >= window * 0.7, timeout=20,
+                          what="a full window of claimed rows")  # fmt: skip
+    await asyncio.sleep(0.5)
+    await ctx.fault_now("kill -9 of the publisher holding claimed, unsent rows")
+    await ctx.kill9(ctx.publishers[0])
+    kill_wall = time.time()
+    await ctx.landed()
+    held = await asyncio.to_thread(ctx.snapshot_in_flight)
+    ctx.note(f"{len(held)} rows claimed and in flight at the kill")
+    ctx.check("claimed rows were held at the kill", len(held) > 0)
+    ctx.proxy.heal()
+    ctx.data.update(held=held, kill_wall=kill_wall)
+    await ctx.spawn_publisher()
+
+
+async def check_lease_wait(ctx: Ctx) -> None:
+    """2, after the drain: no row held at the kill came back before its lease expired."""
+    held: set[str] = ctx.data.get("held", set())
+    if not held:
+        return
+    rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
+    times = [r.confirmed_at.timestamp() for r in rows
+             if r.message_id in held and r.confirmed_at is not None]  # fmt: skip
+    if times:
+        waited = min(times) - ctx.data["kill_wall"]
+        ctx.note(f"first held row confirmed {waited:.1f}s after the kill (lease {LEASE}s)")
+        ctx.check("held rows waited for their lease to expire", waited >= LEASE - 1.2)
+
+
+async def kill_one_of_two(ctx: Ctx) -> None:
+    """12. Two publishers share the outbox (SKIP LOCKED claims); one dies."""
+    victim = ctx.publishers[0]
+    deadline = time.monotonic() + 30
+    while len(await asyncio.to_thread(ctx.snapshot_in_flight, victim.name)) < 50:
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"{victim.name} never held 50 rows")
+        await asyncio.sleep(0.02)
+    await ctx.fault_now("kill -9 of one of two publishers")
+    await ctx.kill9(victim)
+    await ctx.landed()
+    held = await asyncio.to_thread(ctx.snapshot_in_flight, victim.name)
+    ctx.note(f"{len(held)} rows in flight at {victim.name} at the kill")
+    ctx.check("the killed publisher held rows", len(held) > 0)
+    ctx.dup_scope = held
+    ctx.result.allowed = min(ctx.result.allowed, len(held))
+
+
+# ---------------------------------------------------------------- 3, 4, 5, 6: broker faults
+
+
+def armed(action: str) -> Step:
+    """A setup step: start the ``rabbitmqctl eval`` that will run ``action`` on :func:`fire`."""
+
+    async def arm(ctx: Ctx) -> None:
+        command = ArmedEval(ctx.services, action, workdir=ctx.log_dir / "armed")
+        ctx.data["armed"] = command
+        await asyncio.to_thread(command.arm)
+
+    return arm
+
+
+async def fire(ctx: Ctx) -> str:
+    command: ArmedEval = ctx.data["armed"]
+    command.fire()
+    return await asyncio.to_thread(command.result)
+
+
+async def disarm(ctx: Ctx) -> None:
+    command: ArmedEval | None = ctx.data.get("armed")
+    if command is not None:
+        command.disarm()
+
+
+async def broker_stop_start(ctx: Ctx) -> None:
+    """3a. ``rabbitmqctl stop_app`` mid-drain (armed), ``start_app`` 2 s later."""
+    await ctx.fault_now("rabbitmqctl stop_app")
+    await fire(ctx)
+    await ctx.landed()
+    await asyncio.sleep(2)
+    await ctx.ctl("start_app")
+
+
+async def broker_kill(ctx: Ctx) -> None:
+    """3b. ``kill -9`` of the broker's VM mid-drain, then a restart."""
+    await ctx.fault_now("kill -9 of the broker")
+    pid = await asyncio.to_thread(ctx.services.kill_broker)
+    ctx.note(f"killed broker pid {pid}")
+    await ctx.landed()
+    await asyncio.sleep(1)
+    began = time.monotonic()
+    await asyncio.to_thread(ctx.services.start_rabbitmq)
+    ctx.note(f"broker restarted in {time.monotonic() - began:.1f}s")
+
+
+async def close_all_connections(ctx: Ctx) -> None:
+    """4. ``rabbitmqctl close_all_connections`` (the private broker: every client, the verifier
+    too)."""
+    await ctx.fault_now("rabbitmqctl close_all_connections")
+    await fire(ctx)
+    await ctx.landed()
+
+
+async def blackhole(ctx: Ctx) -> None:
+    """5. The proxy between publisher and broker swallows everything, sockets stay open."""
+    assert ctx.proxy is not None
+    seen = len(ctx.proxy.accepted)
+    await ctx.fault_now("black-hole of the publisher's connection")
+    ctx.proxy.blackhole()
+    await ctx.landed()
+    start = time.monotonic()
+    deadline = start + 60
+    while len(ctx.proxy.accepted) <= seen:
+        if time.monotonic() > deadline:
+            raise ScenarioError("the publisher never reconnected after the black-hole")
+        await asyncio.sleep(0.05)
+    detected = time.monotonic() - start
+    ctx.proxy.heal()
+    hb = int(ctx.scenario.env["OUTBOX_HEARTBEAT"])
+    timeout = float(ctx.scenario.env["OUTBOX_CONFIRM_TIMEOUT"])
+    bound = min(2 * hb + hb / 2, timeout) + 2.0
+    ctx.note(f"publisher reconnected {detected:.1f}s after the black-hole "
+             f"(heartbeat {hb}s, confirm timeout {timeout:.0f}s)")  # fmt: skip
+    ctx.check(f"dead connection detected within {bound:.1f}s", detected <= bound)
+
+
+async def arm_memory_alarm(ctx: Ctx) -> None:
+    original = await asyncio.to_thread(ctx.services.memory_watermark)
+    ctx.data["watermark"] = original if re.fullmatch(r"[0-9.]+", original) else "0.4"
+    await armed("vm_memory_monitor:set_vm_memory_high_watermark(0.0)")(ctx)
+
+
+async def memory_alarm(ctx: Ctx) -> None:
+    """6. ``set_vm_memory_high_watermark 0`` for 4 s: every publishing connection blocked."""
+    await ctx.fault_now("memory alarm (watermark 0) for 4s")
+    await fire(ctx)
+    await ctx.landed()
+    await asyncio.sleep(4)
+    await ctx.ctl("set_vm_memory_high_watermark", ctx.data["watermark"])
+
+
+async def restore_watermark(ctx: Ctx) -> None:
+    await disarm(ctx)
+    await ctx.ctl("set_vm_memory_high_watermark", ctx.data.get("watermark", "0.4"))
+
+
+async def blocked_seen(ctx: Ctx) -> None:
+    logs = "".join(p.log_text() for p in ctx.publishers)
+    ctx.check("connection.blocked seen by the publisher", "broker blocked publishing" in logs)
+    stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+    blocked = sum(float(s.get("blocked_seconds", 0)) for s in stats.values())
+    ctx.note(f"publisher blocked for {blocked:.1f}s")
+    ctx.check("publisher counted its blocked time", blocked > 0)
+
+
+# ---------------------------------------------------------------- 7, 8, 9, 10: broker says no
+
+
+def overflow_topology(ctx: Ctx) -> Topology:
+    limit = 500
+    ctx.data["max_length"] = limit
+    return default_topology(ctx, {"x-max-length": limit, "x-overflow": "reject-publish"})
+
+
+def overflow_plan(ctx: Ctx) -> list[PlannedRow]:
+    """A generous retry budget: the queue stays full for a while, each row may be nacked often."""
+    return [PlannedRow(r.message_id, r.exchange, r.routing_key, r.body, max_attempts=40)
+            for r in default_plan(ctx)]  # fmt: skip
+
+
+async def queue_full(ctx: Ctx) -> None:
+    """7. The queue is at ``x-max-length`` (reject-publish) behind a slow consumer: wait for the
+    first real nack (a retried row in the DB)."""
+    deadline = time.monotonic() + 60
+    while True:
+        rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
+        nacked = [r for r in rows if r.attempts > 1 and "nack" in (r.last_error or "")]
+        if nacked:
+            break
+        if time.monotonic() > deadline:
+            raise ScenarioError("the broker never nacked")
+        await asyncio.sleep(0.1)
+    await ctx.fault_now(f"queue full at x-max-length {ctx.data['max_length']}, slow consumer")
+
+
+async def count_nacks(ctx: Ctx) -> None:
+    stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+    nacks = sum(int(s.get("nacked", 0)) for s in stats.values())
+    retried = sum(int(s.get("retried", 0)) for s in stats.values())
+    ctx.note(f"{nacks} nacks received, {retried} retries with backoff")
+    ctx.check("the broker nacked publishes", nacks > 0)
+
+
+def two_keys_topology(ctx: Ctx) -> Topology:
+    ex, q = ctx.names["exchange"], ctx.names["queue"]
+    return Topology(exchanges=[ex], queues={q: {}}, bindings=[(ex, q, "rk"), (ex, q, "rk.audit")])
+
+
+def audit_plan(ctx: Ctx) -> list[PlannedRow]:
+    """Every 20th row goes to ``rk.audit``: routed until the binding goes, then returned."""
+    may_return = Expect(status="returned", needle="312", or_confirmed=True)
+    return [PlannedRow(r.message_id, r.exchange, "rk.audit", r.body, expect=may_return)
+            if i % 20 == 0 else r for i, r in enumerate(default_plan(ctx))]  # fmt: skip
+
+
+async def unbind(ctx: Ctx) -> None:
+    """8. The binding of ``rk.audit`` is removed mid-flow: mandatory publishes come back (312)."""
+    await ctx.fault_now("queue.unbind of rk.audit (its rows become unroutable)")
+    await amqp.unbind(ctx.amqp_url, queue=ctx.names["queue"], exchange=ctx.names["exchange"],
+                      key="rk.audit")  # fmt: skip
+    await ctx.landed()
+
+
+async def count_returned(ctx: Ctx) -> None:
+    rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
+    returned = [r for r in rows if r.status == "returned"]
+    ctx.check(
+        f"unroutable rows ended returned with 312 ({len(returned)})",
+        bool(returned) and all(r.reply_code == 312 for r in returned),
+    )
+
+
+def second_exchange_topology(ctx: Ctx) -> Topology:
+    ex, q = ctx.names["exchange"], ctx.names["queue"]
+    ctx.names["doomed"] = f"{ex}.doomed"
+    return Topology(exchanges=[ex, ctx.names["doomed"]], queues={q: {}},
+                    bindings=[(ex, q, "rk"), (ctx.names["doomed"], q, "rk")])  # fmt: skip
+
+
+def doomed_plan(ctx: Ctx) -> list[PlannedRow]:
+    """Every 10th row goes to the exchange that will be deleted."""
+    gone = Expect(status="failed", needle="NOT_FOUND", or_confirmed=True)
+    return [PlannedRow(r.message_id, ctx.names["doomed"], r.routing_key, r.body, expect=gone)
+            if i % 10 == 0 else r for i, r in enumerate(default_plan(ctx))]  # fmt: skip
+
+
+async def delete_exchange(ctx: Ctx) -> None:
+    """9. One of two exchanges is deleted mid-flow: its rows fail (404) after their budget."""
+    await ctx.fault_now("exchange.delete of one of the two exchanges (404 for its rows)")
+    await amqp.delete_exchange(ctx.amqp_url, ctx.names["doomed"])
+    await ctx.landed()
+
+
+async def count_failed(ctx: Ctx) -> None:
+    rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
+    failed = [r for r in rows if r.status == "failed"]
+    ctx.check(
+        f"rows of the deleted exchange ended failed with the reason ({len(failed)})", bool(failed)
+    )
+
+
+MAX_SIZE = 4096
+
+
+async def lower_max_size(ctx: Ctx) -> None:
+    """10, before the publisher connects (channels read the limit when they open)."""
+    ctx.data["max_size"] = await asyncio.to_thread(ctx.services.read_env, "max_message_size")
+    await ctx.ctl("eval", f"application:set_env(rabbit, max_message_size, {MAX_SIZE}).")
+
+
+async def restore_max_size(ctx: Ctx) -> None:
+    match = re.search(r"\{ok,\s*(\d+)\}", ctx.data.get("max_size", ""))
+    value = match.group(1) if match else "134217728"
+    await ctx.ctl("eval", f"application:set_env(rabbit, max_message_size, {value}).")
+
+
+def oversized_plan(ctx: Ctx) -> list[PlannedRow]:
+    """Every 100th row of the second two thirds carries an 8 KiB body (over the 4 KiB max)."""
+    big = Expect(status="failed", needle="body larger than")
+    start = ctx.rows // 3
+    return [PlannedRow(r.message_id, r.exchange, r.routing_key, ob.body_for(i, 2 * MAX_SIZE),
+                       expect=big)
+            if i >= start and i % 100 == 0 else r
+            for i, r in enumerate(default_plan(ctx))]  # fmt: skip
+
+
+async def oversized_arrive(ctx: Ctx) -> None:
+    await ctx.fault_now(f"bodies over the lowered max_message_size ({MAX_SIZE} B) start flowing")
+
+
+# ---------------------------------------------------------------- 11: the database
+
+
+async def terminate_sessions(ctx: Ctx) -> None:
+    """11a. ``pg_terminate_backend`` on every session of the publisher's database."""
+    await ctx.fault_now("pg_terminate_backend of the publisher's sessions")
+    killed = await asyncio.to_thread(ctx.env.dbs.terminate, ctx.db_name)
+    await ctx.landed()
+    ctx.note(f"{killed} sessions terminated")
+    ctx.check("publisher sessions were terminated", killed > 0)
+
+
+async def restart_postgres(ctx: Ctx) -> None:
+    """11b. PostgreSQL stopped (fast shutdown) and started again mid-drain."""
+    await ctx.fault_now("PostgreSQL restart")
+    began = time.monotonic()
+    await asyncio.to_thread(ctx.services.restart_postgres)
+    await ctx.landed()
+    ctx.note(f"PostgreSQL down and up again in {time.monotonic() - began:.1f}s")
+
+
+async def lose_commit_reply(ctx: Ctx) -> None:
+    """11c. The connection to PostgreSQL breaks right after a claim's COMMIT reached the server:
+    the rows are claimed (in_flight, leased to this publisher) but the publisher never got them."""
+    assert ctx.lost_commit is not None
+    await ctx.fault_now("PostgreSQL connection reset right after a claim's COMMIT")
+    ctx.lost_commit.arm()
+    deadline = time.monotonic() + 20
+    while not ctx.lost_commit.fired:
+        if time.monotonic() > deadline:
+            raise ScenarioError("no claim COMMIT went through the proxy")
+        await asyncio.sleep(0.01)
+    await ctx.landed()
+
+
+async def orphans_seen(ctx: Ctx) -> None:
+    """11c: the claim whose reply was lost did lease rows (they had to be claimed again)."""
+    await db_errors_seen(ctx)
+    rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
+    again = sum(1 for r in rows if r.attempts > 1)
+    ctx.note(f"{again} rows were claimed more than once")
+    ctx.check("the lost COMMIT reply left leased rows behind", again > 0)
+
+
+async def db_errors_seen(ctx: Ctx) -> None:
+    logs = "".join(p.log_text() for p in ctx.publishers)
+    errors = len(re.findall(r"(claim failed|writing outcomes failed|housekeeping failed)", logs))
+    ctx.note(f"publisher logged {errors} failed DB calls and went on")
+
+
+# ---------------------------------------------------------------- 13: Spark
+
+
+async def spark_driver_kill(ctx: Ctx) -> None:
+    """13. The kill happens inside :func:`chaos.spark.produce_with_spark`; nothing more here."""
+    if ctx.fault_mono is None:
+        raise ScenarioError("the Spark driver was never killed mid-batch")
+
+
+# ---------------------------------------------------------------- the matrix
+
+KILL_ENV = _env(lease_seconds=LEASE)
+
+SCENARIOS: list[Scenario] = [
+    Scenario(
+        "1",
+        "kill -9 publisher after publish, before confirms are marked",
+        "acked publishes whose confirm never reached the DB are published again, and only "
+        "those: duplicates <= rows in flight at the kill, all counted in lost_confirms",
+        kill_after_publish,
+        trigger=0.2,
+        flow=0,
+        env={**KILL_ENV, **_env(flush_interval=0.5)},
+    ),
+    Scenario(
+        "2",
+        "kill -9 publisher after claim, before publish",
+        "claimed rows that never left come back when their lease expires (not sooner), "
+        "then go out once",
+        kill_after_claim,
+        env=KILL_ENV,
+        via_proxy=True,
+        verify=check_lease_wait,
+    ),
+    Scenario(
+        "3a",
+        "broker stop_app / start_app mid-drain",
+        "a broker that goes away and comes back: reconnect, republish the unconfirmed",
+        broker_stop_start,
+        flow=1.5,
+        setup=armed("rabbit:stop()"),
+        teardown=disarm,
+        verify=_reconnected,
+    ),
+    Scenario(
+        "3b",
+        "broker kill -9 and restart mid-drain",
+        "confirmed means on disk: nothing confirmed is lost with the broker's VM",
+        broker_kill,
+        flow=1.5,
+        verify=_reconnected,
+    ),
+    Scenario(
+        "4",
+        "rabbitmqctl close_all_connections mid-drain",
+        "connection.close from the broker: unconfirmed rows go out again on a new connection",
+        close_all_connections,
+        flow=1.5,
+        setup=armed('rabbit_networking:close_all_connections("chaos: close_all_connections")'),
+        teardown=disarm,
+        verify=_reconnected,
+    ),
+    Scenario(
+        "5",
+        "TCP black-hole between publisher and broker",
+        "a silent network partition is detected by heartbeat or confirm timeout, and healed",
+        blackhole,
+        flow=1.5,
+        via_proxy=True,
+        env=_env(heartbeat=2, confirm_timeout=5),
+    ),
+    Scenario(
+        "6",
+        "memory alarm (vm_memory_high_watermark 0) for 4 s",
+        "connection.blocked pauses publishing without failing a row; the drain resumes",
+        memory_alarm,
+        setup=arm_memory_alarm,
+        flow=1.5,
+        verify=blocked_seen,
+        teardown=restore_watermark,
+    ),
+    Scenario(
+        "7",
+        "queue at x-max-length (reject-publish), slow consumer",
+        "real nacks are retried with backoff until every row is confirmed",
+        queue_full,
+        flow=0,
+        topology=overflow_topology,
+        plan=overflow_plan,
+        verifier_prefetch=50,
+        verifier_flush=0.05,
+        verify=count_nacks,
+    ),
+    Scenario(
+        "8",
+        "binding removed mid-flow: mandatory publishes unroutable",
+        "unroutable rows end returned with 312 and their reason; nothing else is held up",
+        unbind,
+        topology=two_keys_topology,
+        plan=audit_plan,
+        verify=count_returned,
+    ),
+    Scenario(
+        "9",
+        "exchange deleted mid-flow (404)",
+        "the missing exchange's rows end failed with the reason; the other exchange flows on",
+        delete_exchange,
+        topology=second_exchange_topology,
+        plan=doomed_plan,
+        verify=count_failed,
+    ),
+    Scenario(
+        "10",
+        "bodies over a lowered max_message_size",
+        "an oversized row fails with its reason, the rest of its channel is republished",
+        oversized_arrive,
+        trigger=0.25,
+        plan=oversized_plan,
+        setup=lower_max_size,
+        verify=count_failed,
+        teardown=restore_max_size,
+    ),
+    Scenario(
+        "11a",
+        "pg_terminate_backend on the publisher's sessions",
+        "a dropped database session costs a retry, never a row",
+        terminate_sessions,
+        verify=db_errors_seen,
+    ),
+    Scenario(
+        "11b",
+        "PostgreSQL restart mid-drain",
+        "the outbox database going away and back: the publisher waits and goes on",
+        restart_postgres,
+        verify=db_errors_seen,
+    ),
+    Scenario(
+        "11c",
+        "PostgreSQL connection reset right after a claim's COMMIT",
+        "a claim that committed but whose reply was lost leaves no row stranded in flight",
+        lose_commit_reply,
+        db_via_proxy=True,
+        env=KILL_ENV,
+        verify=orphans_seen,
+    ),
+    Scenario(
+        "12",
+        "two publishers, one killed",
+        "SKIP LOCKED claims never hand a row to both; only the rows the kill left in flight "
+        "are published twice",
+        kill_one_of_two,
+        publishers=2,
+        env={**KILL_ENV, **_env(flush_interval=1.0)},
+    ),
+    Scenario(
+        "13",
+        "Spark driver kill -9 during a foreachBatch write, restart from checkpoint",
+        "a replayed micro-batch adds no outbox row and misses none",
+        spark_driver_kill,
+        produce=produce_with_spark,
+        trigger=0.0,
+        reduced=False,  # Spark starts twice: the full matrix only
+        timeout=480,
+    ),
+]
+
+
+BY_KEY = {s.key: s for s in SCENARIOS}
+REDUCED = [s.key for s in SCENARIOS if s.reduced]
