@@ -39,8 +39,8 @@ migrate: venv services  ## create or upgrade the outbox schema (OUTBOX_DATABASE_
 test: venv services tools  ## run the whole test suite against the local services
 	@$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-test-fast: venv services  ## the suite without Spark and slow scenarios
-	@$(VENV)/bin/pytest -m "not spark and not slow" $(PYTEST_ARGS)
+test-fast: venv services  ## the suite without Spark, slow scenarios and the fault matrix
+	@$(VENV)/bin/pytest -m "not spark and not slow and not chaos" $(PYTEST_ARGS)
 
 bench: venv services tools  ## measure the product against bare publishing loops (BENCH_SCALE=4 for bigger)
 	@bench/ensure-jdbc.sh

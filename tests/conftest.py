@@ -1,8 +1,15 @@
 """Shared fixtures: real RabbitMQ and PostgreSQL on loopback, fresh migrated databases per test.
 
-The services come from ``deploy/local/services.sh`` (started here if needed), or from
-``OUTBOX_AMQP_URL`` / ``OUTBOX_DATABASE_URL`` when they are set (the latter must be PostgreSQL;
-it is used as the admin connection that creates one throw-away database per test).
+The suite never reads the service's own settings. Every ``OUTBOX_*`` variable of the calling shell
+is removed from the test process's environment before any test runs (an operator's
+``OUTBOX_DATABASE_URL`` must not become a database the tests create and drop in); the suite has
+variables of its own:
+
+- ``OUTBOX_TEST_AMQP_URL`` and ``OUTBOX_TEST_PG_ADMIN_URL``: use these running services (the
+  latter is an admin connection that creates and drops one throw-away database per test);
+- otherwise the local services of ``deploy/local/services.sh`` are started (if needed) on
+  ``OUTBOX_TEST_AMQP_PORT`` (5673) and ``OUTBOX_TEST_PG_PORT`` (5433), data under
+  ``OUTBOX_TEST_LOCAL_DIR`` (``.local``): the same instances ``make services`` starts.
 """
 
 from __future__ import annotations
@@ -22,24 +29,57 @@ from app.db import make_engine, migrate
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = REPO / "deploy" / "local" / "services.sh"
+TEST_PREFIX = "OUTBOX_TEST_"
+#: The suite's own variables, read once before the environment is scrubbed.
+TEST_ENV = {k: v for k, v in os.environ.items() if k.startswith(TEST_PREFIX)}
+
+
+def scrubbed_environ(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """``environ`` without any ``OUTBOX_*`` variable (the suite's own ``OUTBOX_TEST_*`` too)."""
+    return {k: v for k, v in environ.items() if not k.startswith("OUTBOX_")}
+
+
+def _scrub_process_environment() -> None:
+    for name in [k for k in os.environ if k.startswith("OUTBOX_")]:
+        del os.environ[name]
+
+
+# At import, before any fixture or test module builds a Settings(): nothing of the shell leaks.
+_scrub_process_environment()
+
+
+def _services_env() -> dict[str, str]:
+    """The environment for ``services.sh``: the suite's ports and data directory only."""
+    env = scrubbed_environ(os.environ)
+    env["OUTBOX_LOCAL_AMQP_PORT"] = TEST_ENV.get(f"{TEST_PREFIX}AMQP_PORT", "5673")
+    env["OUTBOX_LOCAL_PG_PORT"] = TEST_ENV.get(f"{TEST_PREFIX}PG_PORT", "5433")
+    if f"{TEST_PREFIX}LOCAL_DIR" in TEST_ENV:
+        env["OUTBOX_LOCAL_DIR"] = TEST_ENV[f"{TEST_PREFIX}LOCAL_DIR"]
+    return env
 
 
 def _local_env() -> dict[str, str]:
-    out = subprocess.run([str(SERVICES), "env"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [str(SERVICES), "env"], check=True, capture_output=True, text=True, env=_services_env()
+    ).stdout
     pairs = (line.removeprefix("export ").split("=", 1) for line in out.splitlines() if "=" in line)
     return dict(pairs)
 
 
 @pytest.fixture(scope="session")
 def service_urls() -> dict[str, str]:
-    """AMQP and PostgreSQL URLs of running services; starts the local ones when none are given."""
-    given_db = os.environ.get("OUTBOX_DATABASE_URL", "")
-    given_amqp = os.environ.get("OUTBOX_AMQP_URL")
-    if given_amqp and given_db.startswith("postgresql"):
-        return {"amqp": given_amqp, "pg": given_db}
-    subprocess.run([str(SERVICES), "start"], check=True)
+    """AMQP and admin PostgreSQL URLs of running services: the suite's own variables, or the
+    local services (started when needed)."""
+    given_amqp = TEST_ENV.get(f"{TEST_PREFIX}AMQP_URL")
+    given_pg = TEST_ENV.get(f"{TEST_PREFIX}PG_ADMIN_URL")
+    if given_amqp and given_pg:
+        return {"amqp": given_amqp, "pg": given_pg}
+    subprocess.run([str(SERVICES), "start"], check=True, env=_services_env())
     env = _local_env()
-    return {"amqp": given_amqp or env["OUTBOX_AMQP_URL"], "pg": env["OUTBOX_DATABASE_URL"]}
+    return {
+        "amqp": given_amqp or env["OUTBOX_AMQP_URL"],
+        "pg": given_pg or env["OUTBOX_DATABASE_URL"],
+    }
 
 
 @pytest.fixture(scope="session")
