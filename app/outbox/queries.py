@@ -21,8 +21,10 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Engine,
+    Text,
     and_,
     case,
+    cast,
     func,
     literal,
     or_,
@@ -31,6 +33,7 @@ from sqlalchemy import (
     union,
 )
 
+from app.outbox.content import ContentError, load_document
 from app.outbox.schema import audit, batches, outbox, publishers
 from app.outbox.states import Status
 
@@ -545,7 +548,14 @@ class MessageRecord:
     body: bytes | None
 
 
-_MESSAGE_COLUMNS = [c for c in outbox.c if c.name != "body"]
+#: JSON columns are read as text and decoded with bounds (``content.load_document``): a hostile
+#: document must show as unreadable, never fail the request.
+_MESSAGE_COLUMNS = [
+    cast(c, Text).label(c.name) if c.name in ("headers", "properties") else c
+    for c in outbox.c
+    if c.name != "body"
+]
+MAX_SHOWN_DOCUMENT = 1024 * 1024
 
 
 def message(engine: Engine, *, message_id: str, include_body: bool = False) -> MessageRecord | None:
@@ -566,10 +576,15 @@ def message(engine: Engine, *, message_id: str, include_body: bool = False) -> M
 
 
 def _as_dict(value: Any) -> dict[str, Any] | None:
-    """JSON columns written by other producers may hold a non-object; show those wrapped."""
-    if value is None or isinstance(value, dict):
-        return value
-    return {"value": value}
+    """A JSON column as an object: producers may have stored anything (a non-object is shown
+    wrapped, an unreadable document as the reason)."""
+    try:
+        doc = load_document(value, what="document", max_bytes=MAX_SHOWN_DOCUMENT)
+    except ContentError as exc:
+        return {"unreadable": str(exc)}
+    if doc is None or isinstance(doc, dict):
+        return doc
+    return {"value": doc}
 
 
 # ------------------------------------------------------------------------------- audit

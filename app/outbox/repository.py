@@ -26,9 +26,11 @@ from sqlalchemy import (
     Connection,
     Engine,
     Select,
+    Text,
     and_,
     any_,
     bindparam,
+    cast,
     delete,
     exists,
     func,
@@ -70,8 +72,10 @@ class ClaimedRow:
     mandatory: bool
     body: bytes
     content_type: str | None
-    headers: dict[str, Any] | None
-    properties: dict[str, Any] | None
+    #: JSON text as stored, checked by the publisher row by row (``app.outbox.content``): a
+    #: hostile document must fail its own row, never the claim that read it.
+    headers: str | dict[str, Any] | None
+    properties: str | dict[str, Any] | None
     ordering_key: str | None
     attempts: int
     max_attempts: int
@@ -163,10 +167,14 @@ def _sqlite_json(value: Any) -> Any:
     return value
 
 
+#: The claim reads the JSON columns as text: decoding them here would let one row's content
+#: (3,000 levels of nesting, say) fail the whole claim, for every publisher, forever.
 CLAIM_COLUMNS = (
     outbox.c.id, outbox.c.message_id, outbox.c.batch_id, outbox.c.exchange, outbox.c.routing_key,
-    outbox.c.mandatory, outbox.c.body, outbox.c.content_type, outbox.c.headers,
-    outbox.c.properties, outbox.c.ordering_key, outbox.c.attempts, outbox.c.max_attempts,
+    outbox.c.mandatory, outbox.c.body, outbox.c.content_type,
+    cast(outbox.c.headers, Text).label("headers"),
+    cast(outbox.c.properties, Text).label("properties"), outbox.c.ordering_key,
+    outbox.c.attempts, outbox.c.max_attempts,
 )  # fmt: skip
 
 

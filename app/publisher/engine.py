@@ -37,6 +37,13 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, TypeAlias, TypeVar
 
+from app.amqp import (
+    AMQPConnection,
+    CloseReason,
+    OutgoingMessage,
+    ReturnedMessage,
+    WireError,
+)
 from app.confirms import (
     ChannelLedger,
     Confirmed,
@@ -52,13 +59,6 @@ from app.outbox.states import Status
 from app.publisher.destinations import Destinations, DestinationState
 from app.publisher.envelope import CloseCause, CloseKind, EnvelopeError, classify_close, to_message
 from app.publisher.metrics import PublisherMetrics, PublisherStats
-from app.publisher.wire import (
-    AMQPConnection,
-    CloseReason,
-    OutgoingMessage,
-    ReturnedMessage,
-    WireError,
-)
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,61 +1,57 @@
-"""Outbox row -> AMQP message, and what the broker's close replies mean. Pure functions, no I/O."""
+"""Outbox row -> AMQP message, and what the broker's close replies mean. Pure functions, no I/O.
+
+Every field of the row is untrusted: :func:`to_message` checks it through
+:func:`app.outbox.content.check_row` (bounded JSON, header names and depth, properties, sizes)
+and refuses with an :class:`EnvelopeError` (the row ends ``failed`` with that reason, alone).
+"""
 
 from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from pamqp import commands, header
 
+from app.amqp.codec import ENCODE_ERRORS, OutgoingMessage, marshal_properties
+from app.amqp.errors import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, CloseReason
+from app.outbox.content import ContentError, Limits, check_row
 from app.outbox.repository import ClaimedRow
-from app.publisher.wire import (
-    ACCESS_REFUSED,
-    NOT_FOUND,
-    PRECONDITION_FAILED,
-    CloseReason,
-    OutgoingMessage,
-    marshal_properties,
-)
 
-PERSISTENT = 2
 _CONTENT_PREFIX = struct.pack(">HHQ", commands.Basic.frame_id, 0, 0)
 OUTBOX_ID_HEADER = "x-outbox-id"
 OUTBOX_ATTEMPT_HEADER = "x-outbox-attempt"
-
-#: row ``properties`` keys -> Basic.Properties attributes. ``user_id`` is left out on purpose:
-#: RabbitMQ closes the channel (406) when it differs from the login, which would void the window.
-_PROPERTY_NAMES = {
-    "priority": "priority", "expiration": "expiration", "correlation_id": "correlation_id",
-    "type": "message_type", "message_type": "message_type", "delivery_mode": "delivery_mode",
-    "reply_to": "reply_to", "app_id": "app_id", "content_encoding": "content_encoding",
-}  # fmt: skip
+DEFAULT_LIMITS = Limits()
 
 
 class EnvelopeError(ValueError):
     """The row cannot become a valid AMQP message: a permanent error for that row."""
 
 
-def to_message(row: ClaimedRow) -> OutgoingMessage:
+def to_message(row: ClaimedRow, *, limits: Limits = DEFAULT_LIMITS) -> OutgoingMessage:
     """The publish for a claimed row: persistent unless the row says otherwise, ``message_id``
     set, headers ``x-outbox-id`` / ``x-outbox-attempt`` added. Raises EnvelopeError."""
-    headers: dict[str, Any] = dict(row.headers) if row.headers else {}
+    try:
+        checked = check_row(
+            exchange=row.exchange, routing_key=row.routing_key, message_id=row.message_id,
+            body=row.body, content_type=row.content_type, headers=row.headers,
+            properties=row.properties, limits=limits,
+        )  # fmt: skip
+    except ContentError as exc:
+        raise EnvelopeError(str(exc)) from None
+    headers = dict(checked.headers)
     headers[OUTBOX_ID_HEADER] = row.id
     headers[OUTBOX_ATTEMPT_HEADER] = row.attempts
-    values: dict[str, Any] = (
-        _properties(row.properties) if row.properties else {"delivery_mode": PERSISTENT}
-    )
-    values["content_type"] = row.content_type
+    values = checked.properties
+    values["content_type"] = checked.content_type
     values["headers"] = headers
-    values["message_id"] = row.message_id
+    values["message_id"] = checked.message_id
     try:
         props = marshal_properties(values)
-    except (TypeError, ValueError, struct.error) as exc:
+    except ENCODE_ERRORS as exc:
         raise EnvelopeError(f"invalid message properties: {exc}") from exc
-    return OutgoingMessage(row.exchange, row.routing_key, row.body, props, row.mandatory)
+    return OutgoingMessage(checked.exchange, checked.routing_key, row.body, props, row.mandatory)
 
 
 def properties_of(message: OutgoingMessage) -> commands.Basic.Properties:
@@ -65,30 +61,6 @@ def properties_of(message: OutgoingMessage) -> commands.Basic.Properties:
     content = header.ContentHeader()
     content.unmarshal(_CONTENT_PREFIX + message.properties)
     return content.properties
-
-
-def _properties(given: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"delivery_mode": PERSISTENT}
-    for key, value in given.items():
-        name = _PROPERTY_NAMES.get(key)
-        if name is None or value is None:
-            continue
-        out[name] = value
-    if "expiration" in out:
-        out["expiration"] = _expiration(out["expiration"])
-    for name, allowed in (("priority", range(256)), ("delivery_mode", (1, 2))):
-        value = out.get(name)
-        if value is not None and (not isinstance(value, int) or value not in allowed):
-            raise EnvelopeError(f"{name} must be one of {allowed}, got {value!r}")
-    return out
-
-
-def _expiration(value: Any) -> str:
-    """RabbitMQ closes the channel (406) on a non-numeric expiration: refuse it here instead."""
-    text = str(value)
-    if not text.isdigit():
-        raise EnvelopeError(f"expiration must be milliseconds as digits, got {value!r}")
-    return text
 
 
 # ---------------------------------------------------------------- channel closes

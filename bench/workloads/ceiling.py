@@ -1,6 +1,6 @@
 """Diagnostic: the broker's ceiling for this message shape, with no database in the way.
 
-Publishes with the product's own wire layer (``app.publisher.wire``: many publishes coalesced
+Publishes with the product's own wire layer (``app.amqp``: many publishes coalesced
 into one socket write, acks handled as plain callbacks), a window of ``WINDOW`` unconfirmed
 messages, in batches of ``BATCH``. The figure bounds any drain: the publisher cannot move rows
 faster than the broker confirms them. Not one of the issue's keys: reported as ``diag_*``.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from app.publisher.wire import AMQPConnection, CloseReason, OutgoingMessage, ReturnedMessage
-from app.publisher.wire import marshal_properties as marshal
+from app.amqp import AMQPConnection, CloseReason, OutgoingMessage, ReturnedMessage
+from app.amqp import marshal_properties as marshal
 from bench.common import BODY, Measured, Services, Sizes, rate, repeat, topology
 
 WINDOW = 5_000

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from pamqp import commands
 
-from app.publisher.wire import (
+from app.amqp import (
     AMQPConnection,
     CloseReason,
     ConnectionClosedError,

@@ -9,6 +9,13 @@ from hypothesis import strategies as st
 from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
+from app.amqp import (
+    CloseReason,
+    OutgoingMessage,
+    PublishEncoder,
+    marshal_properties,
+    parse_url,
+)
 from app.outbox.repository import Backoff, ClaimedRow
 from app.publisher.destinations import Destinations, DestinationState
 from app.publisher.envelope import (
@@ -17,13 +24,6 @@ from app.publisher.envelope import (
     classify_close,
     properties_of,
     to_message,
-)
-from app.publisher.wire import (
-    CloseReason,
-    OutgoingMessage,
-    PublishEncoder,
-    marshal_properties,
-    parse_url,
 )
 
 
@@ -146,14 +146,33 @@ def test_to_message_sets_id_headers_and_persistence() -> None:
 
 def test_to_message_maps_row_properties() -> None:
     props = {"priority": 5, "expiration": 60000, "correlation_id": "c", "type": "order",
-             "delivery_mode": 1, "user_id": "mallory", "unknown": "x"}  # fmt: skip
+             "delivery_mode": 1, "app_id": "spark", "reply_to": "replies",
+             "timestamp": 1_700_000_000}  # fmt: skip
     p = properties_of(to_message(claimed(properties=props)))
     assert (p.priority, p.expiration, p.correlation_id, p.message_type, p.delivery_mode) == (
         5, "60000", "c", "order", 1)  # fmt: skip
-    assert p.user_id is None  # RabbitMQ would close the channel on a foreign user_id
+    assert (p.app_id, p.reply_to, int(p.timestamp.timestamp())) == (
+        "spark",
+        "replies",
+        1_700_000_000,
+    )
 
 
-@pytest.mark.parametrize("props", [{"expiration": "soon"}, {"priority": 300}, {"delivery_mode": 3}])
+def test_stored_json_text_is_read_like_decoded_json() -> None:
+    p = properties_of(to_message(claimed(headers='{"tenant": "b"}', properties='{"priority": 1}')))
+    assert p.headers == {"tenant": "b", "x-outbox-id": 42, "x-outbox-attempt": 3}
+    assert p.priority == 1
+
+
+@pytest.mark.parametrize(
+    "props",
+    [
+        {"expiration": "soon"},
+        {"priority": 300},
+        {"delivery_mode": 3},
+        {"user_id": "mallory"},  # RabbitMQ would close the channel on a foreign user_id
+    ],
+)
 def test_invalid_properties_are_permanent_errors(props: dict[str, object]) -> None:
     with pytest.raises(EnvelopeError):
         to_message(claimed(properties=props))

@@ -1,16 +1,17 @@
-"""An AMQP 0-9-1 client for the publish hot path, on pamqp's frame codec.
+"""The asyncio half of the AMQP client: one connection, its channels, the broker's callbacks.
 
 aio-pika (aiormq underneath) gives every publish its own socket write and its own asyncio future;
 that caps a Python publisher near 5k msg/s on this kind of machine (docs/publisher.md). Here a
-batch of publishes is marshalled into one buffer and written with one ``transport.write``, and the
-broker's answers go to plain synchronous callbacks (:class:`WireListener`): no future per message.
+batch of publishes is marshalled into one buffer (:mod:`app.amqp.codec`) and written with one
+``transport.write``, and the broker's answers go to plain synchronous callbacks
+(:class:`WireListener`): no future per message.
 
-What it speaks: the handshake (PLAIN, capabilities for confirms, ``connection.blocked`` and
-authentication-failure close), channels in confirm mode, ``basic.publish`` with content frames
-split at ``frame_max``, passive ``exchange.declare`` on a scratch channel, heartbeats (sent, and
-missed ones detected), ``connection.blocked``/``unblocked``, ``basic.ack``/``nack``/``return`` and
-channel/connection closes from either side. Futures exist only for the few control RPCs
-(channel open, confirm.select, passive declare, close).
+What it speaks: the handshake (capabilities for confirms, ``connection.blocked`` and
+authentication-failure close), channels in confirm mode, ``basic.publish``, passive
+``exchange.declare`` on a scratch channel, heartbeats (sent, and missed ones detected),
+``connection.blocked``/``unblocked``, ``basic.ack``/``nack``/``return`` and channel/connection
+closes from either side. Futures exist only for the few control RPCs (channel open,
+confirm.select, passive declare, close). Channel numbers stay within the broker's ``channel_max``.
 """
 
 from __future__ import annotations
@@ -19,145 +20,42 @@ import asyncio
 import logging
 import platform
 import ssl
-import struct
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
-from urllib.parse import unquote, urlsplit
+from typing import Any, Protocol
 
-from pamqp import commands, common, constants, encode, frame, header, heartbeat
+from pamqp import commands, common, header
 from pamqp.base import Frame
 from pamqp.body import ContentBody
-from pamqp.exceptions import PAMQPException
+
+from app.amqp.codec import (
+    DEFAULT_FRAME_MAX,
+    HEARTBEAT_FRAME,
+    PROTOCOL_HEADER,
+    FrameReader,
+    FramingError,
+    OutgoingMessage,
+    PublishEncoder,
+    ReturnedMessage,
+    method_frame,
+)
+from app.amqp.errors import (
+    ACCESS_REFUSED,
+    CONNECTION_FORCED,
+    FRAME_ERROR,
+    REPLY_SUCCESS,
+    AuthenticationError,
+    ChannelClosedError,
+    ChannelLimitError,
+    CloseReason,
+    ConnectionClosedError,
+    HandshakeError,
+    WireError,
+)
+from app.amqp.params import AMQPParams, parse_url
 
 log = logging.getLogger(__name__)
-
-PROTOCOL_HEADER = header.ProtocolHeader().marshal()
-HEARTBEAT_FRAME = heartbeat.Heartbeat.marshal()
-DEFAULT_FRAME_MAX = 131_072
-FRAME_OVERHEAD = 8  # type (1) + channel (2) + size (4) + frame-end (1)
-_FRAME_HEADER = struct.Struct(">BHI")
-_METHOD_INDEX = struct.Struct(">I")
-_CONTENT_HEADER = struct.Struct(">HxxQ")
-_PROPERTY_FLAGS = struct.Struct(">H")
-_FRAME_END = constants.FRAME_END_CHAR
-_METHOD_CACHE_MAX = 4096
-
-# AMQP reply codes the engine acts on
-REPLY_SUCCESS = 200
-CONNECTION_FORCED = 320
-ACCESS_REFUSED = 403
-NOT_FOUND = 404
-PRECONDITION_FAILED = 406
-FRAME_ERROR = 501
-
-F = TypeVar("F", bound=Frame)
-
-# ---------------------------------------------------------------- values and errors
-
-
-@dataclass(frozen=True, slots=True)
-class AMQPParams:
-    """Where and as whom to connect, parsed from an ``amqp://`` or ``amqps://`` URL."""
-
-    host: str
-    port: int
-    vhost: str
-    username: str
-    password: str = field(repr=False)
-    tls: bool = False
-
-
-def parse_url(url: str) -> AMQPParams:
-    """``amqp://user:pass@host:port/vhost`` -> :class:`AMQPParams` (vhost ``/`` by default)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("amqp", "amqps"):
-        raise ValueError(f"not an AMQP URL (scheme {parts.scheme!r})")
-    tls = parts.scheme == "amqps"
-    path = parts.path[1:] if parts.path.startswith("/") else parts.path
-    return AMQPParams(
-        host=parts.hostname or "localhost",
-        port=parts.port or (5671 if tls else 5672),
-        vhost=unquote(path) if path else "/",
-        username=unquote(parts.username or "guest"),
-        password=unquote(parts.password or "guest"),
-        tls=tls,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class CloseReason:
-    """Why a channel or the connection closed (``by_peer``: the broker closed it)."""
-
-    reply_code: int
-    reply_text: str
-    class_id: int = 0
-    method_id: int = 0
-    by_peer: bool = True
-
-    def __str__(self) -> str:
-        return f"{self.reply_code} {self.reply_text}"
-
-
-@dataclass(frozen=True, slots=True)
-class OutgoingMessage:
-    """One ``basic.publish`` with its content.
-
-    ``properties``: a pamqp ``Basic.Properties``, or bytes already marshalled by
-    :func:`marshal_properties` (the hot path's form).
-    """
-
-    exchange: str
-    routing_key: str
-    body: bytes
-    properties: commands.Basic.Properties | bytes
-    mandatory: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class ReturnedMessage:
-    """A ``basic.return`` with its content header and body, assembled."""
-
-    reply_code: int
-    reply_text: str
-    exchange: str
-    routing_key: str
-    properties: commands.Basic.Properties
-    body: bytes
-
-    @property
-    def message_id(self) -> str | None:
-        return self.properties.message_id
-
-
-class WireError(Exception):
-    """Base of the wire layer's errors."""
-
-
-class ConnectionClosedError(WireError):
-    """The connection is closed or lost; ``reason`` says why."""
-
-    def __init__(self, reason: CloseReason) -> None:
-        super().__init__(f"connection closed: {reason}")
-        self.reason = reason
-
-
-class ChannelClosedError(WireError):
-    """The channel is closed; ``reason`` says why."""
-
-    def __init__(self, channel_id: int, reason: CloseReason) -> None:
-        super().__init__(f"channel {channel_id} closed: {reason}")
-        self.channel_id = channel_id
-        self.reason = reason
-
-
-class HandshakeError(WireError):
-    """The broker refused or broke the connection handshake."""
-
-
-class AuthenticationError(HandshakeError):
-    """The broker refused the credentials (403 during the handshake)."""
 
 
 class WireListener(Protocol):
@@ -181,101 +79,6 @@ class WireListener(Protocol):
 def _close_reason(method: commands.Connection.Close | commands.Channel.Close) -> CloseReason:
     return CloseReason(method.reply_code or 0, method.reply_text or "", method.class_id or 0,
                        method.method_id or 0, by_peer=True)  # fmt: skip
-
-
-# ---------------------------------------------------------------- codec (pure)
-
-
-def _frame(frame_type: int, channel_id: int, payload: bytes) -> bytes:
-    return _FRAME_HEADER.pack(frame_type, channel_id, len(payload)) + payload + _FRAME_END
-
-
-def method_frame(channel_id: int, method: Frame) -> bytes:
-    """One marshalled method frame (pamqp's codec)."""
-    return frame.marshal(method, channel_id)
-
-
-def _property_codecs() -> tuple[tuple[str, int, Callable[[Any], bytes]], ...]:
-    props = commands.Basic.Properties
-    encoders: dict[str, Callable[[Any], bytes]] = {
-        "shortstr": encode.short_string, "octet": encode.octet, "table": encode.field_table,
-        "timestamp": encode.timestamp,
-    }  # fmt: skip
-    return tuple(
-        (name, props.flags[name], encoders[props.amqp_type(name)])
-        for name in props.attributes()
-        if name != "cluster_id"
-    )
-
-
-_PROPERTY_CODECS = _property_codecs()
-
-
-def marshal_properties(values: Mapping[str, Any]) -> bytes:
-    """Content-header properties, as ``Basic.Properties(**values).marshal()`` encodes them.
-
-    Same flags and value encoders (pamqp's), without building and reflecting over a
-    ``Basic.Properties`` per message. Keys are ``Basic.Properties`` attribute names; no validation
-    beyond the encoders' own (callers check delivery_mode and priority ranges).
-    """
-    flags = 0
-    parts: list[bytes] = []
-    for name, flag, encoder in _PROPERTY_CODECS:
-        value = values.get(name)
-        if value is not None and value != "":
-            flags |= flag
-            parts.append(encoder(value))
-    return _PROPERTY_FLAGS.pack(flags) + b"".join(parts)
-
-
-class PublishEncoder:
-    """Marshals ``basic.publish`` + content header + body frames for one connection.
-
-    The method frame of a (channel, exchange, routing key, mandatory) is built once by pamqp and
-    cached; properties are marshalled by pamqp per message; bodies are split at
-    ``frame_max - 8``.
-    """
-
-    def __init__(self, *, frame_max: int) -> None:
-        self.frame_max = frame_max or DEFAULT_FRAME_MAX
-        self.body_chunk = self.frame_max - FRAME_OVERHEAD
-        self._methods: dict[tuple[int, str, str, bool], bytes] = {}
-
-    def publish_method(
-        self, channel_id: int, exchange: str, routing_key: str, mandatory: bool
-    ) -> bytes:
-        key = (channel_id, exchange, routing_key, mandatory)
-        cached = self._methods.get(key)
-        if cached is None:
-            if len(self._methods) >= _METHOD_CACHE_MAX:
-                self._methods.clear()
-            method = commands.Basic.Publish(
-                exchange=exchange, routing_key=routing_key, mandatory=mandatory
-            )
-            cached = self._methods[key] = frame.marshal(method, channel_id)
-        return cached
-
-    def encode(self, channel_id: int, message: OutgoingMessage, out: list[bytes]) -> None:
-        """Append the frames of one publish to ``out``; ValueError/TypeError if unencodable."""
-        if len(message.routing_key.encode()) > 255:
-            raise ValueError("routing key longer than 255 bytes")
-        body = message.body
-        props = message.properties
-        if not isinstance(props, bytes):
-            props = props.marshal()
-        content_header = _CONTENT_HEADER.pack(commands.Basic.frame_id, len(body)) + props
-        method = self.publish_method(
-            channel_id, message.exchange, message.routing_key, message.mandatory
-        )
-        out.append(method)
-        out.append(_frame(constants.FRAME_HEADER, channel_id, content_header))
-        step = self.body_chunk
-        if len(body) <= step:
-            if body:
-                out.append(_frame(constants.FRAME_BODY, channel_id, body))
-            return
-        for start in range(0, len(body), step):
-            out.append(_frame(constants.FRAME_BODY, channel_id, body[start : start + step]))
 
 
 # ---------------------------------------------------------------- the connection
@@ -311,7 +114,7 @@ class AMQPConnection(asyncio.Protocol):
         self._name = name
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
+        self._reader = FrameReader()
         self._waiters: dict[int, _Waiter] = {}
         self._channels: set[int] = set()  # open channels (confirm mode or scratch)
         self._notify_channels: set[int] = set()  # channels whose closes go to the listener
@@ -493,7 +296,12 @@ class AMQPConnection(asyncio.Protocol):
             self._next_channel = channel_id % self.channel_max + 1
             if channel_id not in self._channels and channel_id not in self._waiters:
                 return channel_id
-        raise WireError(f"all {self.channel_max} channels are in use")
+        raise ChannelLimitError(f"all {self.channel_max} channels the broker allows are in use")
+
+    @property
+    def channels_open(self) -> int:
+        """Channels open now (confirm channels and the scratch channel)."""
+        return len(self._channels)
 
     async def open_channel(self, *, confirm: bool = True) -> int:
         """Open a channel (in confirm mode by default); its closes go to the listener."""
@@ -522,8 +330,24 @@ class AMQPConnection(asyncio.Protocol):
     def channel_is_open(self, channel_id: int) -> bool:
         return channel_id in self._channels
 
-    async def exchange_exists(self, name: str, *, timeout: float = 5.0) -> CloseReason | None:
-        """Passive ``exchange.declare`` on a scratch channel: None if it exists, else why not."""
+    async def exchange_exists(
+        self, name: str, *, timeout: float = 5.0, channel: int | None = None
+    ) -> CloseReason | None:
+        """Passive ``exchange.declare``: None if the exchange exists, else why not.
+
+        Runs on a scratch channel of its own, or on ``channel`` when given (a caller with no
+        channel number to spare: it must have nothing outstanding there, since a missing
+        exchange closes that channel). Raises ChannelLimitError when no scratch channel can be
+        opened.
+        """
+        declare = commands.Exchange.Declare(exchange=name, passive=True)
+        if channel is not None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._request(channel, declare, (commands.Exchange.DeclareOk,))
+            except ChannelClosedError as exc:
+                return exc.reason
+            return None
         async with self._scratch_lock:
             if self._scratch is None or self._scratch not in self._channels:
                 self._scratch = None
@@ -533,7 +357,6 @@ class AMQPConnection(asyncio.Protocol):
                                         (commands.Channel.OpenOk,))  # fmt: skip
                 self._channels.add(channel_id)
                 self._scratch = channel_id
-            declare = commands.Exchange.Declare(exchange=name, passive=True)
             try:
                 async with asyncio.timeout(timeout):
                     await self._request(self._scratch, declare, (commands.Exchange.DeclareOk,))
@@ -547,22 +370,8 @@ class AMQPConnection(asyncio.Protocol):
     def encode_batch(
         self, channel_id: int, messages: Sequence[OutgoingMessage]
     ) -> tuple[bytes, list[tuple[int, Exception]]]:
-        """Marshal publishes into one buffer (nothing is sent).
-
-        Returns the bytes and ``(index, error)`` for messages that could not be encoded: those
-        are left out, so they take no delivery tag.
-        """
-        out: list[bytes] = []
-        errors: list[tuple[int, Exception]] = []
-        encode = self.encoder.encode
-        for index, message in enumerate(messages):
-            mark = len(out)
-            try:
-                encode(channel_id, message, out)
-            except (ValueError, TypeError, PAMQPException, struct.error) as exc:
-                del out[mark:]
-                errors.append((index, exc))
-        return b"".join(out), errors
+        """Marshal publishes into one buffer (nothing is sent); see ``PublishEncoder``."""
+        return self.encoder.encode_batch(channel_id, messages)
 
     def write_batch(self, channel_id: int, data: bytes) -> None:
         """Send publishes encoded by :meth:`encode_batch` with one ``transport.write``.
@@ -638,33 +447,16 @@ class AMQPConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_recv = time.monotonic()
-        buf = self._buffer
-        buf += data
-        offset, size = 0, len(buf)
-        if not self._handshake_done and buf[:4] == b"AMQP":
-            self._fail_handshake(f"broker wants protocol {bytes(buf[:8])!r}")
+        if not self._handshake_done and self._reader.starts_with_protocol_header(data):
+            self._fail_handshake(f"broker wants protocol {bytes(data[:8])!r}")
             return
-        while size - offset >= 8:
-            frame_type, channel_id, length = _FRAME_HEADER.unpack_from(buf, offset)
-            end = offset + 7 + length + 1
-            if end > size:
-                break
-            if buf[end - 1] != constants.FRAME_END:
-                self._protocol_violation("frame does not end with 0xCE")
-                return
-            chunk = bytes(buf[offset:end])
-            offset = end
-            if frame_type == constants.FRAME_HEARTBEAT:
-                continue
-            try:
-                _, _, value = frame.unmarshal(chunk)
-            except PAMQPException as exc:
-                self._protocol_violation(f"undecodable frame: {exc}")
-                return
-            self._dispatch(channel_id, value)
-            if self._transport is None or self._transport.is_closing():
-                return
-        del buf[:offset]
+        try:
+            for channel_id, value in self._reader.feed(data):
+                self._dispatch(channel_id, value)
+                if self._transport is None or self._transport.is_closing():
+                    return
+        except FramingError as exc:
+            self._protocol_violation(str(exc))
 
     def _fail_handshake(self, why: str) -> None:
         for waiter in self._waiters.values():
