@@ -22,6 +22,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 
 from app.db import make_engine, migrate
+from app.logs import configure as configure_logging
 from app.outbox import queries
 from app.outbox.repository import OutboxRepository, RepositoryError, RepublishFilter, utcnow
 from app.outbox.states import TERMINAL_FAILURES, Status
@@ -86,7 +87,8 @@ def render_stats(s: queries.OutboxStats) -> str:
     counts = [(status.value, n) for status, n in s.counts.items()]
     pubs = [
         (p.publisher_id, p.hostname, p.pid, duration(_ago(p.heartbeat_at, s.at)) + " ago",
-         "alive" if p.alive else ("stopped" if p.stopped_at else "silent"))
+         ("blocked" if p.blocked else "alive") if p.alive else (
+             "stopped" if p.stopped_at else "silent"))
         for p in s.publishers
     ]  # fmt: skip
     lines = [
@@ -103,6 +105,11 @@ def render_stats(s: queries.OutboxStats) -> str:
         "",
         f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known",
     ]
+    if s.blocked_publishers:
+        reasons = {p.report.blocked_reason for p in s.publishers if p.blocked and p.report}
+        why = ", ".join(sorted(r for r in reasons if r)) or "no reason given"
+        lines.append(f"BROKER BLOCKED: it blocks publishing ({why}) for "
+                     f"{', '.join(s.blocked_publishers)}")  # fmt: skip
     if pubs:
         lines.append(table(["publisher", "host", "pid", "heartbeat", "state"], pubs))
     return "\n".join(lines)
@@ -491,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"outbox: bad configuration: {_config_problem(exc)}", file=err)
         return EXIT_USAGE
+    configure_logging(level=settings.log_level, fmt=settings.log_format)
     return _run(args, settings, err)
 
 

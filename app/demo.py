@@ -216,7 +216,8 @@ def run_publisher_until_drained(settings: Settings, engine: Engine, sink: str, r
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch(stop))
         try:
-            await run_publisher(settings, until_empty=True)
+            own_port = settings.model_copy(update={"publisher_metrics_port": 0})
+            await run_publisher(own_port, until_empty=True)
         finally:
             stop.set()
             await watcher

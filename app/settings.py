@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -62,6 +64,35 @@ class Settings(BaseSettings):
         default=16 * 1024 * 1024, ge=1, description="Largest body accepted (RabbitMQ default max)."
     )
     retention_days: float = Field(default=7.0, gt=0, description="Keep confirmed rows this long.")
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description="Largest headers document (JSON) a row may carry; larger rows end failed.",
+    )
+    outstanding_after: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="A publish unconfirmed this long gets its channel and tag written to its row.",
+    )
+    publisher_metrics_host: str = Field(
+        default="127.0.0.1", description="Address a publisher serves /metrics, /healthz, /readyz."
+    )
+    publisher_metrics_port: int = Field(
+        default=9600,
+        ge=0,
+        le=65535,
+        description="Port of a publisher's /metrics and probes (0: any free port, logged).",
+    )
+
+    # logging (every command)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Log level of every outbox command."
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="Log lines as text or as one JSON object per line."
+    )
 
     # operator surface (REST API, CLI)
     api_host: str = Field(default="127.0.0.1", description="Address `outbox serve` binds.")
@@ -80,6 +111,11 @@ class Settings(BaseSettings):
     stats_latency_rows: int = Field(
         default=10_000, ge=1, le=1_000_000, description="Most confirms read for the percentiles."
     )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("database_url")
     @classmethod

@@ -22,7 +22,7 @@ from app.settings import Settings
 FAST = {
     "poll_interval": 0.05, "flush_interval": 0.01, "backoff_base": 0.05, "backoff_max": 0.4,
     "heartbeat": 0, "lease_seconds": 30.0, "shutdown_timeout": 3.0, "reconnect_max_delay": 0.5,
-    "confirm_timeout": 30.0,
+    "confirm_timeout": 30.0, "publisher_metrics_port": 0,
 }  # fmt: skip
 
 

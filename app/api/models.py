@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from app.outbox import queries
+from app.outbox.reports import PublisherReport
 from app.outbox.repository import RepublishFilter, RepublishResult
 from app.outbox.states import Status
 
@@ -114,6 +115,10 @@ class PublisherOut(BaseModel):
     heartbeat_at: dt.datetime
     stopped_at: dt.datetime | None
     alive: bool
+    blocked: bool = Field(description="The broker blocks this live publisher (resource alarm).")
+    report: PublisherReport | None = Field(
+        description="The publisher's own figures at its last heartbeat."
+    )
 
 
 class StatsOut(BaseModel):
@@ -132,6 +137,9 @@ class StatsOut(BaseModel):
     )
     operator_republished: int = Field(description="Rows operators moved back to pending.")
     publishers_alive: int
+    broker_blocked: bool = Field(
+        description="A live publisher reports the broker blocking it (memory or disk alarm)."
+    )
     publishers: list[PublisherOut]
 
     @classmethod
@@ -147,11 +155,12 @@ class StatsOut(BaseModel):
             ),
             possible_duplicates=s.possible_duplicates,
             operator_republished=s.operator_republished, publishers_alive=s.publishers_alive,
+            broker_blocked=bool(s.blocked_publishers),
             publishers=[
                 PublisherOut(
                     publisher_id=p.publisher_id, hostname=p.hostname, pid=p.pid,
                     started_at=p.started_at, heartbeat_at=p.heartbeat_at,
-                    stopped_at=p.stopped_at, alive=p.alive,
+                    stopped_at=p.stopped_at, alive=p.alive, blocked=p.blocked, report=p.report,
                 )
                 for p in s.publishers
             ],
@@ -172,8 +181,11 @@ class OutstandingOut(BaseModel):
     max_attempts: int
     exchange: str
     routing_key: str
-    published_at: dt.datetime | None
-    age_seconds: float | None = Field(description="Seconds since this attempt was published.")
+    published_at: dt.datetime | None = Field(description="None while claimed, not yet sent.")
+    claimed_at: dt.datetime | None = Field(description="When this attempt was claimed.")
+    age_seconds: float | None = Field(
+        description="Seconds since this attempt was published (since its claim while unsent)."
+    )
     lease_until: dt.datetime
     lost_confirms: int
 
@@ -241,6 +253,7 @@ class MessageOut(BaseModel):
     available_at: dt.datetime
     lease_owner: str | None
     lease_until: dt.datetime | None
+    claimed_at: dt.datetime | None
     channel_id: int | None
     delivery_tag: int | None
     created_at: dt.datetime

@@ -34,6 +34,7 @@ from sqlalchemy import (
 )
 
 from app.outbox.content import ContentError, load_document
+from app.outbox.reports import PublisherReport, read_report
 from app.outbox.schema import audit, batches, outbox, publishers
 from app.outbox.states import Status
 
@@ -112,6 +113,17 @@ class PublisherInfo:
     alive: bool
     stats: dict[str, Any] | None
 
+    @property
+    def report(self) -> PublisherReport | None:
+        """The publisher's own figures at its last heartbeat (one model on both sides)."""
+        return read_report(self.stats)
+
+    @property
+    def blocked(self) -> bool:
+        """The broker blocks this live publisher (a resource alarm)."""
+        report = self.report
+        return self.alive and report is not None and report.blocked
+
 
 @dataclass(frozen=True, slots=True)
 class LatencySummary:
@@ -139,6 +151,11 @@ class OutboxStats:
     def publishers_alive(self) -> int:
         return sum(1 for p in self.publishers if p.alive)
 
+    @property
+    def blocked_publishers(self) -> list[str]:
+        """Live publishers the broker blocks now."""
+        return [p.publisher_id for p in self.publishers if p.blocked]
+
 
 def status_counts(conn: Connection) -> tuple[dict[Status, int], int]:
     """Rows per status (every status present, zero when none) and the sum of ``lost_confirms``
@@ -160,11 +177,17 @@ def _sent_at() -> ColumnElement[dt.datetime]:
     return case((outbox.c.delivery_tag.is_not(None), outbox.c.published_at), else_=None)
 
 
+def _held_since() -> ColumnElement[dt.datetime]:
+    """Since when an in-flight row waits: its publish, or its claim while not yet sent (the
+    broker blocks the publisher, say): a row claimed and stuck must age too."""
+    return func.coalesce(_sent_at(), outbox.c.claimed_at)
+
+
 def oldest_ages(conn: Connection, *, now: dt.datetime) -> tuple[float | None, float | None]:
-    """(age of the oldest pending row since it was created, age of the oldest unconfirmed
-    publish since it was sent), in seconds."""
+    """(age of the oldest pending row since it was created, age of the oldest in-flight row
+    since it was sent, or claimed when not sent yet), in seconds."""
     pending = select(func.min(outbox.c.created_at)).where(outbox.c.status == Status.PENDING)
-    in_flight = select(func.min(_sent_at())).where(outbox.c.status == Status.IN_FLIGHT)
+    in_flight = select(func.min(_held_since())).where(outbox.c.status == Status.IN_FLIGHT)
     return (
         age_seconds(conn.execute(pending).scalar_one(), now),
         age_seconds(conn.execute(in_flight).scalar_one(), now),
@@ -308,6 +331,7 @@ class OutstandingConfirm:
     exchange: str
     routing_key: str
     published_at: dt.datetime | None
+    claimed_at: dt.datetime | None
     age_seconds: float | None
     lease_until: dt.datetime
     lost_confirms: int
@@ -331,7 +355,7 @@ def _outstanding_where(
     if flt.batch_id is not None:
         cond = and_(cond, outbox.c.batch_id == flt.batch_id)
     if flt.min_age_seconds is not None:
-        cond = and_(cond, sent <= now - dt.timedelta(seconds=flt.min_age_seconds))
+        cond = and_(cond, _held_since() <= now - dt.timedelta(seconds=flt.min_age_seconds))
     if after is None:
         return cond
     if after.sent_at is None:
@@ -373,7 +397,9 @@ def _outstanding(row: Any, now: dt.datetime) -> OutstandingConfirm:
         delivery_tag=row["delivery_tag"], attempt=row["attempts"],
         max_attempts=row["max_attempts"], exchange=row["exchange"],
         routing_key=row["routing_key"], published_at=row["sent_at"],
-        age_seconds=age_seconds(row["sent_at"], now), lease_until=row["lease_until"],
+        claimed_at=row["claimed_at"],
+        age_seconds=age_seconds(row["sent_at"] or row["claimed_at"], now),
+        lease_until=row["lease_until"],
         lost_confirms=row["lost_confirms"],
     )  # fmt: skip
 
@@ -536,6 +562,7 @@ class MessageRecord:
     available_at: dt.datetime
     lease_owner: str | None
     lease_until: dt.datetime | None
+    claimed_at: dt.datetime | None
     channel_id: int | None
     delivery_tag: int | None
     created_at: dt.datetime

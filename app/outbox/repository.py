@@ -259,17 +259,23 @@ class OutboxRepository:
 
     # ------------------------------------------------------- publisher registry
 
-    def register_publisher(self, *, publisher_id: str, stale_after: float) -> None:
-        """Record this publisher. On SQLite, refuse when another live publisher holds the outbox."""
+    def register_publisher(self, *, publisher_id: str, stale_after: float) -> dict[str, Any] | None:
+        """Record this publisher; return the last stats of an earlier run with the same id (its
+        counters continue from them). On SQLite, refuse when another live publisher holds the
+        outbox."""
         now = self.clock()
         row = {"publisher_id": publisher_id, "hostname": socket.gethostname(), "pid": os.getpid(),
                "started_at": now, "heartbeat_at": now, "stopped_at": None}  # fmt: skip
         with self._begin() as conn:
+            before = conn.execute(
+                select(publishers.c.stats).where(publishers.c.publisher_id == publisher_id)
+            ).scalar()
             if not self.is_postgres:
                 self._register_sole(conn, row, cutoff=now - dt.timedelta(seconds=stale_after))
-                return
-            conn.execute(delete(publishers).where(publishers.c.publisher_id == publisher_id))
-            conn.execute(insert(publishers).values(**row))
+            else:
+                conn.execute(delete(publishers).where(publishers.c.publisher_id == publisher_id))
+                conn.execute(insert(publishers).values(**row))
+        return before if isinstance(before, dict) else None
 
     def _register_sole(self, conn: Connection, row: dict[str, Any], *, cutoff: dt.datetime) -> None:
         me = row["publisher_id"]
@@ -372,6 +378,7 @@ class OutboxRepository:
             "status": Status.IN_FLIGHT, "lease_owner": owner,
             "lease_until": now + dt.timedelta(seconds=lease_seconds),
             "attempts": outbox.c.attempts + 1, "channel_id": None, "delivery_tag": None,
+            "claimed_at": now,
         }  # fmt: skip
         due = self._due(now, limit)
         if self.is_postgres:
@@ -571,6 +578,20 @@ class OutboxRepository:
         return self.transition(
             ids=ids, source=Status.IN_FLIGHT, target=Status.PENDING, owner=owner, values=values
         )
+
+    def resend(self, *, owner: str, ids: Sequence[int], error: str) -> int:
+        """Held rows published again without a new claim (a quarantine's isolated publish): a
+        new attempt, and the earlier publish counts as a possible duplicate. They stay
+        ``in_flight`` with this owner."""
+        values = {"attempts": outbox.c.attempts + 1, "lost_confirms": outbox.c.lost_confirms + 1,
+                  "last_error": error, "channel_id": None, "delivery_tag": None}  # fmt: skip
+        with self._begin() as conn:
+            return sum(
+                conn.execute(
+                    update(outbox).where(self._held(owner, chunk)).values(**values)
+                ).rowcount
+                for chunk in self._chunks(ids)
+            )
 
     def release_expired(self) -> int:
         """Rows of a publisher that died (lease expired) go back to ``pending``.

@@ -82,6 +82,9 @@ outbox = Table(
     Column("available_at", UTCDateTime, nullable=False, server_default=_now()),
     Column("lease_owner", Text),
     Column("lease_until", UTCDateTime),
+    # when the current attempt was claimed: a row claimed and not yet published (the broker
+    # blocks us, say) still shows its age among the outstanding confirms
+    Column("claimed_at", UTCDateTime),
     Column("channel_id", Integer),
     Column("delivery_tag", BigInteger),
     Column("created_at", UTCDateTime, nullable=False, server_default=_now()),

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
+from app.logs import configure
 from app.publisher import main
 from app.settings import Settings
 
 
 def _cli(argv: list[str]) -> int:
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt)
-    stats = main(Settings(), until_empty="--until-empty" in argv)
+    settings = Settings()
+    configure(level=settings.log_level, fmt=settings.log_format)
+    stats = main(settings, until_empty="--until-empty" in argv)
     print(stats, flush=True)
     return 0
 

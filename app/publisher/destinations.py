@@ -58,14 +58,29 @@ class Destinations:
         failures = entry.failures if entry is not None else 0
         self._entries[exchange] = _Entry(DestinationState.CHECKING, 0.0, failures)
 
+    def clear(self) -> None:
+        """A new connection: checks in flight on the old one will never answer."""
+        self._entries = {k: e for k, e in self._entries.items()
+                         if e.state is not DestinationState.CHECKING}  # fmt: skip
+
     def ok(self, exchange: str, now: float) -> None:
         self._entries[exchange] = _Entry(DestinationState.OK, now + self._ok_ttl)
 
-    def unchecked(self, exchange: str) -> None:
-        """A check could not run (connection went away): forget, check again later."""
+    def unchecked(self, exchange: str, now: float) -> float:
+        """A check could not run (no connection, no channel, a timeout): its rows stay parked
+        and the check runs again after a backoff (returned, in seconds), never in a loop."""
+        entry = self._entries.get(exchange)
+        failures = (entry.failures if entry is not None else 0) + 1
+        delay = self._backoff.delay(failures)
+        self._entries[exchange] = _Entry(DestinationState.CHECKING, now + delay, failures,
+                                         "check did not run")  # fmt: skip
+        return delay
+
+    def recheck(self, exchange: str) -> None:
+        """The backoff after a check that did not run is over: check again."""
         entry = self._entries.get(exchange)
         if entry is not None and entry.state is DestinationState.CHECKING:
-            del self._entries[exchange]
+            self._entries[exchange] = _Entry(DestinationState.UNKNOWN, 0.0, entry.failures)
 
     def failed(self, exchange: str, reason: str, now: float) -> float:
         """The exchange is missing or forbidden: pause it; returns the pause in seconds."""

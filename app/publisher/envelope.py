@@ -1,4 +1,4 @@
-"""Outbox row -> AMQP message, and what the broker's close replies mean. Pure functions, no I/O.
+"""Outbox row -> AMQP message. Pure functions, no I/O.
 
 Every field of the row is untrusted: :func:`to_message` checks it through
 :func:`app.outbox.content.check_row` (bounded JSON, header names and depth, properties, sizes)
@@ -7,15 +7,11 @@ and refuses with an :class:`EnvelopeError` (the row ends ``failed`` with that re
 
 from __future__ import annotations
 
-import re
 import struct
-from dataclasses import dataclass
-from enum import StrEnum
 
 from pamqp import commands, header
 
 from app.amqp.codec import ENCODE_ERRORS, OutgoingMessage, marshal_properties
-from app.amqp.errors import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, CloseReason
 from app.outbox.content import ContentError, Limits, check_row
 from app.outbox.repository import ClaimedRow
 
@@ -61,44 +57,3 @@ def properties_of(message: OutgoingMessage) -> commands.Basic.Properties:
     content = header.ContentHeader()
     content.unmarshal(_CONTENT_PREFIX + message.properties)
     return content.properties
-
-
-# ---------------------------------------------------------------- channel closes
-
-
-class CloseKind(StrEnum):
-    DESTINATION = "destination"  # 404 no exchange / 403 access refused to an exchange
-    OVERSIZED = "oversized"  # 406 message larger than the broker's max_message_size
-    OTHER = "other"
-
-
-@dataclass(frozen=True, slots=True)
-class CloseCause:
-    """What a channel close tells the engine: whom to blame."""
-
-    kind: CloseKind
-    exchange: str | None = None
-    max_size: int | None = None
-
-
-_EXCHANGE_IN_TEXT = re.compile(r"exchange '((?:[^'\\]|\\.)*)' in vhost")
-_MAX_SIZE_IN_TEXT = re.compile(r"larger than configured max size (\d+)")
-
-
-def classify_close(reason: CloseReason) -> CloseCause:
-    """Read the reply code and text of a broker ``channel.close``.
-
-    ``NOT_FOUND - no exchange 'x' in vhost '/'`` and ``ACCESS_REFUSED - access to exchange 'x'
-    in vhost '/' refused for user 'u'`` blame exchange ``x``; ``PRECONDITION_FAILED - message
-    size 200 is larger than configured max size 100`` blames the bodies above 100 bytes.
-    """
-    text = reason.reply_text
-    if reason.reply_code in (NOT_FOUND, ACCESS_REFUSED):
-        match = _EXCHANGE_IN_TEXT.search(text)
-        if match is not None:
-            return CloseCause(CloseKind.DESTINATION, exchange=match.group(1))
-    if reason.reply_code == PRECONDITION_FAILED:
-        match = _MAX_SIZE_IN_TEXT.search(text)
-        if match is not None:
-            return CloseCause(CloseKind.OVERSIZED, max_size=int(match.group(1)))
-    return CloseCause(CloseKind.OTHER)

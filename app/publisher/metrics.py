@@ -1,10 +1,75 @@
-"""In-process counters of one publisher: plain attributes, read by the /metrics endpoint."""
+"""One publisher's own figures: plain counters mutated on the event loop, exported from a
+prometheus_client registry of its own, and reported to the database as a
+:class:`~app.outbox.reports.PublisherReport`.
+
+Counters only go up, for the life of a publisher id: :meth:`PublisherMetrics.resume` adds the
+last report of an earlier run with the same id, so a restart never lowers one. Histograms take
+bulk observations (:meth:`Histogram.observe_many`): a ``multiple`` ack that settles 500 rows
+published in one write is one call, and the histogram's count is still the number of rows.
+"""
 
 from __future__ import annotations
 
+import bisect
+import math
+import platform
 import time
-from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+import app
+from app.outbox.reports import COUNTERS, PublisherReport
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)  # fmt: skip
+DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+class Histogram:
+    """Cumulative-bucket histogram with bulk observations (no lock: one event loop)."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, +Inf last (not cumulative)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe_many(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+        self.count += n
+
+    observe = observe_many
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if math.isinf(bound) else repr(bound), running))
+        return out
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding quantile ``q`` (None without observations)."""
+        if not self.count:
+            return None
+        rank, running = q * self.count, 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += count
+            if running >= rank:
+                return bound if not math.isinf(bound) else self.bounds[-1]
+        return self.bounds[-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,52 +96,73 @@ class PublisherStats:
 
 
 class PublisherMetrics:
-    """Monotonic counters and a few gauges; the engine mutates them from the event loop only.
+    """Counters (monotonic), gauges and histograms of one publisher; event loop only.
 
-    Counters: ``published`` (basic.publish sent, republishes included), ``confirmed``,
-    ``returned``, ``nacked`` (nacks received), ``retried`` (rows put back with backoff after a nack
-    or a destination error), ``failed`` (rows ended ``failed``), ``lost`` (publishes whose confirm
-    never came: channel/connection lost; each is republished, a possible duplicate), ``released``
-    (claimed rows given back unpublished), ``protocol_errors`` (impossible broker frames),
-    ``channel_closes``, ``reconnects``, ``destination_errors``, ``lease_lost`` (rows the DB no
-    longer let this publisher settle), ``claims``/``claimed``, ``flushes``, ``blocked_seconds``.
-    Gauges: ``connected``, ``blocked``, ``held`` (rows claimed and not yet settled in the DB),
-    ``outstanding`` (publishes awaiting a confirm). ``confirm_latency`` keeps recent samples in
-    seconds.
+    Counter names are :data:`app.outbox.reports.COUNTERS` (``lost_confirms`` is also reachable
+    as ``lost``). Gauges are read at scrape time from the engine through ``gauges``.
     """
 
-    def __init__(self, *, samples: int = 4096) -> None:
+    def __init__(self) -> None:
         self.started_at = time.monotonic()
-        self.published = 0
-        self.confirmed = 0
-        self.returned = 0
-        self.nacked = 0
-        self.retried = 0
-        self.failed = 0
-        self.lost = 0
-        self.released = 0
-        self.protocol_errors = 0
-        self.channel_closes = 0
-        self.reconnects = 0
-        self.connect_failures = 0
-        self.destination_errors = 0
-        self.lease_lost = 0
-        self.claims = 0
-        self.claimed = 0
-        self.flushes = 0
-        self.db_errors = 0
-        self.blocked_seconds = 0.0
+        for name in COUNTERS:
+            setattr(self, name, 0.0 if name == "blocked_seconds" else 0)
         self.blocked_since: float | None = None
+        self.blocked_reason: str | None = None
         self.connected = False
         self.blocked = False
-        self.held = 0
-        self.outstanding = 0
-        self.confirm_latency: deque[float] = deque(maxlen=samples)
+        self.confirm_latency = Histogram(LATENCY_BUCKETS)
+        self.flush_seconds = Histogram(DB_BUCKETS)
+        self.claim_seconds = Histogram(DB_BUCKETS)
+        self._base: dict[str, float] = {}
+        #: set by the engine: current gauge values (held, queued, outstanding, ...)
+        self.gauges: Callable[[], dict[str, float | None]] = dict
 
-    def observe_confirm_latency(self, seconds: float) -> None:
-        self.confirm_latency.append(seconds)
+    # the counters, typed for mypy (set in __init__ from COUNTERS)
+    published: int
+    confirmed: int
+    returned: int
+    nacked: int
+    nacked_final: int
+    retried: int
+    failed: int
+    poison: int
+    lost_confirms: int
+    released: int
+    channel_closes: int
+    connection_closes: int
+    reconnects: int
+    connect_failures: int
+    protocol_errors: int
+    destination_errors: int
+    lease_lost: int
+    claims: int
+    claimed: int
+    flushes: int
+    db_errors: int
+    blocked_seconds: float
 
-    def set_blocked(self, blocked: bool, *, now: float | None = None) -> None:
+    @property
+    def lost(self) -> int:
+        return self.lost_confirms
+
+    @lost.setter
+    def lost(self, value: int) -> None:
+        self.lost_confirms = value
+
+    def resume(self, previous: PublisherReport | None) -> None:
+        """Continue the counters of an earlier run of the same publisher id."""
+        if previous is not None:
+            self._base = {name: float(getattr(previous, name)) for name in COUNTERS}
+
+    def total(self, name: str) -> float:
+        """A counter as exported: this run's value plus the earlier runs' of the same id."""
+        value = float(getattr(self, name))
+        if name == "blocked_seconds" and self.blocked_since is not None:
+            value += time.monotonic() - self.blocked_since
+        return value + self._base.get(name, 0.0)
+
+    def set_blocked(self, blocked: bool, *, reason: str | None = None,
+                    now: float | None = None) -> None:  # fmt: skip
         now = time.monotonic() if now is None else now
         if blocked and self.blocked_since is None:
             self.blocked_since = now
@@ -84,40 +170,114 @@ class PublisherMetrics:
             self.blocked_seconds += now - self.blocked_since
             self.blocked_since = None
         self.blocked = blocked
+        self.blocked_reason = reason if blocked else None
 
-    def latency_quantile(self, q: float) -> float | None:
-        """A quantile (0..1) of the recent confirm latencies, or None without samples."""
-        if not self.confirm_latency:
-            return None
-        ordered = sorted(self.confirm_latency)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    def as_stats(self, *, now: float | None = None) -> dict[str, float]:
-        """The counters as the publisher registry stores them (``outbox_publishers.stats``,
-        read by ``/metrics``): monotonic per publisher, ``lost_confirms`` for ``lost``."""
-        now = time.monotonic() if now is None else now
-        blocked = self.blocked_seconds
-        if self.blocked_since is not None:
-            blocked += now - self.blocked_since
-        p50, p99 = self.latency_quantile(0.5), self.latency_quantile(0.99)
-        return {
-            "published": self.published, "confirmed": self.confirmed, "nacked": self.nacked,
-            "returned": self.returned, "failed": self.failed, "lost_confirms": self.lost,
-            "channel_closes": self.channel_closes, "reconnects": self.reconnects,
-            "protocol_errors": self.protocol_errors, "blocked_seconds": round(blocked, 3),
-            "retried": self.retried, "released": self.released,
-            "destination_errors": self.destination_errors, "lease_lost": self.lease_lost,
-            "connect_failures": self.connect_failures, "claimed": self.claimed,
-            "held": self.held, "outstanding": self.outstanding,
-            "confirm_latency_p50": p50 if p50 is not None else -1.0,
-            "confirm_latency_p99": p99 if p99 is not None else -1.0,
-        }  # fmt: skip
+    def report(self, **extra: object) -> PublisherReport:
+        """The figures as ``outbox_publishers.stats`` stores them."""
+        gauges = self.gauges()
+        values: dict[str, object] = {name: self.total(name) for name in COUNTERS}
+        values.update(
+            connected=self.connected, blocked=self.blocked, blocked_reason=self.blocked_reason,
+            confirm_latency_p50=self.confirm_latency.quantile(0.5),
+            confirm_latency_p99=self.confirm_latency.quantile(0.99),
+            version=app.__version__, **gauges, **extra,
+        )  # fmt: skip
+        return PublisherReport.model_validate(values)
 
     def stats(self) -> PublisherStats:
         return PublisherStats(
             published=self.published, confirmed=self.confirmed, returned=self.returned,
-            nacked=self.nacked, retried=self.retried, failed=self.failed, lost=self.lost,
-            released=self.released, protocol_errors=self.protocol_errors,
-            channel_closes=self.channel_closes, reconnects=self.reconnects,
-            lease_lost=self.lease_lost, elapsed_seconds=time.monotonic() - self.started_at,
+            nacked=self.nacked, retried=self.retried, failed=self.failed,
+            lost=self.lost_confirms, released=self.released,
+            protocol_errors=self.protocol_errors, channel_closes=self.channel_closes,
+            reconnects=self.reconnects, lease_lost=self.lease_lost,
+            elapsed_seconds=time.monotonic() - self.started_at,
         )  # fmt: skip
+
+
+#: counter -> (metric name without _total, help); every counter of COUNTERS is exported
+COUNTER_HELP: dict[str, str] = {
+    "published": "Publishes sent to the broker (republishes included).",
+    "confirmed": "Rows the broker confirmed (acked, not returned).",
+    "returned": "Mandatory publishes returned unroutable (rows ended returned).",
+    "nacked": "Nacks received from the broker.",
+    "nacked_final": "Rows ended nacked (attempts spent).",
+    "retried": "Rows put back with backoff after a nack or a destination error.",
+    "failed": "Rows ended failed (permanent error or poison).",
+    "poison": "Rows failed for closing their channel or connection when published alone.",
+    "lost_confirms": "Publishes whose confirm never came (republished: possible duplicates).",
+    "released": "Claimed rows given back unpublished.",
+    "channel_closes": "Confirm channels closed by the broker.",
+    "connection_closes": "Broker connections lost or closed.",
+    "reconnects": "Successful reconnects to the broker.",
+    "connect_failures": "Failed connection attempts.",
+    "protocol_errors": "Impossible frames from the broker (unknown delivery tags, returns).",
+    "destination_errors": "Missing or forbidden exchanges seen.",
+    "lease_lost": "Rows the database no longer let this publisher settle.",
+    "claims": "Claim statements that returned rows.",
+    "claimed": "Rows claimed.",
+    "flushes": "Write-backs committed (one transaction each).",
+    "db_errors": "Database calls that failed and were retried.",
+    "blocked_seconds": "Time the broker blocked publishing (resource alarm).",
+}
+GAUGE_HELP: dict[str, str] = {
+    "held": "Rows held: claimed and not yet settled in the database.",
+    "queued": "Rows claimed and not yet published.",
+    "outstanding": "Publishes awaiting a broker confirm.",
+    "quarantined": "Suspect rows waiting to be published alone.",
+    "oldest_held_age_seconds": "Age of the oldest held row since its claim (0 when none).",
+    "window": "Most rows held at once (OUTBOX_WINDOW).",
+}
+
+
+class PublisherCollector(Collector):
+    """Yields one publisher's metric families at scrape time (labels: ``publisher``)."""
+
+    def __init__(self, metrics: PublisherMetrics, *, publisher_id: str) -> None:
+        self.m = metrics
+        self.publisher_id = publisher_id
+
+    def collect(self) -> Iterator[Metric]:
+        m, label = self.m, [self.publisher_id]
+        for name in COUNTERS:
+            family = CounterMetricFamily(f"outbox_publisher_{name}", COUNTER_HELP[name],
+                                         labels=["publisher"])  # fmt: skip
+            family.add_metric(label, m.total(name))
+            yield family
+        gauges = m.gauges()
+        for name, doc in GAUGE_HELP.items():
+            gauge = GaugeMetricFamily(f"outbox_publisher_{name}", doc, labels=["publisher"])
+            gauge.add_metric(label, float(gauges.get(name) or 0.0))
+            yield gauge
+        for name, value, doc in (
+            ("connected", m.connected, "1 while connected to the broker."),
+            ("blocked", m.blocked, "1 while the broker blocks publishing (resource alarm)."),
+        ):
+            flag = GaugeMetricFamily(f"outbox_publisher_{name}", doc, labels=["publisher"])
+            flag.add_metric(label, 1.0 if value else 0.0)
+            yield flag
+        yield from self._histograms(label)
+        info = InfoMetricFamily("outbox_publisher_build", "Version of the running publisher.",
+                                labels=["publisher"])  # fmt: skip
+        info.add_metric(label, {"version": app.__version__,
+                                "python": platform.python_version()})  # fmt: skip
+        yield info
+
+    def _histograms(self, label: list[str]) -> Iterator[Metric]:
+        m = self.m
+        for name, hist, doc in (
+            ("confirm_latency_seconds", m.confirm_latency,
+             "Publish (socket write) to broker confirm, per confirmed row."),
+            ("flush_seconds", m.flush_seconds, "Write-back transaction time."),
+            ("claim_seconds", m.claim_seconds, "Claim statement time."),
+        ):  # fmt: skip
+            family = HistogramMetricFamily(f"outbox_publisher_{name}", doc, labels=["publisher"])
+            family.add_metric(label, hist.cumulative(), sum_value=hist.sum)
+            yield family
+
+
+def registry_for(metrics: PublisherMetrics, *, publisher_id: str) -> CollectorRegistry:
+    """A registry of this publisher's own (never prometheus_client's global one)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PublisherCollector(metrics, publisher_id=publisher_id))
+    return registry

@@ -85,6 +85,7 @@ def start_publisher(
 ) -> Proc:
     env = dict(os.environ)
     env.update(OUTBOX_DATABASE_URL=db_url, OUTBOX_AMQP_URL=services.amqp_url,
+               OUTBOX_PUBLISHER_METRICS_PORT="0",
                OUTBOX_PUBLISHER_ID=f"bench-{name}-{os.getpid()}")  # fmt: skip
     for pair in filter(None, PUBLISHER_ENV.split(",")):
         key, _, value = pair.partition("=")

@@ -128,20 +128,23 @@ async def test_return_then_nack_still_returned(
 async def test_channel_closed_mid_window(
     sqlite_url: str, engine: Engine, broker: FakeBroker
 ) -> None:
+    """An unexplained close (504) blames the channel's outstanding rows: they go out again as
+    suspects, in halves published alone, on a fresh channel whose tags count from 1."""
     add_rows(engine, n=10, exchange="")
     async with running_publisher(_settings(sqlite_url, broker), engine) as publisher:
         pubs = await broker.wait_published(10)
         pubs[3].ack(multiple=True)  # 1..4 confirmed
         await wait_rows(engine, lambda rs: sum(r.status == "confirmed" for r in rs) == 4)
         broker.connection.close_channel(pubs[0].channel_id, 504, "CHANNEL_ERROR - test")
-        again = await broker.wait_published(16)
         broker.start_auto_ack()
         final = await wait_rows(engine, all_in("confirmed"))
-    republished = again[10:]
+    republished = broker.published[10:]
     assert {p.channel_id for p in republished} != {pubs[0].channel_id}
     assert [p.tag for p in republished] == [1, 2, 3, 4, 5, 6]  # a fresh channel counts from 1
     assert sorted(p.message_id for p in republished) == sorted(p.message_id for p in pubs[4:])
     assert [r.lost_confirms for r in final] == [0] * 4 + [1] * 6
+    assert [r.attempts for r in final] == [1] * 4 + [2] * 6  # each republish is an attempt
+    assert {p.headers["x-outbox-attempt"] for p in republished} == {2}
     assert publisher.metrics.channel_closes == 1
     assert publisher.metrics.lost == 6
 
@@ -219,7 +222,8 @@ async def test_oversized_for_broker_fails_only_that_row(
         "failed"
     ]
     assert "max_message_size (1000 bytes)" in (final[2].last_error or "")
-    assert "larger than the limit of 1000 bytes" in (final[5].last_error or "")
+    # later big rows fail before any publish, with the broker's limit as the reason
+    assert "max_message_size (1000 bytes)" in (final[5].last_error or "")
     assert publisher.metrics.channel_closes == 1
 
 
@@ -345,14 +349,16 @@ async def test_slow_confirms_show_their_channel_and_tag(
 async def test_a_message_that_always_closes_its_channel_ends_failed(
     sqlite_url: str, engine: Engine, broker: FakeBroker
 ) -> None:
-    """Strikes survive the release between attempts: after POISON_STRIKES unexplained channel
-    closes the row goes the retry-with-budget way and ends failed, instead of looping forever."""
+    """A row that closes its channel every time it is published alone ends failed after
+    POISON_STRIKES closes, instead of looping forever; each publish is a new attempt."""
     add_rows(engine, n=1, exchange="", max_attempts=3)
     async with running_publisher(_settings(sqlite_url, broker), engine) as publisher:
         for attempt in range(1, 4):
             pubs = await broker.wait_published(attempt)
             broker.connection.close_channel(pubs[-1].channel_id, 504, "CHANNEL_ERROR - poison")
         final = await wait_rows(engine, all_in("failed"), timeout=10)
-    assert final[0].attempts == 3
-    assert "in 3 channel closes" in (final[0].last_error or "")
+    assert (final[0].attempts, final[0].lost_confirms) == (3, 2)
+    assert "closed its channel or connection alone 3 times" in (final[0].last_error or "")
+    assert "CHANNEL_ERROR - poison" in (final[0].last_error or "")
     assert len(broker.published) == 3 and publisher.metrics.channel_closes == 3
+    assert publisher.metrics.poison == 1 and publisher.metrics.failed == 1

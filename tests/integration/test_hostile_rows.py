@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -48,22 +47,6 @@ SQLITE_ONLY: list[tuple[str, str | None, str | None, str]] = [
     ("not-json", "{headers", None, "not valid JSON"),
     ("nan", '{"a": NaN}', None, "not valid JSON"),
 ]
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-async def topology(amqp_url: str) -> AsyncIterator[dict[str, str]]:
-    names = {"exchange": f"test-hostile-{uuid.uuid4().hex[:8]}"}
-    names["queue"] = names["exchange"] + "-q"
-    await declare(amqp_url, exchange=names["exchange"], queue=names["queue"])
-    yield names
-    await delete(amqp_url, exchanges=(names["exchange"],), queues=(names["queue"],))
 
 
 def insert_raw(engine: Engine, *, message_id: str, exchange: str, **columns: Any) -> None:

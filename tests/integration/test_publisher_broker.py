@@ -41,13 +41,6 @@ def _name(kind: str) -> str:
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
 def pg_engine(pg_url: str) -> Iterator[Engine]:
     eng = make_engine(pg_url)
     yield eng

@@ -51,7 +51,8 @@ def _spawn(pg_url: str, amqp_url: str, *args: str, **env: str) -> subprocess.Pop
     environ = {**os.environ, "OUTBOX_DATABASE_URL": pg_url, "OUTBOX_AMQP_URL": amqp_url,
                "OUTBOX_WINDOW": str(WINDOW), "OUTBOX_CLAIM_BATCH": "250",
                "OUTBOX_LEASE_SECONDS": "2", "OUTBOX_POLL_INTERVAL": "0.05",
-               "OUTBOX_SHUTDOWN_TIMEOUT": "5", **env}  # fmt: skip
+               "OUTBOX_SHUTDOWN_TIMEOUT": "5", "OUTBOX_PUBLISHER_METRICS_PORT": "0",
+               **env}  # fmt: skip
     return subprocess.Popen([sys.executable, "-m", "app.publisher", *args], cwd=REPO, env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
 

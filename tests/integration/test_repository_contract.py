@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import threading
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, func, select, update
@@ -38,13 +37,6 @@ class Clock:
 
     def advance(self, seconds: float) -> None:
         self.now += dt.timedelta(seconds=seconds)
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
 from app.amqp import (
-    CloseReason,
     OutgoingMessage,
     PublishEncoder,
     marshal_properties,
@@ -18,13 +17,7 @@ from app.amqp import (
 )
 from app.outbox.repository import Backoff, ClaimedRow
 from app.publisher.destinations import Destinations, DestinationState
-from app.publisher.envelope import (
-    CloseKind,
-    EnvelopeError,
-    classify_close,
-    properties_of,
-    to_message,
-)
+from app.publisher.envelope import EnvelopeError, properties_of, to_message
 
 
 def decode_all(data: bytes) -> list[tuple[int, object]]:
@@ -178,26 +171,6 @@ def test_invalid_properties_are_permanent_errors(props: dict[str, object]) -> No
         to_message(claimed(properties=props))
 
 
-# ---------------------------------------------------------------- close classification
-
-
-def test_classify_missing_and_forbidden_exchanges() -> None:
-    c = classify_close(CloseReason(404, "NOT_FOUND - no exchange 'orders.v2' in vhost '/'"))
-    assert (c.kind, c.exchange) == (CloseKind.DESTINATION, "orders.v2")
-    text = "ACCESS_REFUSED - access to exchange 'x' in vhost '/' refused for user 'u'"
-    c = classify_close(CloseReason(403, text))
-    assert (c.kind, c.exchange) == (CloseKind.DESTINATION, "x")
-
-
-def test_classify_oversized_and_other() -> None:
-    text = "PRECONDITION_FAILED - message size 200 is larger than configured max size 100"
-    c = classify_close(CloseReason(406, text))
-    assert (c.kind, c.max_size) == (CloseKind.OVERSIZED, 100)
-    assert classify_close(CloseReason(406, "PRECONDITION_FAILED - other")).kind is CloseKind.OTHER
-    assert classify_close(CloseReason(404, "NOT_FOUND - no queue 'q'")).kind is CloseKind.OTHER
-    assert classify_close(CloseReason(504, "CHANNEL_ERROR")).kind is CloseKind.OTHER
-
-
 # ---------------------------------------------------------------- destinations
 
 
@@ -222,8 +195,14 @@ def test_failed_destination_backs_off_exponentially() -> None:
     assert d.paused(0.0).keys() == {"gone"}
 
 
-def test_unchecked_forgets_a_check_that_did_not_finish() -> None:
-    d = Destinations(backoff=Backoff(), ok_ttl=10.0)
+def test_a_check_that_did_not_run_waits_a_backoff_then_runs_again() -> None:
+    """It used to be forgotten at once: the rows parked again and a new check started, in a
+    loop that burnt a core when no channel was free for checks (channel_max 1)."""
+    d = Destinations(backoff=Backoff(base=1.0, cap=8.0), ok_ttl=10.0)
     d.checking("ex")
-    d.unchecked("ex")
+    first = d.unchecked("ex", 0.0)
+    assert 0.5 <= first <= 1.0 and d.state("ex", 100.0) is DestinationState.CHECKING
+    d.recheck("ex")
     assert d.state("ex", 0.0) is DestinationState.UNKNOWN
+    d.checking("ex")
+    assert 1.0 <= d.unchecked("ex", 0.0) <= 2.0  # backs off further

@@ -1,0 +1,96 @@
+"""Logging for every ``outbox`` command: level and format from settings, secrets never shown.
+
+``OUTBOX_LOG_LEVEL`` (default INFO) and ``OUTBOX_LOG_FORMAT`` (``text`` or ``json``). Text lines
+carry an ISO timestamp, the level, the logger and the message; JSON lines carry the same as fields
+(plus any ``extra`` values a call passed, and the exception when there is one), one object per
+line, for log shippers. Every record's text goes through :func:`redact`, so a URL with a password
+that reaches a log line anyway (an exception text quoting it) loses the password.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import re
+import sys
+from typing import Any, Literal, TextIO
+
+LogFormat = Literal["text", "json"]
+#: ``scheme://user:password@host``: the password runs to the LAST ``@`` before the host, since
+#: passwords with an unescaped ``@`` are common and were partly printed before.
+_PASSWORD_IN_URL = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):\S*@(?=[^@/\s]*(?:[/\s?#]|$))",
+    re.IGNORECASE,
+)
+_STANDARD = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+
+
+def redact(text: str) -> str:
+    """``scheme://user:password@host`` -> ``scheme://user:***@host``, anywhere in ``text``."""
+    return _PASSWORD_IN_URL.sub(r"\g<scheme>\g<user>:***@", text)
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for a log line or an error message (no password)."""
+    return redact(url)
+
+
+def _utc(record: logging.LogRecord) -> str:
+    stamp = dt.datetime.fromtimestamp(record.created, dt.UTC)
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{_utc(record)} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        extra = _extra(record)
+        if extra:
+            line += " " + " ".join(f"{k}={v}" for k, v in extra.items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return redact(line)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": _utc(record), "level": record.levelname, "logger": record.name,
+            "message": record.getMessage(), **_extra(record),
+        }  # fmt: skip
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return redact(json.dumps(doc, default=str, ensure_ascii=False))
+
+
+def _extra(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
+
+
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the given stream, or to whatever ``sys.stderr`` is when a record comes."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        super().__init__(stream or sys.stderr)
+        self._follow = stream is None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._follow:
+            self.stream = sys.stderr
+        super().emit(record)
+
+
+def configure(
+    *, level: str = "INFO", fmt: LogFormat = "text", stream: TextIO | None = None
+) -> None:
+    """Set up the root logger for a command (replaces a handler set up here before, and leaves
+    handlers others installed alone)."""
+    handler = _Handler(stream)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Handler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for noisy in ("aiormq", "aio_pika", "py4j", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

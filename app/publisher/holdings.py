@@ -1,0 +1,101 @@
+"""The rows one publisher holds, and where each one is. Plain state, no I/O, no asyncio.
+
+A row is *held* from the claim that returned it until the write-back that settles it in the
+database: in the send ``queue`` (claimed, not yet published), ``parked`` behind an exchange check,
+in the quarantine (:mod:`app.publisher.settlement`), or published and awaiting the broker (its
+latest publish facts in ``sent``). Claims and write-backs share the one database thread, so their
+results reach the loop in order: a row settled by a write-back is forgotten before any later
+claim's rows are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections import deque
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+
+from app.outbox.repository import ClaimedRow
+
+#: (channel id, delivery tag, wall-clock publish time, monotonic publish time)
+Sent = tuple[int, int, dt.datetime, float]
+
+
+class Holdings:
+    """Held rows by id, the send queue, rows parked per exchange, and publish facts."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, ClaimedRow] = {}
+        self.queue: deque[ClaimedRow] = deque()
+        self.parked: dict[str, list[ClaimedRow]] = {}
+        self.sent: dict[int, Sent] = {}
+        self.since: dict[int, float] = {}  # row -> monotonic time of the claim that took it
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def accept(self, rows: Sequence[ClaimedRow], *, at: float) -> None:
+        """Rows of a finished claim: held, queued to be sent in claim order."""
+        held = self.held
+        for row in rows:
+            held[row.id] = row
+        self.since.update(zip((r.id for r in rows), repeat(at)))
+        self.queue.extend(rows)
+
+    def take(self, limit: int) -> list[ClaimedRow]:
+        queue = self.queue
+        return [queue.popleft() for _ in range(min(limit, len(queue)))]
+
+    def put_back(self, rows: Sequence[ClaimedRow]) -> None:
+        """Rows taken but not sent (no channel now): first in line again, in order."""
+        self.queue.extendleft(reversed(rows))
+
+    def park(self, row: ClaimedRow) -> None:
+        self.parked.setdefault(row.exchange, []).append(row)
+
+    def unpark(self, exchange: str) -> list[ClaimedRow]:
+        """The rows waiting for ``exchange``, taken out of the parking."""
+        return self.parked.pop(exchange, [])
+
+    def note_sent(self, ids: Sequence[int], *, channel_id: int, tags: range, wall: dt.datetime,
+                  at: float) -> None:  # fmt: skip
+        self.sent.update(zip(ids, zip(repeat(channel_id), tags, repeat(wall), repeat(at)),
+                             strict=True))  # fmt: skip
+
+    def facts(self, row_id: int) -> tuple[int, int, dt.datetime] | None:
+        sent = self.sent.get(row_id)
+        return None if sent is None else (sent[0], sent[1], sent[2])
+
+    def rows(self, ids: Iterable[int]) -> list[ClaimedRow]:
+        held = self.held
+        return [row for i in ids if (row := held.get(i)) is not None]
+
+    def bump_attempts(self, ids: Iterable[int]) -> None:
+        """Rows published again while held (quarantine): their next publish is a new attempt."""
+        held = self.held
+        for row_id in ids:
+            row = held.get(row_id)
+            if row is not None:
+                held[row_id] = dataclasses.replace(row, attempts=row.attempts + 1)
+
+    def forget(self, ids: Iterable[int]) -> None:
+        """Rows the database no longer has this publisher hold."""
+        held, sent, since = self.held, self.sent, self.since
+        for row_id in ids:
+            held.pop(row_id, None)
+            sent.pop(row_id, None)
+            since.pop(row_id, None)
+
+    def unsent(self) -> list[ClaimedRow]:
+        """Every queued and parked row, taken out (to be released on stop)."""
+        rows = list(self.queue)
+        self.queue.clear()
+        for parked in self.parked.values():
+            rows.extend(parked)
+        self.parked.clear()
+        return rows
+
+    def oldest_since(self) -> float | None:
+        """Monotonic claim time of the oldest held row, None when none is held."""
+        return min(self.since.values(), default=None)

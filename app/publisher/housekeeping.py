@@ -1,0 +1,93 @@
+"""Housekeeping: the heartbeat (lease renewal and the publisher's report), the sweep of expired
+leases of dead publishers, the confirm timeout, and the until-empty stop. Each on its own
+deadline; ``beat_now`` sends the report at once (the broker blocked or unblocked us).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.outbox.reports import PublisherReport
+from app.outbox.repository import OutboxRepository
+from app.publisher.dbthread import DbThread
+from app.publisher.holdings import Holdings
+from app.publisher.metrics import PublisherMetrics
+from app.publisher.session import Session
+from app.publisher.wakeup import Signal
+from app.settings import Settings
+
+log = logging.getLogger("app.publisher")
+
+
+@dataclass
+class HousekeepingParts:
+    settings: Settings
+    repo: OutboxRepository
+    db: DbThread
+    owner: str
+    holdings: Holdings
+    session: Session
+    metrics: PublisherMetrics
+    report: Callable[[], PublisherReport]
+    idle: Callable[[], bool]  # nothing held, queued or waiting to be written
+    request_stop: Callable[[], None]
+    clock: Callable[[], float]
+
+
+class Housekeeping:
+    def __init__(self, parts: HousekeepingParts, *, until_empty: bool) -> None:
+        self.p = parts
+        self.until_empty = until_empty
+        self.beat_now = Signal()
+        self.stopped = False
+
+    @property
+    def beat_every(self) -> float:
+        s = self.p.settings
+        return min(s.publisher_heartbeat_interval, s.lease_seconds / 3)
+
+    async def run(self) -> None:
+        p, s = self.p, self.p.settings
+        next_beat = next_sweep = 0.0
+        while not self.stopped:
+            now = p.clock()
+            try:
+                if now >= next_beat:
+                    await self.beat()
+                    next_beat = now + self.beat_every
+                if now >= next_sweep:
+                    await self._sweep()
+                    next_sweep = now + s.lease_seconds / 2
+                if self.until_empty and await self._drained():
+                    log.info("outbox drained: stopping")
+                    p.request_stop()
+                    return
+            except Exception:
+                p.metrics.db_errors += 1
+                log.exception("housekeeping failed; trying again")
+            p.session.check_confirm_timeout(p.clock())
+            if await self.beat_now.wait(min(1.0, s.poll_interval)):
+                next_beat = 0.0
+
+    async def beat(self) -> None:
+        """Renew the leases of the rows we hold and write our report. Only rows we know we hold:
+        one leased to us unseen (a claim whose reply was lost) must expire and come back."""
+        p = self.p
+        await p.db.call(p.repo.heartbeat, publisher_id=p.owner,
+                        lease_seconds=p.settings.lease_seconds, held=list(p.holdings.held),
+                        stats=p.report().model_dump(mode="json"))  # fmt: skip
+
+    async def _sweep(self) -> None:
+        p = self.p
+        swept = await p.db.call(p.repo.release_expired)
+        if swept:
+            log.warning("released %d rows of expired leases (a publisher died holding them; "
+                        "each may be published twice)", swept)  # fmt: skip
+
+    async def _drained(self) -> bool:
+        p = self.p
+        if not p.idle():
+            return False
+        return await p.db.call(p.repo.count_open) == 0

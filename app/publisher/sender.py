@@ -1,0 +1,194 @@
+"""The sender: claimed rows -> publishes. Route (destination state), encode (the envelope),
+write (one socket write per batch and channel), remember (ledger tags, publish facts, tag notes).
+
+Also runs the quarantine's turns: a suspect group goes out alone, once nothing else is
+outstanding on the connection, and normal publishing waits meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.amqp import OutgoingMessage, WireError
+from app.outbox.content import Limits
+from app.outbox.repository import ClaimedRow
+from app.publisher.destinations import Destinations, DestinationState
+from app.publisher.envelope import EnvelopeError, to_message
+from app.publisher.holdings import Holdings
+from app.publisher.metrics import PublisherMetrics
+from app.publisher.outcomes import Outcomes, PublishRun, TagNotes
+from app.publisher.session import Session
+from app.publisher.settlement import Quarantine, oversized_reason
+from app.publisher.wakeup import Signal
+
+log = logging.getLogger("app.publisher")
+
+
+@dataclass
+class SenderParts:
+    """What the sender works with (owned by the engine, shared with the other tasks)."""
+
+    holdings: Holdings
+    session: Session
+    destinations: Destinations
+    quarantine: Quarantine
+    notes: TagNotes
+    metrics: PublisherMetrics
+    outcomes: Callable[[], Outcomes]  # the write-back's current buffer
+    written: Callable[[], None]  # wake the write-back: outcomes were added
+    wall_clock: Callable[[], object]  # the repository's clock (publish facts)
+    clock: Callable[[], float]
+
+
+class Sender:
+    def __init__(self, parts: SenderParts, *, batch: int, limits: Limits) -> None:
+        self.p = parts
+        self.batch = max(1, batch)
+        self.limits = limits
+        #: The broker's max_message_size once a 406 told it (None: not known, no check).
+        self.broker_max_size: int | None = None
+        self.work = Signal()
+        self.stopped = False
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        p = self.p
+        while not self.stopped:
+            if p.quarantine:
+                await self._quarantine_turn()
+                continue
+            if not p.holdings.queue or not p.session.can_publish():
+                await self.work.wait(1.0)
+                continue
+            self.route(p.holdings.take(self.batch))
+            if p.session.write_paused:
+                await p.session.drain()
+            else:
+                await asyncio.sleep(0)
+
+    async def _quarantine_turn(self) -> None:
+        """Send the next suspect group alone: only when nothing else is outstanding."""
+        p = self.p
+        if not p.session.can_publish() or p.session.outstanding() or p.quarantine.active:
+            await self.work.wait(0.05)
+            return
+        group = p.quarantine.take()
+        if group is None:
+            return
+        rows = p.holdings.rows(group)
+        log.info("publishing %d suspect row(s) alone to find which one the broker refuses",
+                 len(rows))  # fmt: skip
+        if not self._send(rows, self.p.clock()):
+            p.quarantine.requeue(group)
+            await self.work.wait(0.05)
+
+    # ------------------------------------------------------------ routing
+
+    def route(self, rows: list[ClaimedRow]) -> None:
+        """Publish what can go now; park or back off per destination."""
+        p = self.p
+        now = p.clock()
+        ready: list[ClaimedRow] = []
+        dest = p.destinations
+        for row in rows:
+            state = dest.state(row.exchange, now)
+            if state is DestinationState.OK:
+                ready.append(row)
+            elif state is DestinationState.PAUSED:
+                reason = f"exchange {row.exchange!r} backing off: {dest.reason(row.exchange)}"
+                p.outcomes().back_off(reason, [row.id])
+                p.written()
+            else:
+                self._park(row, start_check=state is DestinationState.UNKNOWN)
+        if ready and not self._send(ready, now):
+            p.holdings.put_back(ready)
+
+    def _park(self, row: ClaimedRow, *, start_check: bool) -> None:
+        p = self.p
+        p.holdings.park(row)
+        if start_check:
+            p.destinations.checking(row.exchange)
+            p.session.spawn(self._check_exchange(row.exchange))
+
+    async def _check_exchange(self, exchange: str) -> None:
+        p = self.p
+        try:
+            reason = await p.session.check_exchange(exchange)
+        except ValueError:  # not even a valid exchange name: each row fails at encode
+            reason = None
+        except (WireError, TimeoutError, OSError) as exc:
+            delay = p.destinations.unchecked(exchange, p.clock())
+            log.warning("check of exchange %r did not run (%s); again in %.1fs", exchange, exc,
+                        delay)  # fmt: skip
+            asyncio.get_running_loop().call_later(delay, self._recheck, exchange)
+            return
+        if reason is None:
+            p.destinations.ok(exchange, p.clock())
+            self._unpark(exchange)
+            return
+        self.destination_failed(exchange, str(reason), [r.id for r in p.holdings.unpark(exchange)])
+
+    def _recheck(self, exchange: str) -> None:
+        self.p.destinations.recheck(exchange)
+        self._unpark(exchange)
+
+    def _unpark(self, exchange: str) -> None:
+        rows = self.p.holdings.unpark(exchange)
+        if rows:
+            self.p.holdings.put_back(rows)
+            self.work.set()
+
+    def destination_failed(self, exchange: str, reason: str, ids: list[int]) -> None:
+        p = self.p
+        delay = p.destinations.failed(exchange, reason, p.clock())
+        p.metrics.destination_errors += 1
+        log.warning("exchange %r unusable (%s): its rows back off, exchange paused %.1fs",
+                    exchange, reason, delay)  # fmt: skip
+        if ids:
+            p.outcomes().back_off(f"exchange {exchange!r}: {reason}", ids)
+            p.written()
+
+    # ------------------------------------------------------------ encoding and writing
+
+    def _send(self, rows: list[ClaimedRow], now: float) -> bool:
+        """Encode and write ``rows``; False when no channel could take them (rows untouched)."""
+        p = self.p
+        messages: list[OutgoingMessage] = []
+        good: list[ClaimedRow] = []
+        out = p.outcomes()
+        cap = self.broker_max_size
+        for row in rows:
+            if cap is not None and isinstance(row.body, bytes) and len(row.body) > cap:
+                out.fail(oversized_reason(cap), [row.id])
+                continue
+            try:
+                messages.append(to_message(row, limits=self.limits))
+                good.append(row)
+            except EnvelopeError as exc:
+                out.fail(str(exc), [row.id])
+        if len(good) < len(rows):
+            p.written()
+        if not good:
+            return True
+        result = p.session.send(good, messages, at=now)
+        if result is None:
+            return False
+        for row, error in result.refused:
+            out.fail(f"cannot encode the message: {error}", [row.id])
+            p.written()
+        if result.rows:
+            self._remember(result.rows, result.channel.id, result.channel.ledger, result.tags, now)
+        return True
+
+    def _remember(self, rows: list[ClaimedRow], channel_id: int, ledger: object, tags: range,
+                  now: float) -> None:  # fmt: skip
+        p = self.p
+        ids = [r.id for r in rows]
+        wall = p.wall_clock()
+        p.holdings.note_sent(ids, channel_id=channel_id, tags=tags, wall=wall, at=now)  # type: ignore[arg-type]
+        p.notes.add(PublishRun(now, channel_id, ledger, tags.start, ids, wall))  # type: ignore[arg-type]
+        p.metrics.published += len(ids)

@@ -1,0 +1,481 @@
+"""The broker side of one publisher: one connection at a time, its confirm channels and their
+ledgers, and the broker's callbacks turned into ledger events for the engine.
+
+- :meth:`Session.run` connects (backoff with jitter, a log line per failure), opens
+  ``min(channels, what the broker's channel_max allows)`` confirm channels, waits for the
+  connection to die and starts over. A connection the broker closed for a frame or content error
+  reconnects at once: the quarantine, not a backoff, makes progress against a bad row.
+- Broker callbacks arrive synchronously (:class:`_Link`), go through the channel's
+  :class:`~app.confirms.ChannelLedger`, and reach the engine through :class:`SessionEvents`.
+- Exchange checks (passive ``exchange.declare``) run on a scratch channel when the broker allows
+  one more channel, and otherwise on a publishing channel with nothing outstanding, publishing
+  paused meanwhile (``channel_max`` 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from app.amqp import (
+    AMQPConnection,
+    ChannelLimitError,
+    CloseReason,
+    OutgoingMessage,
+    ReturnedMessage,
+    WireError,
+)
+from app.confirms import ChannelLedger, Event, LocalProtocolError, Lost, RemoteProtocolError
+from app.logs import redact_url
+from app.outbox.repository import ClaimedRow
+from app.publisher.metrics import PublisherMetrics
+from app.publisher.settlement import (
+    PLAIN,
+    CloseCause,
+    CloseKind,
+    classify_channel_close,
+    classify_connection_loss,
+)
+from app.settings import Settings
+
+log = logging.getLogger("app.publisher")
+
+RECONNECT_FIRST_DELAY = 0.1
+STABLE_CONNECTION = 5.0  # a connection that lived longer reconnects at once when lost
+SETUP_TIMEOUT = 10.0
+CHECK_TIMEOUT = 5.0
+QUIESCE_TIMEOUT = 10.0
+
+
+@dataclass(slots=True, eq=False)
+class Channel:
+    """A confirm-mode channel of the current connection and its ledger."""
+
+    id: int
+    ledger: ChannelLedger
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """What one write put on the wire: ``rows`` got the contiguous ``tags`` on ``channel``;
+    ``refused`` could not be encoded (never sent, no tag)."""
+
+    channel: Channel
+    rows: list[ClaimedRow]
+    tags: range
+    refused: list[tuple[ClaimedRow, Exception]]
+
+
+class SessionEvents(Protocol):
+    """What the engine hears from the session (all called on the event loop)."""
+
+    def answered(self, events: list[Event]) -> None: ...
+
+    def lost(self, events: list[Event], cause: CloseCause) -> None: ...
+
+    def connection_changed(self) -> None: ...
+
+    def blocked_changed(self) -> None: ...
+
+
+class _Link:
+    """The wire listener of one connection; frames of a replaced connection are dropped."""
+
+    __slots__ = ("_generation", "_session")
+
+    def __init__(self, session: Session, generation: int) -> None:
+        self._session = session
+        self._generation = generation
+
+    def _current(self) -> bool:
+        return self._session.generation == self._generation
+
+    def on_ack(self, channel_id: int, delivery_tag: int, multiple: bool) -> None:
+        if self._current():
+            self._session._settle(channel_id, delivery_tag, multiple, nack=False)
+
+    def on_nack(self, channel_id: int, delivery_tag: int, multiple: bool) -> None:
+        if self._current():
+            self._session._settle(channel_id, delivery_tag, multiple, nack=True)
+
+    def on_return(self, channel_id: int, message: ReturnedMessage) -> None:
+        if self._current():
+            self._session._returned(channel_id, message)
+
+    def on_channel_closed(self, channel_id: int, reason: CloseReason) -> None:
+        if self._current():
+            self._session._channel_closed(channel_id, reason)
+
+    def on_blocked(self, reason: str) -> None:
+        if self._current():
+            self._session._blocked(True, reason)
+
+    def on_unblocked(self) -> None:
+        if self._current():
+            self._session._blocked(False, None)
+
+    def on_connection_lost(self, reason: CloseReason) -> None:
+        if self._current():
+            self._session._connection_lost(reason)
+
+
+class Session:
+    """One broker connection at a time and its confirm channels."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        metrics: PublisherMetrics,
+        events: SessionEvents,
+        name: str,
+        clock: Callable[[], float],
+        rng: random.Random,
+    ) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._events = events
+        self._name = name
+        self._clock = clock
+        self._rng = rng
+        self.conn: AMQPConnection | None = None
+        self.generation = 0
+        self.channels: dict[int, Channel] = {}
+        self.blocked = False
+        self.blocked_reason: str | None = None
+        self.checking_on_channel = False  # a passive declare runs on a publishing channel
+        self.stopping = False
+        self._reopening = False
+        self._last_cause: CloseCause = PLAIN
+        self._unblocked_at = 0.0
+        self._aux: set[asyncio.Task[Any]] = set()
+        self._warned_channel_max = False
+
+    # ------------------------------------------------------------ state
+
+    def can_publish(self) -> bool:
+        conn = self.conn
+        return (conn is not None and conn.is_open and not self.blocked and not self.stopping
+                and not self.checking_on_channel and bool(self.channels))  # fmt: skip
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and self.conn.is_open
+
+    def outstanding(self) -> int:
+        return sum(ch.ledger.outstanding for ch in self.channels.values())
+
+    def oldest_outstanding_at(self) -> float | None:
+        oldest = [at for ch in self.channels.values()
+                  if (at := ch.ledger.oldest_outstanding_at()) is not None]  # fmt: skip
+        return min(oldest, default=None)
+
+    def row_for(self, channel_id: int, ledger: object, tag: int) -> int | None:
+        """The row of an unsettled publish ``tag`` of that channel's ledger (same generation)."""
+        ch = self.channels.get(channel_id)
+        if ch is None or ch.ledger is not ledger:
+            return None
+        return ch.ledger.row_for_tag(tag)
+
+    # ------------------------------------------------------------ connecting
+
+    async def run(self) -> None:
+        """Connect, wait for the connection to die, reconnect, until :attr:`stopping`."""
+        delay = RECONNECT_FIRST_DELAY
+        first = True
+        while not self.stopping:
+            conn = await self._connect()
+            if conn is None:
+                self._metrics.connect_failures += 1
+            else:
+                if not first:
+                    self._metrics.reconnects += 1
+                first = False
+                opened = self._clock()
+                reason = await conn.wait_closed()
+                if self.stopping:
+                    return
+                log.warning("broker connection lost: %s; reconnecting", reason)
+                lived = self._clock() - opened
+                if lived > STABLE_CONNECTION or self._last_cause.kind is CloseKind.UNEXPLAINED:
+                    delay = RECONNECT_FIRST_DELAY
+                    continue
+            wait = delay * (0.5 + 0.5 * self._rng.random())
+            log.info("next connection attempt in %.1fs", wait)
+            await self._sleep(wait)
+            delay = min(delay * 2, self._settings.reconnect_max_delay)
+
+    async def _sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def _connect(self) -> AMQPConnection | None:
+        s = self._settings
+        self.generation += 1
+        link = _Link(self, self.generation)
+        conn: AMQPConnection | None = None
+        url = s.amqp_url.get_secret_value()
+        try:
+            conn = await AMQPConnection.connect(
+                url, listener=link, heartbeat=s.heartbeat, name=self._name,
+                timeout=SETUP_TIMEOUT,
+            )  # fmt: skip
+            async with asyncio.timeout(SETUP_TIMEOUT):
+                ids = [await conn.open_channel() for _ in range(self._channel_count(conn))]
+        except (OSError, WireError, TimeoutError) as exc:
+            log.warning("cannot connect to the broker at %s: %s", redact_url(url), exc)
+            if conn is not None:
+                conn.abort(reason="setup failed")
+            return None
+        self.conn = conn
+        self.blocked, self.blocked_reason = False, None
+        self._last_cause = PLAIN
+        self.channels = {cid: Channel(cid, ChannelLedger(channel_id=cid)) for cid in ids}
+        self._metrics.connected = True
+        log.info("connected to the broker at %s (frame_max %d, channel_max %d), channels %s",
+                 redact_url(url), conn.frame_max, conn.channel_max, ids)  # fmt: skip
+        self._events.connection_changed()
+        return conn
+
+    def _channel_count(self, conn: AMQPConnection) -> int:
+        """``OUTBOX_CHANNELS``, within what the broker allows (leaving one for exchange checks
+        when it allows more)."""
+        want = self._settings.channels
+        allowed = conn.channel_max
+        usable = want if want < allowed else allowed
+        if usable < want and not self._warned_channel_max:
+            self._warned_channel_max = True
+            log.warning("the broker allows %d channel(s) per connection: publishing on %d, not "
+                        "OUTBOX_CHANNELS=%d", allowed, usable, want)  # fmt: skip
+        return max(1, usable)
+
+    # ------------------------------------------------------------ publishing
+
+    def pick_channel(self) -> Channel | None:
+        channels = self.channels
+        if not channels:
+            return None
+        if len(channels) == 1:
+            return next(iter(channels.values()))
+        return min(channels.values(), key=lambda ch: ch.ledger.outstanding)
+
+    def send(
+        self, rows: list[ClaimedRow], messages: list[OutgoingMessage], *, at: float
+    ) -> SendResult | None:
+        """Encode ``messages`` (one per row) into one buffer and write it on one channel; None
+        when no channel can take it now (nothing was registered or sent)."""
+        conn, ch = self.conn, self.pick_channel()
+        if conn is None or ch is None or not conn.is_open or not conn.channel_is_open(ch.id):
+            return None
+        data, errors = conn.encode_batch(ch.id, messages)
+        refused: list[tuple[ClaimedRow, Exception]] = []
+        good = rows
+        if errors:
+            bad = dict(errors)
+            refused = [(rows[i], exc) for i, exc in bad.items()]
+            good = [row for i, row in enumerate(rows) if i not in bad]
+        if not good:
+            return SendResult(ch, [], range(0), refused)
+        try:
+            tags = ch.ledger.published_many([(r.id, r.message_id) for r in good], at=at)
+        except LocalProtocolError:
+            log.exception("the confirm ledger refused a batch; it goes back unpublished")
+            return None
+        conn.write_batch(ch.id, data)
+        return SendResult(ch, good, tags, refused)
+
+    @property
+    def write_paused(self) -> bool:
+        return self.conn is not None and self.conn.write_paused
+
+    async def drain(self) -> None:
+        if self.conn is not None:
+            await self.conn.drain()
+
+    # ------------------------------------------------------------ exchange checks
+
+    async def check_exchange(self, exchange: str) -> CloseReason | None:
+        """None when ``exchange`` exists, else the broker's reason. Raises WireError /
+        TimeoutError when the check could not run."""
+        conn = self.conn
+        if conn is None or not conn.is_open:
+            raise WireError("not connected")
+        try:
+            return await conn.exchange_exists(exchange, timeout=CHECK_TIMEOUT)
+        except ChannelLimitError:
+            return await self._check_on_quiet_channel(conn, exchange)
+
+    async def _check_on_quiet_channel(
+        self, conn: AMQPConnection, exchange: str
+    ) -> CloseReason | None:
+        """No channel to spare: pause publishing, let one channel's publishes settle, and run
+        the check there (a missing exchange closes it with nothing outstanding; it reopens)."""
+        self.checking_on_channel = True
+        try:
+            async with asyncio.timeout(QUIESCE_TIMEOUT):
+                while True:
+                    ch = self.pick_channel()
+                    if ch is None or conn is not self.conn:
+                        raise WireError("no channel for the exchange check")
+                    if ch.ledger.outstanding == 0:
+                        break
+                    await asyncio.sleep(0.005)
+            return await conn.exchange_exists(exchange, timeout=CHECK_TIMEOUT, channel=ch.id)
+        finally:
+            self.checking_on_channel = False
+            self._events.connection_changed()
+
+    # ------------------------------------------------------------ broker callbacks (sync)
+
+    def _settle(self, channel_id: int, tag: int, multiple: bool, *, nack: bool) -> None:
+        ch = self.channels.get(channel_id)
+        if ch is None:
+            return
+        try:
+            events = ch.ledger.nack(tag, multiple=multiple) if nack else ch.ledger.ack(
+                tag, multiple=multiple)  # fmt: skip
+        except RemoteProtocolError as exc:
+            self._protocol_error(ch, exc)
+            return
+        self._events.answered(events)
+
+    def _returned(self, channel_id: int, message: ReturnedMessage) -> None:
+        ch = self.channels.get(channel_id)
+        if ch is None:
+            return
+        try:
+            ch.ledger.returned(message_id=message.message_id or "", reply_code=message.reply_code,
+                               reply_text=message.reply_text)  # fmt: skip
+        except RemoteProtocolError as exc:
+            self._protocol_error(ch, exc)
+
+    def _protocol_error(self, ch: Channel, exc: RemoteProtocolError) -> None:
+        """The broker said something impossible on this channel: count it, trust nothing more
+        from the channel: its outstanding rows go back (as lost) and it is replaced."""
+        self._metrics.protocol_errors += 1
+        log.error("broker protocol error: %s; dropping channel %d", exc, ch.id)
+        self.channels.pop(ch.id, None)
+        self._events.lost(ch.ledger.channel_lost(reason=f"protocol error: {exc}"), PLAIN)
+        conn = self.conn
+        if conn is not None and conn.is_open:
+            self._spawn(self._close_and_reopen(conn, ch.id))
+
+    async def _close_and_reopen(self, conn: AMQPConnection, channel_id: int) -> None:
+        await conn.close_channel(channel_id)
+        await self._reopen_channels()
+
+    def _channel_closed(self, channel_id: int, reason: CloseReason) -> None:
+        ch = self.channels.pop(channel_id, None)
+        if ch is None:
+            return
+        self._metrics.channel_closes += 1
+        cause = classify_channel_close(reason)
+        log.warning("broker closed channel %d (%s): %s", channel_id, cause.kind.value, reason)
+        events = ch.ledger.channel_lost(reason=f"channel {channel_id} closed: {reason}")
+        self._events.lost(events, cause)
+        if not self.stopping:
+            self._spawn(self._reopen_channels())
+
+    async def _reopen_channels(self) -> None:
+        if self._reopening:
+            return
+        self._reopening = True
+        try:
+            conn = self.conn
+            while self._wants_channel(conn):
+                assert conn is not None
+                cid = await conn.open_channel()
+                if conn is self.conn and conn.is_open:
+                    self.channels[cid] = Channel(cid, ChannelLedger(channel_id=cid))
+                    log.info("reopened confirm channel %d", cid)
+                    self._events.connection_changed()
+        except (WireError, TimeoutError) as exc:
+            log.warning("cannot reopen a channel: %s; dropping the connection", exc)
+            if conn is not None:
+                conn.abort(reason=f"cannot reopen a channel: {exc}")
+        finally:
+            self._reopening = False
+
+    def _wants_channel(self, conn: AMQPConnection | None) -> bool:
+        return (conn is not None and conn is self.conn and conn.is_open and not self.stopping
+                and len(self.channels) < self._channel_count(conn))  # fmt: skip
+
+    def _blocked(self, blocked: bool, reason: str | None) -> None:
+        if blocked:
+            log.warning("broker blocked publishing: %s", reason or "no reason given")
+        else:
+            log.info("broker unblocked publishing")
+            self._unblocked_at = self._clock()
+        self.blocked, self.blocked_reason = blocked, reason
+        self._metrics.set_blocked(blocked, reason=reason, now=self._clock())
+        self._events.blocked_changed()
+
+    def _connection_lost(self, reason: CloseReason) -> None:
+        self._metrics.connected = False
+        self._metrics.connection_closes += 1
+        if self.blocked:
+            self._blocked(False, None)
+        cause = classify_connection_loss(reason)
+        self._last_cause = cause
+        if cause.kind is CloseKind.UNEXPLAINED:
+            log.error("the broker closed the connection: %s; blaming its outstanding publishes",
+                      reason)  # fmt: skip
+        self._abandon(f"connection lost: {reason}", cause)
+        self._events.connection_changed()
+
+    def _abandon(self, reason: str, cause: CloseCause) -> None:
+        """Every outstanding publish of every channel is lost, as ONE set of suspects."""
+        channels = list(self.channels.values())
+        self.channels.clear()
+        events: list[Event] = []
+        lost: list[int] = []
+        for ch in channels:
+            for event in ch.ledger.channel_lost(reason=reason):
+                if isinstance(event, Lost):
+                    lost.extend(event.row_ids)
+                else:
+                    events.append(event)
+        if lost:
+            events.insert(0, Lost(row_ids=tuple(lost), reason=reason))
+        if events:
+            self._events.lost(events, cause)
+
+    # ------------------------------------------------------------ housekeeping and stop
+
+    def check_confirm_timeout(self, now: float) -> None:
+        conn = self.conn
+        grace = self._unblocked_at + self._settings.confirm_timeout
+        if conn is None or not conn.is_open or self.blocked or now < grace:
+            return
+        oldest = self.oldest_outstanding_at()
+        if oldest is not None and now - oldest > self._settings.confirm_timeout:
+            log.error("no confirm for %.1fs: dropping the connection", now - oldest)
+            conn.abort(reason=f"confirm timeout ({self._settings.confirm_timeout}s)")
+
+    def abandon_window(self, reason: str) -> None:
+        """Stop: what is still unconfirmed is of unknown outcome."""
+        self._abandon(reason, PLAIN)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._aux.add(task)
+        task.add_done_callback(self._aux.discard)
+
+    def spawn(self, coro: Any) -> None:
+        """Run a helper task (an exchange check) tied to the session's life."""
+        self._spawn(coro)
+
+    async def cancel_helpers(self) -> None:
+        for task in list(self._aux):
+            task.cancel()
+        await asyncio.gather(*self._aux, return_exceptions=True)
+
+    async def close(self, timeout: float) -> None:
+        conn = self.conn
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close(timeout=timeout)

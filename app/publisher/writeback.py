@@ -1,0 +1,169 @@
+"""The write-back: settled outcomes and outstanding tags to the database, on a deadline.
+
+Whatever the broker does, within ``flush_interval`` of an outcome it is written, and within
+``outstanding_after`` (+ one flush) of a publish that is still unconfirmed its channel, delivery
+tag and publish time are on its row. The loop waits on a deadline as well as on its wake-up, so it
+never depends on an ack arriving (a broker that never acks still shows every outstanding confirm).
+
+Each write-back is one transaction (:meth:`~app.outbox.repository.OutboxRepository.unit_of_work`),
+one repository call per outcome kind; a failure anywhere rolls all of it back and the same
+outcomes go in front of the newer ones for the next try (a commit whose result is unknown is
+retried too: rows it did move then count as ``lease_lost``, nothing moves twice because every
+write is guarded by ``in_flight`` + owner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.outbox.repository import Backoff, OutboxRepository, Published
+from app.outbox.states import Status
+from app.publisher.dbthread import DbThread
+from app.publisher.holdings import Holdings
+from app.publisher.metrics import PublisherMetrics
+from app.publisher.outcomes import Outcomes, StillOut, TagNotes, Written
+from app.publisher.wakeup import Signal
+from app.settings import Settings
+
+log = logging.getLogger("app.publisher")
+
+#: The longest the loop sleeps with nothing to write (it re-checks due tag notes after it).
+IDLE_CHECK = 0.25
+RETRY_PAUSE = 1.0
+_Facts = list[tuple[int, tuple[int, int, object] | None]]
+
+
+@dataclass
+class WritebackParts:
+    settings: Settings
+    repo: OutboxRepository
+    db: DbThread
+    owner: str
+    holdings: Holdings
+    notes: TagNotes
+    still_out: StillOut
+    metrics: PublisherMetrics
+    backoff: Backoff
+    freed: Callable[[], None]  # rows left the window: wake the claimer
+    clock: Callable[[], float]
+
+
+class Writeback:
+    def __init__(self, parts: WritebackParts) -> None:
+        self.p = parts
+        self.out = Outcomes()
+        self.wake = Signal()
+        self.stopped = False
+
+    def buffer(self) -> Outcomes:
+        return self.out
+
+    def note_due(self) -> None:
+        p = self.p
+        p.notes.due(p.clock(), p.still_out, self.out.published)
+
+    async def run(self) -> None:
+        interval = self.p.settings.flush_interval
+        while True:
+            self.note_due()
+            if self.out.empty():
+                if self.stopped:
+                    return
+                await self.wake.wait(self._idle_wait())
+                continue
+            await asyncio.sleep(interval)  # let the outcomes of one interval gather
+            await self.flush()
+
+    def _idle_wait(self) -> float:
+        due = self.p.notes.next_due_in(self.p.clock())
+        return IDLE_CHECK if due is None else min(due, IDLE_CHECK)
+
+    async def flush(self) -> bool:
+        """Write what is waiting in one transaction; False when it failed (kept for later)."""
+        p = self.p
+        self.note_due()
+        out, self.out = self.out, Outcomes()
+        if out.empty():
+            return True
+        facts = [(row_id, p.holdings.facts(row_id)) for row_id in out.confirmed]
+        returned = [(r.id, p.holdings.facts(r.id)) for r in out.returned]
+        started = time.perf_counter()
+        try:
+            written = await p.db.call(self._write, out=out, facts=facts, returned=returned)
+        except Exception:
+            p.metrics.db_errors += 1
+            log.exception("writing %d outcomes failed; retrying in %.0fs", out.rows(),
+                          RETRY_PAUSE)  # fmt: skip
+            self.out.merge(out)
+            await asyncio.sleep(RETRY_PAUSE)
+            return False
+        p.metrics.flush_seconds.observe(time.perf_counter() - started)
+        self._count(written)
+        p.holdings.forget(out.settled_ids())
+        p.freed()
+        return True
+
+    def _count(self, w: Written) -> None:
+        m = self.p.metrics
+        m.flushes += 1
+        m.retried += w.retried
+        m.nacked_final += w.nacked_final
+        m.failed += w.failed
+        m.released += w.released
+        if w.moved < w.expected:
+            m.lease_lost += w.expected - w.moved
+            log.warning("%d rows were no longer held by this publisher (lease lost)",
+                        w.expected - w.moved)  # fmt: skip
+
+    # ------------------------------------------------------------ on the DB thread
+
+    def _write(self, *, out: Outcomes, facts: _Facts, returned: _Facts) -> Written:
+        """The whole write-back in one transaction (one commit)."""
+        with self.p.repo.unit_of_work():
+            return self._write_all(out, facts, returned)
+
+    def _write_all(self, out: Outcomes, facts: _Facts, returned_facts: _Facts) -> Written:
+        """One repository call per outcome kind (and reason)."""
+        p = self.p
+        repo, owner = p.repo, p.owner
+        settled = set(out.settled_ids())
+        for reason, ids in out.resent.items():  # first: the same rows may settle in this batch
+            repo.resend(owner=owner, ids=ids, error=reason)
+        for (channel_id, at), tags in out.published.items():
+            still_out = [pair for pair in tags if pair[0] not in settled]
+            if still_out:
+                repo.record_published(owner=owner, channel_id=channel_id, tags=still_out,
+                                      published_at=at)  # fmt: skip
+        confirmed = self._confirm(facts) if facts else 0
+        returned = repo.mark_returned(
+            owner=owner, returns=out.returned,
+            published=[Published(row_id, *f) for row_id, f in returned_facts if f is not None],  # type: ignore[arg-type]
+        ) if out.returned else 0  # fmt: skip
+        retried = final = failed = lost = released = 0
+        if out.nacked:
+            r = repo.retry(owner=owner, ids=out.nacked, error="nacked by the broker",
+                           backoff=p.backoff, exhausted=Status.NACKED)  # fmt: skip
+            retried, final = r.retried, r.exhausted
+        for reason, ids in out.destination.items():
+            r = repo.retry(owner=owner, ids=ids, error=reason, backoff=p.backoff,
+                           exhausted=Status.FAILED,
+                           max_attempts=p.settings.destination_retry_budget)  # fmt: skip
+            retried, failed = retried + r.retried, failed + r.exhausted
+        for reason, ids in out.failed.items():
+            failed += repo.mark_failed(owner=owner, ids=ids, reason=reason)
+        for reason, ids in out.lost.items():
+            lost += repo.release(owner=owner, ids=ids, lost=True, error=reason)
+        if out.released:
+            released = repo.release(owner=owner, ids=out.released, lost=False)
+        moved = confirmed + returned + retried + final + failed + lost + released
+        return Written(len(settled), moved, confirmed, returned, retried, final, failed, lost,
+                       released)  # fmt: skip
+
+    def _confirm(self, facts: _Facts) -> int:
+        published = [Published(row_id, *f) for row_id, f in facts if f is not None]  # type: ignore[arg-type]
+        bare = [row_id for row_id, f in facts if f is None]
+        return self.p.repo.mark_confirmed(owner=self.p.owner, ids=bare, published=published)

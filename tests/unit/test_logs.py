@@ -1,0 +1,46 @@
+"""Log lines: text or JSON, timestamps, never a password."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+from app.logs import configure, redact
+
+
+def test_passwords_in_urls_are_redacted_anywhere_in_a_line() -> None:
+    line = "cannot reach postgresql+psycopg://outbox:s3cr@t@db:5432/x nor amqps://u:p%40ss@mq/"
+    assert (
+        redact(line)
+        == "cannot reach postgresql+psycopg://outbox:***@db:5432/x nor amqps://u:***@mq/"
+    )
+
+
+def _emit(fmt: str) -> str:
+    stream = io.StringIO()
+    configure(level="info", fmt=fmt, stream=stream)  # type: ignore[arg-type]
+    try:
+        logging.getLogger("app.publisher").info(
+            "connected to %s", "amqp://guest:guest@127.0.0.1:5673/", extra={"channels": 2}
+        )
+        logging.getLogger("app.publisher").debug("not shown at INFO")
+    finally:
+        configure(level="WARNING")
+    return stream.getvalue()
+
+
+def test_text_lines_carry_time_level_logger_and_extras() -> None:
+    (line,) = _emit("text").splitlines()
+    assert line.endswith(
+        "INFO    app.publisher: connected to amqp://guest:***@127.0.0.1:5673/ channels=2"
+    )
+    assert line[:4].isdigit() and "Z " in line
+
+
+def test_json_lines_are_one_object_each() -> None:
+    (line,) = _emit("json").splitlines()
+    doc = json.loads(line)
+    assert (doc["level"], doc["logger"], doc["channels"]) == ("INFO", "app.publisher", 2)
+    assert doc["message"] == "connected to amqp://guest:***@127.0.0.1:5673/"
+    assert doc["ts"].endswith("Z")
