@@ -48,7 +48,7 @@ def _scrub_process_environment() -> None:
 _scrub_process_environment()
 
 
-def _services_env() -> dict[str, str]:
+def services_env() -> dict[str, str]:
     """The environment for ``services.sh``: the suite's ports and data directory only."""
     env = scrubbed_environ(os.environ)
     env["OUTBOX_LOCAL_AMQP_PORT"] = TEST_ENV.get(f"{TEST_PREFIX}AMQP_PORT", "5673")
@@ -60,7 +60,7 @@ def _services_env() -> dict[str, str]:
 
 def _local_env() -> dict[str, str]:
     out = subprocess.run(
-        [str(SERVICES), "env"], check=True, capture_output=True, text=True, env=_services_env()
+        [str(SERVICES), "env"], check=True, capture_output=True, text=True, env=services_env()
     ).stdout
     pairs = (line.removeprefix("export ").split("=", 1) for line in out.splitlines() if "=" in line)
     return dict(pairs)
@@ -74,7 +74,7 @@ def service_urls() -> dict[str, str]:
     given_pg = TEST_ENV.get(f"{TEST_PREFIX}PG_ADMIN_URL")
     if given_amqp and given_pg:
         return {"amqp": given_amqp, "pg": given_pg}
-    subprocess.run([str(SERVICES), "start"], check=True, env=_services_env())
+    subprocess.run([str(SERVICES), "start"], check=True, env=services_env())
     env = _local_env()
     return {
         "amqp": given_amqp or env["OUTBOX_AMQP_URL"],

@@ -1,12 +1,14 @@
 """``/metrics``: Prometheus text, built per request from the database (no global registry).
 
-Counters are the publishers' own (``outbox_publishers.stats``, monotonic per publisher) summed
-over every publisher row; gauges come from the outbox table itself.
+Only what the database knows: rows per status, the oldest ages, possible duplicates, live
+publishers, operator republishes. Counters of what the publishers *did* (publishes, confirms,
+nacks, closes, the confirm-latency histogram) are each publisher's own, served on its own port
+(``outbox_publisher_*``, :mod:`app.publisher.metrics`) and summed by Prometheus: never rebuilt
+from a table, never lowered by a restart.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -15,7 +17,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
@@ -26,24 +27,6 @@ from app.api.models import ErrorBody
 from app.outbox.queries import MetricsSnapshot, metrics_snapshot
 from app.outbox.states import Status
 
-#: counter key in publisher stats -> (metric name without _total, help)
-COUNTERS: dict[str, tuple[str, str]] = {
-    "published": ("outbox_published", "Publishes sent to the broker (republishes included)."),
-    "confirmed": ("outbox_confirmed", "Publishes the broker confirmed (acked, not returned)."),
-    "nacked": ("outbox_nacked", "Publishes the broker nacked."),
-    "returned": ("outbox_returned", "Mandatory publishes returned unroutable."),
-    "failed": ("outbox_failed", "Rows ended failed (permanent error)."),
-    "lost_confirms": (
-        "outbox_lost_confirms",
-        "Publishes whose confirm never came (channel or connection lost); each is republished: "
-        "a possible duplicate.",
-    ),
-    "channel_closes": ("outbox_channel_closes", "Confirm channels lost or closed by the broker."),
-    "reconnects": ("outbox_reconnects", "Broker reconnects."),
-    "protocol_errors": ("outbox_protocol_errors", "Impossible frames from the broker."),
-    "blocked_seconds": ("outbox_blocked_seconds", "Time publishing was blocked by the broker."),
-}
-
 
 class SnapshotCollector(Collector):
     """Yields the metric families of one :class:`MetricsSnapshot`."""
@@ -53,8 +36,6 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snap
-        for key, (name, doc) in COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=snap.counters.get(key, 0.0))
         yield CounterMetricFamily(
             "outbox_republished", "Rows operators moved back to pending.",
             value=snap.operator_republished,
@@ -64,7 +45,6 @@ class SnapshotCollector(Collector):
             rows.add_metric([status.value], count)
         yield rows
         yield from self._gauges()
-        yield self._latency()
 
     def _gauges(self) -> Iterator[Metric]:
         snap = self.snap
@@ -90,16 +70,6 @@ class SnapshotCollector(Collector):
             "outbox_publishers_alive", "Publishers with a recent heartbeat, not stopped.",
             value=snap.publishers_alive,
         )  # fmt: skip
-
-    def _latency(self) -> Metric:
-        hist = self.snap.confirm_latency
-        buckets = [("+Inf" if math.isinf(u) else repr(u), c) for u, c in hist.buckets]
-        return HistogramMetricFamily(
-            "outbox_confirm_latency_seconds",
-            "Publish-to-confirm latency, merged over publishers.",
-            buckets=buckets,
-            sum_value=hist.sum,
-        )
 
 
 def render(snap: MetricsSnapshot) -> bytes:

@@ -13,7 +13,7 @@ import binascii
 import datetime as dt
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -38,12 +38,6 @@ from app.outbox.reports import PublisherReport, read_report
 from app.outbox.schema import audit, batches, outbox, publishers
 from app.outbox.states import Status
 
-#: Counters a publisher reports in ``outbox_publishers.stats`` (monotonic per publisher).
-PUBLISHER_COUNTERS: tuple[str, ...] = (
-    "published", "confirmed", "nacked", "returned", "failed", "lost_confirms",
-    "channel_closes", "reconnects", "protocol_errors", "blocked_seconds",
-)  # fmt: skip
-LATENCY_KEY = "confirm_latency_buckets"
 MAX_ROW_ID = 2**63 - 1
 T = TypeVar("T")
 
@@ -653,15 +647,6 @@ def batch_exists(engine: Engine, *, batch_id: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class LatencyHistogram:
-    """Cumulative buckets (upper bound in seconds -> count, ``inf`` last), sum and count."""
-
-    buckets: list[tuple[float, int]]
-    sum: float
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
 class MetricsSnapshot:
     counts: dict[Status, int]
     oldest_pending_age_seconds: float | None
@@ -670,73 +655,15 @@ class MetricsSnapshot:
     operator_republished: int
     publishers_alive: int
     publishers_known: int
-    counters: dict[str, float]
-    confirm_latency: LatencyHistogram
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) and value >= 0 else None
-
-
-def sum_counters(stats: Iterable[dict[str, Any] | None]) -> dict[str, float]:
-    """Each known counter summed over publishers; missing or malformed values count 0."""
-    totals = dict.fromkeys(PUBLISHER_COUNTERS, 0.0)
-    for one in stats:
-        for key in PUBLISHER_COUNTERS:
-            totals[key] += _number((one or {}).get(key)) or 0.0
-    return totals
-
-
-def _own_buckets(raw: Any) -> tuple[dict[float, float], float, float] | None:
-    if not isinstance(raw, dict):
-        return None
-    buckets: dict[float, float] = {}
-    for bound, count in raw.items():
-        if bound in ("sum", "count"):
-            continue
-        try:
-            upper = float(bound)
-        except (TypeError, ValueError):
-            continue
-        number = _number(count)
-        if number is not None and not math.isnan(upper):
-            buckets[upper] = number
-    count = _number(raw.get("count")) or max(buckets.values(), default=0.0)
-    return buckets, _number(raw.get("sum")) or 0.0, count
-
-
-def merge_histograms(stats: Iterable[dict[str, Any] | None]) -> LatencyHistogram:
-    """Merge publishers' cumulative latency buckets over the union of their bounds.
-
-    A publisher without a given bound contributes its count at its largest bound below it
-    (still cumulative, never an overcount).
-    """
-    owns = [b for b in (_own_buckets((s or {}).get(LATENCY_KEY)) for s in stats) if b]
-    bounds = sorted({u for own, _, _ in owns for u in own if not math.isinf(u)})
-    merged = []
-    for upper in bounds:
-        total = 0.0
-        for own, _, own_count in owns:
-            below = [c for u, c in own.items() if u <= upper]
-            total += min(own_count, max(below, default=0.0))
-        merged.append((upper, int(total)))
-    count = int(sum(c for _, _, c in owns))
-    merged.append((math.inf, count))
-    return LatencyHistogram(buckets=merged, sum=sum(s for _, s, _ in owns), count=count)
 
 
 def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) -> MetricsSnapshot:
-    """The figures ``/metrics`` exposes: publishers' summed counters plus DB-derived gauges."""
+    """The figures the API's ``/metrics`` exposes: what the database knows, nothing more."""
     with engine.connect() as conn:
         pending_age, in_flight_age = oldest_ages(conn, now=now)
-        pubs = conn.execute(
-            select(publishers.c.stats, publishers.c.heartbeat_at, publishers.c.stopped_at)
-        ).all()
-        stats = [s if isinstance(s, dict) else None for s, _, _ in pubs]
+        pubs = conn.execute(select(publishers.c.heartbeat_at, publishers.c.stopped_at)).all()
         alive = sum(
-            1 for _, beat, stopped in pubs
+            1 for beat, stopped in pubs
             if stopped is None and (age_seconds(beat, now) or 0.0) <= alive_after
         )  # fmt: skip
         counts, lost = status_counts(conn)
@@ -744,6 +671,5 @@ def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) ->
             counts=counts, oldest_pending_age_seconds=pending_age,
             oldest_in_flight_age_seconds=in_flight_age, possible_duplicates=lost,
             operator_republished=operator_republished(conn), publishers_alive=alive,
-            publishers_known=len(pubs), counters=sum_counters(stats),
-            confirm_latency=merge_histograms(stats),
+            publishers_known=len(pubs),
         )  # fmt: skip

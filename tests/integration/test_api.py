@@ -583,9 +583,9 @@ async def test_malformed_json_and_wrong_types_are_4xx(client: httpx.AsyncClient)
 # ------------------------------------------------------------------------------ metrics
 
 
-async def test_metrics_sum_publisher_counters_and_add_db_gauges(
-    client: httpx.AsyncClient,
-) -> None:
+async def test_metrics_are_what_the_database_knows(client: httpx.AsyncClient) -> None:
+    """The API's /metrics: rows per status and ages from the outbox, nothing rebuilt from the
+    publishers' reports (their counters and histograms are on their own ports)."""
     r = await client.get("/metrics", headers=R)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     samples = {
@@ -596,25 +596,19 @@ async def test_metrics_sum_publisher_counters_and_add_db_gauges(
     def v(name: str, **labels: str) -> float:
         return samples[(name, tuple(sorted(labels.items())))]
 
-    assert v("outbox_published_total") == 130  # 120 (p1) + 10 (p0, stopped: still counted)
-    assert v("outbox_confirmed_total") == 110
-    assert v("outbox_lost_confirms_total") == 6
-    assert v("outbox_channel_closes_total") == 2
     assert v("outbox_rows", status="failed") == 2
     assert v("outbox_in_flight") == 4
     assert v("outbox_possible_duplicates") == 1
     assert v("outbox_publishers_alive") == 1
     assert v("outbox_oldest_pending_age_seconds") > 0
-    # p1 buckets 0.005:10 0.05:60 0.5:95 (+Inf 100); p0 0.05:4 1.0:10
-    assert v("outbox_confirm_latency_seconds_bucket", le="0.05") == 64
-    assert v("outbox_confirm_latency_seconds_bucket", le="0.5") == 99
-    assert v("outbox_confirm_latency_seconds_bucket", le="1.0") == 105
-    assert v("outbox_confirm_latency_seconds_bucket", le="+Inf") == 110
-    assert v("outbox_confirm_latency_seconds_count") == 110
-    assert v("outbox_confirm_latency_seconds_sum") == pytest.approx(11.5)
+    names = {name for name, _ in samples}
+    assert not {n for n in names if "confirm_latency" in n or n.startswith("outbox_publisher_")}
+    assert "outbox_published_total" not in names
 
 
-async def test_metrics_survive_malformed_publisher_stats(sqlite_url: str) -> None:
+async def test_metrics_and_stats_survive_malformed_publisher_stats(sqlite_url: str) -> None:
+    """Anyone with write access can put anything in outbox_publishers.stats: the API still
+    answers, and shows the malformed report as absent."""
     engine = make_engine(sqlite_url)
     bad = [
         None, [], {"published": "many", "confirmed": -1, "confirm_latency_buckets": "x"},
@@ -628,8 +622,10 @@ async def test_metrics_survive_malformed_publisher_stats(sqlite_url: str) -> Non
             ])  # fmt: skip
         async with client_for(create_app(settings_for(sqlite_url), engine=engine)) as c:
             r = await c.get("/metrics", headers=R)
-        assert r.status_code == 200, r.text
-        assert "outbox_published_total 5.0" in r.text
+            assert r.status_code == 200, r.text
+            assert "outbox_rows" in r.text
+            r = await c.get("/v1/stats", headers=R)
+            assert r.status_code == 200, r.text
     finally:
         engine.dispose()
 

@@ -92,7 +92,11 @@ async def test_hostile_rows_fail_alone_and_good_rows_drain(
 # --------------------------------------------------- fuzz: any content, good rows drain
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
     lambda children: (
         st.lists(children, max_size=3)
         | st.dictionaries(st.text(max_size=140), children, max_size=3)

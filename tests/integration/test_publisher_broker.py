@@ -20,6 +20,7 @@ from app.db import make_engine
 from app.outbox.repository import ClaimedRow, OutboxRepository
 from app.outbox.schema import publishers
 from app.publisher import Publisher
+from tests.conftest import services_env
 from tests.factories import add_rows
 from tests.publisher_support import (
     all_in,
@@ -287,7 +288,14 @@ async def test_exchange_deleted_under_the_publisher(
 
 
 def _rabbitmqctl(*args: str) -> None:
-    subprocess.run([str(SERVICES), "ctl", *args], check=True, capture_output=True, timeout=60)
+    """rabbitmqctl on the suite's own node (its port, not the default one)."""
+    subprocess.run(
+        [str(SERVICES), "ctl", *args],
+        check=True,
+        capture_output=True,
+        timeout=60,
+        env=services_env(),
+    )
 
 
 async def test_access_refused_exchange_backs_off_alone(

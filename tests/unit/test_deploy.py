@@ -60,6 +60,19 @@ def test_kubernetes_objects_are_complete() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
+def test_publisher_pods_have_probes_on_their_metrics_port() -> None:
+    """The publisher's probes and /metrics are served by the process itself (app.probes) on
+    OUTBOX_PUBLISHER_METRICS_PORT, bound to the pod's address, not loopback."""
+    (doc,) = _docs(DEPLOY / "k8s" / "publisher-deployment.yaml")
+    container = doc["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    port = next(p for p in container["ports"] if p["name"] == "metrics")
+    assert str(port["containerPort"]) == env["OUTBOX_PUBLISHER_METRICS_PORT"]
+    assert env["OUTBOX_PUBLISHER_METRICS_HOST"] == "0.0.0.0"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+
 @pytest.mark.parametrize("path", ENV_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_unit_and_env_files_use_known_settings(path: Path) -> None:
     names = set(re.findall(r"\bOUTBOX_[A-Z0-9_]+", path.read_text())) - LOCAL_ONLY
