@@ -24,7 +24,13 @@ from sqlalchemy.exc import DBAPIError, ProgrammingError
 from app.db import make_engine, migrate
 from app.logs import configure as configure_logging
 from app.outbox import queries
-from app.outbox.repository import OutboxRepository, RepositoryError, RepublishFilter, utcnow
+from app.outbox.repository import (
+    CannotSkip,
+    OutboxRepository,
+    RepositoryError,
+    RepublishFilter,
+    utcnow,
+)
 from app.outbox.states import TERMINAL_FAILURES, Status
 from app.settings import Settings
 
@@ -265,6 +271,46 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        items = queries.parked_keys(engine, limit=args.limit, after=args.after)
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.keys import ParkedKeyOut
+
+        print("[" + ",\n".join(ParkedKeyOut.of(k).model_dump_json(indent=2) for k in items) + "]")
+        return EXIT_OK
+    if not items:
+        print("no parked keys")
+        return EXIT_OK
+    print(f"{'ordering key':<24} {'blocked by':<28} {'status':<9} {'waiting':>7}  reason")
+    for k in items:
+        reason = (k.blocking_error or "")[:60]
+        print(f"{k.ordering_key[:24]:<24} {k.blocking_message_id[:28]:<28} "
+              f"{k.blocking_status.value:<9} {k.waiting:>7}  {reason}")  # fmt: skip
+    print("resume: outbox republish --ordering-key KEY")
+    print("release: outbox skip MESSAGE_ID --reason WHY")
+    return EXIT_OK
+
+
+def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        result = OutboxRepository(engine).skip(
+            actor=args.actor, message_id=args.message_id, reason=args.reason
+        )
+    except CannotSkip as exc:
+        raise Failure(str(exc)) from None
+    finally:
+        engine.dispose()
+    print(f"skipped {result.message_id} (was {result.previous.value}); key "
+          f"{result.ordering_key!r}: {result.released} waiting rows released; audit "
+          f"{result.audit_id}")  # fmt: skip
+    return EXIT_OK
+
+
 def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     days = settings.retention_days if args.older_than_days is None else args.older_than_days
     engine = _engine(settings)
@@ -296,16 +342,18 @@ def _republish_filter(args: argparse.Namespace) -> RepublishFilter:
     statuses = frozenset(Status(s) for s in args.status) if args.status else TERMINAL_FAILURES
     if not (
         args.batch or args.status or args.exchange or args.created_after or args.created_before
-    ):
+        or args.ordering_key
+    ):  # fmt: skip
         raise UsageError(
-            "say what to republish: --batch, --status, --exchange, --created-after/--before"
+            "say what to republish: --batch, --status, --exchange, --ordering-key, "
+            "--created-after/--before"
         )
     after, before = args.created_after, args.created_before
     if after is not None and before is not None and after >= before:
         raise UsageError("--created-after must be earlier than --created-before")
     return RepublishFilter(
         batch_id=args.batch, statuses=statuses, exchange=args.exchange,
-        created_after=after, created_before=before,
+        created_after=after, created_before=before, ordering_key=args.ordering_key,
     )  # fmt: skip
 
 
@@ -355,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_batches(sub)
     _add_republish(sub)
+    _add_keys(sub)
     _add_purge(sub)
     _add_demo(sub)
     return parser
@@ -431,6 +480,9 @@ def _add_republish(sub: Sub) -> None:
         help="only rows in this status (repeatable; default all three)",
     )
     rep.add_argument("--exchange", help="only rows for this exchange")
+    rep.add_argument(
+        "--ordering-key", help="only rows of this ordering key (a parked key's blocking row)"
+    )
     rep.add_argument("--created-after", type=_timestamp, help="ISO time, inclusive; naive = UTC")
     rep.add_argument("--created-before", type=_timestamp, help="ISO time, exclusive; naive = UTC")
     rep.add_argument(
@@ -442,6 +494,22 @@ def _add_republish(sub: Sub) -> None:
     rep.add_argument("--actor", default=_default_actor(), help="who acts (audit row)")
     rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")
     rep.set_defaults(func=_cmd_republish)
+
+
+def _add_keys(sub: Sub) -> None:
+    park = sub.add_parser("parked", help="ordering keys parked behind a returned/nacked/failed row")
+    park.add_argument("--limit", type=_bounded_int(1, 1000), default=100)
+    park.add_argument("--after", help="the last key of the previous page")
+    park.add_argument("--json", action="store_true", help="as JSON (like GET /v1/keys/parked)")
+    park.set_defaults(func=_cmd_parked)
+    skip = sub.add_parser(
+        "skip",
+        help="skip a terminal failure (audited): not delivered, its ordering key goes on",
+    )
+    skip.add_argument("message_id", help="the blocking row (see `outbox parked`)")
+    skip.add_argument("--reason", required=True, help="why (kept in the audit trail)")
+    skip.add_argument("--actor", default=_default_actor(), help="who acts (audit row)")
+    skip.set_defaults(func=_cmd_skip)
 
 
 def _add_purge(sub: Sub) -> None:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
 
-from app.api import health, metrics, v1
+from app.api import health, keys, metrics, v1
 from app.api.auth import check_auth_config
 from app.api.context import ApiContext
 from app.api.strict import reject_unknown_query
@@ -55,6 +55,7 @@ def create_app(
     app.state.ctx = ctx
     app.include_router(health.router)
     app.include_router(v1.router)
+    app.include_router(keys.router)
     app.include_router(metrics.router)
     app.add_exception_handler(OperationalError, _database_unavailable)
     app.add_exception_handler(InterfaceError, _database_unavailable)

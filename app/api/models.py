@@ -302,6 +302,9 @@ class RepublishRequest(_RepublishBase):
     exchange: Text | None = None
     created_after: UtcDatetime | None = Field(default=None, description="Inclusive.")
     created_before: UtcDatetime | None = Field(default=None, description="Exclusive.")
+    ordering_key: Text | None = Field(
+        default=None, description="The rows of one ordering key: republish a parked key's "
+        "blocking row, the key resumes behind it.")  # fmt: skip
 
     @model_validator(mode="after")
     def _range(self) -> RepublishRequest:
@@ -314,7 +317,7 @@ class RepublishRequest(_RepublishBase):
         return RepublishFilter(
             batch_id=self.batch_id, statuses=frozenset(map(Status, self.statuses)),
             exchange=self.exchange, created_after=self.created_after,
-            created_before=self.created_before,
+            created_before=self.created_before, ordering_key=self.ordering_key,
         )  # fmt: skip
 
 
@@ -324,6 +327,7 @@ class RepublishFilterOut(BaseModel):
     exchange: str | None
     created_after: dt.datetime | None
     created_before: dt.datetime | None
+    ordering_key: str | None = None
 
 
 class RepublishOut(BaseModel):

@@ -36,7 +36,7 @@ from sqlalchemy import (
 from app.outbox.content import ContentError, load_document
 from app.outbox.reports import PublisherReport, read_report
 from app.outbox.schema import audit, batches, outbox, publishers
-from app.outbox.states import Status
+from app.outbox.states import TERMINAL_FAILURES, Status
 
 MAX_ROW_ID = 2**63 - 1
 T = TypeVar("T")
@@ -641,6 +641,63 @@ def batch_exists(engine: Engine, *, batch_id: str) -> bool:
         return (
             conn.execute(in_rows).first() is not None or conn.execute(recorded).first() is not None
         )
+
+
+# ------------------------------------------------------------------------- parked keys
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedKey:
+    """An ordering key whose head is a terminal failure: its later rows wait behind it."""
+
+    ordering_key: str
+    blocking_message_id: str
+    blocking_status: Status
+    blocking_error: str | None
+    blocking_reply_code: int | None
+    parked_since: dt.datetime | None  # the blocking row's last broker answer, publish or claim
+    waiting: int  # later rows of the key, not yet published
+
+
+def parked_keys(engine: Engine, *, limit: int = 100, after: str | None = None) -> list[ParkedKey]:
+    """Parked keys in key order (keyset pages: ``after`` the last key of the previous page).
+
+    Starts from the terminal failures (few, by nature) and keeps those that are their key's
+    head (no earlier row of the key still open), then counts what waits behind each.
+    """
+    o, e = outbox.alias("o"), outbox.alias("e")
+    failures = [s.value for s in TERMINAL_FAILURES]
+    earlier_open = (
+        select(e.c.id)
+        .where(e.c.ordering_key == o.c.ordering_key, e.c.id < o.c.id,
+               e.c.status.notin_([Status.CONFIRMED.value, Status.SKIPPED.value]))
+        .exists()
+    )  # fmt: skip
+    waiting = (
+        select(func.count()).select_from(e)
+        .where(e.c.ordering_key == o.c.ordering_key, e.c.id > o.c.id,
+               e.c.status == Status.PENDING.value)
+        .scalar_subquery()
+    )  # fmt: skip
+    stmt = (
+        select(o.c.ordering_key, o.c.message_id, o.c.status, o.c.last_error, o.c.reply_code,
+               func.coalesce(o.c.confirmed_at, o.c.published_at, o.c.claimed_at).label("since"),
+               waiting.label("waiting"))
+        .where(o.c.ordering_key.is_not(None), o.c.status.in_(failures), ~earlier_open)
+        .order_by(o.c.ordering_key)
+        .limit(limit)
+    )  # fmt: skip
+    if after is not None:
+        stmt = stmt.where(o.c.ordering_key > after)
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    return [
+        ParkedKey(ordering_key=r.ordering_key, blocking_message_id=r.message_id,
+                  blocking_status=Status(r.status), blocking_error=r.last_error,
+                  blocking_reply_code=r.reply_code, parked_since=r.since,
+                  waiting=int(r.waiting))
+        for r in rows
+    ]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- metrics

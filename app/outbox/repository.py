@@ -31,17 +31,19 @@ from sqlalchemy import (
     any_,
     bindparam,
     cast,
+    column,
     delete,
     exists,
     func,
     insert,
     literal,
     select,
+    text,
     update,
 )
 from sqlalchemy.exc import IntegrityError
 
-from app.outbox.schema import audit, outbox, publishers
+from app.outbox.schema import KEY_OPEN, audit, outbox, publishers
 from app.outbox.states import TERMINAL_FAILURES, Status, check_transition
 
 Clock = Callable[[], dt.datetime]
@@ -58,6 +60,31 @@ class RepositoryError(Exception):
 
 class PublisherLocked(RepositoryError):
     """A second publisher tried to start on a SQLite outbox that another live publisher holds."""
+
+
+#: The head of every ordering key: its first row still open (not confirmed, not skipped). A
+#: loose index scan over ``ix_outbox_key_open``: one probe per open key, however many rows wait
+#: behind each head (a hot key with 100,000 waiting rows costs one probe, not 100,000).
+# the predicate of ix_outbox_key_open, on alias ``o`` (so the planner uses that index)
+_OPEN = KEY_OPEN.replace("ordering_key", "o.ordering_key").replace("status", "o.status")
+_KEY_HEADS = (
+    text(
+        f"""
+WITH RECURSIVE keys(k) AS (
+    SELECT (SELECT o.ordering_key FROM outbox o WHERE {_OPEN} ORDER BY o.ordering_key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT o.ordering_key FROM outbox o WHERE o.ordering_key > keys.k AND {_OPEN}
+            ORDER BY o.ordering_key LIMIT 1)
+    FROM keys WHERE keys.k IS NOT NULL
+)
+SELECT (SELECT o.id FROM outbox o WHERE o.ordering_key = keys.k AND {_OPEN}
+        ORDER BY o.id LIMIT 1) AS id
+FROM keys WHERE keys.k IS NOT NULL
+"""
+    )
+    .columns(column("id", BigInteger))
+    .subquery("key_heads")
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +153,8 @@ class RepublishFilter:
     exchange: str | None = None
     created_after: dt.datetime | None = None
     created_before: dt.datetime | None = None
+    #: the rows of one ordering key (its blocking row: the key resumes behind it)
+    ordering_key: str | None = None
 
     def __post_init__(self) -> None:
         wrong = set(self.statuses) - TERMINAL_FAILURES
@@ -136,7 +165,10 @@ class RepublishFilter:
             )
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        """As stored in the audit row (``ordering_key`` only when set: audit rows written before
+        it existed still compare equal, so their request ids still replay)."""
+        key = {} if self.ordering_key is None else {"ordering_key": self.ordering_key}
+        return key | {
             "batch_id": self.batch_id,
             "statuses": sorted(s.value for s in self.statuses),
             "exchange": self.exchange,
@@ -153,6 +185,21 @@ class RepublishResult:
     sample: list[str]
     audit_id: int | None
     replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SkipResult:
+    """An operator skipped a terminal failure: it will not be delivered, its key goes on."""
+
+    message_id: str
+    previous: Status
+    ordering_key: str | None
+    released: int  # rows of its key that were waiting behind it
+    audit_id: int
+
+
+class CannotSkip(ValueError):
+    """The row does not exist or is not a terminal failure (nothing changed)."""
 
 
 PUBLISH_FACTS = ("channel_id", "delivery_tag", "published_at")
@@ -357,13 +404,19 @@ class OutboxRepository:
 
     # ---------------------------------------------------------------- hot path
 
-    def _due(self, now: dt.datetime, limit: int) -> Select[tuple[int]]:
+    def _due(self, now: dt.datetime, limit: int, *, keyed: bool) -> Select[tuple[int]]:
+        """Due pending rows, oldest first: rows without an ordering key, or (``keyed``) only the
+        head of each ordering key, the first of its rows not yet confirmed or skipped."""
         due = (
             select(outbox.c.id)
             .where(outbox.c.status == Status.PENDING, outbox.c.available_at <= now)
             .order_by(outbox.c.available_at, outbox.c.id)
             .limit(limit)
         )
+        if keyed:
+            due = due.where(outbox.c.id.in_(select(_KEY_HEADS.c.id)))
+        else:
+            due = due.where(outbox.c.ordering_key.is_(None))
         return due.with_for_update(skip_locked=True) if self.is_postgres else due
 
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedRow]:
@@ -371,6 +424,13 @@ class OutboxRepository:
 
         PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in a CTE, so concurrent claimers never share a row.
         SQLite: one statement under SQLite's single-writer lock (and one publisher at a time).
+
+        Rows with an ordering key are claimed only as their key's head: no earlier row of the
+        key is still open (pending, in flight, or a terminal failure that parks the key). So at
+        most one row per key is ever in flight, whichever publisher holds it, and a row is first
+        published only after every earlier row of its key was confirmed (or skipped). A head
+        that another claimer has just taken is seen as in flight once its lock is released
+        (PostgreSQL re-checks ``status`` of a row it had to wait for), never claimed twice.
         """
         check_transition(Status.PENDING, Status.IN_FLIGHT)
         now = self.clock()
@@ -380,17 +440,23 @@ class OutboxRepository:
             "attempts": outbox.c.attempts + 1, "channel_id": None, "delivery_tag": None,
             "claimed_at": now,
         }  # fmt: skip
-        due = self._due(now, limit)
-        if self.is_postgres:
-            cte = due.cte("due")
-            stmt = update(outbox).where(outbox.c.id == cte.c.id)
-        else:
-            stmt = update(outbox).where(outbox.c.id.in_(due.scalar_subquery()))
+        rows: list[Any] = []
         with self._begin() as conn:
-            rows = conn.execute(stmt.values(**values).returning(*CLAIM_COLUMNS)).all()
+            for keyed in (True, False):
+                left = limit - len(rows)
+                if left <= 0:
+                    break
+                stmt = self._claim_stmt(self._due(now, left, keyed=keyed))
+                rows += conn.execute(stmt.values(**values).returning(*CLAIM_COLUMNS)).all()
         claimed = [ClaimedRow(*row) for row in rows]
         claimed.sort(key=lambda r: r.id)
         return claimed
+
+    def _claim_stmt(self, due: Select[tuple[int]]) -> Any:
+        if self.is_postgres:
+            cte = due.cte("due")
+            return update(outbox).where(outbox.c.id == cte.c.id)
+        return update(outbox).where(outbox.c.id.in_(due.scalar_subquery()))
 
     # -------------------------------------------- per-row values, one statement
 
@@ -673,6 +739,8 @@ class OutboxRepository:
             cond = and_(cond, outbox.c.created_at >= flt.created_after)
         if flt.created_before is not None:
             cond = and_(cond, outbox.c.created_at < flt.created_before)
+        if flt.ordering_key is not None:
+            cond = and_(cond, outbox.c.ordering_key == flt.ordering_key)
         return cond
 
     def _republish(
@@ -710,6 +778,53 @@ class OutboxRepository:
             ).scalar_one()  # fmt: skip
         return RepublishResult(dry_run=False, count=len(ids), matched=matched, sample=sample,
                                audit_id=int(audit_id))  # fmt: skip
+
+    def skip(self, *, actor: str, message_id: str, reason: str) -> SkipResult:
+        """Mark one terminal failure ``skipped`` (audited with ``reason``): it will not be
+        delivered, and the later rows of its ordering key, parked behind it, are released."""
+        reason = reason.strip()
+        if not reason:
+            raise CannotSkip("a skip needs a reason (it is kept in the audit trail)")
+        sources = [s.value for s in TERMINAL_FAILURES]
+        for source in TERMINAL_FAILURES:
+            check_transition(source, Status.SKIPPED)
+        with self._begin() as conn:
+            pick = select(outbox.c.id, outbox.c.status, outbox.c.ordering_key).where(
+                outbox.c.message_id == message_id
+            )
+            found = conn.execute(
+                pick.with_for_update() if self.is_postgres else pick
+            ).first()  # fmt: skip
+            if found is None:
+                raise CannotSkip(f"no row with message_id {message_id!r}")
+            if found.status not in sources:
+                raise CannotSkip(
+                    f"{message_id!r} is {found.status}: only a terminal failure "
+                    f"({', '.join(sorted(sources))}) can be skipped"
+                )
+            conn.execute(
+                update(outbox).where(outbox.c.id == found.id, outbox.c.status.in_(sources))
+                .values(status=Status.SKIPPED, last_error=f"skipped by {actor}: {reason}")
+            )  # fmt: skip
+            released = 0
+            if found.ordering_key is not None:
+                released = conn.execute(
+                    select(func.count()).select_from(outbox).where(
+                        outbox.c.ordering_key == found.ordering_key, outbox.c.id > found.id,
+                        outbox.c.status == Status.PENDING)
+                ).scalar_one()  # fmt: skip
+            result = {"message_id": message_id, "previous": found.status,
+                      "ordering_key": found.ordering_key, "released": released}  # fmt: skip
+            audit_id = conn.execute(
+                insert(audit)
+                .values(at=self.clock(), actor=actor, action="skip",
+                        filter={"message_id": message_id, "reason": reason}, count=1,
+                        result=result)
+                .returning(audit.c.id)
+            ).scalar_one()  # fmt: skip
+        return SkipResult(message_id=message_id, previous=Status(found.status),
+                          ordering_key=found.ordering_key, released=released,
+                          audit_id=int(audit_id))  # fmt: skip
 
     def purge_confirmed(self, *, older_than: dt.timedelta, chunk: int = 1000) -> int:
         """Delete ``confirmed`` rows confirmed before ``now - older_than``, ``chunk`` rows per

@@ -30,6 +30,8 @@ from app.outbox.states import Status
 metadata = MetaData()
 
 STATUS_VALUES = ", ".join(f"'{s.value}'" for s in Status)
+#: Rows that hold their ordering key back (see app.outbox.states.RELEASES_KEY).
+KEY_OPEN = "ordering_key IS NOT NULL AND status NOT IN ('confirmed', 'skipped')"
 #: ``BIGINT`` identity on PostgreSQL, ``INTEGER PRIMARY KEY`` (the rowid) on SQLite.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -116,6 +118,15 @@ outbox = Table(
         "lease_until",
         postgresql_where=text("status = 'in_flight'"),
         sqlite_where=text("status = 'in_flight'"),
+    ),
+    # Per-key order: the rows of each ordering key that still hold the key back (not confirmed,
+    # not skipped). Its first row per key is the key's head, the only one a claim may take.
+    Index(
+        "ix_outbox_key_open",
+        "ordering_key",
+        "id",
+        postgresql_where=text(KEY_OPEN),
+        sqlite_where=text(KEY_OPEN),
     ),
     Index("ix_outbox_batch", "batch_id"),
 )

@@ -8,7 +8,10 @@
        │                  │  └──permanent error▶ failed   ─┤ republish
        └──retry / lost / lease expired / release ◀──┘      │
        ▲                                                   │
-       └───────────────────────────────────────────────────┘
+       └───────────────────────────────────────────────────┘   operator skip ─▶ skipped
+
+``skipped`` is an operator's decision that a terminal failure will not be delivered: the row
+stays (audited), and the later rows of its ordering key, parked behind it, go on.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ class Status(StrEnum):
     RETURNED = "returned"
     NACKED = "nacked"
     FAILED = "failed"
+    SKIPPED = "skipped"
 
 
 TERMINAL_FAILURES: frozenset[Status] = frozenset({Status.RETURNED, Status.NACKED, Status.FAILED})
-TERMINAL: frozenset[Status] = TERMINAL_FAILURES | {Status.CONFIRMED}
+TERMINAL: frozenset[Status] = TERMINAL_FAILURES | {Status.CONFIRMED, Status.SKIPPED}
+#: A row in one of these states no longer holds back the later rows of its ordering key.
+RELEASES_KEY: frozenset[Status] = frozenset({Status.CONFIRMED, Status.SKIPPED})
 
 #: (from, to) -> the event that moves a row along that edge.
 TRANSITIONS: dict[tuple[Status, Status], str] = {
@@ -39,6 +45,9 @@ TRANSITIONS: dict[tuple[Status, Status], str] = {
     (Status.RETURNED, Status.PENDING): "operator republish",
     (Status.NACKED, Status.PENDING): "operator republish",
     (Status.FAILED, Status.PENDING): "operator republish",
+    (Status.RETURNED, Status.SKIPPED): "operator skip",
+    (Status.NACKED, Status.SKIPPED): "operator skip",
+    (Status.FAILED, Status.SKIPPED): "operator skip",
 }
 
 

@@ -1,0 +1,115 @@
+"""``/v1/keys``: ordering keys parked behind a terminal failure, and the operator's way out.
+
+A key is *parked* when its head (its first row not yet confirmed or skipped) ended ``returned``,
+``nacked`` or ``failed``: the later rows of the key wait rather than overtake it. The operator
+either republishes the blocking row (``POST /v1/republish`` with ``ordering_key``: it goes first
+and the key resumes behind it) or skips it (``POST /v1/messages/{id}/skip``, audited), which
+releases the key.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.auth import require_operator, require_reader
+from app.api.context import ApiContext, get_ctx
+from app.api.models import Text
+from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
+from app.outbox import queries
+from app.outbox.repository import CannotSkip, SkipResult
+
+log = logging.getLogger("app.api.keys")
+Ctx = Annotated[ApiContext, Depends(get_ctx)]
+Operator = Annotated[str, Depends(require_operator)]
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS)
+
+
+class ParkedKeyOut(BaseModel):
+    ordering_key: str
+    blocking_message_id: str = Field(description="The terminal failure the key waits behind.")
+    blocking_status: str
+    blocking_error: str | None
+    blocking_reply_code: int | None
+    parked_since: dt.datetime | None
+    waiting: int = Field(description="Later rows of the key, not yet published.")
+
+    @classmethod
+    def of(cls, k: queries.ParkedKey) -> ParkedKeyOut:
+        return cls(ordering_key=k.ordering_key, blocking_message_id=k.blocking_message_id,
+                   blocking_status=k.blocking_status.value, blocking_error=k.blocking_error,
+                   blocking_reply_code=k.blocking_reply_code, parked_since=k.parked_since,
+                   waiting=k.waiting)  # fmt: skip
+
+
+class ParkedKeyPage(BaseModel):
+    items: list[ParkedKeyOut]
+    next_after: str | None = Field(description="Pass as `after` for the next page.")
+
+
+class SkipRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: Annotated[str, Field(min_length=1, max_length=1000)] = Field(
+        description="Why this row will not be delivered (kept in the audit trail)."
+    )
+
+
+class SkipOut(BaseModel):
+    message_id: str
+    previous_status: str
+    ordering_key: str | None
+    released: int = Field(description="Rows of the key that were waiting behind it.")
+    audit_id: int
+
+    @classmethod
+    def of(cls, r: SkipResult) -> SkipOut:
+        return cls(
+            message_id=r.message_id,
+            previous_status=r.previous.value,
+            ordering_key=r.ordering_key,
+            released=r.released,
+            audit_id=r.audit_id,
+        )
+
+
+@router.get("/keys/parked", response_model=ParkedKeyPage, summary="Ordering keys parked")
+def get_parked_keys(
+    ctx: Ctx,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[Text | None, Query(description="Last key of the previous page.")] = None,
+) -> ParkedKeyPage:
+    found = queries.parked_keys(ctx.engine, limit=limit, after=after)
+    nxt = found[-1].ordering_key if len(found) == limit else None
+    return ParkedKeyPage(items=[ParkedKeyOut.of(k) for k in found], next_after=nxt)
+
+
+@router.post(
+    "/messages/{message_id}/skip",
+    response_model=SkipOut,
+    responses={**WRITE_ERRORS, **NOT_FOUND, 409: {"description": "Not a terminal failure."}},
+    summary="Skip a terminal failure: not delivered, its ordering key goes on (operator)",
+)
+def skip_message(
+    ctx: Ctx,
+    actor: Operator,
+    message_id: Annotated[Text, Path()],
+    body: Annotated[SkipRequest, Body()],
+) -> SkipOut:
+    if queries.message(ctx.engine, message_id=message_id) is None:
+        raise HTTPException(404, f"no message {message_id!r}")
+    try:
+        result = ctx.repo.skip(actor=actor, message_id=message_id, reason=body.reason)
+    except CannotSkip as exc:
+        raise HTTPException(409, str(exc)) from None
+    log.info(
+        "%s skipped %r (was %s, key %r, %d rows released), audit %d",
+        actor, message_id, result.previous.value, result.ordering_key, result.released,
+        result.audit_id,
+    )  # fmt: skip
+    return SkipOut.of(result)
