@@ -145,6 +145,7 @@ class PlannedRow:
     body: bytes
     expect: Expect = CONFIRMED
     max_attempts: int = 10
+    ordering_key: str | None = None
 
 
 def body_for(index: int, size: int = 256) -> bytes:
@@ -163,7 +164,8 @@ def insert_rows(engine: Engine, rows: Sequence[PlannedRow], *, batch_id: str, st
         values.append({"message_id": row.message_id, "batch_id": batch_id,
                        "exchange": row.exchange, "routing_key": row.routing_key,
                        "body": row.body, "available_at": due,
-                       "max_attempts": row.max_attempts})  # fmt: skip
+                       "max_attempts": row.max_attempts,
+                       "ordering_key": row.ordering_key})  # fmt: skip
     with engine.begin() as conn:
         for at in range(0, len(values), 5000):
             conn.execute(insert(outbox), values[at : at + 5000])

@@ -36,6 +36,9 @@ CREATE TABLE IF NOT EXISTS received (
     deliveries  integer     NOT NULL,
     redelivered integer     NOT NULL DEFAULT 0,
     first_at    timestamptz NOT NULL DEFAULT now(),
+    -- arrival order of first deliveries: rows of a batch are inserted in delivery order and
+    -- an upsert keeps the first value
+    seq         bigserial   NOT NULL,
     CONSTRAINT pk_received PRIMARY KEY (run, message_id, attempt)
 )
 """
@@ -115,8 +118,8 @@ class Verifier:
     def ensure_schema(db_url: str) -> None:
         """Create the table, emptied of earlier matrix runs."""
         with psycopg.connect(_conninfo(db_url), autocommit=True) as conn:
+            conn.execute("DROP TABLE IF EXISTS received")
             conn.execute(SCHEMA)
-            conn.execute("TRUNCATE received")
 
     async def start(self) -> None:
         self._tasks = [
@@ -237,6 +240,16 @@ class Verifier:
                 await d.channel.basic_ack(d.tag, multiple=True)
 
     # ------------------------------------------------------------ results
+
+    def first_arrivals(self) -> list[str]:
+        """Message ids in the order of their first delivery (any attempt)."""
+        with psycopg.connect(_conninfo(self.db_url), autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT message_id FROM received WHERE run = %s GROUP BY message_id "
+                "ORDER BY min(seq)",
+                (self.run,),
+            ).fetchall()
+        return [m for (m,) in rows]
 
     def results(self) -> Received:
         """Read back the table (not the in-memory mirror) for this run."""
