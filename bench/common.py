@@ -137,15 +137,19 @@ def temp_sqlite() -> Iterator[str]:
         yield url
 
 
-def seed_postgres(url: str, *, n: int, exchange: str, routing_key: str, start: int = 0) -> None:
-    """Insert ``n`` pending rows with COPY (rows shaped like tests/factories.py)."""
+def seed_postgres(url: str, *, n: int, exchange: str, routing_key: str, start: int = 0,
+                  keys: int | None = None) -> None:  # fmt: skip
+    """Insert ``n`` pending rows with COPY (rows shaped like tests/factories.py); with ``keys``,
+    row ``i`` has ordering key ``k{i % keys}`` (keys interleaved, as a stream writes them)."""
     prefix = uuid.uuid4().hex[:8]
-    copy = "COPY outbox (message_id, batch_id, exchange, routing_key, body) FROM STDIN"
+    copy = ("COPY outbox (message_id, batch_id, exchange, routing_key, body, ordering_key) "
+            "FROM STDIN")  # fmt: skip
     with psycopg.connect(libpq_url(url)) as conn, conn.cursor() as cur:
         with cur.copy(copy) as cp:
             for i in range(start, start + n):
+                key = None if keys is None else f"k{i % keys}"
                 cp.write_row((f"{prefix}-{i}", f"bench:{i // 10_000}", exchange, routing_key,
-                              BODY))  # fmt: skip
+                              BODY, key))  # fmt: skip
         conn.commit()
         cur.execute("ANALYZE outbox")
         conn.commit()

@@ -35,6 +35,9 @@ TARGETS = [
     ("ratio_drain_postgres_2_publishers_vs_drain_postgres", "drain_postgres_2_publishers",
      "drain_postgres", 1.0),
     ("ratio_spark_outbox_vs_jdbc", "spark_outbox_rows", "spark_jdbc_rows", 1.5),
+    # ordered with 10,000 keys within a small factor of the unordered drain
+    ("ratio_drain_ordered_10k_keys_vs_drain_postgres", "drain_postgres_ordered_10k_keys",
+     "drain_postgres", 0.5),
 ]  # fmt: skip
 RSS_GROWTH_LIMIT_PCT = 10.0
 

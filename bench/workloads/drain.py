@@ -123,13 +123,18 @@ class DrainResult:
     duplicates: int
 
 
-def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1) -> DrainResult:
-    """Seed ``n`` rows, run ``publishers`` processes with ``--until-empty``, time the drain."""
+def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
+               keys: int | None = None) -> DrainResult:  # fmt: skip
+    """Seed ``n`` rows, run ``publishers`` processes with ``--until-empty``, time the drain.
+    ``keys``: rows carry one of that many ordering keys (PostgreSQL), published in key order."""
     make_db = temp_postgres(services) if backend == "postgresql" else temp_sqlite()
-    seed = seed_postgres if backend == "postgresql" else seed_sqlite
     with make_db as db_url, topology(services, f"drain-{backend}") as topo, \
             tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir:  # fmt: skip
-        seed(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key)
+        if backend == "postgresql":
+            seed_postgres(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key,
+                          keys=keys)  # fmt: skip
+        else:
+            seed_sqlite(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key)
         start = dt.datetime.now(dt.UTC)
         procs = [start_publisher(services, db_url, Path(logdir), until_empty=True, name=str(i))
                  for i in range(publishers)]  # fmt: skip
@@ -175,12 +180,19 @@ def _drain_repeat(key: str, run: Callable[[], DrainResult]) -> Measured:
 
 def run_drains(services: Services, sizes: Sizes) -> list[Measured]:
     n = sizes.drain
+    hot = max(200, n // 100)
     return [
         _drain_repeat("drain_postgres",
                       lambda: drain_once(services, backend="postgresql", n=n)),
         _drain_repeat("drain_sqlite", lambda: drain_once(services, backend="sqlite", n=n)),
         _drain_repeat("drain_postgres_2_publishers",
                       lambda: drain_once(services, backend="postgresql", n=n, publishers=2)),
+        # per-key order (docs/guarantees.md section 5): many keys in parallel, and one hot key
+        # whose rate is bounded by one publish -> confirm -> write-back -> claim cycle per row
+        _drain_repeat("drain_postgres_ordered_10k_keys",
+                      lambda: drain_once(services, backend="postgresql", n=n, keys=10_000)),
+        _drain_repeat("drain_postgres_ordered_hot_key",
+                      lambda: drain_once(services, backend="postgresql", n=hot, keys=1)),
     ]  # fmt: skip
 
 
