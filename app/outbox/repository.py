@@ -770,6 +770,7 @@ class OutboxRepository:
                             last_error=None, reply_code=None, reply_text=None)
                 )  # fmt: skip
             result = {"count": len(ids), "matched": matched, "sample": sample}
+            self._notify_new(conn)
             audit_id = conn.execute(
                 insert(audit)
                 .values(at=self.clock(), actor=actor, action="republish", request_id=request_id,
@@ -778,6 +779,11 @@ class OutboxRepository:
             ).scalar_one()  # fmt: skip
         return RepublishResult(dry_run=False, count=len(ids), matched=matched, sample=sample,
                                audit_id=int(audit_id))  # fmt: skip
+
+    def _notify_new(self, conn: Connection) -> None:
+        """Rows became due: wake listening publishers at commit (PostgreSQL; polled otherwise)."""
+        if self.is_postgres:
+            conn.execute(text("SELECT pg_notify('outbox_new', '')"))
 
     def skip(self, *, actor: str, message_id: str, reason: str) -> SkipResult:
         """Mark one terminal failure ``skipped`` (audited with ``reason``): it will not be
@@ -813,6 +819,8 @@ class OutboxRepository:
                         outbox.c.ordering_key == found.ordering_key, outbox.c.id > found.id,
                         outbox.c.status == Status.PENDING)
                 ).scalar_one()  # fmt: skip
+            if released:
+                self._notify_new(conn)
             result = {"message_id": message_id, "previous": found.status,
                       "ordering_key": found.ordering_key, "released": released}  # fmt: skip
             audit_id = conn.execute(

@@ -45,6 +45,7 @@ from app.publisher.dbthread import DbThread
 from app.publisher.destinations import Destinations
 from app.publisher.holdings import Holdings
 from app.publisher.housekeeping import Housekeeping, HousekeepingParts
+from app.publisher.listener import Listener
 from app.publisher.metrics import PublisherMetrics, PublisherStats, registry_for
 from app.publisher.outcomes import PublishRun, TagNotes
 from app.publisher.sender import Sender, SenderParts
@@ -108,6 +109,8 @@ class Publisher:
             holdings=self.holdings, session=self.session, metrics=self.metrics,
             accepted=self.sender.work.set, clock=clock,
         ))  # fmt: skip
+        self.listener = Listener(url=settings.database_url.get_secret_value(),
+                                 wake=self.claimer.room.set)  # fmt: skip
         self.housekeeping: Housekeeping | None = None
         self.probes: ProbeServer | None = None
         self.metrics.gauges = self._gauges
@@ -192,6 +195,10 @@ class Publisher:
                 self.housekeeping.run(), name="outbox-housekeeping"
             ),
         }
+        if self.listener.conninfo is not None:  # PostgreSQL; SQLite only polls
+            self._tasks["listener"] = asyncio.create_task(
+                self.listener.run(), name="outbox-listener"
+            )
         watchers = [asyncio.create_task(self._stop.wait())]
         if stop is not None:
             watchers.append(asyncio.create_task(stop.wait()))
@@ -225,9 +232,12 @@ class Publisher:
         self._stop.set()
         self.session.stopping = True
         tasks = self._tasks
+        self.listener.stop()
         self.claimer.stopped = True
         self.claimer.room.set()
         await _finish(tasks["claimer"])
+        if "listener" in tasks:
+            tasks["listener"].cancel()  # it may sit in a 5 s wait for notifications
         if self.claimer.orphans_possible:
             with contextlib.suppress(Exception):
                 await self.claimer.release_orphans()
