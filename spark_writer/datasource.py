@@ -63,7 +63,9 @@ class OutboxDataSource(DataSource):
                 )
             batch_id = int(time.time() * 1000)  # a label only: the key column makes ids stable
         batch = BatchRef(sink=options.sink, spark_batch_id=batch_id)
-        return OutboxBatchWriter(WritePlan(options=options, schema=schema, batch=batch))
+        return OutboxBatchWriter(
+            WritePlan(options=options, schema=schema, batch=batch, sort_in_task=True)
+        )
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
         options, batch_id = self._checked(schema, overwrite)
@@ -122,7 +124,7 @@ class OutboxStreamWriter(DataSourceStreamArrowWriter):
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         partition, attempt = _task()
         batch = self._task_batch()
-        plan = WritePlan(options=self.options, schema=self.schema, batch=batch)
+        plan = WritePlan(options=self.options, schema=self.schema, batch=batch, sort_in_task=True)
         result = write_partition(iterator, plan=plan, partition=partition, attempt=attempt)
         return PartitionDone(batch=batch, result=result)
 

@@ -41,6 +41,9 @@ class OutboxOptions:
     header_columns: tuple[str, ...] = field(default_factory=tuple)
     message_id_column: str | None = None
     ordering_key_column: str | None = None
+    #: sorts the rows of each ordering key (event time or a sequence number): the writer lays
+    #: a batch out so that outbox ids, hence publishes, follow it within each key
+    sequence_column: str | None = None
     mandatory: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     on_invalid: OnInvalid = "fail"
@@ -60,6 +63,7 @@ class OutboxOptions:
             ("body", self.body_column),
             ("message id", self.message_id_column),
             ("ordering key", self.ordering_key_column),
+            ("sequence", self.sequence_column),
         ]
         named += [("header", col) for col in self.header_columns]
         return [(role, col) for role, col in named if col is not None]
@@ -76,6 +80,9 @@ def _problems(o: OutboxOptions) -> list[str]:
     for name, literal in (("exchange", o.exchange), ("routing_key", o.routing_key)):
         if literal is not None and len(literal.encode()) > SHORTSTR_MAX:
             out.append(f"{name} is longer than {SHORTSTR_MAX} bytes")
+    if o.sequence_column is not None and o.ordering_key_column is None:
+        out.append("sequence_column orders the rows of each ordering key: give "
+                   "ordering_key_column too")  # fmt: skip
     if o.max_body_bytes < 1:
         out.append("max_body_bytes must be at least 1")
     if o.on_invalid not in ("fail", "reject"):
@@ -103,6 +110,7 @@ _SPARK_KEYS = {
     "headercolumns": "header_columns",
     "messageidcolumn": "message_id_column",
     "orderingkeycolumn": "ordering_key_column",
+    "sequencecolumn": "sequence_column",
     "mandatory": "mandatory",
     "maxbodybytes": "max_body_bytes",
     "oninvalid": "on_invalid",

@@ -66,6 +66,7 @@ class OutboxSink:
         header_columns: Sequence[str] = (),
         message_id_column: str | None = None,
         ordering_key_column: str | None = None,
+        sequence_column: str | None = None,
         mandatory: bool = True,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         on_invalid: OnInvalid = "fail",
@@ -83,6 +84,7 @@ class OutboxSink:
             header_columns=tuple(header_columns),
             message_id_column=message_id_column,
             ordering_key_column=ordering_key_column,
+            sequence_column=sequence_column,
             mandatory=mandatory,
             max_body_bytes=max_body_bytes,
             on_invalid=on_invalid,
@@ -113,6 +115,7 @@ def write_outbox(
     header_columns: Sequence[str] = (),
     message_id_column: str | None = None,
     ordering_key_column: str | None = None,
+    sequence_column: str | None = None,
     mandatory: bool = True,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_invalid: OnInvalid = "fail",
@@ -137,6 +140,7 @@ def write_outbox(
         header_columns=tuple(header_columns),
         message_id_column=message_id_column,
         ordering_key_column=ordering_key_column,
+        sequence_column=sequence_column,
         mandatory=mandatory,
         max_body_bytes=max_body_bytes,
         on_invalid=on_invalid,
@@ -163,8 +167,19 @@ def run_batch(
             if problems:
                 raise OutboxDataError(batch_id=batch.key, problems=problems)
         plan = WritePlan(options=options, schema=source.schema, batch=batch)
-        results = write_job(source, plan=plan, on_committed=on_committed)
+        results = write_job(laid_out(source, options), plan=plan, on_committed=on_committed)
     return commit_batch(options=options, batch=batch, results=results)
+
+
+def laid_out(df: DataFrame, options: OutboxOptions) -> DataFrame:
+    """With a ``sequence_column``: every row of a key in one partition, sorted by the sequence,
+    so the partition's single transaction gives the key's rows ids in that order (and the
+    publisher publishes them in id order). Without one, rows keep the input's layout: within a
+    key, the order of rows within each input partition; no order across partitions."""
+    if options.sequence_column is None or options.ordering_key_column is None:
+        return df
+    key, seq = options.ordering_key_column, options.sequence_column
+    return df.repartition(F.col(key)).sortWithinPartitions(F.col(key), F.col(seq))
 
 
 def write_job(

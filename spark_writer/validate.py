@@ -15,6 +15,8 @@ from pyspark.sql.types import (
     BooleanType,
     ByteType,
     DataType,
+    DateType,
+    DecimalType,
     DoubleType,
     FloatType,
     IntegerType,
@@ -23,6 +25,8 @@ from pyspark.sql.types import (
     ShortType,
     StringType,
     StructType,
+    TimestampNTZType,
+    TimestampType,
 )
 
 from spark_writer.errors import OutboxSchemaError, ProblemCount
@@ -40,6 +44,19 @@ ACCEPTED: dict[str, tuple[tuple[type[DataType], ...], str]] = {
     "exchange": ((StringType,), "string"),
     "routing key": ((StringType,), "string"),
     "ordering key": ((StringType,), "string"),
+    "sequence": (
+        (
+            *_INTEGRAL,
+            FloatType,
+            DoubleType,
+            DecimalType,
+            TimestampType,
+            TimestampNTZType,
+            DateType,
+            StringType,
+        ),
+        "integer, float, decimal, timestamp, date or string",
+    ),
     "body": ((BinaryType, StringType), "binary or string"),
     "message id": ((StringType, *_INTEGRAL), "string or integer"),
     "header": (

@@ -26,6 +26,9 @@ class WritePlan:
     options: OutboxOptions
     schema: StructType
     batch: BatchRef
+    #: sort each partition by (ordering key, sequence) in the task: ``format("outbox")``, whose
+    #: input Spark lays out (the DataFrame writers sort with Spark before the write)
+    sort_in_task: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +133,8 @@ def write_partition(
 ) -> PartitionResult:
     """Write one partition in one transaction (executor side). Bad rows in fail mode: none."""
     batches = iter(batches)
+    if plan.sort_in_task:
+        batches = _sorted_by_key(batches, plan.options)
     first = next(batches, None)
     if first is None:  # an empty partition needs no connection
         return PartitionResult(partition=partition, attempt=attempt)
@@ -164,6 +169,20 @@ def write_partition(
     if on_committed is not None:
         on_committed(result)
     return result
+
+
+def _sorted_by_key(
+    batches: Iterator[pa.RecordBatch], options: OutboxOptions
+) -> Iterator[pa.RecordBatch]:
+    """The partition sorted by (ordering key, sequence) (held in memory: one partition)."""
+    key, seq = options.ordering_key_column, options.sequence_column
+    if key is None or seq is None:
+        return batches
+    table = pa.Table.from_batches(list(batches))
+    if table.num_rows == 0:
+        return iter(())
+    ordered = table.sort_by([(key, "ascending"), (seq, "ascending")])
+    return iter(ordered.to_batches())
 
 
 def _prepend(first: pa.RecordBatch, rest: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
