@@ -377,3 +377,37 @@ def test_parked_and_skip_from_the_cli(
     assert main(["skip", "h-k0-0", "--reason", "won't fix"]) == 0
     assert "1 waiting rows released" in capsys.readouterr().out
     assert main(["parked"]) == 0 and "no parked keys" in capsys.readouterr().out
+
+
+async def test_connections_closed_mid_window_never_let_a_later_row_overtake(
+    pg_url: str, amqp_url: str
+) -> None:
+    """The broker closes the publisher's connection (its channels with it) twice while keys are
+    in flight: the unconfirmed heads go out again on a fresh connection, still first."""
+    import subprocess
+
+    from tests.conftest import SERVICES, services_env
+
+    exchange = queue = f"test-ordered-close-{uuid.uuid4().hex[:8]}"
+    await declare(amqp_url, exchange=exchange, queue=queue)
+    engine = make_engine(pg_url)
+    try:
+        keyed = add_keyed(engine, keys=50, per_key=40, exchange=exchange)
+        settings = settings_for(db_url=pg_url, amqp_url=amqp_url, channels=2,
+                                publisher_id=f"ordered-close-{uuid.uuid4().hex[:6]}")  # fmt: skip
+        async with running_publisher(settings, engine) as publisher:
+            for n in (300, 1000):
+                await wait_rows(engine, lambda rs, n=n: sum(r.status == "confirmed" for r in rs)
+                                >= n, timeout=60)  # fmt: skip
+                await asyncio.to_thread(
+                    subprocess.run,
+                    [str(SERVICES), "ctl", "close_all_connections", "ordered-keys test"],
+                    check=True, capture_output=True, timeout=60, env=services_env(),
+                )  # fmt: skip
+            await wait_rows(engine, all_in("confirmed"), timeout=90)
+        assert publisher.metrics.reconnects >= 1
+        arrivals = await first_deliveries(amqp_url, queue, expect=2000)
+        assert_key_order(arrivals, keyed)
+    finally:
+        engine.dispose()
+        await delete(amqp_url, exchanges=(exchange,), queues=(queue,))
