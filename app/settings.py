@@ -11,7 +11,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     """Every knob of the service. Secrets are ``SecretStr`` so they never print or log."""
 
-    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="ignore")
+    # errors never echo the input: a URL in it may carry a password
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_", extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: SecretStr = Field(
         default=SecretStr("sqlite:///outbox.db"),
@@ -19,7 +22,9 @@ class Settings(BaseSettings):
     )
     amqp_url: SecretStr = Field(
         default=SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
-        description="AMQP URL of the RabbitMQ broker.",
+        description="AMQP URL of the RabbitMQ broker: amqp:// or amqps:// (TLS), several hosts "
+        "separated by commas for failover, options cafile, capath, certfile, keyfile, "
+        "server_hostname, no_verify_ssl, auth=plain|external (docs/operations.md).",
     )
     api_token: SecretStr | None = Field(
         default=None, description="Bearer token for read endpoints."
@@ -123,6 +128,14 @@ class Settings(BaseSettings):
         url = value.get_secret_value()
         if not url.startswith(("sqlite", "postgresql")):
             raise ValueError("database_url must be a sqlite:// or postgresql:// URL")
+        return value
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _usable_amqp_url(cls, value: SecretStr) -> SecretStr:
+        from app.amqp.params import parse_url  # the message never quotes the URL (a password)
+
+        parse_url(value.get_secret_value())
         return value
 
     @property

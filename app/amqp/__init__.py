@@ -17,6 +17,7 @@ from app.amqp.codec import (
 from app.amqp.connection import AMQPConnection, WireListener
 from app.amqp.errors import (
     AuthenticationError,
+    BrokerUnreachableError,
     ChannelClosedError,
     ChannelLimitError,
     CloseReason,
@@ -24,13 +25,14 @@ from app.amqp.errors import (
     HandshakeError,
     WireError,
 )
-from app.amqp.params import AMQPParams, parse_url
+from app.amqp.params import AMQPParams, TLSOptions, URLError, parse_url
 
 __all__ = [
     "DEFAULT_FRAME_MAX",
     "AMQPConnection",
     "AMQPParams",
     "AuthenticationError",
+    "BrokerUnreachableError",
     "ChannelClosedError",
     "ChannelLimitError",
     "CloseReason",
@@ -40,6 +42,8 @@ __all__ = [
     "OutgoingMessage",
     "PublishEncoder",
     "ReturnedMessage",
+    "TLSOptions",
+    "URLError",
     "WireError",
     "WireListener",
     "marshal_properties",

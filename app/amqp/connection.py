@@ -46,6 +46,7 @@ from app.amqp.errors import (
     FRAME_ERROR,
     REPLY_SUCCESS,
     AuthenticationError,
+    BrokerUnreachableError,
     ChannelClosedError,
     ChannelLimitError,
     CloseReason,
@@ -153,20 +154,47 @@ class AMQPConnection(asyncio.Protocol):
         timeout: float = 10.0,
         name: str = "outbox-publisher",
     ) -> AMQPConnection:
-        """Open a TCP (or TLS) connection and run the AMQP handshake."""
+        """Open a TCP (or TLS) connection and run the AMQP handshake, trying the URL's brokers
+        in order; the error names each broker tried and why it failed."""
         params = parse_url(url)
-        loop = asyncio.get_running_loop()
-        proto = cls(listener=listener, params=params, heartbeat=heartbeat, frame_max=frame_max,
-                    channel_max=channel_max, name=name)  # fmt: skip
-        tls = ssl.create_default_context() if params.tls else None
-        async with asyncio.timeout(timeout):
-            await loop.create_connection(lambda: proto, params.host, params.port, ssl=tls)
+        tls = params.ssl_context()
+        failures: list[str] = []
+        last: BaseException | None = None
+        for host, port in params.addresses:
+            proto = cls(listener=listener, params=params, heartbeat=heartbeat,
+                        frame_max=frame_max, channel_max=channel_max, name=name)  # fmt: skip
             try:
-                await proto._handshake()
+                await proto._open(host, port, tls=tls, server_hostname=params.server_hostname(host),
+                                  timeout=timeout)  # fmt: skip
+                return proto
+            except AuthenticationError:
+                raise  # the broker answered: another one would refuse the same credentials
+            except ssl.SSLCertVerificationError as exc:
+                last = exc
+                failures.append(
+                    f"{host}:{port}: TLS certificate not trusted: "
+                    f"{exc.verify_message or exc.reason} (CAs: "
+                    f"{params.tls_options.cafile or 'the system store'}; name checked: "
+                    f"{params.server_hostname(host)})"
+                )
+            except (OSError, TimeoutError, HandshakeError, ConnectionClosedError) as exc:
+                last = exc
+                failures.append(f"{host}:{port}: {exc or type(exc).__name__}")
+        if len(failures) == 1 and isinstance(last, WireError):
+            raise last
+        raise BrokerUnreachableError("; ".join(failures)) from last
+
+    async def _open(self, host: str, port: int, *, tls: ssl.SSLContext | None,
+                    server_hostname: str | None, timeout: float) -> None:  # fmt: skip
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            await loop.create_connection(lambda: self, host, port, ssl=tls,
+                                         server_hostname=server_hostname)  # fmt: skip
+            try:
+                await self._handshake()
             except BaseException:
-                proto.abort()
+                self.abort()
                 raise
-        return proto
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -231,8 +259,13 @@ class AMQPConnection(asyncio.Protocol):
         mechanisms = start.mechanisms
         if isinstance(mechanisms, bytes):
             mechanisms = mechanisms.decode()
-        if "PLAIN" not in str(mechanisms).split():
-            raise HandshakeError(f"broker offers no PLAIN authentication ({mechanisms})")
+        wanted = self._params.auth.upper()
+        if wanted not in str(mechanisms).split():
+            hint = (" (enable the rabbitmq_auth_mechanism_ssl plugin and auth_mechanisms)"
+                    if wanted == "EXTERNAL" else "")  # fmt: skip
+            raise HandshakeError(
+                f"broker offers no {wanted} authentication (it offers {mechanisms}){hint}"
+            )
         tune = await self._request(0, self._start_ok(), (commands.Connection.Tune,))
         assert isinstance(tune, commands.Connection.Tune)
         self._apply_tune(tune)
@@ -254,6 +287,8 @@ class AMQPConnection(asyncio.Protocol):
             "connection_name": self._name, "capabilities": capabilities,
             "information": "pamqp frame codec, batched publish path",
         }  # fmt: skip
+        if self._params.auth == "external":  # the client certificate is the identity
+            return commands.Connection.StartOk(client_properties, "EXTERNAL", "", "en_US")
         response = f"\0{self._params.username}\0{self._params.password}"
         return commands.Connection.StartOk(client_properties, "PLAIN", response, "en_US")
 

@@ -58,6 +58,11 @@ class ConnectionClosedError(WireError):
         self.reason = reason
 
 
+class BrokerUnreachableError(WireError):
+    """No broker of the URL could be connected to (each one's reason is in the message): a
+    refused or timed-out TCP connection, a TLS certificate not trusted, a wrong host name."""
+
+
 class ChannelClosedError(WireError):
     """The channel is closed; ``reason`` says why."""
 

@@ -58,6 +58,8 @@ rmq_env() {
   export RABBITMQ_DIST_PORT=$((AMQP_PORT + 20000)) RABBITMQ_PID_FILE=$RMQ_DIR/rabbitmq.pid
   export RABBITMQ_CONFIG_FILE=$RMQ_DIR/rabbitmq RABBITMQ_ENABLED_PLUGINS_FILE=$RMQ_DIR/enabled_plugins
   export ERL_EPMD_ADDRESS=127.0.0.1 ERL_CRASH_DUMP=$RMQ_DIR/log/erl_crash.dump
+  # the Erlang distribution port (inter-node and CLI traffic) on loopback too, not 0.0.0.0
+  export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
   mkdir -p "$HOME" "$RMQ_DIR/log"
 }
 
@@ -71,7 +73,24 @@ start_rabbitmq() {
 listeners.tcp.default = 127.0.0.1:$AMQP_PORT
 loopback_users.guest = true
 CONF
-  [ -f "$RABBITMQ_ENABLED_PLUGINS_FILE" ] || echo '[].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"
+  local plugins='[].'
+  # A TLS listener when asked (the TLS tests): OUTBOX_LOCAL_TLS_DIR holds ca.pem, server.pem and
+  # server.key; clients may log in with a certificate (EXTERNAL, user = the certificate's CN).
+  if [ -n "${OUTBOX_LOCAL_TLS_DIR:-}" ] && ! grep -q '^listeners.ssl' "$RMQ_DIR/rabbitmq.conf"; then
+    cat >>"$RMQ_DIR/rabbitmq.conf" <<CONF
+listeners.ssl.default = 127.0.0.1:${OUTBOX_LOCAL_AMQPS_PORT:-$((AMQP_PORT + 1000))}
+ssl_options.cacertfile = $OUTBOX_LOCAL_TLS_DIR/ca.pem
+ssl_options.certfile = $OUTBOX_LOCAL_TLS_DIR/server.pem
+ssl_options.keyfile = $OUTBOX_LOCAL_TLS_DIR/server.key
+ssl_options.verify = verify_peer
+ssl_options.fail_if_no_peer_cert = false
+auth_mechanisms.1 = PLAIN
+auth_mechanisms.2 = EXTERNAL
+ssl_cert_login_from = common_name
+CONF
+  fi
+  grep -q '^listeners.ssl' "$RMQ_DIR/rabbitmq.conf" && plugins='[rabbitmq_auth_mechanism_ssl].'
+  [ -f "$RABBITMQ_ENABLED_PLUGINS_FILE" ] || echo "$plugins" >"$RABBITMQ_ENABLED_PLUGINS_FILE"
   log "starting rabbitmq node $NODE on 127.0.0.1:$AMQP_PORT"
   "$RMQ_BIN/rabbitmq-server" -detached
   "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" wait --timeout 60 "$RABBITMQ_PID_FILE" >/dev/null
