@@ -1,4 +1,9 @@
-"""``/healthz`` (process up) and ``/readyz`` (database, schema, broker). No token needed."""
+"""``/healthz`` (process up) and ``/readyz`` (database and schema). No token needed.
+
+The API reads the database only; it never talks to the broker, so a broker outage does not take
+the read-only operator API out of service (exactly when operators need it). The broker's health
+is each publisher's own ``/readyz`` (:mod:`app.publisher.engine`) and ``outbox status``.
+"""
 
 from __future__ import annotations
 
@@ -26,17 +31,11 @@ def healthz() -> Health:
     "/readyz",
     response_model=Ready,
     responses={503: {"model": Ready, "description": "Not ready: see the failing check."}},
-    summary="Database reachable, migrations current, broker reachable",
+    summary="Database reachable, migrations current",
 )
 async def readyz(ctx: Annotated[ApiContext, Depends(get_ctx)]) -> JSONResponse:
-    timeout = ctx.settings.api_probe_timeout
-    (database, migrations), broker = await asyncio.gather(
-        _database(ctx, timeout), _check_broker(ctx.settings.amqp_url.get_secret_value(), timeout)
-    )
-    ready = Ready(
-        ready=database.ok and migrations.ok and broker.ok,
-        database=database, migrations=migrations, broker=broker,
-    )  # fmt: skip
+    database, migrations = await _database(ctx, ctx.settings.api_probe_timeout)
+    ready = Ready(ready=database.ok and migrations.ok, database=database, migrations=migrations)
     return JSONResponse(ready.model_dump(), status_code=200 if ready.ready else 503)
 
 
@@ -62,14 +61,3 @@ def _check_database(ctx: ApiContext) -> tuple[Check, Check]:
         detail=f"at {current}" if current == head else f"at {current}, head is {head}: migrate",
     )
     return Check(ok=True, detail="reachable"), schema
-
-
-async def _check_broker(url: str, timeout: float) -> Check:
-    import aiormq
-
-    try:
-        conn = await asyncio.wait_for(aiormq.connect(url), timeout)
-    except Exception as exc:  # refused, auth failure, timeout: not ready
-        return Check(ok=False, detail=f"unreachable: {type(exc).__name__}")
-    await conn.close()
-    return Check(ok=True, detail="reachable")

@@ -365,4 +365,3 @@ class Ready(BaseModel):
     ready: bool
     database: Check
     migrations: Check
-    broker: Check
