@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 
-from app.db import make_engine, migrate
+from app.db import SchemaMismatch, make_engine, migrate
 from app.logs import configure as configure_logging
 from app.outbox import queries
 from app.outbox.repository import (
@@ -172,6 +172,8 @@ def _cmd_publish(settings: Settings, args: argparse.Namespace) -> int:
 
     try:
         rc = run_publisher_main(settings)
+    except SchemaMismatch as exc:
+        raise Failure(str(exc)) from None
     except RepositoryError as exc:  # e.g. another publisher holds this SQLite outbox
         raise Failure(str(exc)) from None
     return rc if isinstance(rc, int) else EXIT_OK

@@ -12,6 +12,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 
 import migrations
+from app.outbox.schema import VERSION_TABLE
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
 
@@ -59,4 +60,26 @@ def head_revision() -> str | None:
 
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+
+
+class SchemaMismatch(RuntimeError):
+    """The database's outbox schema is not the one this code expects (the message says what
+    to do)."""
+
+
+def check_schema(engine: Engine) -> None:
+    """Refuse to run on a database whose outbox schema is missing or at another revision."""
+    current, head = current_revision(engine), head_revision()
+    if current == head:
+        return
+    if current is None:
+        raise SchemaMismatch(
+            f"the database has no outbox schema ({VERSION_TABLE} is empty or missing): "
+            "run `outbox migrate` first"
+        )
+    raise SchemaMismatch(
+        f"the outbox schema is at revision {current}, this code expects {head}: run "
+        "`outbox migrate` (or run the release that matches the database)"
+    )

@@ -29,6 +29,9 @@ from app.outbox.states import Status
 
 metadata = MetaData()
 
+#: The outbox's own Alembic version table: it shares a database politely with other
+#: Alembic applications (whose ``alembic_version`` it never reads or writes).
+VERSION_TABLE = "outbox_alembic_version"
 STATUS_VALUES = ", ".join(f"'{s.value}'" for s in Status)
 #: Rows that hold their ordering key back (see app.outbox.states.RELEASES_KEY).
 KEY_OPEN = "ordering_key IS NOT NULL AND status NOT IN ('confirmed', 'skipped')"

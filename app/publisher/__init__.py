@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 
-from app.db import make_engine
+from app.db import check_schema, make_engine
 from app.outbox.repository import OutboxRepository
 from app.publisher.engine import Publisher
 from app.publisher.metrics import PublisherMetrics, PublisherStats
@@ -34,6 +34,7 @@ async def run_publisher(
     # a round trip to every statement; a dead connection fails the call, which is retried.
     engine = make_engine(settings.database_url.get_secret_value(), pool_pre_ping=False)
     try:
+        await asyncio.to_thread(check_schema, engine)  # never publish on a schema we don't know
         publisher = Publisher(settings=settings, repository=OutboxRepository(engine),
                               metrics=metrics)  # fmt: skip
         return await publisher.run(stop=stop, until_empty=until_empty)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import inspect, text
 
-from app.db import current_revision, downgrade, head_revision, make_engine, migrate
+from app.db import (
+    SchemaMismatch,
+    check_schema,
+    current_revision,
+    downgrade,
+    head_revision,
+    make_engine,
+    migrate,
+)
+from app.outbox.schema import VERSION_TABLE
 
 
 def test_upgrade_downgrade_roundtrip(db_url: str) -> None:
@@ -39,4 +49,52 @@ def test_plain_sql_insert_gets_defaults(db_url: str) -> None:
     assert row["attempts"] == 0 and row["max_attempts"] >= 1
     assert bool(row["mandatory"]) is True
     assert row["available_at"] is not None and row["created_at"] is not None
+    engine.dispose()
+
+
+def test_the_outbox_keeps_its_own_version_table_beside_another_alembic_app(db_url: str) -> None:
+    """Another Alembic application's ``alembic_version`` in the same database is never read or
+    written: a full downgrade and upgrade leave it as it was."""
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO alembic_version VALUES ('their_rev_42')"))
+    downgrade(db_url, "base")
+    migrate(db_url)
+    assert current_revision(engine) == head_revision()
+    with engine.connect() as conn:
+        theirs = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+        ours = conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    assert theirs == ["their_rev_42"] and ours == [head_revision()]
+    engine.dispose()
+
+
+def test_an_install_from_before_the_own_version_table_is_adopted(db_url: str) -> None:
+    """An older install kept its revision in alembic_version: the next migrate moves it into
+    outbox_alembic_version and upgrades from there (no table created twice)."""
+    engine = make_engine(db_url)
+    downgrade(db_url, "0006")
+    with engine.begin() as conn:  # as an install of the time left it
+        conn.execute(text(f"DROP TABLE {VERSION_TABLE}"))
+        conn.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO alembic_version VALUES ('0006')"))
+    migrate(db_url)
+    assert current_revision(engine) == head_revision()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 0
+    engine.dispose()
+
+
+def test_a_publisher_refuses_a_schema_it_does_not_know(db_url: str) -> None:
+    engine = make_engine(db_url)
+    downgrade(db_url, "0006")
+    with pytest.raises(
+        SchemaMismatch, match=r"at revision 0006, this code expects .*outbox migrate"
+    ):
+        check_schema(engine)
+    downgrade(db_url, "base")
+    with pytest.raises(SchemaMismatch, match="no outbox schema"):
+        check_schema(engine)
+    migrate(db_url)
+    check_schema(engine)
     engine.dispose()
