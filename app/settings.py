@@ -107,6 +107,14 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds between a publisher's DB heartbeats; alive within 3 intervals.",
     )
+    api_max_body_bytes: int = Field(
+        default=64 * 1024, ge=1024, le=16 * 1024 * 1024,
+        description="Largest request body the API reads (413 above it, before any parsing).",
+    )  # fmt: skip
+    api_auth_failures_per_minute: int = Field(
+        default=20, ge=1, description="Failed authentications per client address and minute "
+        "before the API answers 429.",
+    )  # fmt: skip
     api_probe_timeout: float = Field(
         default=3.0, gt=0, description="Most wait of /readyz for the database and the broker."
     )

@@ -13,6 +13,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
 from app.api import health, keys, metrics, v1
 from app.api.auth import check_auth_config
 from app.api.context import ApiContext
+from app.api.limits import AuthThrottle, BodyLimit
 from app.api.strict import reject_unknown_query
 from app.db import head_revision, make_engine
 from app.outbox.repository import Clock, OutboxRepository, utcnow
@@ -37,6 +38,7 @@ def create_app(
     ctx = ApiContext(
         settings=settings, engine=engine, repo=OutboxRepository(engine, clock=clock),
         clock=clock, head_revision=head_revision(),
+        throttle=AuthThrottle(max_failures=settings.api_auth_failures_per_minute, window=60.0),
     )  # fmt: skip
 
     @asynccontextmanager
@@ -53,6 +55,8 @@ def create_app(
         dependencies=[Depends(reject_unknown_query)],
     )
     app.state.ctx = ctx
+    # outermost: a body over the limit is refused before any parsing or token check
+    app.add_middleware(BodyLimit, max_bytes=settings.api_max_body_bytes)
     app.include_router(health.router)
     app.include_router(v1.router)
     app.include_router(keys.router)

@@ -6,15 +6,17 @@ appear in a response or a log line.
 
 from __future__ import annotations
 
+import logging
 import secrets
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException
+from fastapi import Depends, Header, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
-from app.api.context import ApiContext, get_ctx
+from app.api.context import ApiContext, client_address, get_ctx
 from app.api.models import Actor
 from app.settings import Settings
 
@@ -24,6 +26,11 @@ bearer = HTTPBearer(
 )
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
+#: Shortest token accepted: 16 characters (`openssl rand -hex 16` gives 32).
+MIN_TOKEN_LENGTH = 16
+#: Placeholders of the deploy examples and documentation: never real tokens.
+PLACEHOLDERS = ("change-me", "changeme", "replace-me", "example", "token", "secret", "password")
+log = logging.getLogger("app.api.auth")
 
 
 class ApiConfigError(ValueError):
@@ -50,8 +57,15 @@ def check_auth_config(settings: Settings) -> None:
             "would grant operator actions"
         )
     for name, token in (("OUTBOX_API_TOKEN", read), ("OUTBOX_OPERATOR_TOKEN", op)):
-        if token is not None and not token.get_secret_value().strip():
-            raise ApiConfigError(f"{name} is empty")
+        if token is None:
+            continue
+        value = token.get_secret_value().strip()
+        if len(value) < MIN_TOKEN_LENGTH:
+            raise ApiConfigError(f"{name} is shorter than {MIN_TOKEN_LENGTH} characters: "
+                                 "generate one with `openssl rand -hex 32`")  # fmt: skip
+        if any(value.lower().startswith(p) for p in PLACEHOLDERS):
+            raise ApiConfigError(f"{name} is a documented placeholder: set a real secret "
+                                 "(`openssl rand -hex 32`)")  # fmt: skip
 
 
 def _same(a: SecretStr, b: SecretStr) -> bool:
@@ -64,10 +78,29 @@ def _matches(given: bytes, expected: SecretStr | None) -> bool:
     return secrets.compare_digest(given, expected.get_secret_value().encode())
 
 
-def role_of(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> Role:
-    """The role a request's bearer token grants; 401 when missing or unknown."""
+def role_of(
+    settings: Settings,
+    credentials: HTTPAuthorizationCredentials | None,
+    *,
+    ctx: ApiContext | None = None,
+    client: str = "unknown",
+) -> Role:
+    """The role a request's bearer token grants; 401 when missing or unknown, 429 once a client
+    failed too often (counted in ``ctx.throttle``)."""
     if not _has_tokens(settings):
         return Role.OPERATOR  # check_auth_config let this through: explicit insecure mode
+    if ctx is not None:
+        ctx.throttle.check(client)
+    try:
+        return _role(settings, credentials)
+    except HTTPException:
+        if ctx is not None:
+            ctx.throttle.failed(client)
+        log.warning("failed authentication from %s", client)
+        raise
+
+
+def _role(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> Role:
     if credentials is None:
         raise HTTPException(
             401, "missing bearer token: send 'Authorization: Bearer <token>'", CHALLENGE
@@ -82,28 +115,42 @@ def role_of(settings: Settings, credentials: HTTPAuthorizationCredentials | None
     raise HTTPException(401, "invalid bearer token", CHALLENGE)
 
 
-def require_reader(credentials: Credentials, ctx: Annotated[ApiContext, Depends(get_ctx)]) -> Role:
-    return role_of(ctx.settings, credentials)
+def require_reader(
+    credentials: Credentials, ctx: Annotated[ApiContext, Depends(get_ctx)], request: Request
+) -> Role:
+    return role_of(ctx.settings, credentials, ctx=ctx, client=client_address(request))
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who acts, for the audit row: ``principal`` is what the server verified (which token),
+    ``client`` the peer address; ``actor`` is what the client claims (``X-Outbox-Actor``)."""
+
+    actor: str
+    principal: str
+    client: str
 
 
 def require_operator(
     credentials: Credentials,
     ctx: Annotated[ApiContext, Depends(get_ctx)],
+    request: Request,
     actor: Annotated[
         Actor | None,
         Header(
             alias="X-Outbox-Actor",
-            description="Who acts (written to the audit row); default 'operator-token'.",
+            description="Who acts, as the client claims it (kept in the audit row beside the "
+            "token that authenticated and the client address); default: the token's name.",
         ),
     ] = None,
-) -> str:
-    """Operator role required; returns the actor name for the audit row."""
-    role = role_of(ctx.settings, credentials)
+) -> Caller:
+    """Operator role required; returns who acts for the audit row."""
+    client = client_address(request)
+    role = role_of(ctx.settings, credentials, ctx=ctx, client=client)
     if role < Role.OPERATOR:
         raise HTTPException(403, "this action needs the operator token (OUTBOX_OPERATOR_TOKEN)")
-    if actor is not None:
-        return actor
-    return "operator-token" if _has_tokens(ctx.settings) else "anonymous (insecure mode)"
+    principal = "operator-token" if _has_tokens(ctx.settings) else "anonymous (insecure mode)"
+    return Caller(actor=actor or principal, principal=principal, client=client)
 
 
 def _has_tokens(settings: Settings) -> bool:

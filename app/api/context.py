@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from sqlalchemy import Engine
 
+from app.api.limits import AuthThrottle
 from app.outbox.repository import Clock, OutboxRepository
 from app.settings import Settings
 
@@ -19,6 +20,7 @@ class ApiContext:
     repo: OutboxRepository
     clock: Clock
     head_revision: str | None
+    throttle: AuthThrottle = field(default_factory=AuthThrottle)
 
     def now(self) -> dt.datetime:
         return self.clock()
@@ -27,6 +29,12 @@ class ApiContext:
     def alive_after(self) -> float:
         """A publisher that beat within this many seconds (and did not stop) counts as alive."""
         return 3 * self.settings.publisher_heartbeat_interval
+
+
+def client_address(request: Request) -> str:
+    """The peer's address as the server saw it (behind a proxy: the proxy's, unless uvicorn is
+    told to trust its forwarded headers with ``--forwarded-allow-ips``)."""
+    return request.client.host if request.client else "unknown"
 
 
 def get_ctx(request: Request) -> ApiContext:

@@ -16,8 +16,9 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.auth import require_operator, require_reader
+from app.api.auth import Caller, require_operator, require_reader
 from app.api.context import ApiContext, get_ctx
+from app.api.limits import StrictJsonRoute
 from app.api.models import Text
 from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
 from app.outbox import queries
@@ -25,9 +26,12 @@ from app.outbox.repository import CannotSkip, SkipResult
 
 log = logging.getLogger("app.api.keys")
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
-Operator = Annotated[str, Depends(require_operator)]
+Operator = Annotated[Caller, Depends(require_operator)]
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS)
+router = APIRouter(
+    prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
+    route_class=StrictJsonRoute,
+)  # fmt: skip
 
 
 class ParkedKeyOut(BaseModel):
@@ -104,12 +108,13 @@ def skip_message(
     if queries.message(ctx.engine, message_id=message_id) is None:
         raise HTTPException(404, f"no message {message_id!r}")
     try:
-        result = ctx.repo.skip(actor=actor, message_id=message_id, reason=body.reason)
+        result = ctx.repo.skip(actor=actor.actor, message_id=message_id, reason=body.reason,
+                               principal=actor.principal, client_addr=actor.client)  # fmt: skip
     except CannotSkip as exc:
         raise HTTPException(409, str(exc)) from None
     log.info(
         "%s skipped %r (was %s, key %r, %d rows released), audit %d",
-        actor, message_id, result.previous.value, result.ordering_key, result.released,
+        actor.actor, message_id, result.previous.value, result.ordering_key, result.released,
         result.audit_id,
     )  # fmt: skip
     return SkipOut.of(result)

@@ -89,6 +89,7 @@ router = APIRouter(tags=["metrics"])
         200: {"content": {"text/plain": {"schema": {"type": "string"}}},
               "description": "Prometheus text exposition."},
         401: {"model": ErrorBody, "description": "Missing or unknown bearer token."},
+        429: {"model": ErrorBody, "description": "Too many failed authentications."},
         503: {"model": ErrorBody, "description": "The database is unreachable."},
     },
     summary="Prometheus metrics",

@@ -305,9 +305,21 @@ class RepublishRequest(_RepublishBase):
     ordering_key: Text | None = Field(
         default=None, description="The rows of one ordering key: republish a parked key's "
         "blocking row, the key resumes behind it.")  # fmt: skip
+    all_failures: bool = Field(
+        default=False, alias="all", description="Set to true to republish every terminal "
+        "failure: a request without any filter is refused, so that an empty body never moves "
+        "everything.")  # fmt: skip
 
     @model_validator(mode="after")
     def _range(self) -> RepublishRequest:
+        filters = (self.batch_id, self.exchange, self.created_after, self.created_before,
+                   self.ordering_key)  # fmt: skip
+        unfiltered = all(f is None for f in filters) and "statuses" not in self.model_fields_set
+        if unfiltered and not self.all_failures:
+            raise ValueError(
+                "say what to republish: a filter (batch_id, exchange, statuses, created_after/"
+                'created_before, ordering_key) or "all": true'
+            )
         after, before = self.created_after, self.created_before
         if after is not None and before is not None and after >= before:
             raise ValueError("created_after must be earlier than created_before")

@@ -8,8 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
 from fastapi.exceptions import RequestValidationError
 
-from app.api.auth import require_operator, require_reader
+from app.api.auth import Caller, require_operator, require_reader
 from app.api.context import ApiContext, get_ctx
+from app.api.limits import StrictJsonRoute
 from app.api.models import (
     MAX_AGE_SECONDS,
     BatchOut,
@@ -30,20 +31,31 @@ from app.outbox.repository import RepublishFilter
 from app.outbox.states import Status
 
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
-Operator = Annotated[str, Depends(require_operator)]
+Operator = Annotated[Caller, Depends(require_operator)]
 ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or unknown bearer token."},
+    413: {"description": "The request body is over OUTBOX_API_MAX_BODY_BYTES (problem+json)."},
+    429: {"model": ErrorBody, "description": "Too many failed authentications from this client "
+          "(see Retry-After)."},
     503: {"model": ErrorBody, "description": "The database is unreachable."},
-}
+}  # fmt: skip
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     **ERRORS,
-    400: {"model": ErrorBody, "description": "The body could not be read (not UTF-8 JSON)."},
+    400: {
+        "model": ErrorBody,
+        "description": "The body is not strict JSON (not UTF-8, a "
+        "duplicate key, NaN/Infinity, a number out of range, a lone surrogate).",
+    },
+    415: {"model": ErrorBody, "description": "The body is not application/json."},
     403: {"model": ErrorBody, "description": "A read token on an operator action."},
     409: {"model": ErrorBody, "description": "request_id already used for another action."},
 }
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "Unknown."}}
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS)
+router = APIRouter(
+    prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
+    route_class=StrictJsonRoute,
+)  # fmt: skip
 
 
 def _bad_cursor(exc: queries.BadCursor) -> RequestValidationError:
@@ -151,7 +163,7 @@ def republish_batch(
 ) -> RepublishOut:
     if not queries.batch_exists(ctx.engine, batch_id=batch_id):
         raise HTTPException(404, f"no batch {batch_id!r}")
-    return _republish(ctx, actor=actor, flt=body.to_filter(batch_id), req=body)
+    return _republish(ctx, caller=actor, flt=body.to_filter(batch_id), req=body)
 
 
 @router.post(
@@ -161,21 +173,22 @@ def republish_batch(
     summary="Move returned/nacked/failed rows matching a filter back to pending (operator)",
 )
 def republish(ctx: Ctx, actor: Operator, body: Annotated[RepublishRequest, Body()]) -> RepublishOut:
-    return _republish(ctx, actor=actor, flt=body.to_filter(), req=body)
+    return _republish(ctx, caller=actor, flt=body.to_filter(), req=body)
 
 
 def _republish(
     ctx: ApiContext,
     *,
-    actor: str,
+    caller: Caller,
     flt: RepublishFilter,
     req: BatchRepublishRequest | RepublishRequest,
 ) -> RepublishOut:
     if not req.dry_run:
         _refuse_reused_request_id(ctx, request_id=req.request_id, flt=flt)
     result = ctx.repo.republish(
-        actor=actor, filter=flt, limit=req.limit, dry_run=req.dry_run,
-        request_id=None if req.dry_run else req.request_id,
+        actor=caller.actor, filter=flt, limit=req.limit, dry_run=req.dry_run,
+        request_id=None if req.dry_run else req.request_id, principal=caller.principal,
+        client_addr=caller.client,
     )  # fmt: skip
     return RepublishOut.of(result, request_id=req.request_id, flt=flt)
 

@@ -697,6 +697,8 @@ class OutboxRepository:
         limit: int,
         dry_run: bool,
         request_id: str | None = None,
+        principal: str | None = None,
+        client_addr: str | None = None,
     ) -> RepublishResult:
         """Move terminal-failure rows matching ``filter`` back to ``pending``, with an audit row.
 
@@ -711,7 +713,7 @@ class OutboxRepository:
                 return previous
         try:
             return self._republish(actor=actor, flt=filter, limit=limit, dry_run=dry_run,
-                                   request_id=request_id)  # fmt: skip
+                                   request_id=request_id, who=(principal, client_addr))  # fmt: skip
         except IntegrityError:  # a concurrent call with the same request id won the race
             previous = self._replay(request_id) if request_id else None
             if previous is None:
@@ -745,7 +747,7 @@ class OutboxRepository:
 
     def _republish(
         self, *, actor: str, flt: RepublishFilter, limit: int, dry_run: bool,
-        request_id: str | None,
+        request_id: str | None, who: tuple[str | None, str | None] = (None, None),
     ) -> RepublishResult:  # fmt: skip
         cond = self._filter_cond(flt)
         pick = select(outbox.c.id, outbox.c.message_id, outbox.c.status).where(cond)
@@ -774,7 +776,8 @@ class OutboxRepository:
             audit_id = conn.execute(
                 insert(audit)
                 .values(at=self.clock(), actor=actor, action="republish", request_id=request_id,
-                        filter=flt.as_json(), count=len(ids), result=result)
+                        filter=flt.as_json(), count=len(ids), result=result,
+                        principal=who[0], client_addr=who[1])
                 .returning(audit.c.id)
             ).scalar_one()  # fmt: skip
         return RepublishResult(dry_run=False, count=len(ids), matched=matched, sample=sample,
@@ -785,7 +788,10 @@ class OutboxRepository:
         if self.is_postgres:
             conn.execute(text("SELECT pg_notify('outbox_new', '')"))
 
-    def skip(self, *, actor: str, message_id: str, reason: str) -> SkipResult:
+    def skip(
+        self, *, actor: str, message_id: str, reason: str, principal: str | None = None,
+        client_addr: str | None = None,
+    ) -> SkipResult:  # fmt: skip
         """Mark one terminal failure ``skipped`` (audited with ``reason``): it will not be
         delivered, and the later rows of its ordering key, parked behind it, are released."""
         reason = reason.strip()
@@ -827,7 +833,7 @@ class OutboxRepository:
                 insert(audit)
                 .values(at=self.clock(), actor=actor, action="skip",
                         filter={"message_id": message_id, "reason": reason}, count=1,
-                        result=result)
+                        result=result, principal=principal, client_addr=client_addr)
                 .returning(audit.c.id)
             ).scalar_one()  # fmt: skip
         return SkipResult(message_id=message_id, previous=Status(found.status),

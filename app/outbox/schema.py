@@ -165,7 +165,9 @@ audit = Table(
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("at", UTCDateTime, nullable=False, server_default=_now()),
-    Column("actor", Text, nullable=False),
+    Column("actor", Text, nullable=False),  # who the client says acts (X-Outbox-Actor, --actor)
+    Column("principal", Text),  # who the server verified (the token's name; the CLI's OS user)
+    Column("client_addr", Text),  # the peer address (API) or host (CLI)
     Column("action", Text, nullable=False),
     Column("request_id", Text),
     UniqueConstraint("request_id", name="uq_outbox_audit_request_id"),

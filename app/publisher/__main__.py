@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from app.db import SchemaMismatch
 from app.logs import configure
 from app.publisher import main
 from app.settings import Settings
@@ -12,7 +13,11 @@ from app.settings import Settings
 def _cli(argv: list[str]) -> int:
     settings = Settings()
     configure(level=settings.log_level, fmt=settings.log_format)
-    stats = main(settings, until_empty="--until-empty" in argv)
+    try:
+        stats = main(settings, until_empty="--until-empty" in argv)
+    except SchemaMismatch as exc:
+        print(f"outbox publish: {exc}", file=sys.stderr, flush=True)
+        return 2
     print(stats, flush=True)
     return 0
 

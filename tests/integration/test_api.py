@@ -465,7 +465,10 @@ async def test_republish_by_filter_honours_exchange_time_range_and_limit(
     r = await client.post("/v1/republish", json=window, headers=OP)
     assert r.status_code == 200, r.text
     assert sorted(r.json()["sample"]) == sorted(seeded["failed"])
-    limited = {"request_id": "c", "limit": 3}
+    unfiltered = {"request_id": "c", "limit": 3}
+    r = await client.post("/v1/republish", json=unfiltered, headers=OP)
+    assert r.status_code == 422 and "say what to republish" in r.text, r.text  # refused
+    limited = {"request_id": "c", "limit": 3, "all": True}
     r = await client.post("/v1/republish", json=limited, headers=OP)
     assert (r.json()["count"], r.json()["matched"]) == (3, 6)
     moved = statuses_of(engine, seeded["returned"] + seeded["nacked"] + seeded["failed"])
@@ -572,12 +575,79 @@ async def test_malformed_json_and_wrong_types_are_4xx(client: httpx.AsyncClient)
             "/v1/republish", content=raw, headers={**OP, "Content-Type": "application/json"}
         )
         assert 400 <= r.status_code < 500, (raw, r.status_code, r.text)
-    lone_surrogate = b'{"request_id": "x", "batch_id": "\\ud800"}'
-    r = await client.post("/v1/republish", content=lone_surrogate, headers=OP)
-    assert r.status_code == 422 and "batch_id" in r.text, r.text
     r = await client.post("/v1/republish", content=b"request_id=x", headers={
         **OP, "Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
-    assert 400 <= r.status_code < 500
+    assert r.status_code == 415
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b'{"request_id": "x", "batch_id": "\\ud800"}', "lone surrogate"),
+        (b'{"request_id": "x", "batch_id": "b", "limit": 1e999999}', "out of range"),
+        (b'{"request_id": "x", "batch_id": "b", "limit": NaN}', "NaN is not JSON"),
+        (b'{"request_id": "x", "batch_id": "b", "limit": -Infinity}', "-Infinity is not JSON"),
+        (b'{"request_id": "x", "batch_id": "b", "dry_run": true, "dry_run": false}',
+         "duplicate key 'dry_run'"),
+        (b'{"request_id": "x", "batch_id": "b\xff"}', "not UTF-8"),
+    ],
+)  # fmt: skip
+async def test_json_that_python_would_accept_but_is_not_json_is_a_400(
+    client: httpx.AsyncClient, engine: Engine, raw: bytes, says: str
+) -> None:
+    """Each would otherwise be read: a duplicate key silently takes the last value (a real
+    republish instead of the dry run asked for first), NaN and 1e999999 become floats."""
+    r = await client.post("/v1/republish", content=raw,
+                          headers={**OP, "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and says in r.json()["detail"], r.text
+    assert audit_rows(engine) == []  # nothing moved, nothing audited
+
+
+async def test_a_large_body_is_refused_before_parsing_and_before_auth(
+    client: httpx.AsyncClient,
+) -> None:
+    big = b'{"request_id": "x", "batch_id": "' + b"a" * 200_000 + b'"}'
+    for headers in ({}, OP):  # without any token: the size is checked first
+        r = await client.post("/v1/republish", content=big,
+                              headers={**headers, "Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 413, r.text
+        assert r.headers["content-type"] == "application/problem+json"
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it streams
+        for _ in range(20):
+            yield b"a" * 10_000
+
+    r = await client.post("/v1/republish", content=chunks(),
+                          headers={**OP, "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 413
+
+
+async def test_failed_authentications_are_rate_limited_per_client(sqlite_url: str) -> None:
+    app = create_app(settings_for(sqlite_url, api_auth_failures_per_minute=5))
+    async with client_for(app) as c:
+        codes = [(await c.get("/v1/stats", headers={"Authorization": f"Bearer wrong-{i}"}))
+                 .status_code for i in range(7)]  # fmt: skip
+        assert codes == [401] * 5 + [429] * 2
+        r = await c.get("/v1/stats", headers=R)
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0  # this client waits
+
+
+async def test_the_audit_row_records_the_token_and_the_client_address(
+    client: httpx.AsyncClient, seeded: Seeded, engine: Engine
+) -> None:
+    body = {"request_id": "who-1", "statuses": ["nacked"]}
+    r = await client.post("/v1/republish", json=body,
+                          headers={**OP, "X-Outbox-Actor": "mallory-claims-alice"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    [row] = audit_rows(engine)
+    assert row["actor"] == "mallory-claims-alice"  # what the client claims, kept as a claim
+    assert row["principal"] == "operator-token" and row["client_addr"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("token", ["short-token", "CHANGE-ME-operator-0123456789"])
+def test_weak_or_placeholder_tokens_are_refused_at_start(sqlite_url: str, token: str) -> None:
+    with pytest.raises(ApiConfigError, match=r"shorter than 16|placeholder"):
+        create_app(settings_for(sqlite_url, operator_token=SecretStr(token)))
 
 
 # ------------------------------------------------------------------------------ metrics

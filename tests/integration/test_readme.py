@@ -26,7 +26,7 @@ from tests.factories import add_rows
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
-READ, OPERATOR = "read-3b1f0c9e", "oper-8d2a77c4"
+READ, OPERATOR = "read-3b1f0c9e5a7d4c21", "oper-8d2a77c4e91b0f36"
 #: values that differ from run to run (ids, ages, the publisher's name)
 VOLATILE = {"message_id", "publisher", "channel_id", "delivery_tag", "age_seconds"}
 
