@@ -10,12 +10,14 @@ import argparse
 import datetime as dt
 import getpass
 import ipaddress
+import math
+import os
 import socket
 import sys
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from pydantic import ValidationError
 from sqlalchemy import Engine
@@ -23,6 +25,7 @@ from sqlalchemy.exc import DBAPIError, ProgrammingError
 
 from app.db import SchemaMismatch, make_engine, migrate
 from app.logs import configure as configure_logging
+from app.logs import redact
 from app.outbox import queries
 from app.outbox.repository import (
     CannotSkip,
@@ -186,16 +189,31 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
     host = args.host or settings.api_host
     port = args.port or settings.api_port
-    if args.insecure:
+    if args.insecure or settings.api_insecure:  # one rule, whichever way it is switched on
         if not _loopback(host):
-            raise UsageError(f"--insecure serves on loopback addresses only, not {host}")
+            raise UsageError(
+                f"insecure mode (--insecure / OUTBOX_API_INSECURE) serves on loopback addresses "
+                f"only, not {host}"
+            )
         settings = settings.model_copy(update={"api_insecure": True})
         print("outbox: serving WITHOUT authentication (insecure local mode)", file=sys.stderr)
+    cert = args.tls_cert or settings.api_tls_cert
+    key = args.tls_key or settings.api_tls_key
+    if (cert is None) != (key is None):
+        raise UsageError("TLS needs both --tls-cert and --tls-key (OUTBOX_API_TLS_CERT/_KEY)")
+    for what, path in (("certificate", cert), ("key", key)):
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"TLS {what} {path} is not a readable file")
+    if cert is None and not _loopback(host):
+        print(f"outbox: serving plain HTTP on {host}: bearer tokens cross the network in clear; "
+              "use --tls-cert/--tls-key or a TLS-terminating proxy (docs/security.md)",
+              file=sys.stderr)  # fmt: skip
     try:
         app = create_app(settings)
     except ApiConfigError as exc:
         raise UsageError(str(exc)) from None
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level)
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level, ssl_certfile=cert,
+                ssl_keyfile=key)  # fmt: skip
     return EXIT_OK
 
 
@@ -383,6 +401,19 @@ def _bounded_int(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def _positive_days(text: str) -> float:
+    try:
+        days = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of days: {text!r}") from None
+    if not math.isfinite(days) or days <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive, finite number of days, got {text!r} (a purge never deletes "
+            "rows confirmed just now)"
+        )
+    return days
+
+
 def _default_actor() -> str:
     try:
         user = getpass.getuser()
@@ -391,8 +422,15 @@ def _default_actor() -> str:
     return f"cli:{user}@{socket.gethostname()}"[:64]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line (and exit code 2), with where to look for help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="outbox",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -443,6 +481,8 @@ def _add_serve(sub: Sub) -> None:
     srv.add_argument(
         "--insecure", action="store_true", help="allow serving without tokens (loopback only)"
     )
+    srv.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    srv.add_argument("--tls-key", help="the certificate's private key (PEM)")
     srv.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -522,7 +562,7 @@ def _add_purge(sub: Sub) -> None:
         "a bounded chunk per transaction so publishers never wait on it. Run it periodically.",
     )
     pur.add_argument(
-        "--older-than-days", type=float, default=None,
+        "--older-than-days", type=_positive_days, default=None,
         help="retention in days (default OUTBOX_RETENTION_DAYS)",
     )  # fmt: skip
     pur.add_argument(
@@ -575,6 +615,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, settings: Settings, err: TextIO) -> int:
     try:
         return int(args.func(settings, args))
+    except BrokenPipeError:  # `outbox status | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except UsageError as exc:
         print(f"outbox: {exc}", file=err)
         return EXIT_USAGE
@@ -583,6 +627,9 @@ def _run(args: argparse.Namespace, settings: Settings, err: TextIO) -> int:
         return EXIT_FAILURE
     except DBAPIError as exc:
         print(f"outbox: {_db_problem(exc)}", file=err)
+        return EXIT_FAILURE
+    except (SchemaMismatch, OSError) as exc:
+        print(f"outbox: {redact(str(exc))}", file=err)
         return EXIT_FAILURE
 
 

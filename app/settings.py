@@ -107,6 +107,10 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds between a publisher's DB heartbeats; alive within 3 intervals.",
     )
+    api_tls_cert: str | None = Field(
+        default=None, description="`outbox serve` speaks HTTPS with this certificate (PEM)."
+    )
+    api_tls_key: str | None = Field(default=None, description="The API certificate's key (PEM).")
     api_max_body_bytes: int = Field(
         default=64 * 1024, ge=1024, le=16 * 1024 * 1024,
         description="Largest request body the API reads (413 above it, before any parsing).",

@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -266,3 +267,85 @@ def test_purge_deletes_only_confirmed_rows_past_retention(
     with engine.connect() as conn:
         left = conn.execute(select(outbox.c.status, func.count()).group_by(outbox.c.status)).all()
     assert dict(left) == {"confirmed": 1, "in_flight": 1}
+
+
+# ------------------------------------------------------------------------------ hardening
+
+
+def test_the_insecure_switch_obeys_one_rule_whichever_way_it_is_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"sqlite:///{tmp_path / 'o.db'}")
+    monkeypatch.setenv("OUTBOX_API_INSECURE", "true")
+    rc, _, err = run(capsys, "serve", "--host", "0.0.0.0")
+    assert rc == EXIT_USAGE and "loopback addresses only" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["purge", "--older-than-days", "-1"], "must be a positive, finite number of days"),
+        (["purge", "--older-than-days", "0"], "must be a positive, finite number of days"),
+        (["purge", "--older-than-days", "nan"], "must be a positive, finite number of days"),
+        (["purge", "--older-than-days", "inf"], "must be a positive, finite number of days"),
+        (["purge", "--older-than-days", "x"], "not a number of days"),
+        (["republish", "--limit", "0"], "must be within"),
+        (["batches", "--status", "lost"], "invalid choice"),
+        (["nosuchcommand"], "invalid choice"),
+        (["serve", "--tls-cert", "/no/such.pem"], "both --tls-cert and --tls-key"),
+    ],
+)
+def test_every_bad_argument_is_one_line_and_exit_2(
+    env: str, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        rc = main(argv)
+    except SystemExit as stop:
+        rc = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    assert rc == EXIT_USAGE, (argv, out, err)
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_a_closed_pipe_is_not_an_error(env: str, seeded: Seeded) -> None:
+    """`outbox batches | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    envv = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    envv["OUTBOX_DATABASE_URL"] = env
+    proc = subprocess.run(
+        f"{sys.executable} -m app.cli batches --limit 500 | head -c 1 >/dev/null",
+        shell=True, env=envv, cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_serve_speaks_https_with_its_certificate(sqlite_url: str, tmp_path: Path) -> None:
+    from tests.integration.test_broker_tls import make_certificates
+
+    make_certificates(tmp_path)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_API_TOKEN=READ,
+               OUTBOX_OPERATOR_TOKEN=OPERATOR)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning",
+         "--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        stats = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                stats = httpx.get(f"https://localhost:{port}/v1/stats", timeout=2,
+                                  verify=ssl.create_default_context(cafile=tmp_path / "ca.pem"),
+                                  headers={"Authorization": f"Bearer {READ}"})  # fmt: skip
+                break
+            except httpx.ConnectError:
+                time.sleep(0.2)
+        assert stats is not None and stats.status_code == 200, proc.poll()
+        with pytest.raises(httpx.TransportError):  # plain HTTP is not served on that port
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=15)
