@@ -9,22 +9,38 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop migrate test test-fast demo bench chaos lint serve publish clean tools
+.PHONY: help venv services services-stop migrate test test-fast demo bench chaos lint serve publish clean tools lock audit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+LOCK = requirements-dev.lock
+
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (3.11+)"; exit 1; }
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c $(LOCK) -e '.[dev]'
 	@touch $@
 
 venv: $(VENV)/.installed  ## create the virtualenv and install the package with its test tools
 
 tools:  ## Java 17+ for Spark and jq for the README session (Debian packages when missing)
 	@deploy/local/ensure-tools.sh
+
+lock:  ## rewrite requirements-dev.lock from a fresh resolve of pyproject.toml (then run make test)
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install -q -e '.[dev]'
+	{ sed -n 1,3p $(LOCK); .venv-lock/bin/pip freeze --exclude-editable | grep -v '^outbox-sink'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
+
+audit: venv  ## known vulnerabilities in the locked dependencies (pip-audit; NOT RUN when its database is unreachable)
+	@$(PY) -m pip install -q pip-audit >/dev/null 2>&1 || { echo "make audit: NOT RUN (pip-audit not installable)"; exit 0; }
+	@out=$$($(PY) -m pip_audit -r $(LOCK) --no-deps --disable-pip --progress-spinner off 2>&1); rc=$$?; \
+	echo "$$out"; \
+	pins=$$(grep -c '==' $(LOCK)); skipped=$$(echo "$$out" | grep -c 'could not be audited'); \
+	if [ "$$skipped" -ge "$$pins" ] || { [ $$rc -ne 0 ] && echo "$$out" | grep -qiE "connection|timed out|network"; }; then \
+	  echo "make audit: NOT RUN (the vulnerability database could not be reached: $$skipped of $$pins packages skipped)"; exit 0; fi; \
+	exit $$rc
 
 services:  ## start RabbitMQ and PostgreSQL on 127.0.0.1 (idempotent)
 	@$(SERVICES) start

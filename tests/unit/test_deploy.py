@@ -58,6 +58,10 @@ def test_kubernetes_objects_are_complete() -> None:
     container = api["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # tokens never in clear: the API serves HTTPS with its certificate
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    env = {e["name"] for e in container["env"]}
+    assert {"OUTBOX_API_TLS_CERT", "OUTBOX_API_TLS_KEY"} <= env
 
 
 def test_publisher_pods_have_probes_on_their_metrics_port() -> None:
