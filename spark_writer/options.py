@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.outbox.content import HEADER_NAME_MAX, RESERVED_HEADERS
 from spark_writer.errors import OutboxConfigError
 
 #: RabbitMQ's default largest message (``max_message_size``), 16 MiB.
@@ -80,6 +81,12 @@ def _problems(o: OutboxOptions) -> list[str]:
     for name, literal in (("exchange", o.exchange), ("routing_key", o.routing_key)):
         if literal is not None and len(literal.encode()) > SHORTSTR_MAX:
             out.append(f"{name} is longer than {SHORTSTR_MAX} bytes")
+    for name in o.header_columns:  # header names as the publisher accepts them
+        if len(name.encode()) > HEADER_NAME_MAX:
+            out.append(f"header column {name!r} is longer than {HEADER_NAME_MAX} bytes: "
+                       "rename it (its name is the header's name)")  # fmt: skip
+        if name in RESERVED_HEADERS:
+            out.append(f"header column {name!r} is a header the publisher sets itself")
     if o.sequence_column is not None and o.ordering_key_column is None:
         out.append("sequence_column orders the rows of each ordering key: give "
                    "ordering_key_column too")  # fmt: skip

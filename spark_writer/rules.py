@@ -19,6 +19,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from app.outbox.content import DEFAULT_MAX_HEADER_BYTES
 from spark_writer.options import SHORTSTR_MAX, OutboxOptions
 
 Kind = Literal["null", "empty", "too_long", "too_big", "non_finite"]
@@ -84,11 +85,26 @@ def checks(schema: StructType, options: OutboxOptions) -> list[Check]:
         for name in options.header_columns
         if isinstance(types[name], FloatType | DoubleType)
     ]
+    # the publisher refuses headers over DEFAULT_MAX_HEADER_BYTES in all (app.outbox.content):
+    # each string header gets its share, so no row the writer accepts can fail at publish
+    strings = [n for n in options.header_columns if isinstance(types[n], StringType)]
+    if strings:
+        share = header_value_limit(len(strings))
+        out += [Check("too_long", name, "header", share) for name in strings]
     if body is None:
         if any(holds_floats(t) for t in types.values()):
             out.append(Check("non_finite", ROW, "body"))
         out.append(Check("too_big", ROW, "body", options.max_body_bytes))
     return out
+
+
+#: room kept for header names, JSON quoting and escapes within the publisher's header limit
+HEADER_OVERHEAD = 4096
+
+
+def header_value_limit(string_headers: int) -> int:
+    """Most bytes of one string header value when ``string_headers`` of them share the limit."""
+    return (DEFAULT_MAX_HEADER_BYTES - HEADER_OVERHEAD) // max(1, string_headers)
 
 
 def holds_floats(data_type: DataType) -> bool:
