@@ -23,6 +23,7 @@ from app.amqp.errors import (
     CloseReason,
     ConnectionClosedError,
     HandshakeError,
+    TLSError,
     WireError,
 )
 from app.amqp.params import AMQPParams, TLSOptions, URLError, parse_url
@@ -42,6 +43,7 @@ __all__ = [
     "OutgoingMessage",
     "PublishEncoder",
     "ReturnedMessage",
+    "TLSError",
     "TLSOptions",
     "URLError",
     "WireError",

@@ -52,6 +52,7 @@ from app.amqp.errors import (
     CloseReason,
     ConnectionClosedError,
     HandshakeError,
+    TLSError,
     WireError,
 )
 from app.amqp.params import AMQPParams, parse_url
@@ -80,6 +81,21 @@ class WireListener(Protocol):
 def _close_reason(method: commands.Connection.Close | commands.Channel.Close) -> CloseReason:
     return CloseReason(method.reply_code or 0, method.reply_text or "", method.class_id or 0,
                        method.method_id or 0, by_peer=True)  # fmt: skip
+
+
+def _tls_refusal(exc: Exception | None, params: AMQPParams) -> TLSError:
+    """A TLS connection lost before the broker's ``connection.start``. With TLS 1.3 the broker
+    checks our certificate after our side of the TLS handshake has ended: its refusal comes as an
+    alert (an SSLError: ``TLSV1_ALERT_UNKNOWN_CA``...) or, when the socket is torn down first,
+    as a bare reset."""
+    if isinstance(exc, ssl.SSLError):
+        return TLSError(f"the broker refused the TLS session: {exc.reason or exc}")
+    certfile = params.tls_options.certfile
+    ours = f"our client certificate {certfile}" if certfile else "a client without certificate"
+    return TLSError(
+        f"the broker closed the TLS connection before the AMQP handshake ({exc or 'closed'}): "
+        f"it may have refused {ours}; its log says why"
+    )
 
 
 # ---------------------------------------------------------------- the connection
@@ -126,6 +142,8 @@ class AMQPConnection(asyncio.Protocol):
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._handshake_done = False
+        self._started = False  # the broker's connection.start arrived
+        self.address: tuple[str, int] | None = None  # the broker connected to (host, port)
         self._closed: CloseReason | None = None
         self._close_sent = False
         self._lost = self._loop.create_future()
@@ -161,11 +179,17 @@ class AMQPConnection(asyncio.Protocol):
         failures: list[str] = []
         last: BaseException | None = None
         for host, port in params.addresses:
+            if failures:  # the previous node failed: say so now, not only when all have
+                log.warning("broker %d of %d failed, trying the next: %s", len(failures),
+                            len(params.addresses), failures[-1])  # fmt: skip
             proto = cls(listener=listener, params=params, heartbeat=heartbeat,
                         frame_max=frame_max, channel_max=channel_max, name=name)  # fmt: skip
             try:
                 await proto._open(host, port, tls=tls, server_hostname=params.server_hostname(host),
                                   timeout=timeout)  # fmt: skip
+                if failures:
+                    log.info("connected to broker %s:%d after %d other(s) failed", host, port,
+                             len(failures))  # fmt: skip
                 return proto
             except AuthenticationError:
                 raise  # the broker answered: another one would refuse the same credentials
@@ -190,6 +214,7 @@ class AMQPConnection(asyncio.Protocol):
         async with asyncio.timeout(timeout):
             await loop.create_connection(lambda: self, host, port, ssl=tls,
                                          server_hostname=server_hostname)  # fmt: skip
+            self.address = (host, port)
             try:
                 await self._handshake()
             except BaseException:
@@ -207,9 +232,12 @@ class AMQPConnection(asyncio.Protocol):
         )
         self._closed = reason
         self._stop_heartbeats()
+        error: WireError = ConnectionClosedError(reason)
+        if self._params.tls and not self._started:
+            error = _tls_refusal(exc, self._params)
         for waiter in self._waiters.values():
             if not waiter.future.done():
-                waiter.future.set_exception(ConnectionClosedError(reason))
+                waiter.future.set_exception(error)
         self._waiters.clear()
         self._wake_drainers()
         self._channels.clear()
@@ -255,6 +283,7 @@ class AMQPConnection(asyncio.Protocol):
     async def _handshake(self) -> None:
         start = await self._request(0, None, (commands.Connection.Start,), raw=PROTOCOL_HEADER)
         assert isinstance(start, commands.Connection.Start)
+        self._started = True
         self.server_properties = dict(start.server_properties or {})
         mechanisms = start.mechanisms
         if isinstance(mechanisms, bytes):

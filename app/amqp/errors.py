@@ -6,7 +6,8 @@
     ├── ConnectionClosedError     the connection is closed or lost (``reason`` says why)
     ├── ChannelClosedError        a channel is closed (``reason`` says why)
     ├── HandshakeError            the broker refused or broke the connection handshake
-    │   └── AuthenticationError   the broker refused the credentials
+    │   ├── AuthenticationError   the broker refused the credentials
+    │   └── TLSError              the broker refused our TLS session (our client certificate)
     └── ChannelLimitError         every channel number the broker allows is in use
 """
 
@@ -78,6 +79,11 @@ class HandshakeError(WireError):
 
 class AuthenticationError(HandshakeError):
     """The broker refused the credentials (403 during the handshake)."""
+
+
+class TLSError(HandshakeError):
+    """The broker refused the TLS session or dropped it before the AMQP handshake (with TLS 1.3,
+    how a client certificate it does not trust is refused); the message says which."""
 
 
 class ChannelLimitError(WireError):

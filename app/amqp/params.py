@@ -95,11 +95,13 @@ def parse_url(url: str) -> AMQPParams:
     parts = urlsplit(url)
     if parts.scheme not in DEFAULT_PORTS:
         raise URLError(f"not an AMQP URL (scheme {parts.scheme!r}; use amqp:// or amqps://)")
+    if parts.fragment or url.endswith("#"):
+        raise URLError("an AMQP URL has no #fragment (percent-encode a '#' in the password)")
     tls = parts.scheme == "amqps"
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    netloc, path = _netloc_and_path(url)
+    userinfo, _, hostlist = netloc.rpartition("@")
     user, _, password = userinfo.partition(":")
     hosts = tuple(_host(h, DEFAULT_PORTS[parts.scheme]) for h in hostlist.split(","))
-    path = parts.path[1:] if parts.path.startswith("/") else parts.path
     options = _options(parts.query, tls=tls)
     auth = options.pop("auth", "plain").lower()
     if auth not in AUTH_MECHANISMS:
@@ -107,12 +109,23 @@ def parse_url(url: str) -> AMQPParams:
     tls_options = _tls_options(options) if tls else TLSOptions()
     if auth == "external" and not (tls and tls_options.certfile):
         raise URLError("auth=external needs amqps:// and a client certificate (certfile=...)")
+    if auth == "external" and password:
+        raise URLError("auth=external logs in with the client certificate: remove the password")
     return AMQPParams(
         host=hosts[0][0], port=hosts[0][1], vhost=unquote(path) if path else "/",
         username=unquote(user) if userinfo else "guest",
         password=unquote(password) if userinfo else "guest",
         tls=tls, hosts=hosts, tls_options=tls_options, auth=auth,
     )  # fmt: skip
+
+
+def _netloc_and_path(url: str) -> tuple[str, str]:
+    """``user:pass@hosts`` and the vhost path (without its slash) of ``url``. The hosts start
+    after the LAST ``@`` and end at the first ``/`` after it, so an unescaped ``/`` or ``@`` in
+    the password is not taken for the path or a host (nor quoted in an error)."""
+    rest = url.split("://", 1)[1].split("?", 1)[0].split("#", 1)[0]
+    slash = rest.find("/", rest.rfind("@") + 1)
+    return (rest, "") if slash < 0 else (rest[:slash], rest[slash + 1 :])
 
 
 def _host(text: str, default_port: int) -> tuple[str, int]:
@@ -139,6 +152,8 @@ def _options(query: str, *, tls: bool) -> dict[str, str]:
             raise URLError(f"URL option {key!r} is not supported (supported: {', '.join(OPTIONS)})")
         if key in seen:
             raise URLError(f"URL option {key!r} is given twice")
+        if not value:
+            raise URLError(f"URL option {key!r} has no value")
         seen[key] = value
     tls_only = sorted(set(seen) - {"auth"})
     if tls_only and not tls:
@@ -157,6 +172,8 @@ def _tls_options(options: dict[str, str]) -> TLSOptions:
     flag = options.get("no_verify_ssl", "0")
     if flag not in ("0", "1"):
         raise URLError(f"no_verify_ssl must be 0 or 1, not {flag!r}")
+    if flag == "1" and ("cafile" in options or "capath" in options):
+        raise URLError("no_verify_ssl=1 with cafile/capath: the CA would never be checked")
     return TLSOptions(
         cafile=options.get("cafile"), capath=options.get("capath"),
         certfile=options.get("certfile"), keyfile=options.get("keyfile"),

@@ -4,25 +4,27 @@ The module starts a RabbitMQ node of its own (``deploy/local/services.sh`` on fr
 temporary directory) with a TLS listener whose certificates ``openssl`` makes here: a CA, a server
 certificate for ``localhost``/``127.0.0.1``, a client certificate (CN ``outbox-client``) and a
 second, unrelated CA. Verification is on by default: the right CA connects, a wrong CA or a wrong
-host name is refused with a clear error; EXTERNAL logs in with the client certificate; a dead
-first host fails over to the next.
+host name is refused with a clear error; EXTERNAL logs in as the client certificate's CN, and a
+certificate of another CA is refused with a TLSError; a dead first host fails over to the next,
+each failure logged; the publisher drains through such a URL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from app.amqp import AMQPConnection, BrokerUnreachableError, HandshakeError
+from app.amqp import AMQPConnection, BrokerUnreachableError, HandshakeError, TLSError
 from app.amqp.connection import WireListener
 from app.db import make_engine
 from app.settings import Settings
@@ -39,6 +41,13 @@ class TLSBroker:
     amqp_port: int
     amqps_port: int
     certs: Path
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # services.sh's, for ctl
+
+    def ctl(self, *args: str) -> str:
+        """``rabbitmqctl`` on this node."""
+        done = subprocess.run([str(SERVICES), "ctl", "-q", *args], env=self.env, check=True,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        return done.stdout
 
     def url(self, query: str = "", *, hosts: str | None = None, auth: str = "guest:guest@") -> str:
         where = hosts or f"localhost:{self.amqps_port}"
@@ -71,6 +80,12 @@ def make_certificates(d: Path) -> None:
                  "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)  # fmt: skip
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
                  "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", *ext, cwd=d)  # fmt: skip
+    # a client certificate with the right CN, signed by the CA the broker does not trust
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={CLIENT_CN}",
+             "-keyout", "stranger.key", "-out", "stranger.csr", cwd=d)  # fmt: skip
+    _openssl("x509", "-req", "-in", "stranger.csr", "-CA", "other-ca.pem",
+             "-CAkey", "other-ca.key", "-CAcreateserial", "-days", "2",
+             "-out", "stranger.pem", cwd=d)  # fmt: skip
     for key in d.glob("*.key"):
         key.chmod(0o644)  # the broker runs as this user; test keys only
 
@@ -109,7 +124,7 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSBroker]:
         services("ctl", "add_user", CLIENT_CN, uuid.uuid4().hex)
         services("ctl", "clear_password", CLIENT_CN)
         services("ctl", "set_permissions", "-p", "/", CLIENT_CN, ".*", ".*", ".*")
-        yield TLSBroker(amqp_port=port, amqps_port=port + 1, certs=certs)
+        yield TLSBroker(amqp_port=port, amqps_port=port + 1, certs=certs, env=env)
     finally:
         services("stop", "rabbitmq")
 
@@ -242,3 +257,85 @@ def test_the_local_broker_listens_on_loopback_only(tls_broker: TLSBroker) -> Non
     """AMQP, AMQPS and the Erlang distribution port of a services.sh node: 127.0.0.1 only."""
     for port in (tls_broker.amqp_port, tls_broker.amqps_port, tls_broker.amqp_port + 20000):
         assert _listening(port) == {"127.0.0.1"}, port
+
+
+# ---------------------------------------------------------------- who is connected, what is logged
+
+
+def _connections(broker: TLSBroker) -> set[tuple[str, ...]]:
+    """(user, auth_mechanism, ssl) of each client connection the node has now."""
+    out = broker.ctl("list_connections", "user", "auth_mechanism", "ssl", "--no-table-headers")
+    return {tuple(line.split("\t")) for line in out.splitlines() if line.strip()}
+
+
+def _external_url(broker: TLSBroker, name: str) -> str:
+    certs = broker.certs
+    return broker.url(f"cafile={broker.ca}&certfile={certs / f'{name}.pem'}"
+                      f"&keyfile={certs / f'{name}.key'}&auth=external", auth="")  # fmt: skip
+
+
+async def test_external_logs_in_as_the_certificates_common_name(tls_broker: TLSBroker) -> None:
+    conn = await _connect(_external_url(tls_broker, "client"))
+    try:
+        assert (CLIENT_CN, "EXTERNAL", "true") in _connections(tls_broker)
+    finally:
+        await conn.close()
+    plain = await _connect(tls_broker.url(f"cafile={tls_broker.ca}"))
+    try:
+        assert ("guest", "PLAIN", "true") in _connections(tls_broker)
+    finally:
+        await plain.close()
+
+
+async def test_a_client_certificate_of_another_ca_is_refused_with_a_tls_error(
+    tls_broker: TLSBroker,
+) -> None:
+    """The broker refuses our certificate after the TLS 1.3 handshake: as an alert, or a reset
+    when the socket goes first. Either way a TLSError that says so (tried a few times, since
+    which of the two comes first is a race)."""
+    said = r"refused the TLS session: .*UNKNOWN_CA|may have refused our client certificate"
+    for _ in range(5):
+        with pytest.raises(TLSError, match=said):
+            await _connect(_external_url(tls_broker, "stranger"))
+
+
+async def test_failover_logs_each_broker_that_failed(
+    tls_broker: TLSBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = _free_port()
+    hosts = f"localhost:{dead},127.0.0.1:{tls_broker.amqps_port},localhost:{tls_broker.amqps_port}"
+    url = tls_broker.url(f"cafile={tls_broker.ca}&server_hostname=localhost", hosts=hosts)
+    with caplog.at_level(logging.INFO, logger="app.amqp.connection"):
+        conn = await _connect(url)
+    try:
+        assert conn.address == ("127.0.0.1", tls_broker.amqps_port)
+    finally:
+        await conn.close()
+    assert f"broker 1 of 3 failed, trying the next: localhost:{dead}: " in caplog.text
+    assert f"connected to broker 127.0.0.1:{tls_broker.amqps_port} after 1 other(s)" in caplog.text
+
+
+async def test_the_publisher_drains_through_a_failover_tls_url(
+    tls_broker: TLSBroker, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The real publisher given a host list whose first broker is dead: every row confirmed and
+    delivered once; the failover is in the log, the password is not."""
+    queue = f"test-tls-{uuid.uuid4().hex[:8]}"
+    await declare(tls_broker.plain_url, queue=queue)
+    engine = make_engine(sqlite_url)
+    try:
+        ids = add_rows(engine, n=200, exchange="", routing_key=queue)
+        hosts = f"localhost:{_free_port()},localhost:{tls_broker.amqps_port}"
+        url = tls_broker.url(f"cafile={tls_broker.ca}", hosts=hosts)
+        with caplog.at_level(logging.INFO):
+            await asyncio.wait_for(
+                run_until_empty(publisher_settings(db_url=sqlite_url, amqp_url=url), engine), 60
+            )
+        assert {r.status for r in rows(engine)} == {"confirmed"} and len(rows(engine)) == 200
+        seen = await consume_ids(tls_broker.plain_url, queue, expect=200, idle=0.3)
+        assert set(seen) == set(ids) and set(seen.values()) == {1}
+    finally:
+        engine.dispose()
+        await delete(tls_broker.plain_url, queues=(queue,))
+    assert "broker 1 of 2 failed, trying the next" in caplog.text
+    assert "guest:guest@" not in caplog.text
