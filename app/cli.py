@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 
-from app.db import SchemaMismatch, make_engine, migrate
+from app.db import SchemaMismatch, check_schema, make_engine, migrate
 from app.logs import configure as configure_logging
 from app.logs import redact
 from app.outbox import queries
@@ -344,6 +344,65 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
+    """Run the consumer kit on QUEUE with the handler MODULE:FUNCTION until SIGTERM/SIGINT."""
+    import asyncio
+    import importlib
+    import signal
+
+    from app.consumer import Consumer, ConsumerConfig
+
+    module_name, _, attr = args.handler.partition(":")
+    try:
+        handler = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise UsageError(f"cannot load handler {args.handler!r}: {exc}") from None
+    if not callable(handler):
+        raise UsageError(f"handler {args.handler!r} is not callable")
+    config = ConsumerConfig(name=args.name or args.queue, queue=args.queue,
+                            prefetch=args.prefetch, concurrency=args.concurrency,
+                            delivery_limit=args.delivery_limit)  # fmt: skip
+    engine = _engine(settings)
+    check_schema(engine)
+
+    async def consume() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        consumer = Consumer(config=config, amqp_url=settings.amqp_url.get_secret_value(),
+                            engine=engine, handler=handler)  # fmt: skip
+        probes = None
+        if args.metrics_port is not None:  # /metrics, /healthz, /readyz of this process
+            from app.consumer import registry_for
+            from app.probes import ProbeServer, check_route, metrics_route
+
+            def ready() -> tuple[bool, dict[str, object]]:
+                return consumer.metrics.connected, {"consumer": config.name}
+
+            def alive() -> tuple[bool, dict[str, object]]:
+                return True, {"consumer": config.name}
+
+            probes = ProbeServer({
+                "/metrics": metrics_route(registry_for(consumer.metrics, consumer=config.name)),
+                "/healthz": check_route(alive),
+                "/readyz": check_route(ready),
+            }, host=args.metrics_host, port=args.metrics_port)  # fmt: skip
+            await probes.start()
+            print(f"outbox consume: metrics on {probes.url}/metrics", file=sys.stderr)
+        try:
+            await consumer.run(stop)
+        finally:
+            if probes is not None:
+                await probes.close()
+
+    try:
+        asyncio.run(consume())
+    finally:
+        engine.dispose()
+    return EXIT_OK
+
+
 def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     from app.demo import main as demo_main  # lazy: Spark is an optional extra
 
@@ -445,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_republish(sub)
     _add_keys(sub)
     _add_purge(sub)
+    _add_consume(sub)
     _add_demo(sub)
     return parser
 
@@ -569,6 +629,31 @@ def _add_purge(sub: Sub) -> None:
         "--chunk", type=_bounded_int(1, 100_000), default=1000, help="rows per transaction"
     )
     pur.set_defaults(func=_cmd_purge)
+
+
+def _add_consume(sub: Sub) -> None:
+    con = sub.add_parser(
+        "consume",
+        help="consume a queue with the idempotent consumer kit (manual acks, prefetch, inbox)",
+        description="Each message's effect happens once: the handler runs in a database "
+        "transaction with the inbox row, then the delivery is acknowledged; a redelivery or a "
+        "duplicate publish is acknowledged without running it again.",
+    )
+    con.add_argument("queue", help="the queue to consume (it must exist)")
+    con.add_argument("--handler", required=True,
+                     help="MODULE:FUNCTION taking (message, connection)")  # fmt: skip
+    con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
+    con.add_argument("--prefetch", type=_bounded_int(1, 65535), default=100)
+    con.add_argument("--concurrency", type=_bounded_int(1, 256), default=8,
+                     help="handlers running at once")  # fmt: skip
+    con.add_argument("--delivery-limit", type=_bounded_int(1, 1000), default=5,
+                     help="failed attempts before a message is dead-lettered")  # fmt: skip
+    con.add_argument(
+        "--metrics-port", type=_bounded_int(0, 65535), default=None,
+        help="serve /metrics, /healthz, /readyz on this port (0: any free one)",
+    )  # fmt: skip
+    con.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    con.set_defaults(func=_cmd_consume)
 
 
 def _add_demo(sub: Sub) -> None:

@@ -17,6 +17,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     Table,
     Text,
     UniqueConstraint,
@@ -175,6 +176,17 @@ audit = Table(
     Column("count", Integer, nullable=False),
     Column("result", JSON),
     CheckConstraint("count >= 0", name="ck_outbox_audit_count_nonneg"),
+)
+
+#: The consumer kit's inbox (app.consumer): a message's effect is done once per consumer.
+inbox = Table(
+    "outbox_inbox",
+    metadata,
+    Column("consumer", Text, nullable=False),
+    Column("message_id", Text, nullable=False),
+    Column("received_at", UTCDateTime, nullable=False, server_default=_now()),
+    PrimaryKeyConstraint("consumer", "message_id", name="pk_outbox_inbox"),
+    Index("ix_outbox_inbox_received", "received_at"),
 )
 
 publishers = Table(

@@ -199,6 +199,7 @@ def test_checks_come_in_order_and_only_where_they_apply() -> None:
         "column 'payload' (body) is null",
         "column 'payload' (body) is over the 9-byte maximum",
         "header column 'score' is NaN or infinite",
+        "column 'tenant' (header) is longer than 61440 bytes",  # its share of the header limit
     ]
     assert [c.summary for c in checks(SCHEMA, opts(max_body_bytes=9))][-2:] == [
         "row JSON (body) holds NaN or infinity, which JSON cannot carry",

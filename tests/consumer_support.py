@@ -1,0 +1,34 @@
+"""A handler for the consumer kit's tests: one row per message in ``consumer_effects`` (no
+unique key, so a second effect would show), written in the kit's transaction."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import Connection, Engine, text
+
+from app.consumer import Message
+
+EFFECTS = """CREATE TABLE IF NOT EXISTS consumer_effects (
+    n SERIAL PRIMARY KEY, message_id TEXT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT now())"""
+
+
+def create_effects(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(EFFECTS))
+
+
+def record(message: Message, conn: Connection) -> None:
+    """The effect: a row. Header ``poison`` makes it raise; ``sleep_ms`` slows it."""
+    if message.headers.get("poison"):
+        raise ValueError(f"cannot process {message.message_id}")
+    pause = message.headers.get("sleep_ms")
+    if isinstance(pause, int) and pause > 0:
+        time.sleep(pause / 1000)
+    conn.execute(text("INSERT INTO consumer_effects (message_id) VALUES (:m)"),
+                 {"m": message.message_id})  # fmt: skip
+
+
+def effects(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(text("SELECT message_id FROM consumer_effects")).scalars())
