@@ -2,7 +2,8 @@
 
 Order events as JSON files -> a Spark Structured Streaming job writing through the foreachBatch
 sink -> the outbox (SQLite embedded default, or ``OUTBOX_DATABASE_URL``) -> the publisher on
-confirm-mode channels -> RabbitMQ -> a consumer that checks every message arrived.
+confirm-mode channels -> RabbitMQ -> the consumer kit (inbox, manual acks), checking every
+message arrived and had its effect once.
 Each run has its own id, input folder, checkpoint, sink name and queue, so running it again works.
 """
 
@@ -109,31 +110,43 @@ async def declare_topology(amqp_url: str, queue: str) -> None:
 
 
 async def consume_all(
-    amqp_url: str, queue: str, *, expected: int, tick: Callable[[int], None], timeout: float
-) -> dict[str, int]:
-    """Read the run's queue with manual acks until ``expected`` distinct messages arrived
-    (or ``timeout``); return message_id -> times received. Deletes the queue afterwards."""
+    amqp_url: str, queue: str, *, engine: Engine, consumer_name: str, expected: int,
+    tick: Callable[[int], None], timeout: float,
+) -> tuple[set[str], int]:  # fmt: skip
+    """Consume the run's queue with the consumer kit (manual acks, prefetch, the inbox in the
+    outbox database) until ``expected`` distinct messages were handled (or ``timeout``); return
+    the handled message ids and how many deliveries the inbox absorbed as duplicates. Deletes
+    the queue afterwards."""
+    import threading
+
     import aio_pika
 
-    seen: dict[str, int] = {}
+    from app.consumer import Consumer, ConsumerConfig, Message
+
+    handled: set[str] = set()
+    lock = threading.Lock()
+
+    def verify(message: Message, _conn: object) -> None:  # the effect: count it once
+        with lock:
+            handled.add(message.message_id)
+
+    consumer = Consumer(
+        config=ConsumerConfig(name=consumer_name, queue=queue, prefetch=500, concurrency=4),
+        amqp_url=amqp_url, engine=engine, handler=verify,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    deadline = time.monotonic() + timeout
+    while len(handled) < expected and time.monotonic() < deadline and not task.done():
+        await asyncio.sleep(0.1)
+        tick(len(handled))
+    await asyncio.sleep(0.5)  # late duplicates still arrive: the inbox absorbs them, counted
+    stop.set()
+    await task
     conn = await aio_pika.connect(amqp_url)
     async with conn:
-        ch = await conn.channel()
-        await ch.set_qos(prefetch_count=1000)
-        q = await ch.declare_queue(queue, durable=True, passive=True)
-        deadline = time.monotonic() + timeout
-        async with q.iterator() as it:
-            while len(seen) < expected and time.monotonic() < deadline:
-                try:
-                    msg = await asyncio.wait_for(it.__anext__(), timeout=2.0)
-                except TimeoutError:
-                    continue
-                mid = msg.message_id or ""
-                seen[mid] = seen.get(mid, 0) + 1
-                await msg.ack()
-                tick(len(seen))
-        await q.delete(if_unused=False, if_empty=False)
-    return seen
+        await (await conn.channel()).queue_delete(queue)
+    return handled, consumer.metrics.counts["deduplicated"]
 
 
 # ------------------------------------------------------------------ steps
@@ -257,17 +270,18 @@ def run_demo(settings: Settings, *, rows: int, files: int, workdir: Path,
         run_publisher_until_drained(settings, engine, sink, report.written, bar)
         report.timings["publish"] = time.monotonic() - t
         task = bar.add_task("consume + verify", total=report.written)
-        seen = asyncio.run(
-            consume_all(amqp, queue, expected=report.written, timeout=120,
+        handled, duplicates = asyncio.run(
+            consume_all(amqp, queue, engine=engine, consumer_name=f"demo-{run_id}",
+                        expected=report.written, timeout=120,
                         tick=lambda n: bar.update(task, completed=n))
         )  # fmt: skip
 
     counts = outbox_counts(engine, sink)
     report.lost_confirms = counts.pop("_lost_confirms")
     report.statuses = counts
-    report.received = len(seen)
-    report.duplicates_received = sum(n - 1 for n in seen.values())
-    report.missing = report.written - len(seen.keys() & set(_message_ids(engine, sink)))
+    report.received = len(handled)
+    report.duplicates_received = duplicates
+    report.missing = report.written - len(handled & set(_message_ids(engine, sink)))
     engine.dispose()
     return report
 

@@ -83,7 +83,7 @@ class Bench:
         )
 
     def run(self) -> None:
-        from bench.workloads import baselines, ceiling, drain
+        from bench.workloads import baselines, ceiling, consume, drain
 
         s, z = self.services, self.sizes
         self.group("baselines", lambda: baselines.run(s, z))
@@ -92,6 +92,7 @@ class Bench:
         self.group("memory", lambda: [drain.run_memory(s, z, one_x=self._drain_rss())])
         self.group("latency", lambda: drain.run_latency(s, z, drain_rate=self._drain_rate()))
         self.group("spark", lambda: _spark(s, z))
+        self.group("consume", lambda: consume.run(s, z))
 
     def _drain_rss(self) -> list[float] | None:
         m = self.measured.get("drain_postgres")

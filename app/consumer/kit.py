@@ -72,6 +72,8 @@ class ConsumerConfig:
     concurrency: int = 8
     delivery_limit: int = 5
     ack_interval: float = 0.05
+    #: one basic.ack(multiple) per finished run (default), or one ack per delivery
+    ack_multiple: bool = True
     stop_timeout: float = 10.0
     reconnect_max_delay: float = 10.0
 
@@ -303,16 +305,19 @@ class _Run:
         if got is None:
             return
         upto, count = got
-        message = self.held.get(upto)
-        for tag in [t for t in self.held if t <= upto]:
-            self.held.pop(tag, None)
+        done = [self.held.pop(t) for t in sorted(t for t in self.held if t <= upto)]
         self.c.metrics.in_flight = len(self.held)
-        if message is None or self.channel.is_closed:
+        if not done or self.channel.is_closed:
             return  # the broker redelivers; the inbox absorbs
         with contextlib.suppress(Exception):
-            await message.ack(multiple=True)
+            if self.c.config.ack_multiple:
+                await done[-1].ack(multiple=True)
+                self.c.metrics.add("ack_frames")
+            else:
+                for message in done:
+                    await message.ack()
+                    self.c.metrics.add("ack_frames")
             self.c.metrics.add("acked", count)
-            self.c.metrics.add("ack_frames")
 
     async def flush_forever(self) -> None:
         while True:
