@@ -29,6 +29,12 @@ class Topology:
     exchanges: list[str] = field(default_factory=list)
     queues: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> arguments
     bindings: list[tuple[str, str, str]] = field(default_factory=list)
+    #: queues another consumer owns (the consumer kit's): the verifier leaves them alone
+    unverified: tuple[str, ...] = ()
+
+    @property
+    def verified(self) -> tuple[str, ...]:
+        return tuple(q for q in self.queues if q not in self.unverified)
 
     async def declare(self, amqp_url: str) -> None:
         async with channel(amqp_url) as ch:

@@ -358,7 +358,7 @@ async def _run(ctx: Ctx, topology: Topology) -> None:
                                 tap_factory=ctx.lost_commit.tap)  # fmt: skip
         await ctx.db_proxy.start()
     ctx.verifier = Verifier(amqp_url=ctx.amqp_url, db_url=ctx.env.verifier_db_url, run=ctx.run,
-                            queues=tuple(topology.queues), prefetch=sc.verifier_prefetch,
+                            queues=topology.verified, prefetch=sc.verifier_prefetch,
                             flush_interval=sc.verifier_flush)  # fmt: skip
     await ctx.verifier.start()
     for i in range(sc.publishers):

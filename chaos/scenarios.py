@@ -7,10 +7,15 @@ needs, and where its rows must end. The runner does the rest (batch, verifier, d
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from chaos import amqp
+from chaos import amqp, kit_handler
 from chaos import outbox as ob
 from chaos.amqp import Topology
 from chaos.outbox import Expect, PlannedRow
@@ -19,6 +24,7 @@ from chaos.services import ArmedEval
 from chaos.spark import produce_with_spark
 
 LEASE = 3  # seconds; the kill scenarios wait for it to expire
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _env(**values: object) -> dict[str, str]:
@@ -150,6 +156,75 @@ async def check_key_order(ctx: Ctx) -> None:
     every = len(by_key) == min(ORDER_KEYS, ctx.rows)
     ctx.check(f"every key's first deliveries in its order ({len(broken)} keys out of order: "
               f"{broken[:5]})", not broken and every)  # fmt: skip
+
+
+# ---------------------------------------------------------------- 15: the receiving end
+
+
+def kit_topology(ctx: Ctx) -> Topology:
+    """The verifier's queue, and a second queue bound the same way for the consumer kit."""
+    ex, q = ctx.names["exchange"], ctx.names["queue"]
+    ctx.names["kit"] = f"{q}.kit"
+    return Topology(exchanges=[ex], queues={q: {}, ctx.names["kit"]: {}},
+                    bindings=[(ex, q, "rk"), (ex, ctx.names["kit"], "rk")],
+                    unverified=(ctx.names["kit"],))  # fmt: skip
+
+
+def _spawn_kit(ctx: Ctx) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(OUTBOX_DATABASE_URL=ctx.db_url, OUTBOX_AMQP_URL=ctx.amqp_url)
+    log = open(ctx.log_dir / f"kit-{len(ctx.data.get('kits', []))}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "consume", ctx.names["kit"], "--handler",
+         "chaos.kit_handler:record", "--name", "chaos-kit", "--prefetch", "300"],
+        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    ctx.data.setdefault("kits", []).append(proc)
+    return proc
+
+
+async def kill_the_consumer(ctx: Ctx) -> None:
+    """15. The consumer kit (its own process, inbox in the outbox database) is killed with
+    kill -9 while it holds deliveries whose effects committed and whose acks were not sent;
+    a new one starts. The publisher drains meanwhile (the verifier reads its own queue)."""
+    await asyncio.to_thread(kit_handler.create, ctx.engine)
+    first = _spawn_kit(ctx)
+    want = ctx.rows // 3
+    deadline = time.monotonic() + 60
+    while (await asyncio.to_thread(kit_handler.counts, ctx.engine))[1] < want:
+        if first.poll() is not None or time.monotonic() > deadline:
+            raise ScenarioError(f"the consumer kit did not reach {want} effects")
+        await asyncio.sleep(0.01)
+    await ctx.fault_now("kill -9 of the consumer kit mid-batch")
+    first.kill()
+    first.wait(timeout=30)
+    await ctx.landed()
+    _spawn_kit(ctx)
+
+
+async def check_effects_once(ctx: Ctx) -> None:
+    """15, after the drain: every confirmed row had its effect exactly once in the kit."""
+    confirmed = sum(1 for r in await asyncio.to_thread(ob.final_rows, ctx.engine)
+                    if r.status == "confirmed")  # fmt: skip
+    deadline = time.monotonic() + 60
+    total, distinct = await asyncio.to_thread(kit_handler.counts, ctx.engine)
+    while distinct < confirmed and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        total, distinct = await asyncio.to_thread(kit_handler.counts, ctx.engine)
+    ctx.note(f"consumer kit: {distinct} messages with an effect, {total} effects, "
+             f"{confirmed} rows confirmed")  # fmt: skip
+    ctx.check("every confirmed row had its effect in the consumer kit", distinct == confirmed)
+    ctx.check(f"no effect twice ({total - distinct} duplicates)", total == distinct)
+
+
+async def stop_the_kits(ctx: Ctx) -> None:
+    for proc in ctx.data.get("kits", []):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 # ---------------------------------------------------------------- 3, 4, 5, 6: broker faults
@@ -601,6 +676,18 @@ SCENARIOS: list[Scenario] = [
         # small claims and windows: the two publishers share the 400 heads (one would take all)
         env={**KILL_ENV, **_env(flush_interval=0.5, claim_batch=50, window=150)},
         timeout=300,
+    ),
+    Scenario(
+        "15",
+        "consumer kit kill -9 mid-batch, restart",
+        "each message's effect happens once at the receiving end: the kit's inbox absorbs the "
+        "redeliveries of deliveries whose effect committed before the kill",
+        kill_the_consumer,
+        trigger=0.1,
+        flow=6.0,  # rows still flowing when the kit is killed
+        topology=kit_topology,
+        verify=check_effects_once,
+        teardown=stop_the_kits,
     ),
     Scenario(
         "13",

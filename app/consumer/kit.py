@@ -10,8 +10,9 @@
   ``prefetch`` deliveries are in the kit's hands (in handlers or awaiting their ack).
 - Handlers run ``concurrency`` at a time in threads, each in its own database transaction with the
   inbox row (:func:`~app.consumer.inbox.handle_once`). A delivery is acknowledged only after its
-  transaction committed; acks go out every ``ack_interval`` as one ``basic.ack(multiple)`` over the
-  longest finished run (:class:`~app.consumer.acks.AckTracker`).
+  transaction committed; acks go out every ``ack_interval``, or at once when half the prefetch
+  window is held, as one ``basic.ack(multiple)`` over the longest finished run
+  (:class:`~app.consumer.acks.AckTracker`).
 - A handler that raises: the delivery is requeued until it failed ``delivery_limit`` times (the
   broker's ``x-delivery-count`` on quorum queues, else the kit's own count), then rejected without
   requeue so the broker dead-letters it (a queue with ``x-dead-letter-exchange``) or drops it. It
@@ -248,9 +249,18 @@ class _Run:
         self.tracker.received(tag)
         self.held[tag] = message
         m.in_flight = len(self.held)
-        task = asyncio.create_task(self._handle(message, tag))
+        task = asyncio.create_task(self._guarded(message, tag))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    async def _guarded(self, message: AbstractIncomingMessage, tag: int) -> None:
+        """A delivery is always settled: a bug in the kit requeues it rather than leave it
+        unacked forever (which would hold the prefetch window, and every ack after it)."""
+        try:
+            await self._handle(message, tag)
+        except Exception:
+            log.exception("the consumer kit failed on delivery %d: requeued", tag)
+            await self._settle(message, tag, requeue=True)
 
     async def _handle(self, message: AbstractIncomingMessage, tag: int) -> None:
         c, m = self.c, self.c.metrics
@@ -288,6 +298,10 @@ class _Run:
         c._failures.pop(mid, None)
         m.add("handled" if done else "deduplicated")
         self.tracker.finished(tag)
+        if len(self.held) >= max(1, c.config.prefetch // 2):
+            # the window is half full: ack now rather than at the next tick, or the broker
+            # (which sends no more than ``prefetch`` unacked) waits on us
+            await self.flush()
 
     async def _settle(self, message: AbstractIncomingMessage, tag: int, *, requeue: bool) -> None:
         with contextlib.suppress(Exception):  # a closed channel: the broker redelivers anyway
