@@ -332,15 +332,22 @@ def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
+    from app.consumer import purge_inbox
+
     days = settings.retention_days if args.older_than_days is None else args.older_than_days
+    inbox_days = settings.inbox_retention_days
     engine = _engine(settings)
     try:
         deleted = OutboxRepository(engine).purge_confirmed(
             older_than=dt.timedelta(days=days), chunk=args.chunk
         )
+        forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days),
+                                chunk=args.chunk)  # fmt: skip
     finally:
         engine.dispose()
     print(f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago")
+    print(f"deleted {forgotten} consumer inbox rows older than {inbox_days:g} days "
+          "(OUTBOX_INBOX_RETENTION_DAYS)")  # fmt: skip
     return EXIT_OK
 
 
@@ -359,9 +366,12 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError(f"cannot load handler {args.handler!r}: {exc}") from None
     if not callable(handler):
         raise UsageError(f"handler {args.handler!r} is not callable")
-    config = ConsumerConfig(name=args.name or args.queue, queue=args.queue,
-                            prefetch=args.prefetch, concurrency=args.concurrency,
-                            delivery_limit=args.delivery_limit)  # fmt: skip
+    config = ConsumerConfig(
+        name=args.name or args.queue, queue=args.queue,
+        prefetch=args.prefetch or settings.consumer_prefetch,
+        concurrency=args.concurrency or settings.consumer_concurrency,
+        delivery_limit=args.delivery_limit or settings.consumer_delivery_limit,
+    )  # fmt: skip
     engine = _engine(settings)
     check_schema(engine)
 
@@ -643,11 +653,17 @@ def _add_consume(sub: Sub) -> None:
     con.add_argument("--handler", required=True,
                      help="MODULE:FUNCTION taking (message, connection)")  # fmt: skip
     con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
-    con.add_argument("--prefetch", type=_bounded_int(1, 65535), default=100)
-    con.add_argument("--concurrency", type=_bounded_int(1, 256), default=8,
-                     help="handlers running at once")  # fmt: skip
-    con.add_argument("--delivery-limit", type=_bounded_int(1, 1000), default=5,
-                     help="failed attempts before a message is dead-lettered")  # fmt: skip
+    con.add_argument(
+        "--prefetch", type=_bounded_int(1, 65535), default=None,
+        help="unacked deliveries held at once (default OUTBOX_CONSUMER_PREFETCH, 100)",
+    )  # fmt: skip
+    con.add_argument(
+        "--concurrency", type=_bounded_int(1, 256), default=None,
+        help="handlers running at once (default OUTBOX_CONSUMER_CONCURRENCY, 8)",
+    )  # fmt: skip
+    con.add_argument("--delivery-limit", type=_bounded_int(1, 1000), default=None,
+                     help="failed attempts before a message is dead-lettered "
+                     "(default OUTBOX_CONSUMER_DELIVERY_LIMIT, 5)")  # fmt: skip
     con.add_argument(
         "--metrics-port", type=_bounded_int(0, 65535), default=None,
         help="serve /metrics, /healthz, /readyz on this port (0: any free one)",

@@ -69,6 +69,20 @@ class Settings(BaseSettings):
         default=16 * 1024 * 1024, ge=1, description="Largest body accepted (RabbitMQ default max)."
     )
     retention_days: float = Field(default=7.0, gt=0, description="Keep confirmed rows this long.")
+    inbox_retention_days: float = Field(
+        default=14.0, gt=0, description="Keep the consumer kit's inbox rows this long (longer "
+        "than any redelivery or republish can come late).",
+    )  # fmt: skip
+    consumer_prefetch: int = Field(
+        default=100, ge=1, le=65535, description="`outbox consume`: the consumer's prefetch."
+    )
+    consumer_concurrency: int = Field(
+        default=8, ge=1, le=256, description="`outbox consume`: handlers running at once."
+    )
+    consumer_delivery_limit: int = Field(
+        default=5, ge=1, le=1000,
+        description="`outbox consume`: failed attempts before a message is dead-lettered.",
+    )  # fmt: skip
     max_header_bytes: int = Field(
         default=64 * 1024,
         ge=1024,

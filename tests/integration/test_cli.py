@@ -24,12 +24,24 @@ from sqlalchemy import Engine, func, inspect, select, update
 from app.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, duration, main, table
 from app.db import make_engine
 from app.outbox.repository import OutboxRepository
-from app.outbox.schema import audit, outbox
+from app.outbox.schema import audit, inbox, outbox
 from tests.factories import add_rows
 from tests.integration.test_api import OPERATOR, READ, Clock, Seeded, seed_every_state
 
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ["migrate", "publish", "serve", "status", "batches", "republish", "purge", "demo"]
+COMMANDS = [
+    "migrate",
+    "publish",
+    "serve",
+    "status",
+    "batches",
+    "republish",
+    "purge",
+    "demo",
+    "consume",
+    "parked",
+    "skip",
+]
 
 
 @pytest.fixture
@@ -261,9 +273,20 @@ def test_purge_deletes_only_confirmed_rows_past_retention(
     with engine.begin() as conn:  # three of them were confirmed ten days ago
         ids = [r.id for r in rows[:3]]
         conn.execute(update(outbox).where(outbox.c.id.in_(ids)).values(confirmed_at=old))
+    from app.consumer import Message, handle_once
+
+    for mid in ("old-1", "old-2", "new-1"):  # the consumer kit's inbox: 2 rows past retention
+        msg = Message(message_id=mid, body=b"", routing_key="", exchange="")
+        handle_once(engine, consumer="c", message=msg, handler=lambda m, c: None)
+    month_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=30)
+    with engine.begin() as conn:
+        conn.execute(
+            update(inbox).where(inbox.c.message_id.like("old-%")).values(received_at=month_ago)
+        )
     rc, out, err = run(capsys, "purge", "--older-than-days", "7", "--chunk", "2")
     assert rc == 0, err
     assert "deleted 3 confirmed rows" in out
+    assert "deleted 2 consumer inbox rows older than 14 days" in out
     with engine.connect() as conn:
         left = conn.execute(select(outbox.c.status, func.count()).group_by(outbox.c.status)).all()
     assert dict(left) == {"confirmed": 1, "in_flight": 1}
