@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
@@ -36,6 +36,7 @@ from bench.common import (
     temp_sqlite,
     topology,
 )
+from bench.proccpu import ServiceCpu
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LATENCY_WARMUP = 3.0
@@ -121,6 +122,18 @@ class DrainResult:
     peak_rss_mb: list[float]
     cpu_seconds: list[float]
     duplicates: int
+    #: CPU seconds of the services during the drain (PostgreSQL with its backends, RabbitMQ)
+    service_cpu: dict[str, float] = field(default_factory=dict)
+
+
+def _port(url: str, default: int) -> int:
+    from sqlalchemy import make_url
+
+    if url.startswith("amqp"):
+        from urllib.parse import urlsplit
+
+        return urlsplit(url).port or default
+    return make_url(url).port or default
 
 
 def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
@@ -135,6 +148,9 @@ def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
                           keys=keys)  # fmt: skip
         else:
             seed_sqlite(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key)
+        services_cpu = ServiceCpu(postgresql=_port(services.database_url, 5432),
+                                  rabbitmq=_port(services.amqp_url, 5672))  # fmt: skip
+        services_cpu.start()
         start = dt.datetime.now(dt.UTC)
         procs = [start_publisher(services, db_url, Path(logdir), until_empty=True, name=str(i))
                  for i in range(publishers)]  # fmt: skip
@@ -143,6 +159,7 @@ def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
             proc.wait(timeout)
         for proc in procs:
             proc.check()
+        used = services_cpu.stop()
         count, first, last = _confirmed(db_url)
         depth = topo.depth()
     if count != n or first is None or last is None:
@@ -154,7 +171,7 @@ def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
                        first_confirm_s=(first - start).total_seconds(),
                        peak_rss_mb=[p.peak_rss_kb / 1024 for p in procs],
                        cpu_seconds=[p.cpu_seconds for p in procs],
-                       duplicates=depth - n)  # fmt: skip
+                       duplicates=depth - n, service_cpu=used)  # fmt: skip
 
 
 def _drain_repeat(key: str, run: Callable[[], DrainResult]) -> Measured:
@@ -165,6 +182,10 @@ def _drain_repeat(key: str, run: Callable[[], DrainResult]) -> Measured:
         results.append(result)
         rss = ", ".join(f"{mb:.0f}" for mb in result.peak_rss_mb)
         cpu = ", ".join(f"{s:.1f}" for s in result.cpu_seconds)
+        rows = result.rows_per_s * result.seconds
+        per_row = {"publisher": sum(result.cpu_seconds), **result.service_cpu}
+        print("    CPU per row: " + ", ".join(f"{k} {v / rows * 1e6:.0f} us"
+                                            for k, v in per_row.items()), flush=True)  # fmt: skip
         print(f"    {result.seconds:.2f}s (first confirm at {result.first_confirm_s:.2f}s), "
               f"publisher CPU {cpu}s, peak RSS {rss} MB, "
               f"duplicates {result.duplicates}", flush=True)  # fmt: skip
@@ -175,6 +196,11 @@ def _drain_repeat(key: str, run: Callable[[], DrainResult]) -> Measured:
     measured.extra["duplicates"] = sum(r.duplicates for r in results)
     measured.extra["first_confirm_s"] = [r.first_confirm_s for r in results]
     measured.extra["publisher_cpu_s"] = [r.cpu_seconds for r in results]
+    measured.extra["cpu_us_per_row"] = [
+        {"publisher": sum(r.cpu_seconds) / (r.rows_per_s * r.seconds) * 1e6,
+         **{k: v / (r.rows_per_s * r.seconds) * 1e6 for k, v in r.service_cpu.items()}}
+        for r in results
+    ]  # fmt: skip
     return measured
 
 
