@@ -236,13 +236,101 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         )  # fmt: skip
     finally:
         engine.dispose()
+    from app.outbox.health import Thresholds, verdict
+
+    limits = Thresholds(warn_pending_age=args.warn_pending_age,
+                        crit_pending_age=args.crit_pending_age,
+                        warn_in_flight_age=args.warn_in_flight_age,
+                        crit_in_flight_age=args.crit_in_flight_age)  # fmt: skip
+    found = verdict(stats, limits)
+    if args.check:  # monitoring: one line, exit 0 OK / 1 WARNING / 2 CRITICAL
+        print(found.line())
+        return int(found.level)
     if args.json:
         from app.api.models import StatsOut
 
         print(StatsOut.of(stats).model_dump_json(indent=2))
     else:
         print(render_stats(stats))
+        print(f"verdict: {found.line()}")
     return EXIT_OK
+
+
+def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
+    from app.api.models import MessageOut
+
+    engine = _engine(settings)
+    try:
+        found = queries.message(engine, message_id=args.message_id, include_body=args.body)
+    finally:
+        engine.dispose()
+    if found is None:
+        raise Failure(f"no message {args.message_id!r}")
+    out = MessageOut.of(found)
+    if args.json:
+        print(out.model_dump_json(indent=2))
+        return EXIT_OK
+    for name, value in out.model_dump().items():
+        if value not in (None, {}, []):
+            print(f"{name:<16} {value}")
+    return EXIT_OK
+
+
+def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        groups = queries.failures_by_cause(engine, limit=args.limit)
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.operators import FailureGroupOut, FailuresOut
+
+        out = FailuresOut(groups=[FailureGroupOut(
+            status=g.status.value, exchange=g.exchange, routing_key=g.routing_key,
+            reason=g.reason, rows=g.rows, first_created=g.first_created,
+            last_created=g.last_created, sample_message_id=g.sample_message_id,
+        ) for g in groups], rows=sum(g.rows for g in groups))  # fmt: skip
+        print(out.model_dump_json(indent=2))
+        return EXIT_OK
+    if not groups:
+        print("no returned, nacked or failed rows")
+        return EXIT_OK
+    print(f"{'rows':>6}  {'status':<9} {'exchange':<20} {'routing key':<20} reason")
+    for g in groups:
+        print(f"{g.rows:>6}  {g.status.value:<9} {g.exchange[:20]:<20} {g.routing_key[:20]:<20} "
+              f"{g.reason[:70]}")  # fmt: skip
+    print("a message: outbox message ID; fix the cause, then outbox republish --status ... "
+          "--exchange ...")  # fmt: skip
+    return EXIT_OK
+
+
+def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        entries = queries.audit_trail(engine, limit=args.limit)
+    finally:
+        engine.dispose()
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps([dataclasses.asdict(e) for e in entries], indent=2, default=str))
+        return EXIT_OK
+    if not entries:
+        print("no operator actions recorded")
+        return EXIT_OK
+    for e in entries:
+        who = e.actor if e.principal in (None, e.actor) else f"{e.actor} (as {e.principal})"
+        where = f" from {e.client_addr}" if e.client_addr else ""
+        print(f"{e.at:%Y-%m-%d %H:%M:%S}  #{e.id:<5} {e.action:<10} {e.count:>6} rows  "
+              f"{who}{where}  {json_compact(e.filter)}")  # fmt: skip
+    return EXIT_OK
+
+
+def json_compact(value: object) -> str:
+    import json
+
+    return json.dumps(value, separators=(",", ":"), default=str)[:120]
 
 
 def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
@@ -483,6 +571,16 @@ def _positive_days(text: str) -> float:
     return days
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds: {text!r}")
+    return value
+
+
 def _default_actor() -> str:
     try:
         user = getpass.getuser()
@@ -562,7 +660,28 @@ def _add_serve(sub: Sub) -> None:
 def _add_status(sub: Sub) -> None:
     st = sub.add_parser("status", help="rows per status, oldest ages, confirm latency, publishers")
     st.add_argument("--json", action="store_true", help="the same as GET /v1/stats, as JSON")
+    st.add_argument(
+        "--check", action="store_true",
+        help="one verdict line; exit 0 OK, 1 WARNING, 2 CRITICAL (for monitoring)",
+    )  # fmt: skip
+    for name, default in (("warn-pending-age", 60.0), ("crit-pending-age", 300.0),
+                          ("warn-in-flight-age", 30.0), ("crit-in-flight-age", 120.0)):  # fmt: skip
+        st.add_argument(f"--{name}", type=_positive_seconds, default=default, metavar="SECONDS",
+                        help=f"threshold in seconds (default {default:g})")  # fmt: skip
     st.set_defaults(func=_cmd_status)
+    msg = sub.add_parser("message", help="one outbox row: status, attempts, reason, publish facts")
+    msg.add_argument("message_id")
+    msg.add_argument("--body", action="store_true", help="include the body (base64)")
+    msg.add_argument("--json", action="store_true", help="as JSON (like GET /v1/messages/{id})")
+    msg.set_defaults(func=_cmd_message)
+    fail = sub.add_parser("failures", help="returned/nacked/failed rows grouped by cause")
+    fail.add_argument("--limit", type=_bounded_int(1, 500), default=50, help="most groups shown")
+    fail.add_argument("--json", action="store_true", help="as JSON (like GET /v1/failures)")
+    fail.set_defaults(func=_cmd_failures)
+    aud = sub.add_parser("audit", help="operator actions (republish, skip), newest first")
+    aud.add_argument("--limit", type=_bounded_int(1, 500), default=50)
+    aud.add_argument("--json", action="store_true", help="as JSON")
+    aud.set_defaults(func=_cmd_audit)
 
 
 def _add_batches(sub: Sub) -> None:

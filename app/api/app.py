@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
 
-from app.api import health, keys, metrics, v1
+from app.api import health, keys, metrics, operators, v1
 from app.api.auth import check_auth_config
 from app.api.context import ApiContext
 from app.api.limits import AuthThrottle, BodyLimit
@@ -60,6 +60,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(v1.router)
     app.include_router(keys.router)
+    app.include_router(operators.router)
     app.include_router(metrics.router)
     app.add_exception_handler(OperationalError, _database_unavailable)
     app.add_exception_handler(InterfaceError, _database_unavailable)

@@ -622,6 +622,72 @@ class AuditRecord:
     count: int
 
 
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    id: int
+    at: dt.datetime
+    actor: str
+    principal: str | None
+    client_addr: str | None
+    action: str
+    request_id: str | None
+    filter: dict[str, Any]
+    count: int
+
+
+def audit_trail(engine: Engine, *, limit: int = 50, before: int | None = None) -> list[AuditEntry]:
+    """Operator actions, newest first (keyset pages: ``before`` the last id of the previous)."""
+    stmt = select(audit).order_by(audit.c.id.desc()).limit(limit)
+    if before is not None:
+        stmt = stmt.where(audit.c.id < before)
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).mappings().all()
+    return [
+        AuditEntry(id=r["id"], at=r["at"], actor=r["actor"], principal=r["principal"],
+                   client_addr=r["client_addr"], action=r["action"], request_id=r["request_id"],
+                   filter=_as_dict(r["filter"]) or {}, count=r["count"])
+        for r in rows
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class FailureGroup:
+    """Terminal failures sharing a cause: status, exchange, routing key and reason."""
+
+    status: Status
+    exchange: str
+    routing_key: str
+    reason: str
+    rows: int
+    first_created: dt.datetime | None
+    last_created: dt.datetime | None
+    sample_message_id: str
+
+
+def failures_by_cause(engine: Engine, *, limit: int = 50) -> list[FailureGroup]:
+    """Returned, nacked and failed rows grouped by cause, largest group first (served by the
+    status index: terminal failures are few next to confirmed rows)."""
+    reason = func.coalesce(outbox.c.last_error, outbox.c.reply_text, "")
+    stmt = (
+        select(outbox.c.status, outbox.c.exchange, outbox.c.routing_key, reason.label("reason"),
+               func.count().label("n"), func.min(outbox.c.created_at).label("first"),
+               func.max(outbox.c.created_at).label("last"),
+               func.min(outbox.c.message_id).label("sample"))
+        .where(outbox.c.status.in_([s.value for s in TERMINAL_FAILURES]))
+        .group_by(outbox.c.status, outbox.c.exchange, outbox.c.routing_key, reason)
+        .order_by(func.count().desc(), outbox.c.exchange)
+        .limit(limit)
+    )  # fmt: skip
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    return [
+        FailureGroup(status=Status(r.status), exchange=r.exchange, routing_key=r.routing_key,
+                     reason=r.reason[:500], rows=int(r.n), first_created=r.first,
+                     last_created=r.last, sample_message_id=r.sample)
+        for r in rows
+    ]  # fmt: skip
+
+
 def audit_by_request_id(engine: Engine, *, request_id: str) -> AuditRecord | None:
     stmt = select(audit).where(audit.c.request_id == request_id)
     with engine.connect() as conn:

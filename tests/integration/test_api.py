@@ -743,3 +743,25 @@ def test_importing_the_api_needs_no_database() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=60, check=True)  # fmt: skip
     assert out.stdout.strip() == "ok"
+
+
+async def test_failures_are_grouped_by_cause_and_audit_is_listed(
+    client: httpx.AsyncClient, seeded: Seeded
+) -> None:
+    r = await client.get("/v1/failures", headers=R)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert {g["status"] for g in body["groups"]} == {"returned", "nacked", "failed"}
+    returned = next(g for g in body["groups"] if g["status"] == "returned")
+    assert "NO_ROUTE" in returned["reason"] and returned["sample_message_id"] in seeded["returned"]
+    r = await client.post("/v1/republish", json={"request_id": "aud-1", "statuses": ["nacked"]},
+                          headers={**OP, "X-Outbox-Actor": "carol"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    r = await client.get("/v1/audit", headers=R)
+    assert r.status_code == 200, r.text
+    (first, *_) = r.json()["items"]
+    assert (first["action"], first["actor"], first["principal"]) == (
+        "republish",
+        "carol",
+        "operator-token",
+    )

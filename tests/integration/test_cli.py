@@ -372,3 +372,46 @@ def test_serve_speaks_https_with_its_certificate(sqlite_url: str, tmp_path: Path
     finally:
         proc.terminate()
         proc.communicate(timeout=15)
+
+
+# ------------------------------------------------------------------------------ operators
+
+
+def test_status_check_gives_a_monitoring_verdict_and_exit_code(
+    seeded: Seeded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The seed has terminal failures and old rows (its clock is days back): not OK."""
+    rc, out, _ = run(capsys, "status", "--check")
+    assert rc in (1, 2) and out.startswith(("WARNING:", "CRITICAL:")), out
+    assert "returned, nacked or failed" in out and len(out.strip().splitlines()) == 1
+    rc, out, _ = run(capsys, "status")
+    assert rc == 0 and "verdict: " in out
+
+
+def test_status_check_is_ok_on_an_empty_outbox(
+    env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = run(capsys, "status", "--check")
+    assert (rc, out.strip()) == (0, "OK: rows flow, publishers alive")
+
+
+def test_message_failures_and_audit_commands(
+    seeded: Seeded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nacked = seeded["nacked"][0]
+    rc, out, _ = run(capsys, "message", nacked)
+    assert rc == 0 and "status" in out and "nacked" in out
+    rc, _, err = run(capsys, "message", "nope")
+    assert rc == EXIT_FAILURE and "no message 'nope'" in err
+    rc, out, _ = run(capsys, "failures")
+    assert rc == 0 and "nacked" in out and "returned" in out and "failed" in out
+    rc, out, _ = run(capsys, "failures", "--json")
+    groups = json.loads(out)["groups"]
+    assert {g["status"] for g in groups} == {"returned", "nacked", "failed"}
+    assert sum(g["rows"] for g in groups) == json.loads(out)["rows"]
+    rc, out, _ = run(capsys, "republish", "--status", "nacked", "--actor", "bob")
+    assert rc == 0
+    rc, out, _ = run(capsys, "audit")
+    assert rc == 0 and "republish" in out and "bob" in out
+    rc, out, _ = run(capsys, "audit", "--json")
+    assert json.loads(out)[0]["action"] == "republish"

@@ -1,0 +1,78 @@
+"""``/v1/failures`` (terminal failures grouped by cause) and ``/v1/audit`` (operator actions)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+
+from app.api.auth import require_reader
+from app.api.context import ApiContext, get_ctx
+from app.api.limits import StrictJsonRoute
+from app.api.v1 import ERRORS
+from app.outbox import queries
+
+Ctx = Annotated[ApiContext, Depends(get_ctx)]
+router = APIRouter(
+    prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
+    route_class=StrictJsonRoute,
+)  # fmt: skip
+
+
+class FailureGroupOut(BaseModel):
+    status: str
+    exchange: str
+    routing_key: str
+    reason: str
+    rows: int
+    first_created: dt.datetime | None
+    last_created: dt.datetime | None
+    sample_message_id: str = Field(description="One message of the group (GET /v1/messages/{id}).")
+
+
+class FailuresOut(BaseModel):
+    groups: list[FailureGroupOut]
+    rows: int = Field(description="Terminal failures in the groups shown.")
+
+
+class AuditOut(BaseModel):
+    id: int
+    at: dt.datetime
+    actor: str = Field(description="Who the client said acts (X-Outbox-Actor, --actor).")
+    principal: str | None = Field(description="Who the server verified (the token's name).")
+    client_addr: str | None
+    action: str
+    request_id: str | None
+    filter: dict[str, Any]
+    count: int
+
+
+class AuditPage(BaseModel):
+    items: list[AuditOut]
+    next_before: int | None = Field(description="Pass as `before` for the next (older) page.")
+
+
+@router.get("/failures", response_model=FailuresOut, summary="Terminal failures by cause")
+def get_failures(ctx: Ctx, limit: Annotated[int, Query(ge=1, le=500)] = 50) -> FailuresOut:
+    groups = queries.failures_by_cause(ctx.engine, limit=limit)
+    out = [FailureGroupOut(status=g.status.value, exchange=g.exchange, routing_key=g.routing_key,
+                           reason=g.reason, rows=g.rows, first_created=g.first_created,
+                           last_created=g.last_created, sample_message_id=g.sample_message_id)
+           for g in groups]  # fmt: skip
+    return FailuresOut(groups=out, rows=sum(g.rows for g in groups))
+
+
+@router.get("/audit", response_model=AuditPage, summary="Operator actions, newest first")
+def get_audit(
+    ctx: Ctx,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
+) -> AuditPage:
+    entries = queries.audit_trail(ctx.engine, limit=limit, before=before)
+    items = [AuditOut(id=e.id, at=e.at, actor=e.actor, principal=e.principal,
+                      client_addr=e.client_addr, action=e.action, request_id=e.request_id,
+                      filter=e.filter, count=e.count) for e in entries]  # fmt: skip
+    nxt = entries[-1].id if len(entries) == limit else None
+    return AuditPage(items=items, next_before=nxt)
