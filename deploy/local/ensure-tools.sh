@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Tools the tests and the demo need besides Python: Java 17+ for PySpark 4, and jq (the README's
-# operator session pipes through it). Installs Debian's packages for whatever is missing.
+# Tools the tests and the demo need besides Python: Java 17+ for PySpark 4, jq (the README's
+# operator session pipes through it) and promtool (the alert rules' tests; Debian's prometheus
+# package). Installs Debian's packages for whatever is missing.
 set -euo pipefail
 major() { java -version 2>&1 | awk -F'"' '/version/ {split($2, v, "."); print v[1]; exit}'; }
 missing=()
@@ -8,8 +9,9 @@ if ! { command -v java >/dev/null 2>&1 && [ "$(major)" -ge 17 ] 2>/dev/null; }; 
   missing+=(openjdk-17-jre-headless)
 fi
 command -v jq >/dev/null 2>&1 || missing+=(jq)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "[tools] installing ${missing[*]}" >&2
 sudo_() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 sudo_ env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,84 @@
+"""Alert rules and the dashboard: valid for Prometheus (promtool), unit-tested, and only using
+metrics the product exports; every alert has a runbook section."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.core import Metric
+
+from app.api.metrics import SnapshotCollector
+from app.consumer import ConsumerMetrics
+from app.consumer import registry_for as consumer_registry
+from app.outbox.queries import MetricsSnapshot
+from app.outbox.states import Status
+from app.publisher.metrics import PublisherMetrics, registry_for
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "deploy" / "prometheus" / "outbox-alerts.yml"
+RULES_TEST = REPO / "deploy" / "prometheus" / "outbox-alerts-test.yml"
+DASHBOARD = REPO / "deploy" / "grafana" / "outbox-dashboard.json"
+
+
+def exported() -> set[str]:
+    """Every sample name the API, a publisher and a consumer export."""
+    names: set[str] = set()
+    pub = PublisherMetrics()
+    pub.gauges = lambda: {}
+    families: list[Metric] = [
+        *registry_for(pub, publisher_id="p").collect(),
+        *consumer_registry(ConsumerMetrics(), consumer="c").collect(),
+        *SnapshotCollector(MetricsSnapshot(
+            counts={s: 0 for s in Status}, oldest_pending_age_seconds=None,
+            oldest_in_flight_age_seconds=None, possible_duplicates=0, operator_republished=0,
+            publishers_alive=0, publishers_known=0)).collect(),
+    ]  # fmt: skip
+    for fam in families:
+        names |= {s.name for s in fam.samples}
+    return names
+
+
+def metric_names(expr: str) -> set[str]:
+    words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", re.sub(r'"[^"]*"', "", expr)))
+    return {w for w in words if w.startswith("outbox_")}
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool not found: `make tools` installs Debian's prometheus package")
+    return path
+
+
+def test_the_rules_are_valid_and_their_unit_tests_pass() -> None:
+    tool = _promtool()
+    check = subprocess.run([tool, "check", "rules", str(RULES)], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = subprocess.run([tool, "test", "rules", str(RULES_TEST)], capture_output=True,
+                           text=True, timeout=60, cwd=RULES.parent)  # fmt: skip
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+def test_alerts_and_dashboard_use_only_exported_metrics() -> None:
+    known = exported()
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    exprs = [r["expr"] for r in rules]
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs += [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for expr in exprs:
+        unknown = metric_names(expr) - known
+        assert not unknown, f"{expr!r} uses metrics nothing exports: {sorted(unknown)}"
+
+
+def test_every_alert_has_a_runbook_section() -> None:
+    runbook = (REPO / "docs" / "operations.md").read_text()
+    for rule in yaml.safe_load(RULES.read_text())["groups"][0]["rules"]:
+        assert f"### {rule['alert']}" in runbook, rule["alert"]
+        assert rule["annotations"]["runbook"].endswith("#" + rule["alert"].lower())
