@@ -425,12 +425,18 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     days = settings.retention_days if args.older_than_days is None else args.older_than_days
     inbox_days = settings.inbox_retention_days
     engine = _engine(settings)
+    repo = OutboxRepository(engine)
     try:
-        deleted = OutboxRepository(engine).purge_confirmed(
-            older_than=dt.timedelta(days=days), chunk=args.chunk
-        )
+        if args.dry_run:
+            would = repo.count_purgeable(older_than=dt.timedelta(days=days))
+            print(f"would delete {would} confirmed rows confirmed more than {days:g} days ago "
+                  "(dry run: nothing deleted)")  # fmt: skip
+            return EXIT_OK
+        deleted = repo.purge_confirmed(older_than=dt.timedelta(days=days), chunk=args.chunk)
         forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days),
                                 chunk=args.chunk)  # fmt: skip
+        repo.record_purge(actor=args.actor, older_than=dt.timedelta(days=days), deleted=deleted,
+                          inbox_deleted=forgotten)  # fmt: skip
     finally:
         engine.dispose()
     print(f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago")
@@ -757,6 +763,8 @@ def _add_purge(sub: Sub) -> None:
     pur.add_argument(
         "--chunk", type=_bounded_int(1, 100_000), default=1000, help="rows per transaction"
     )
+    pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    pur.add_argument("--actor", default=_default_actor(), help="who purges (audit row)")
     pur.set_defaults(func=_cmd_purge)
 
 

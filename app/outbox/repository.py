@@ -840,6 +840,26 @@ class OutboxRepository:
                           ordering_key=found.ordering_key, released=released,
                           audit_id=int(audit_id))  # fmt: skip
 
+    def count_purgeable(self, *, older_than: dt.timedelta) -> int:
+        """How many rows :meth:`purge_confirmed` would delete now (a dry run)."""
+        cutoff = self.clock() - older_than
+        stmt = select(func.count()).where(outbox.c.status == Status.CONFIRMED,
+                                          outbox.c.confirmed_at < cutoff)  # fmt: skip
+        with self.engine.connect() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+    def record_purge(self, *, actor: str, older_than: dt.timedelta, deleted: int,
+                     inbox_deleted: int = 0) -> int:  # fmt: skip
+        """An audit row for a purge (who, the retention, what was deleted)."""
+        with self._begin() as conn:
+            return int(conn.execute(
+                insert(audit).values(
+                    at=self.clock(), actor=actor, action="purge", count=deleted,
+                    filter={"older_than_days": older_than.total_seconds() / 86400},
+                    result={"deleted": deleted, "inbox_deleted": inbox_deleted},
+                ).returning(audit.c.id)
+            ).scalar_one())  # fmt: skip
+
     def purge_confirmed(self, *, older_than: dt.timedelta, chunk: int = 1000) -> int:
         """Delete ``confirmed`` rows confirmed before ``now - older_than``, ``chunk`` rows per
         transaction so that no long lock or huge WAL burst stalls the publishers."""

@@ -283,9 +283,14 @@ def test_purge_deletes_only_confirmed_rows_past_retention(
         conn.execute(
             update(inbox).where(inbox.c.message_id.like("old-%")).values(received_at=month_ago)
         )
+    rc, out, err = run(capsys, "purge", "--older-than-days", "7", "--dry-run")
+    assert rc == 0 and "would delete 3 confirmed rows" in out, err
     rc, out, err = run(capsys, "purge", "--older-than-days", "7", "--chunk", "2")
     assert rc == 0, err
     assert "deleted 3 confirmed rows" in out
+    with engine.connect() as conn:
+        (row,) = conn.execute(select(audit).where(audit.c.action == "purge")).mappings().all()
+    assert row["count"] == 3 and row["result"]["inbox_deleted"] == 2
     assert "deleted 2 consumer inbox rows older than 14 days" in out
     with engine.connect() as conn:
         left = conn.execute(select(outbox.c.status, func.count()).group_by(outbox.c.status)).all()
