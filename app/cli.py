@@ -38,6 +38,8 @@ from app.outbox.states import TERMINAL_FAILURES, Status
 from app.settings import Settings
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+#: republish moved some of the matching rows and left the rest (its --limit)
+EXIT_PARTIAL = 3
 MAX_REPUBLISH_LIMIT = 100_000
 
 
@@ -363,10 +365,18 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
         if flt.batch_id is not None and not queries.batch_exists(engine, batch_id=flt.batch_id):
             raise Failure(f"no batch {flt.batch_id!r}")
         _refuse_reused_request_id(engine, request_id, flt)
-        result = OutboxRepository(engine).republish(
+        repo = OutboxRepository(engine)
+        result = repo.republish(
             actor=args.actor, filter=flt, limit=args.limit, dry_run=args.dry_run,
             request_id=request_id,
         )  # fmt: skip
+        moved, chunk = result.count, 1
+        while args.all and not args.dry_run and not result.replayed and result.count == args.limit:
+            chunk += 1  # every chunk its own audited request id, derived from the first
+            result = repo.republish(actor=args.actor, filter=flt, limit=args.limit,
+                                    dry_run=False, request_id=f"{request_id}#{chunk}")  # fmt: skip
+            moved += result.count
+            print(f"chunk {chunk}: republished {result.count} (total {moved})", file=sys.stderr)
     finally:
         engine.dispose()
     if args.json:
@@ -376,6 +386,14 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
         print(out.model_dump_json(indent=2))
     else:
         print(render_republish(result, flt=flt, request_id=request_id))
+        if chunk > 1:
+            print(f"in all: {moved} rows republished in {chunk} chunks of at most {args.limit}")
+    left = result.matched - result.count
+    if not args.dry_run and not result.replayed and left > 0:
+        print(f"outbox: {left} matching rows were left behind by --limit {args.limit}: run again "
+              "with --all (chunks of --limit, each audited) or a higher --limit",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_PARTIAL
     return EXIT_OK
 
 
@@ -727,6 +745,8 @@ def _add_republish(sub: Sub) -> None:
         help="most rows moved (default 1000)",
     )  # fmt: skip
     rep.add_argument("--dry-run", action="store_true", help="count and sample; move nothing")
+    rep.add_argument("--all", action="store_true",
+                     help="repeat in chunks of --limit until every matching row moved")  # fmt: skip
     rep.add_argument("--request-id", help="idempotency key (default: a new one, printed)")
     rep.add_argument("--actor", default=_default_actor(), help="who acts (audit row)")
     rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")

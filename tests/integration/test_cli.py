@@ -420,3 +420,18 @@ def test_message_failures_and_audit_commands(
     assert rc == 0 and "republish" in out and "bob" in out
     rc, out, _ = run(capsys, "audit", "--json")
     assert json.loads(out)[0]["action"] == "republish"
+
+
+def test_republish_says_when_its_limit_left_rows_behind_and_all_moves_them_in_chunks(
+    engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    add_rows(engine, n=7, exchange="limits")
+    repo = OutboxRepository(engine)
+    rows = repo.claim(owner="p", limit=7, lease_seconds=30)
+    repo.mark_failed(owner="p", ids=[r.id for r in rows], reason="exchange 'limits' missing")
+    rc, out, err = run(capsys, "republish", "--exchange", "limits", "--limit", "3")
+    assert rc == 3 and "4 matching rows were left behind by --limit 3" in err, (out, err)
+    rc, out, err = run(capsys, "republish", "--exchange", "limits", "--limit", "2", "--all")
+    assert rc == 0, err
+    assert "in all: 4 rows republished in 3 chunks of at most 2" in out
+    assert statuses(engine, [r.message_id for r in rows]) == {"pending"}
