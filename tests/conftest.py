@@ -15,6 +15,7 @@ variables of its own:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -56,6 +57,25 @@ def services_env() -> dict[str, str]:
     if f"{TEST_PREFIX}LOCAL_DIR" in TEST_ENV:
         env["OUTBOX_LOCAL_DIR"] = TEST_ENV[f"{TEST_PREFIX}LOCAL_DIR"]
     return env
+
+
+def close_broker_connections(named: str, *, reason: str = "closed by a test") -> int:
+    """``rabbitmqctl close_connection`` on the connections whose client-provided name contains
+    ``named``, and only those: never a connection another test or suite owns (unlike
+    ``close_all_connections``). Returns how many were closed."""
+    listing = subprocess.run(
+        [str(SERVICES), "ctl", "list_connections", "-q", "pid", "client_properties"],
+        check=True, capture_output=True, text=True, timeout=60, env=services_env(),
+    ).stdout  # fmt: skip
+    closed = 0
+    for line in listing.splitlines():
+        pid, _, props = line.partition("\t")
+        found = re.search(r'\{"connection_name","([^"]*)"\}', props)
+        if pid.startswith("<") and found and named in found.group(1):
+            subprocess.run([str(SERVICES), "ctl", "close_connection", pid, reason], check=True,
+                           capture_output=True, timeout=60, env=services_env())  # fmt: skip
+            closed += 1
+    return closed
 
 
 def _local_env() -> dict[str, str]:

@@ -186,7 +186,10 @@ class Consumer:
 
     async def _session(self, stop: asyncio.Event) -> None:
         cfg = self.config
-        conn = await aio_pika.connect(self.amqp_url, timeout=10)
+        conn = await aio_pika.connect(  # named: operators (and tests) find it in the broker
+            self.amqp_url, timeout=10,
+            client_properties={"connection_name": f"outbox-consumer {cfg.name}"},
+        )  # fmt: skip
         async with conn:
             channel = await conn.channel()
             await channel.set_qos(prefetch_count=cfg.prefetch)

@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 
 from app.consumer import Consumer, ConsumerConfig
 from app.db import make_engine
-from tests.conftest import SERVICES, scrubbed_environ, services_env
+from tests.conftest import close_broker_connections, scrubbed_environ
 from tests.consumer_support import create_effects, effects, record
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,13 +141,12 @@ async def test_channels_closed_by_the_broker_mid_batch_lose_and_repeat_nothing(
 ) -> None:
     ids = [f"c-{i}" for i in range(1500)]
     await publish(amqp_url, queue, ids, sleep_ms=1)
-    async with consuming(amqp_url, engine, queue, prefetch=100) as consumer:
+    name = f"close-{uuid.uuid4().hex[:8]}"
+    async with consuming(amqp_url, engine, queue, prefetch=100, name=name) as consumer:
         for n in (300, 900):
             await until(lambda n=n: len(effects(engine)) >= n, what=f"{n} effects")
-            await asyncio.to_thread(
-                subprocess.run, [str(SERVICES), "ctl", "close_all_connections", "test"],
-                check=True, capture_output=True, timeout=60, env=services_env(),
-            )  # fmt: skip
+            closed = await asyncio.to_thread(close_broker_connections, f"outbox-consumer {name}")
+            assert closed == 1
         await until(lambda: len(set(effects(engine))) == 1500, timeout=120, what="all effects")
     got = effects(engine)
     assert len(got) == 1500 and len(set(got)) == 1500

@@ -272,9 +272,12 @@ async def test_nacks_never_let_a_later_row_overtake(pg_url: str, amqp_url: str) 
         keyed = add_keyed(engine, keys=10, per_key=8, exchange=exchange, max_attempts=1000)
         settings = settings_for(db_url=pg_url, amqp_url=amqp_url, backoff_max=0.1)
         async with running_publisher(settings, engine) as publisher:
+            deadline = time.monotonic() + 30
+            while publisher.metrics.nacked == 0:  # the queue fills up first: real broker nacks
+                assert time.monotonic() < deadline, "the broker never nacked"
+                await asyncio.sleep(0.02)
             arrivals = await first_deliveries(amqp_url, queue, expect=80)
             await wait_rows(engine, all_in("confirmed"))
-        assert publisher.metrics.nacked > 0  # the broker really nacked
         assert_key_order(arrivals, keyed)
     finally:
         engine.dispose()
@@ -384,26 +387,21 @@ async def test_connections_closed_mid_window_never_let_a_later_row_overtake(
 ) -> None:
     """The broker closes the publisher's connection (its channels with it) twice while keys are
     in flight: the unconfirmed heads go out again on a fresh connection, still first."""
-    import subprocess
-
-    from tests.conftest import SERVICES, services_env
+    from tests.conftest import close_broker_connections
 
     exchange = queue = f"test-ordered-close-{uuid.uuid4().hex[:8]}"
     await declare(amqp_url, exchange=exchange, queue=queue)
     engine = make_engine(pg_url)
     try:
         keyed = add_keyed(engine, keys=50, per_key=40, exchange=exchange)
+        publisher_id = f"ordered-close-{uuid.uuid4().hex[:6]}"
         settings = settings_for(db_url=pg_url, amqp_url=amqp_url, channels=2,
-                                publisher_id=f"ordered-close-{uuid.uuid4().hex[:6]}")  # fmt: skip
+                                publisher_id=publisher_id)  # fmt: skip
         async with running_publisher(settings, engine) as publisher:
             for n in (300, 1000):
                 await wait_rows(engine, lambda rs, n=n: sum(r.status == "confirmed" for r in rs)
                                 >= n, timeout=60)  # fmt: skip
-                await asyncio.to_thread(
-                    subprocess.run,
-                    [str(SERVICES), "ctl", "close_all_connections", "ordered-keys test"],
-                    check=True, capture_output=True, timeout=60, env=services_env(),
-                )  # fmt: skip
+                assert await asyncio.to_thread(close_broker_connections, publisher_id) == 1
             await wait_rows(engine, all_in("confirmed"), timeout=90)
         assert publisher.metrics.reconnects >= 1
         arrivals = await first_deliveries(amqp_url, queue, expect=2000)
