@@ -1,4 +1,5 @@
-"""``/v1/failures`` (terminal failures grouped by cause) and ``/v1/audit`` (operator actions)."""
+"""``/v1/failures`` (terminal failures grouped by cause), ``/v1/audit`` (operator actions) and
+``/v1/search/messages`` (messages by status, batch, exchange, routing key, ordering key, reason)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pydantic import BaseModel, Field
 from app.api.auth import require_reader
 from app.api.context import ApiContext, get_ctx
 from app.api.limits import StrictJsonRoute
+from app.api.models import MessageOut, Text
 from app.api.v1 import ERRORS
 from app.outbox import queries
+from app.outbox.states import Status
 
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
 router = APIRouter(
@@ -76,3 +79,35 @@ def get_audit(
                       filter=e.filter, count=e.count) for e in entries]  # fmt: skip
     nxt = entries[-1].id if len(entries) == limit else None
     return AuditPage(items=items, next_before=nxt)
+
+
+class MessagePage(BaseModel):
+    items: list[MessageOut]
+    next_after: int | None = Field(description="Pass as `after` for the next page.")
+
+
+@router.get(
+    "/search/messages",
+    response_model=MessagePage,
+    summary="Search messages (status, batch, exchange, routing key, ordering key, reason)",
+)
+def search_messages(
+    ctx: Ctx,
+    status: Annotated[list[Status] | None, Query(description="Repeatable.")] = None,
+    batch_id: Annotated[Text | None, Query()] = None,
+    exchange: Annotated[Text | None, Query()] = None,
+    routing_key: Annotated[Text | None, Query()] = None,
+    ordering_key: Annotated[Text | None, Query()] = None,
+    reason: Annotated[
+        Text | None, Query(description="Substring of the error or reply text, any case.")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    after: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
+) -> MessagePage:
+    flt = queries.MessageFilter(
+        statuses=tuple(status or ()), batch_id=batch_id, exchange=exchange,
+        routing_key=routing_key, ordering_key=ordering_key, reason=reason,
+    )  # fmt: skip
+    found = queries.search_messages(ctx.engine, flt=flt, limit=limit, after=after)
+    nxt = found[-1].id if len(found) == limit else None
+    return MessagePage(items=[MessageOut.of(m) for m in found], next_after=nxt)

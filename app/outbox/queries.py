@@ -596,6 +596,55 @@ def message(engine: Engine, *, message_id: str, include_body: bool = False) -> M
     return MessageRecord(**values)
 
 
+@dataclass(frozen=True, slots=True)
+class MessageFilter:
+    """What an operator searches messages by (all given conditions hold)."""
+
+    statuses: tuple[Status, ...] = ()
+    batch_id: str | None = None
+    exchange: str | None = None
+    routing_key: str | None = None
+    ordering_key: str | None = None
+    reason: str | None = None  # case-insensitive substring of last_error or reply_text
+
+
+def search_messages(
+    engine: Engine, *, flt: MessageFilter, limit: int = 50, after: int | None = None
+) -> list[MessageRecord]:
+    """Messages matching ``flt`` in id order, without bodies (keyset pages: ``after`` the last
+    id of the previous page)."""
+    cols = [*_MESSAGE_COLUMNS, func.length(outbox.c.body).label("body_size")]
+    stmt = select(*cols).order_by(outbox.c.id).limit(limit)
+    conds: list[ColumnElement[bool]] = []
+    if flt.statuses:
+        conds.append(outbox.c.status.in_([st.value for st in flt.statuses]))
+    for column, value in ((outbox.c.batch_id, flt.batch_id), (outbox.c.exchange, flt.exchange),
+                          (outbox.c.routing_key, flt.routing_key),
+                          (outbox.c.ordering_key, flt.ordering_key)):  # fmt: skip
+        if value is not None:
+            conds.append(column == value)
+    if flt.reason:
+        needle = flt.reason.lower()
+        conds.append(or_(
+            func.lower(func.coalesce(outbox.c.last_error, "")).contains(needle, autoescape=True),
+            func.lower(func.coalesce(outbox.c.reply_text, "")).contains(needle, autoescape=True),
+        ))  # fmt: skip
+    if after is not None:
+        conds.append(outbox.c.id > after)
+    if conds:
+        stmt = stmt.where(and_(*conds))
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).mappings().all()
+    out = []
+    for row in rows:
+        values = dict(row)
+        values.update(body=None, status=Status(values["status"]),
+                      headers=_as_dict(values["headers"]),
+                      properties=_as_dict(values["properties"]))  # fmt: skip
+        out.append(MessageRecord(**values))
+    return out
+
+
 def _as_dict(value: Any) -> dict[str, Any] | None:
     """A JSON column as an object: producers may have stored anything (a non-object is shown
     wrapped, an unreadable document as the reason)."""
