@@ -59,10 +59,22 @@ def services_env() -> dict[str, str]:
     return env
 
 
-def close_broker_connections(named: str, *, reason: str = "closed by a test") -> int:
+def close_broker_connections(
+    named: str, *, reason: str = "closed by a test", wait: float = 15.0
+) -> int:
     """``rabbitmqctl close_connection`` on the connections whose client-provided name contains
     ``named``, and only those: never a connection another test or suite owns (unlike
-    ``close_all_connections``). Returns how many were closed."""
+    ``close_all_connections``). Waits up to ``wait`` seconds for such a connection to exist (the
+    client may be reconnecting). Returns how many were closed."""
+    deadline = time.monotonic() + wait
+    while True:
+        closed = _close_named(named, reason)
+        if closed or time.monotonic() > deadline:
+            return closed
+        time.sleep(0.2)
+
+
+def _close_named(named: str, reason: str) -> int:
     listing = subprocess.run(
         [str(SERVICES), "ctl", "list_connections", "-q", "pid", "client_properties"],
         check=True, capture_output=True, text=True, timeout=60, env=services_env(),
