@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
-from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
 
-from app.api import health, keys, metrics, operators, v1
+from app.api import health, keys, metrics, operators, problems, v1
 from app.api.auth import check_auth_config
 from app.api.context import ApiContext
 from app.api.limits import AuthThrottle, BodyLimit
@@ -62,18 +60,6 @@ def create_app(
     app.include_router(keys.router)
     app.include_router(operators.router)
     app.include_router(metrics.router)
-    app.add_exception_handler(OperationalError, _database_unavailable)
-    app.add_exception_handler(InterfaceError, _database_unavailable)
-    app.add_exception_handler(ProgrammingError, _schema_missing)
+    problems.install(app)
     return app
 
-
-async def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
-    """Connection refused, lock timeout, server gone: the database's fault, not a bug."""
-    return JSONResponse({"detail": f"database unavailable: {type(exc).__name__}"}, 503)
-
-
-async def _schema_missing(_request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(
-        {"detail": "database schema missing or outdated: run `outbox migrate`"}, 503
-    )

@@ -327,7 +327,7 @@ async def test_a_cursor_not_made_by_the_endpoint_is_a_422_naming_cursor(
 ) -> None:
     r = await client.get("/v1/confirms/outstanding", params={"cursor": cursor}, headers=R)
     assert r.status_code == 422, r.text
-    assert r.json()["detail"][0]["loc"] == ["query", "cursor"]
+    assert r.json()["errors"][0]["loc"] == ["query", "cursor"]
     r = await client.get("/v1/batches", params={"cursor": cursor}, headers=R)
     assert r.status_code == 422, r.text
 
@@ -790,3 +790,69 @@ async def test_messages_are_searchable_by_status_exchange_and_reason_in_pages(
     assert len(pages) == len(set(pages)) > 4  # every row once, in id order
     r = await client.get(url, params={"reason": "%"}, headers=R)
     assert r.status_code == 200 and r.json()["items"] == []  # no wildcard injection
+
+
+# ------------------------------------------------------------------------------ problem details
+
+
+def _is_problem(r: httpx.Response, status: int, path: str) -> dict[str, object]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json", r.headers
+    body = r.json()
+    assert body["status"] == status and body["type"] == "about:blank", body
+    assert body["title"] and isinstance(body["detail"], str) and body["detail"], body
+    assert body["instance"] == path, body
+    return dict(body)
+
+
+async def test_every_error_is_an_rfc9457_problem(client: httpx.AsyncClient) -> None:
+    """A wrong token, a read token acting, an unknown id, path and method, a bad query and a
+    bad body: each a problem document naming what is wrong, never FastAPI's bare ``detail``."""
+    _is_problem(await client.get("/v1/stats"), 401, "/v1/stats")
+    bad = await client.get("/v1/stats", headers={"Authorization": "Bearer " + "x" * 40})
+    assert "www-authenticate" in bad.headers
+    _is_problem(bad, 401, "/v1/stats")
+    acted = await client.post("/v1/republish", json={"all": True, "actor": "t"}, headers=R)
+    assert "operator token" in str(_is_problem(acted, 403, "/v1/republish")["detail"])
+    gone = await client.get("/v1/messages/nope", headers=R)
+    assert "nope" in str(_is_problem(gone, 404, "/v1/messages/nope")["detail"])
+    _is_problem(await client.get("/v1/no-such-thing", headers=R), 404, "/v1/no-such-thing")
+    _is_problem(await client.delete("/v1/stats", headers=R), 405, "/v1/stats")
+    invalid = _is_problem(
+        await client.get("/v1/batches", params={"limit": "many"}, headers=R), 422, "/v1/batches"
+    )
+    assert "query.limit" in str(invalid["detail"]), invalid
+    assert invalid["errors"] == [  # type: ignore[comparison-overlap]
+        {"loc": ["query", "limit"], "msg": "Input should be a valid integer, unable to parse "
+         "string as an integer", "type": "int_parsing"}
+    ]  # fmt: skip
+    not_json = await client.post(
+        "/v1/republish", content=b'{"all": true, "all": false}', headers={**OP,
+        "content-type": "application/json"},
+    )  # fmt: skip
+    assert "duplicate key" in str(_is_problem(not_json, 400, "/v1/republish")["detail"])
+
+
+async def test_an_unreachable_database_is_a_problem_too() -> None:
+    app = create_app(settings_for("postgresql+psycopg://outbox:pw@127.0.0.1:1/outbox"))
+    async with client_for(app) as c:
+        body = _is_problem(await c.get("/v1/batches", headers=R), 503, "/v1/batches")
+    assert "database unavailable" in str(body["detail"])
+
+
+def test_the_openapi_document_declares_problem_json_for_every_error(sqlite_url: str) -> None:
+    doc = create_app(settings_for(sqlite_url)).openapi()
+    errors = [
+        (path, code, answer)
+        for path, ops in doc["paths"].items()
+        for op in ops.values()
+        for code, answer in op["responses"].items()
+        if code[0] in "45" and path != "/readyz"
+    ]
+    assert len(errors) > 30
+    for path, code, answer in errors:
+        assert list(answer["content"]) == ["application/problem+json"], (path, code)
+        assert answer["content"]["application/problem+json"]["schema"] == {
+            "$ref": "#/components/schemas/Problem"
+        }
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
