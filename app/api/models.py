@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -67,8 +68,12 @@ def _to_utc(value: dt.datetime | None) -> dt.datetime | None:
         raise ValueError("datetime out of range once converted to UTC") from None
 
 
+_NUMBER = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
 def _text_only(value: object) -> object:
-    if not isinstance(value, str):
+    """A string, and not a number in a string (pydantic would read it as a Unix time)."""
+    if not isinstance(value, str) or _NUMBER.fullmatch(value):
         raise ValueError("expected an ISO 8601 date-time string with a timezone")
     return value
 

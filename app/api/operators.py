@@ -7,12 +7,13 @@ import datetime as dt
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 
 from app.api.auth import require_reader
 from app.api.context import ApiContext, get_ctx
 from app.api.limits import StrictJsonRoute
-from app.api.models import MessageOut, Text
+from app.api.models import MessageOut, Text, UtcDatetime
 from app.api.v1 import ERRORS
 from app.outbox import queries
 from app.outbox.states import Status
@@ -86,28 +87,75 @@ class MessagePage(BaseModel):
     next_after: int | None = Field(description="Pass as `after` for the next page.")
 
 
-@router.get(
-    "/search/messages",
-    response_model=MessagePage,
-    summary="Search messages (status, batch, exchange, routing key, ordering key, reason)",
-)
-def search_messages(
-    ctx: Ctx,
-    status: Annotated[list[Status] | None, Query(description="Repeatable.")] = None,
-    batch_id: Annotated[Text | None, Query()] = None,
-    exchange: Annotated[Text | None, Query()] = None,
-    routing_key: Annotated[Text | None, Query()] = None,
-    ordering_key: Annotated[Text | None, Query()] = None,
-    reason: Annotated[
-        Text | None, Query(description="Substring of the error or reply text, any case.")
-    ] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    after: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
-) -> MessagePage:
+def _search(
+    ctx: ApiContext, *, statuses: list[Status] | None, batch_id: str | None, exchange: str | None,
+    routing_key: str | None, ordering_key: str | None, reason: str | None,
+    created_after: dt.datetime | None, created_before: dt.datetime | None, limit: int,
+    after: int | None,
+) -> MessagePage:  # fmt: skip
+    if created_after is not None and created_before is not None and created_after >= created_before:
+        raise RequestValidationError([{
+            "type": "value_error", "loc": ("query", "created_after"), "input": None,
+            "msg": "created_after must be earlier than created_before",
+        }])  # fmt: skip
     flt = queries.MessageFilter(
-        statuses=tuple(status or ()), batch_id=batch_id, exchange=exchange,
+        statuses=tuple(statuses or ()), batch_id=batch_id, exchange=exchange,
         routing_key=routing_key, ordering_key=ordering_key, reason=reason,
+        created_after=created_after, created_before=created_before,
     )  # fmt: skip
     found = queries.search_messages(ctx.engine, flt=flt, limit=limit, after=after)
     nxt = found[-1].id if len(found) == limit else None
     return MessagePage(items=[MessageOut.of(m) for m in found], next_after=nxt)
+
+
+Statuses = Annotated[list[Status] | None, Query(alias="status", description="Repeatable.")]
+Reason = Annotated[
+    Text | None, Query(description="Substring of the error or reply text, any case.")
+]
+CreatedAfter = Annotated[UtcDatetime | None, Query(description="Inclusive, ISO 8601 with a zone.")]
+CreatedBefore = Annotated[UtcDatetime | None, Query(description="Exclusive, ISO 8601 with a zone.")]
+Limit = Annotated[int, Query(ge=1, le=500)]
+After = Annotated[
+    int | None, Query(ge=0, le=2**63 - 1, description="next_after of the previous page.")
+]
+
+
+@router.get(
+    "/messages",
+    response_model=MessagePage,
+    summary="Messages by status, batch, exchange, routing key, ordering key, reason, created range",
+)
+def list_messages(
+    ctx: Ctx, status: Statuses = None, batch_id: Annotated[Text | None, Query()] = None,
+    exchange: Annotated[Text | None, Query()] = None,
+    routing_key: Annotated[Text | None, Query()] = None,
+    ordering_key: Annotated[Text | None, Query()] = None, reason: Reason = None,
+    created_after: CreatedAfter = None, created_before: CreatedBefore = None, limit: Limit = 50,
+    after: After = None,
+) -> MessagePage:  # fmt: skip
+    """Keyset pages in id order, without bodies (``GET /v1/messages/{id}`` has the body)."""
+    return _search(
+        ctx, statuses=status, batch_id=batch_id, exchange=exchange, routing_key=routing_key,
+        ordering_key=ordering_key, reason=reason, created_after=created_after,
+        created_before=created_before, limit=limit, after=after,
+    )  # fmt: skip
+
+
+@router.get(
+    "/search/messages",
+    response_model=MessagePage,
+    summary="The same search as GET /v1/messages (kept for earlier clients)",
+)
+def search_messages(
+    ctx: Ctx, status: Statuses = None, batch_id: Annotated[Text | None, Query()] = None,
+    exchange: Annotated[Text | None, Query()] = None,
+    routing_key: Annotated[Text | None, Query()] = None,
+    ordering_key: Annotated[Text | None, Query()] = None, reason: Reason = None,
+    created_after: CreatedAfter = None, created_before: CreatedBefore = None, limit: Limit = 50,
+    after: After = None,
+) -> MessagePage:  # fmt: skip
+    return _search(
+        ctx, statuses=status, batch_id=batch_id, exchange=exchange, routing_key=routing_key,
+        ordering_key=ordering_key, reason=reason, created_after=created_after,
+        created_before=created_before, limit=limit, after=after,
+    )  # fmt: skip

@@ -606,6 +606,8 @@ class MessageFilter:
     routing_key: str | None = None
     ordering_key: str | None = None
     reason: str | None = None  # case-insensitive substring of last_error or reply_text
+    created_after: dt.datetime | None = None  # inclusive
+    created_before: dt.datetime | None = None  # exclusive
 
 
 def search_messages(
@@ -629,6 +631,10 @@ def search_messages(
             func.lower(func.coalesce(outbox.c.last_error, "")).contains(needle, autoescape=True),
             func.lower(func.coalesce(outbox.c.reply_text, "")).contains(needle, autoescape=True),
         ))  # fmt: skip
+    if flt.created_after is not None:
+        conds.append(outbox.c.created_at >= flt.created_after)
+    if flt.created_before is not None:
+        conds.append(outbox.c.created_at < flt.created_before)
     if after is not None:
         conds.append(outbox.c.id > after)
     if conds:

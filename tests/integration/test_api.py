@@ -792,6 +792,26 @@ async def test_messages_are_searchable_by_status_exchange_and_reason_in_pages(
     assert r.status_code == 200 and r.json()["items"] == []  # no wildcard injection
 
 
+async def test_messages_list_filters_by_created_range_and_refuses_an_empty_range(
+    client: httpx.AsyncClient, seeded: Seeded
+) -> None:
+    stored = (await client.get("/v1/messages", params={"limit": 500}, headers=R)).json()["items"]
+    assert len(stored) > 4
+    created = sorted(dt.datetime.fromisoformat(m["created_at"]) for m in stored)
+    first, last = created[0], created[-1]
+    later = (last + dt.timedelta(days=1)).isoformat()
+    everything = {"created_after": first.isoformat(), "created_before": later, "limit": 500}
+    r = await client.get("/v1/messages", params=everything, headers=R)
+    assert r.status_code == 200 and len(r.json()["items"]) == len(stored), r.text
+    r = await client.get("/v1/messages", params={"created_after": later}, headers=R)
+    assert r.status_code == 200 and r.json()["items"] == []
+    backwards = {"created_after": later, "created_before": first.isoformat()}
+    r = await client.get("/v1/messages", params=backwards, headers=R)
+    assert r.status_code == 422 and "earlier than" in r.json()["detail"], r.text
+    r = await client.get("/v1/messages", params={"created_after": "yesterday"}, headers=R)
+    assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["query", "created_after"]
+
+
 # ------------------------------------------------------------------------------ problem details
 
 
