@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 
 venv: $(VENV)/.installed  ## create the virtualenv and install the package with its test tools
 
-tools:  ## Java 17+ for Spark and jq for the README session (Debian packages when missing)
+tools:  ## Java 17+, jq, promtool, chromium and chromium-driver (Debian packages when missing)
 	@deploy/local/ensure-tools.sh
 
 lock:  ## rewrite requirements-dev.lock from a fresh resolve of pyproject.toml (then run make test)
@@ -55,7 +55,7 @@ migrate: venv services  ## create or upgrade the outbox schema (OUTBOX_DATABASE_
 test: venv services tools  ## run the whole test suite against the local services
 	@$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-test-fast: venv services  ## the suite without Spark, slow scenarios and the fault matrix
+test-fast: venv services tools  ## the suite without Spark, slow scenarios and the fault matrix
 	@$(VENV)/bin/pytest -m "not spark and not slow and not chaos" $(PYTEST_ARGS)
 
 bench: venv services tools  ## measure the product against bare publishing loops (BENCH_SCALE=4 for bigger)

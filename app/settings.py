@@ -133,6 +133,11 @@ class Settings(BaseSettings):
         default=20, ge=1, description="Failed authentications per client address and minute "
         "before the API answers 429.",
     )  # fmt: skip
+    ui_session_seconds: int = Field(
+        default=8 * 3600, ge=60, le=7 * 24 * 3600,
+        description="Lifetime of a web console session (/ui) after sign-in; rotating a token "
+        "ends every session signed with it.",
+    )  # fmt: skip
     api_probe_timeout: float = Field(
         default=3.0, gt=0, description="Most wait of /readyz for the database and the broker."
     )

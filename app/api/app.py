@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
 
-from app.api import health, keys, metrics, operators, problems, v1
+from app.api import console, health, keys, metrics, operators, problems, v1
 from app.api.auth import check_auth_config
 from app.api.context import ApiContext
 from app.api.limits import AuthThrottle, BodyLimit
@@ -60,6 +60,6 @@ def create_app(
     app.include_router(keys.router)
     app.include_router(operators.router)
     app.include_router(metrics.router)
+    console.install(app)
     problems.install(app)
     return app
-

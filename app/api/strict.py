@@ -43,8 +43,8 @@ def _scalar_names(dependant: Dependant) -> frozenset[str]:
 def reject_unknown_query(request: Request) -> None:
     """A 422 naming every unknown query parameter and every scalar one given twice."""
     route = request.scope.get("route")
-    if not isinstance(route, APIRoute):
-        return
+    if not isinstance(route, APIRoute) or not route.include_in_schema:
+        return  # the web console's pages read and check their own parameters
     given = request.query_params
     unknown = sorted(set(given) - _query_names(route.dependant))
     repeated = sorted(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tools the tests and the demo need besides Python: Java 17+ for PySpark 4, jq (the README's
-# operator session pipes through it) and promtool (the alert rules' tests; Debian's prometheus
-# package). Installs Debian's packages for whatever is missing.
+# operator session pipes through it), promtool (the alert rules' tests; Debian's prometheus
+# package) and chromium with chromium-driver (the web console's browser tests). Installs
+# Debian's packages for whatever is missing.
 set -euo pipefail
 major() { java -version 2>&1 | awk -F'"' '/version/ {split($2, v, "."); print v[1]; exit}'; }
 missing=()
@@ -10,6 +11,9 @@ if ! { command -v java >/dev/null 2>&1 && [ "$(major)" -ge 17 ] 2>/dev/null; }; 
 fi
 command -v jq >/dev/null 2>&1 || missing+=(jq)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+# the web console's browser tests: Debian's headless Chromium and its WebDriver
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "[tools] installing ${missing[*]}" >&2
 sudo_() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }

@@ -1,0 +1,548 @@
+"""The web console, ``/ui``: server-rendered pages (Jinja2, no JavaScript) over the same queries
+and the same audited republish as the REST API.
+
+Sign-in takes a token once and sets a session cookie (:mod:`app.api.console.session`); the read
+token sees every page, the operator token also republishes. A republish is always a dry run
+first (count and sample), then an explicit confirmation that carries a request id chosen at
+preview time: pressing it twice replays the first result instead of moving rows again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from pydantic import ValidationError
+from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
+from starlette.concurrency import run_in_threadpool
+
+from app.api.auth import Role, _has_tokens, role_of
+from app.api.console.session import COOKIE, COOKIE_PATH, Session, SessionError, SessionSigner
+from app.api.context import client_address, get_ctx
+from app.api.models import RepublishRequest
+from app.api.v1 import _refuse_reused_request_id
+from app.outbox import health, queries
+from app.outbox.repository import RepublishFilter
+from app.outbox.states import TERMINAL_FAILURES, Status
+
+log = logging.getLogger("app.api.console")
+HERE = Path(__file__).resolve().parent
+MAX_FIELD = 1000
+NONE = "\N{EN DASH}"
+STALE_FORM = ("This form was not sent from this console session (its CSRF token is missing or "
+              "stale). Reload the page and try again.")  # fmt: skip
+PAGE = 50
+#: Most rows one confirmation moves (the rest: "continue" on the result page, a new request id)
+CHUNK = 10_000
+REPUBLISH_STATUSES = ("failed", "nacked", "returned")
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY",
+}
+
+
+class ConsoleError(Exception):
+    """A page that cannot be shown, with the reason a person reads (and an HTTP status)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class LoginRequired(Exception):
+    def __init__(self, target: str, message: str, *, expired: bool) -> None:
+        super().__init__(message)
+        self.target = target
+        self.message = message
+        self.expired = expired
+
+
+class ConsoleRoute(APIRoute):
+    """A database that is down or not migrated is an HTML page here, not a JSON problem."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (OperationalError, InterfaceError) as exc:
+                log.warning("console: database unavailable: %s", type(exc).__name__)
+                message = f"The database is unavailable ({type(exc).__name__}); try again."
+                return _error_page(request, 503, message)
+            except ProgrammingError:
+                return _error_page(request, 503, "The database schema is missing or outdated: "
+                                   "run `outbox migrate`.")  # fmt: skip
+
+        return guarded
+
+
+router = APIRouter(prefix="/ui", include_in_schema=False, route_class=ConsoleRoute)
+env = Environment(
+    loader=FileSystemLoader(HERE / "templates"),
+    autoescape=select_autoescape(default=True, default_for_string=True),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return NONE
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _when(value: dt.datetime | None) -> str:
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if value else NONE
+
+
+env.filters.update(age=_age, when=_when, query=lambda d: urlencode(d, doseq=True))
+
+
+# ------------------------------------------------------------------------------ plumbing
+
+
+def install(app: FastAPI) -> None:
+    app.state.console_signer = SessionSigner(app.state.ctx.settings)
+    app.include_router(router)
+    app.add_exception_handler(LoginRequired, _to_login)
+    app.add_exception_handler(ConsoleError, _console_error)
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/ui", 307)
+
+
+def _signer(request: Request) -> SessionSigner:
+    signer: SessionSigner = request.app.state.console_signer
+    return signer
+
+
+def _now(request: Request) -> float:
+    return get_ctx(request).now().timestamp()
+
+
+def _session(request: Request) -> Session:
+    try:
+        return _signer(request).read(request.cookies.get(COOKIE), now=_now(request))
+    except SessionError as exc:
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        raise LoginRequired(target, str(exc), expired=exc.expired) from None
+
+
+def render(
+    request: Request, template: str, *, session: Session | None, code: int = 200,
+    **values: Any,
+) -> HTMLResponse:  # fmt: skip
+    csrf = _signer(request).csrf(session) if session else ""
+    html = env.get_template(template).render(session=session, csrf=csrf, path=request.url.path,
+                                             **values)  # fmt: skip
+    return HTMLResponse(html, code, headers=SECURITY_HEADERS)
+
+
+def _error_page(request: Request, status: int, message: str) -> HTMLResponse:
+    try:
+        session: Session | None = _session(request)
+    except LoginRequired:
+        session = None
+    return render(request, "error.html", session=session, code=status, message=message)
+
+
+async def _console_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ConsoleError)
+    return _error_page(request, exc.status, exc.message)
+
+
+async def _to_login(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, LoginRequired)
+    query = {"next": exc.target, **({"expired": "1"} if exc.expired else {})}
+    return RedirectResponse(f"/ui/login?{urlencode(query)}", 303, headers=SECURITY_HEADERS)
+
+
+def _safe_next(target: str | None) -> str:
+    """Only a console path: never an open redirect to another site."""
+    if target and target.startswith("/ui") and not target.startswith("//"):
+        return target
+    return "/ui"
+
+
+async def _form(request: Request) -> dict[str, list[str]]:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/x-www-form-urlencoded":
+        raise ConsoleError(415, "Send the form as application/x-www-form-urlencoded.")
+    try:
+        text = (await request.body()).decode("utf-8")
+        return parse_qs(text, keep_blank_values=True, max_num_fields=64)
+    except (UnicodeDecodeError, ValueError):
+        raise ConsoleError(
+            400, "The form could not be read (not UTF-8, or too many fields)."
+        ) from None
+
+
+def _one(form: Mapping[str, list[str]], name: str) -> str | None:
+    values = form.get(name) or [""]
+    value = values[0].strip()
+    if len(value) > MAX_FIELD:
+        raise ConsoleError(400, f"The field {name!r} is longer than {MAX_FIELD} characters.")
+    return value or None
+
+
+def _param(request: Request, name: str) -> str | None:
+    value = (request.query_params.get(name) or "").strip()
+    if len(value) > MAX_FIELD:
+        raise ConsoleError(400, f"The parameter {name!r} is longer than {MAX_FIELD} characters.")
+    if "\x00" in value:
+        raise ConsoleError(400, f"The parameter {name!r} holds a NUL character.")
+    return value or None
+
+
+def _int_param(request: Request, name: str) -> int | None:
+    value = _param(request, name)
+    if value is None:
+        return None
+    if not value.isdigit() or len(value) > 18:
+        raise ConsoleError(400, f"The parameter {name!r} must be a whole number.")
+    return int(value)
+
+
+async def _acting(request: Request) -> tuple[Session, dict[str, list[str]]]:
+    """A state-changing form: a session, its CSRF token, and the operator role."""
+    session = _session(request)
+    form = await _form(request)
+    if not _signer(request).csrf_ok(session, _one(form, "csrf")):
+        log.warning("console: form without a valid CSRF token from %s", client_address(request))
+        raise ConsoleError(403, STALE_FORM)
+    if not session.can_act:
+        raise ConsoleError(403, "Republish needs the operator token: you signed in with the "
+                           "read token, which can look but not act.")  # fmt: skip
+    return session, form
+
+
+# ------------------------------------------------------------------------------ sign-in
+
+
+@router.get("/console.css")
+def stylesheet() -> Response:
+    css = (HERE / "console.css").read_text()
+    return PlainTextResponse(css, media_type="text/css",
+                             headers={"Cache-Control": "max-age=3600"})  # fmt: skip
+
+
+@router.get("/login")
+def login_page(request: Request) -> HTMLResponse:
+    ctx = get_ctx(request)
+    expired = request.query_params.get("expired") == "1"
+    return render(request, "login.html", session=None, insecure=not _has_tokens(ctx.settings),
+                  next=_safe_next(request.query_params.get("next")),
+                  message="Your session expired: sign in again." if expired else None)  # fmt: skip
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    ctx = get_ctx(request)
+    form = await _form(request)
+    target = _safe_next(_one(form, "next"))
+    client = client_address(request)
+    token = (form.get("token") or [""])[0]
+    insecure = not _has_tokens(ctx.settings)
+    try:
+        creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token)
+        role = role_of(ctx.settings, creds if token else None, ctx=ctx, client=client)
+    except HTTPException as exc:
+        message = ("Too many failed sign-ins from your address: wait a minute."
+                   if exc.status_code == 429 else
+                   "That token is not valid here: use OUTBOX_API_TOKEN to look or "
+                   "OUTBOX_OPERATOR_TOKEN to act.")  # fmt: skip
+        return render(request, "login.html", session=None, code=exc.status_code,
+                      insecure=insecure, next=target, message=message)  # fmt: skip
+    principal = ("anonymous (insecure mode)" if insecure else
+                 "operator-token" if role >= Role.OPERATOR else "read-token")  # fmt: skip
+    cookie, session = _signer(request).issue(role, principal, now=_now(request))
+    log.info("console: %s signed in from %s", principal, client)
+    response = RedirectResponse(target, 303, headers=SECURITY_HEADERS)
+    response.set_cookie(COOKIE, cookie, max_age=session.expires - int(_now(request)),
+                        path=COOKIE_PATH, httponly=True, samesite="strict",
+                        secure=request.url.scheme == "https")  # fmt: skip
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    session = _session(request)
+    form = await _form(request)
+    if not _signer(request).csrf_ok(session, _one(form, "csrf")):
+        raise ConsoleError(403, "This form was not sent from this console session.")
+    response = RedirectResponse("/ui/login", 303, headers=SECURITY_HEADERS)
+    response.delete_cookie(COOKIE, path=COOKIE_PATH, httponly=True, samesite="strict")
+    return response
+
+
+# ------------------------------------------------------------------------------ pages
+
+
+@router.get("")
+def overview(request: Request) -> HTMLResponse:
+    session = _session(request)
+    ctx = get_ctx(request)
+    stats = queries.read_stats(
+        ctx.engine, now=ctx.now(), alive_after=ctx.alive_after,
+        latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
+        latency_rows=ctx.settings.stats_latency_rows,
+    )  # fmt: skip
+    return render(request, "overview.html", session=session, stats=stats,
+                  verdict=health.verdict(stats), statuses=list(Status),
+                  failures=sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES))  # fmt: skip
+
+
+@router.get("/batches")
+def batches(request: Request) -> HTMLResponse:
+    session = _session(request)
+    ctx = get_ctx(request)
+    status = _status_param(request)
+    cursor = _param(request, "cursor")
+    try:
+        after = queries.decode_batch_cursor(cursor) if cursor else None
+    except queries.BadCursor:
+        raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
+    page = queries.list_batches(ctx.engine, limit=PAGE, after=after, status=status)
+    return render(request, "batches.html", session=session, page=page, status=status,
+                  statuses=list(Status))  # fmt: skip
+
+
+@router.get("/batches/{batch_id}")
+def batch(request: Request, batch_id: str) -> HTMLResponse:
+    session = _session(request)
+    found = queries.batch_summary(get_ctx(request).engine, batch_id=batch_id[:MAX_FIELD])
+    if found is None:
+        raise ConsoleError(404, f"There is no batch {batch_id!r}.")
+    failures = sum(found.counts.get(s, 0) for s in TERMINAL_FAILURES)
+    return render(request, "batch.html", session=session, b=found, failures=failures,
+                  statuses=list(Status))  # fmt: skip
+
+
+@router.get("/outstanding")
+def outstanding(request: Request) -> HTMLResponse:
+    session = _session(request)
+    ctx = get_ctx(request)
+    cursor = _param(request, "cursor")
+    try:
+        after = queries.OutstandingKey.decode(cursor) if cursor else None
+    except queries.BadCursor:
+        raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
+    page = queries.outstanding_confirms(ctx.engine, now=ctx.now(),
+                                        flt=queries.OutstandingFilter(), limit=PAGE,
+                                        after=after)  # fmt: skip
+    return render(request, "outstanding.html", session=session, page=page)
+
+
+@router.get("/failures")
+def failures(request: Request) -> HTMLResponse:
+    session = _session(request)
+    groups = queries.failures_by_cause(get_ctx(request).engine, limit=200)
+    return render(request, "failures.html", session=session, groups=groups,
+                  rows=sum(g.rows for g in groups))  # fmt: skip
+
+
+def _status_param(request: Request) -> Status | None:
+    value = _param(request, "status")
+    if value is None:
+        return None
+    try:
+        return Status(value)
+    except ValueError:
+        known = ", ".join(s.value for s in Status)
+        raise ConsoleError(400, f"Unknown status {value!r}: one of {known}.") from None
+
+
+SEARCH_FIELDS = ("batch_id", "exchange", "routing_key", "ordering_key", "reason")
+
+
+@router.get("/messages")
+def messages(request: Request) -> HTMLResponse:
+    session = _session(request)
+    status = _status_param(request)
+    fields = {name: _param(request, name) for name in SEARCH_FIELDS}
+    flt = queries.MessageFilter(
+        statuses=(status,) if status else (), batch_id=fields["batch_id"],
+        exchange=fields["exchange"], routing_key=fields["routing_key"],
+        ordering_key=fields["ordering_key"], reason=fields["reason"],
+    )  # fmt: skip
+    after = _int_param(request, "after")
+    found = queries.search_messages(get_ctx(request).engine, flt=flt, limit=PAGE, after=after)
+    shown = {k: v for k, v in {**fields, "status": status.value if status else None}.items() if v}
+    nxt = {**shown, "after": found[-1].id} if len(found) == PAGE else None
+    return render(request, "messages.html", session=session, found=found, shown=shown,
+                  status=status, statuses=list(Status), fields=fields, next=nxt)  # fmt: skip
+
+
+@router.get("/messages/{message_id}")
+def message(request: Request, message_id: str) -> HTMLResponse:
+    session = _session(request)
+    ctx = get_ctx(request)
+    found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD])
+    if found is None:
+        raise ConsoleError(404, f"There is no message {message_id!r}.")
+    actions = [
+        e for e in queries.audit_trail(ctx.engine, limit=500)
+        if e.filter.get("batch_id") in (None, found.batch_id)
+        and e.filter.get("exchange") in (None, found.exchange)
+        and e.filter.get("ordering_key") in (None, found.ordering_key)
+    ]  # fmt: skip
+    return render(request, "message.html", session=session, m=found, history=_history(found),
+                  actions=actions[:20], failed=found.status in TERMINAL_FAILURES)  # fmt: skip
+
+
+def _history(m: queries.MessageRecord) -> list[tuple[dt.datetime | None, str]]:
+    steps: list[tuple[dt.datetime | None, str]] = [(m.created_at, "written to the outbox")]
+    if m.claimed_at:
+        steps.append((m.claimed_at, f"claimed by {m.lease_owner or 'a publisher'} "
+                                    f"(attempt {m.attempts} of {m.max_attempts})"))  # fmt: skip
+    if m.published_at:
+        where = (f" on channel {m.channel_id}, delivery tag {m.delivery_tag}"
+                 if m.delivery_tag is not None else "")  # fmt: skip
+        steps.append((m.published_at, f"published to {m.exchange!r}{where}"))
+    if m.confirmed_at:
+        steps.append((m.confirmed_at, "confirmed by the broker (ack)"))
+    if m.status in TERMINAL_FAILURES or m.last_error:
+        reason = m.last_error or m.reply_text or "no reason recorded"
+        code = f" (reply {m.reply_code})" if m.reply_code else ""
+        steps.append((None, f"now {m.status.value}: {reason}{code}"))
+    if m.lost_confirms:
+        steps.append((None, f"{m.lost_confirms} confirm(s) lost to a closed channel: the "
+                            "broker may hold a duplicate"))  # fmt: skip
+    return steps
+
+
+@router.get("/audit")
+def audit(request: Request) -> HTMLResponse:
+    session = _session(request)
+    before = _int_param(request, "before")
+    entries = queries.audit_trail(get_ctx(request).engine, limit=PAGE, before=before or None)
+    nxt = entries[-1].id if len(entries) == PAGE else None
+    return render(request, "audit.html", session=session, entries=entries, next_before=nxt)
+
+
+# ------------------------------------------------------------------------------ republish
+
+
+FILTER_FIELDS = ("batch_id", "exchange", "ordering_key", "created_after", "created_before")
+
+
+def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_run: bool
+                       ) -> RepublishRequest:  # fmt: skip
+    doc: dict[str, Any] = {"request_id": request_id, "dry_run": dry_run,
+                           "limit": CHUNK}  # fmt: skip
+    for name in FILTER_FIELDS:
+        value = _one(form, name)
+        if value is not None:
+            doc[name] = value
+    statuses = [s for s in form.get("statuses", []) if s]
+    unknown = [s for s in statuses if s not in REPUBLISH_STATUSES]
+    if unknown:
+        raise ConsoleError(400, f"Only returned, nacked or failed rows are republished, "
+                           f"not {unknown[0]!r}.")  # fmt: skip
+    if statuses:
+        doc["statuses"] = sorted(set(statuses))
+    if _one(form, "all") == "yes":
+        doc["all"] = True
+    try:
+        return RepublishRequest.model_validate(doc)
+    except ValidationError as exc:
+        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        raise ConsoleError(422, f"The republish filter is not valid: {problems}.") from None
+
+
+def _filter_fields(req: RepublishRequest) -> dict[str, Any]:
+    """The filter as form fields again (for the confirmation form)."""
+    fields: dict[str, Any] = {"statuses": list(req.statuses)}
+    for name in FILTER_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value.isoformat() if isinstance(value, dt.datetime) else value
+    if req.all_failures:
+        fields["all"] = "yes"
+    return fields
+
+
+@router.get("/republish")
+def republish_form(request: Request) -> HTMLResponse:
+    session = _session(request)
+    preset = {name: _param(request, name) or "" for name in (*FILTER_FIELDS, "status")}
+    return render(request, "republish_form.html", session=session, preset=preset,
+                  statuses=REPUBLISH_STATUSES)  # fmt: skip
+
+
+@router.post("/republish/preview")
+async def republish_preview(request: Request) -> HTMLResponse:
+    session, form = await _acting(request)
+    ctx = get_ctx(request)
+    req = _republish_request(form, request_id=f"ui-{uuid.uuid4()}", dry_run=True)
+    flt = req.to_filter()
+    result = await run_in_threadpool(
+        ctx.repo.republish, actor=session.principal, filter=flt, limit=req.limit, dry_run=True,
+        principal=session.principal, client_addr=client_address(request),
+    )  # fmt: skip
+    return render(request, "republish_preview.html", session=session, result=result,
+                  fields=_filter_fields(req), request_id=req.request_id,
+                  described=_describe(flt))  # fmt: skip
+
+
+@router.post("/republish")
+async def republish(request: Request) -> HTMLResponse:
+    session, form = await _acting(request)
+    ctx = get_ctx(request)
+    request_id = _one(form, "request_id")
+    if not request_id:
+        raise ConsoleError(400, "The confirmation has no request id: start from the preview.")
+    req = _republish_request(form, request_id=request_id, dry_run=False)
+    flt = req.to_filter()
+    actor = _one(form, "actor") or session.principal
+    try:
+        await run_in_threadpool(_refuse_reused_request_id, ctx, request_id=req.request_id, flt=flt)
+    except HTTPException as exc:
+        raise ConsoleError(exc.status_code, str(exc.detail)) from None
+    result = await run_in_threadpool(
+        ctx.repo.republish, actor=actor[:64], filter=flt, limit=req.limit, dry_run=False,
+        request_id=req.request_id, principal=session.principal,
+        client_addr=client_address(request),
+    )  # fmt: skip
+    log.info("console: republish %s by %s (%s) moved %d rows, audit %s", req.request_id, actor,
+             session.principal, result.count, result.audit_id)  # fmt: skip
+    return render(request, "republish_done.html", session=session, result=result,
+                  request_id=req.request_id, described=_describe(flt),
+                  left=max(0, result.matched - result.count),
+                  fields=_filter_fields(req))  # fmt: skip
+
+
+def _describe(flt: RepublishFilter) -> str:
+    parts = [f"status {' or '.join(sorted(s.value for s in flt.statuses))}"]
+    for label, value in (("batch", flt.batch_id), ("exchange", flt.exchange),
+                         ("ordering key", flt.ordering_key)):  # fmt: skip
+        if value is not None:
+            parts.append(f"{label} {value!r}")
+    if flt.created_after:
+        parts.append(f"created from {_when(flt.created_after)}")
+    if flt.created_before:
+        parts.append(f"created before {_when(flt.created_before)}")
+    return ", ".join(parts)
