@@ -23,7 +23,8 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 
-from app.db import SchemaMismatch, check_schema, make_engine, migrate
+from app.cli_output import cell, fancy, plain_table, progress, say, show_table
+from app.db import SchemaMismatch, check_schema, head_revision, make_engine, migrate
 from app.logs import configure as configure_logging
 from app.logs import redact
 from app.outbox import queries
@@ -54,28 +55,8 @@ class Failure(Exception):
 # -------------------------------------------------------------------------- rendering
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain text table; numbers right-aligned."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(row[i], int | float) for row in rows) for i in range(len(headers))]
-
-    def line(values: Sequence[str]) -> str:
-        parts = [
-            v.rjust(w) if num else v.ljust(w)
-            for v, w, num in zip(values, widths, numeric, strict=True)
-        ]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(headers), *(line(r) for r in cells)])
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, dt.datetime):
-        return value.strftime("%Y-%m-%d %H:%M:%S")
-    return str(value)
+table = plain_table  # kept: the name scripts and tests know
+_cell = cell
 
 
 def duration(seconds: float | None) -> str:
@@ -126,6 +107,33 @@ def render_stats(s: queries.OutboxStats) -> str:
     return "\n".join(lines)
 
 
+def show_stats(s: queries.OutboxStats) -> None:
+    """:func:`render_stats` for a terminal: tables and coloured states."""
+    lat = s.confirm_latency
+    say(f"outbox at {_cell(s.at)} UTC", level="bold")
+    show_table(["status", "rows"], [*((st.value, n) for st, n in s.counts.items()),
+                                    ("total", sum(s.counts.values()))])  # fmt: skip
+    show_table(["figure", "value"], [
+        ("oldest pending", duration(s.oldest_pending_age_seconds)),
+        ("oldest unconfirmed", duration(s.oldest_in_flight_age_seconds)),
+        ("confirm latency", f"p50 {duration(lat.p50)}, p90 {duration(lat.p90)}, "
+                            f"p99 {duration(lat.p99)} ({lat.samples} confirms, last "
+                            f"{duration(lat.window_seconds)})"),
+        ("possible duplicates", str(s.possible_duplicates)),
+        ("operator republished", str(s.operator_republished)),
+    ])  # fmt: skip
+    if s.blocked_publishers:
+        say(f"BROKER BLOCKED for {', '.join(s.blocked_publishers)}", level="CRITICAL")
+    pubs = [
+        (p.publisher_id, p.hostname, p.pid, duration(_ago(p.heartbeat_at, s.at)) + " ago",
+         ("blocked" if p.blocked else "alive") if p.alive else (
+             "stopped" if p.stopped_at else "silent"))
+        for p in s.publishers
+    ]  # fmt: skip
+    alive = f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known"
+    show_table(["publisher", "host", "pid", "heartbeat", "state"], pubs, title=alive)
+
+
 def _ago(then: dt.datetime, now: dt.datetime) -> float:
     return max(0.0, (now - then).total_seconds())
 
@@ -168,6 +176,9 @@ def _engine(settings: Settings) -> Engine:
 
 def _cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     migrate(settings.database_url.get_secret_value(), args.revision)
+    if args.json:
+        _json({"revision": args.revision, "head": head_revision()})
+        return EXIT_OK
     print(f"outbox schema at revision {args.revision}")
     return EXIT_OK
 
@@ -252,6 +263,9 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         from app.api.models import StatsOut
 
         print(StatsOut.of(stats).model_dump_json(indent=2))
+    elif fancy():
+        show_stats(stats)
+        say(f"verdict: {found.line()}", level=found.level.name)
     else:
         print(render_stats(stats))
         print(f"verdict: {found.line()}")
@@ -278,6 +292,39 @@ def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    flt = queries.OutstandingFilter(publisher=args.publisher, exchange=args.exchange,
+                                    batch_id=args.batch, min_age_seconds=args.min_age)  # fmt: skip
+    try:
+        after = queries.OutstandingKey.decode(args.cursor) if args.cursor else None
+        page = queries.outstanding_confirms(engine, now=utcnow(), flt=flt, limit=args.limit,
+                                            after=after)  # fmt: skip
+    except queries.BadCursor as exc:
+        raise UsageError(f"--cursor: {exc}") from None
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.models import OutstandingOut, OutstandingPage
+
+        out = OutstandingPage(items=[OutstandingOut.of(o) for o in page.items],
+                              next_cursor=page.next_cursor)  # fmt: skip
+        print(out.model_dump_json(indent=2))
+        return EXIT_OK
+    if not page.items:
+        print("nothing awaits a broker confirm")
+        return EXIT_OK
+    show_table(
+        ["message", "publisher", "channel", "tag", "attempt", "exchange", "routing key", "age"],
+        [(o.message_id, o.publisher, o.channel_id, o.delivery_tag if o.delivery_tag is not None
+          else "not sent", f"{o.attempt}/{o.max_attempts}", o.exchange, o.routing_key,
+          duration(o.age_seconds)) for o in page.items],
+    )  # fmt: skip
+    if page.next_cursor:
+        print(f"more: outbox outstanding --cursor {page.next_cursor}")
+    return EXIT_OK
+
+
 def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
     engine = _engine(settings)
     try:
@@ -296,6 +343,13 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_OK
     if not groups:
         print("no returned, nacked or failed rows")
+        return EXIT_OK
+    if fancy():
+        show_table(["rows", "status", "exchange", "routing key", "reason", "sample"],
+                   [(g.rows, g.status.value, g.exchange, g.routing_key, g.reason[:70],
+                     g.sample_message_id) for g in groups])  # fmt: skip
+        say("a message: outbox message ID; fix the cause, then outbox republish --status ... "
+            "--exchange ...")  # fmt: skip
         return EXIT_OK
     print(f"{'rows':>6}  {'status':<9} {'exchange':<20} {'routing key':<20} reason")
     for g in groups:
@@ -321,12 +375,23 @@ def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
     if not entries:
         print("no operator actions recorded")
         return EXIT_OK
+    if fancy():
+        show_table(["at", "#", "action", "rows", "actor", "verified as", "from", "filter"],
+                   [(e.at, e.id, e.action, e.count, e.actor, e.principal, e.client_addr,
+                     json_compact(e.filter)) for e in entries])  # fmt: skip
+        return EXIT_OK
     for e in entries:
         who = e.actor if e.principal in (None, e.actor) else f"{e.actor} (as {e.principal})"
         where = f" from {e.client_addr}" if e.client_addr else ""
         print(f"{e.at:%Y-%m-%d %H:%M:%S}  #{e.id:<5} {e.action:<10} {e.count:>6} rows  "
               f"{who}{where}  {json_compact(e.filter)}")  # fmt: skip
     return EXIT_OK
+
+
+def _json(value: object) -> None:
+    import json
+
+    print(json.dumps(value, indent=2, default=str))
 
 
 def json_compact(value: object) -> str:
@@ -352,6 +417,11 @@ def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
         from app.api.models import BatchOut
 
         print("[" + ",\n".join(BatchOut.of(b).model_dump_json(indent=2) for b in items) + "]")
+    elif fancy() and items:
+        show_table(BATCH_HEADERS, [
+            (b.batch_id, b.rows, *(b.counts[s] for s in Status), b.republished,
+             b.last_confirmed_at) for b in items
+        ])  # fmt: skip
     else:
         print(render_batches(items))
     return EXIT_OK
@@ -371,12 +441,20 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
             request_id=request_id,
         )  # fmt: skip
         moved, chunk = result.count, 1
-        while args.all and not args.dry_run and not result.replayed and result.count == args.limit:
-            chunk += 1  # every chunk its own audited request id, derived from the first
-            result = repo.republish(actor=args.actor, filter=flt, limit=args.limit,
-                                    dry_run=False, request_id=f"{request_id}#{chunk}")  # fmt: skip
-            moved += result.count
-            print(f"chunk {chunk}: republished {result.count} (total {moved})", file=sys.stderr)
+        chunked = args.all and not args.dry_run and not result.replayed
+        with progress("republish", result.matched if chunked else None) as bar:
+            bar.advance(result.count)
+            while chunked and result.count == args.limit:
+                chunk += 1  # every chunk its own audited request id, derived from the first
+                result = repo.republish(
+                    actor=args.actor, filter=flt, limit=args.limit, dry_run=False,
+                    request_id=f"{request_id}#{chunk}",
+                )  # fmt: skip
+                moved += result.count
+                bar.advance(result.count)
+                if not fancy(sys.stderr):
+                    print(f"chunk {chunk}: republished {result.count} (total {moved})",
+                          file=sys.stderr)  # fmt: skip
     finally:
         engine.dispose()
     if args.json:
@@ -411,14 +489,23 @@ def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
     if not items:
         print("no parked keys")
         return EXIT_OK
+    if fancy():
+        show_table(["ordering key", "blocked by", "status", "waiting", "reason"],
+                   [(k.ordering_key, k.blocking_message_id, k.blocking_status.value, k.waiting,
+                     (k.blocking_error or "")[:60]) for k in items])  # fmt: skip
+    else:
+        _print_parked(items)
+    print("resume: outbox republish --ordering-key KEY")
+    print("release: outbox skip MESSAGE_ID --reason WHY")
+    return EXIT_OK
+
+
+def _print_parked(items: Sequence[queries.ParkedKey]) -> None:
     print(f"{'ordering key':<24} {'blocked by':<28} {'status':<9} {'waiting':>7}  reason")
     for k in items:
         reason = (k.blocking_error or "")[:60]
         print(f"{k.ordering_key[:24]:<24} {k.blocking_message_id[:28]:<28} "
               f"{k.blocking_status.value:<9} {k.waiting:>7}  {reason}")  # fmt: skip
-    print("resume: outbox republish --ordering-key KEY")
-    print("release: outbox skip MESSAGE_ID --reason WHY")
-    return EXIT_OK
 
 
 def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
@@ -431,6 +518,11 @@ def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
         raise Failure(str(exc)) from None
     finally:
         engine.dispose()
+    if args.json:
+        _json({"message_id": result.message_id, "previous": result.previous.value,
+               "ordering_key": result.ordering_key, "released": result.released,
+               "audit_id": result.audit_id})  # fmt: skip
+        return EXIT_OK
     print(f"skipped {result.message_id} (was {result.previous.value}); key "
           f"{result.ordering_key!r}: {result.released} waiting rows released; audit "
           f"{result.audit_id}")  # fmt: skip
@@ -447,16 +539,28 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     try:
         if args.dry_run:
             would = repo.count_purgeable(older_than=dt.timedelta(days=days))
+            if args.json:
+                _json({"dry_run": True, "older_than_days": days, "would_delete": would})
+                return EXIT_OK
             print(f"would delete {would} confirmed rows confirmed more than {days:g} days ago "
                   "(dry run: nothing deleted)")  # fmt: skip
             return EXIT_OK
-        deleted = repo.purge_confirmed(older_than=dt.timedelta(days=days), chunk=args.chunk)
+        live = fancy(sys.stderr) and not args.json
+        total = repo.count_purgeable(older_than=dt.timedelta(days=days)) if live else None
+        with progress("purge", total) as bar:
+            deleted = repo.purge_confirmed(older_than=dt.timedelta(days=days), chunk=args.chunk,
+                                           on_chunk=bar.advance)  # fmt: skip
         forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days),
                                 chunk=args.chunk)  # fmt: skip
-        repo.record_purge(actor=args.actor, older_than=dt.timedelta(days=days), deleted=deleted,
-                          inbox_deleted=forgotten)  # fmt: skip
+        audit_id = repo.record_purge(actor=args.actor, older_than=dt.timedelta(days=days),
+                                     deleted=deleted, inbox_deleted=forgotten)  # fmt: skip
     finally:
         engine.dispose()
+    if args.json:
+        _json({"dry_run": False, "older_than_days": days, "deleted": deleted,
+               "inbox_older_than_days": inbox_days, "inbox_deleted": forgotten,
+               "audit_id": audit_id})  # fmt: skip
+        return EXIT_OK
     print(f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago")
     print(f"deleted {forgotten} consumer inbox rows older than {inbox_days:g} days "
           "(OUTBOX_INBOX_RETENTION_DAYS)")  # fmt: skip
@@ -647,6 +751,7 @@ Sub = Any  # argparse's _SubParsersAction is private
 def _add_migrate(sub: Sub) -> None:
     mig = sub.add_parser("migrate", help="create or upgrade the outbox schema")
     mig.add_argument("--revision", default="head", help="target alembic revision (default head)")
+    mig.add_argument("--json", action="store_true", help="the revision reached, as JSON")
     mig.set_defaults(func=_cmd_migrate)
 
 
@@ -702,6 +807,19 @@ def _add_status(sub: Sub) -> None:
     fail.add_argument("--limit", type=_bounded_int(1, 500), default=50, help="most groups shown")
     fail.add_argument("--json", action="store_true", help="as JSON (like GET /v1/failures)")
     fail.set_defaults(func=_cmd_failures)
+    out = sub.add_parser(
+        "outstanding", help="publishes awaiting a broker confirm: publisher, channel, tag, age"
+    )
+    out.add_argument("--publisher", help="only rows held by this publisher id")
+    out.add_argument("--exchange", help="only rows for this exchange")
+    out.add_argument("--batch", help="only rows of this batch id")
+    out.add_argument("--min-age", type=_positive_seconds, metavar="SECONDS",
+                     help="only rows waiting at least this long")  # fmt: skip
+    out.add_argument("--limit", type=_bounded_int(1, 1000), default=100, help="most rows shown")
+    out.add_argument("--cursor", help="the `more:` cursor of the previous page")
+    out.add_argument("--json", action="store_true",
+                     help="as JSON (like GET /v1/confirms/outstanding)")  # fmt: skip
+    out.set_defaults(func=_cmd_outstanding)
     aud = sub.add_parser("audit", help="operator actions (republish, skip), newest first")
     aud.add_argument("--limit", type=_bounded_int(1, 500), default=50)
     aud.add_argument("--json", action="store_true", help="as JSON")
@@ -766,6 +884,7 @@ def _add_keys(sub: Sub) -> None:
     skip.add_argument("message_id", help="the blocking row (see `outbox parked`)")
     skip.add_argument("--reason", required=True, help="why (kept in the audit trail)")
     skip.add_argument("--actor", default=_default_actor(), help="who acts (audit row)")
+    skip.add_argument("--json", action="store_true", help="as JSON (like POST .../skip)")
     skip.set_defaults(func=_cmd_skip)
 
 
@@ -785,6 +904,7 @@ def _add_purge(sub: Sub) -> None:
     )
     pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
     pur.add_argument("--actor", default=_default_actor(), help="who purges (audit row)")
+    pur.add_argument("--json", action="store_true", help="what was (or would be) deleted, as JSON")
     pur.set_defaults(func=_cmd_purge)
 
 

@@ -860,9 +860,13 @@ class OutboxRepository:
                 ).returning(audit.c.id)
             ).scalar_one())  # fmt: skip
 
-    def purge_confirmed(self, *, older_than: dt.timedelta, chunk: int = 1000) -> int:
+    def purge_confirmed(
+        self, *, older_than: dt.timedelta, chunk: int = 1000,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> int:  # fmt: skip
         """Delete ``confirmed`` rows confirmed before ``now - older_than``, ``chunk`` rows per
-        transaction so that no long lock or huge WAL burst stalls the publishers."""
+        transaction so that no long lock or huge WAL burst stalls the publishers
+        (``on_chunk`` hears how many each transaction deleted)."""
         cutoff = self.clock() - older_than
         old = (
             select(outbox.c.id)
@@ -876,5 +880,7 @@ class OutboxRepository:
                     delete(outbox).where(outbox.c.id.in_(old.scalar_subquery()))
                 ).rowcount
             total += deleted
+            if on_chunk is not None:
+                on_chunk(deleted)
             if deleted < chunk:
                 return total

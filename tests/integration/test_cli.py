@@ -41,6 +41,10 @@ COMMANDS = [
     "consume",
     "parked",
     "skip",
+    "outstanding",
+    "message",
+    "failures",
+    "audit",
 ]
 
 
@@ -435,3 +439,104 @@ def test_republish_says_when_its_limit_left_rows_behind_and_all_moves_them_in_ch
     assert rc == 0, err
     assert "in all: 4 rows republished in 3 chunks of at most 2" in out
     assert statuses(engine, [r.message_id for r in rows]) == {"pending"}
+
+
+# ----------------------------------------------------------------- terminals, pipes, --json
+
+
+def _on_a_terminal(argv: list[str], db: str, *, extra: dict[str, str] | None = None,
+                   timeout: float = 60) -> tuple[int, str]:  # fmt: skip
+    """``outbox ARGV`` with stdout and stderr on a pseudo-terminal: (exit code, what it drew)."""
+    import pty
+    import select as select_
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") and k != "NO_COLOR"}
+    env.update(OUTBOX_DATABASE_URL=db, TERM="xterm-256color", COLUMNS="160", **(extra or {}))
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", *argv], stdout=follower, stderr=follower,
+        stdin=subprocess.DEVNULL, env=env, cwd=REPO,
+    )  # fmt: skip
+    os.close(follower)
+    drawn = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select_.select([leader], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(leader)
+    return proc.wait(timeout=10), drawn.decode(errors="replace")
+
+
+def test_tables_and_colour_on_a_terminal_plain_when_piped_or_no_color(
+    env: str, seeded: Seeded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, drawn = _on_a_terminal(["failures"], env)
+    assert rc == EXIT_OK and "\x1b[" in drawn, drawn  # colour
+    assert "━" in drawn or "─" in drawn  # a drawn table
+    assert "nacked" in drawn and "payments" in drawn
+    rc, drawn = _on_a_terminal(["status"], env)
+    assert rc == EXIT_OK and "\x1b[" in drawn and "verdict: CRITICAL" in drawn, drawn
+    rc, drawn = _on_a_terminal(["failures"], env, extra={"NO_COLOR": "1"})
+    assert rc == EXIT_OK and "\x1b[" not in drawn and "payments" in drawn
+    rc, out, _ = run(capsys, "failures")  # captured: not a terminal
+    assert "\x1b[" not in out and out.splitlines()[0].split() == [
+        "rows", "status", "exchange", "routing", "key", "reason"]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [
+    ["status"], ["batches"], ["batches", "orders:1"], ["failures"], ["audit"], ["parked"],
+    ["outstanding"], ["message", "order-1-0"], ["purge", "--dry-run"], ["migrate"],
+    ["republish", "--status", "nacked", "--dry-run"],
+])  # fmt: skip
+def test_every_reporting_command_speaks_json(
+    env: str, seeded: Seeded, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == EXIT_OK, err
+    assert isinstance(json.loads(out), dict | list), out
+
+
+def test_outstanding_lists_held_rows_with_channel_tag_and_age_in_pages(
+    env: str, seeded: Seeded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = run(capsys, "outstanding")
+    assert rc == EXIT_OK
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["message", "publisher", "channel", "tag"]
+    assert len(lines) == 1 + 4 and sum("not sent" in line for line in lines) == 1
+    rc, out, _ = run(capsys, "outstanding", "--limit", "3")
+    more = out.splitlines()[-1]
+    assert more.startswith("more: outbox outstanding --cursor ")
+    rc, out, _ = run(capsys, "outstanding", "--limit", "3", "--cursor", more.split()[-1])
+    assert rc == EXIT_OK and len(out.splitlines()) == 1 + 1
+    body = json.loads(run(capsys, "outstanding", "--publisher", "p2", "--json")[1])
+    assert [o["publisher"] for o in body["items"]] == ["p2"]
+    rc, _, err = run(capsys, "outstanding", "--cursor", "not-a-cursor")
+    assert rc == EXIT_USAGE and err.startswith("outbox: --cursor:")
+
+
+def test_republish_all_and_purge_show_progress_on_a_terminal(env: str, engine: Engine) -> None:
+    add_rows(engine, n=9, exchange="bars")
+    repo = OutboxRepository(engine)
+    rows = repo.claim(owner="p", limit=9, lease_seconds=30)
+    repo.mark_failed(owner="p", ids=[r.id for r in rows], reason="exchange 'bars' missing")
+    rc, drawn = _on_a_terminal(["republish", "--exchange", "bars", "--limit", "2", "--all"], env)
+    assert rc == EXIT_OK, drawn
+    assert "republish" in drawn and "9/9" in drawn, drawn  # the bar, complete
+    assert "in all: 9 rows republished in 5 chunks of at most 2" in drawn
+    rows = repo.claim(owner="p", limit=9, lease_seconds=30)
+    repo.mark_confirmed(owner="p", ids=[r.id for r in rows])
+    with engine.begin() as conn:
+        conn.execute(update(outbox).values(confirmed_at=func.now() - dt.timedelta(days=30)))
+    rc, drawn = _on_a_terminal(["purge", "--chunk", "4", "--older-than-days", "7"], env)
+    assert rc == EXIT_OK and "purge" in drawn and "9/9" in drawn, drawn
+    assert "deleted 9 confirmed rows" in drawn
