@@ -1,7 +1,8 @@
-"""The ``outbox`` command line: one entry point for operators and scripts.
+"""The `outbox` command line: one entry point for operators and scripts.
 
 Exit codes: 0 done; 1 operational failure (database unreachable, schema missing, unknown batch);
-2 usage error or bad configuration.
+2 usage error or bad configuration; 3 republish left matching rows behind its --limit.
+`status --check` exits 0 OK, 1 WARNING, 2 CRITICAL.
 """
 
 from __future__ import annotations

@@ -540,3 +540,14 @@ def test_republish_all_and_purge_show_progress_on_a_terminal(env: str, engine: E
     rc, drawn = _on_a_terminal(["purge", "--chunk", "4", "--older-than-days", "7"], env)
     assert rc == EXIT_OK and "purge" in drawn and "9/9" in drawn, drawn
     assert "deleted 9 confirmed rows" in drawn
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_texts_read_as_text_not_markup(
+    command: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"] if command else ["--help"])
+    shown = capsys.readouterr().out
+    for markup in ("``", ":class:", ":func:", ":meth:", ".. "):
+        assert markup not in shown, (command, markup)
