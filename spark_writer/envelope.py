@@ -87,13 +87,30 @@ class Chunk(NamedTuple):
     rejected: tuple[Rejected, ...]
 
 
-def derive_message_id(*, sink: str, spark_batch_id: int, partition: int, position: int) -> str:
-    """The stable id of a row with no key column, ``sink:batch:partition:position``.
+#: Hidden columns the batch writers add before the write job when there is no key column: the
+#: SHA-256 of the row's content (hex) and the row's occurrence among identical rows of the
+#: batch (``spark_writer.sinks.with_content_ids``). The mapper takes them off again.
+DIGEST = "__outbox_digest"
+OCCURRENCE = "__outbox_occurrence"
+#: Hex digits of the content digest kept in a message id (128 bits).
+DIGEST_CHARS = 32
 
-    Readable on purpose: an operator sees where the row came from. The same inputs give the same
-    id on any run, so a replayed batch hits ``ON CONFLICT (message_id) DO NOTHING``.
+
+def derive_message_id(*, sink: str, spark_batch_id: int, partition: int, position: int) -> str:
+    """The id of a row by where it sits, ``sink:batch:partition:position``: what
+    ``format("outbox")`` uses without ``messageIdColumn`` (a data source sees one partition at a
+    time). Stable only while a replay lays the batch out the same way; the batch writers derive
+    ids from content instead (:func:`content_message_id`).
     """
     return f"{sink}:{spark_batch_id}:{partition}:{position}"
+
+
+def content_message_id(*, sink: str, spark_batch_id: int, digest: str, occurrence: int) -> str:
+    """The id of a row with no key column, from what it holds: ``sink:batch:digest:n``, the
+    first 128 bits of the SHA-256 of the row's content and its occurrence among identical rows
+    of the batch. A replay of the batch (the same multiset of rows, whatever its partitioning,
+    order or parallelism) gives every row the same id again."""
+    return f"{sink}:{spark_batch_id}:{digest[:DIGEST_CHARS]}:{occurrence}"
 
 
 def layout(options: OutboxOptions, schema: StructType, batch: BatchRef) -> Layout:
@@ -134,20 +151,39 @@ class ArrowMapper:
         self._prefix = derive_message_id(
             sink=batch.sink, spark_batch_id=batch.spark_batch_id, partition=partition, position=0
         )[:-1]
+        self._content_prefix = f"{batch.sink}:{batch.spark_batch_id}:"
 
     def map(self, rb: pa.RecordBatch, start: int) -> Chunk:
         """Map one batch whose first row has position ``start`` in the partition."""
+        ids, rb = self._ids(rb, start)
         bodies, unserialisable = self._json_bodies(rb)
         first = self._first_failures(rb, bodies, unserialisable)
         if first is None:
-            return Chunk(rb.num_rows, self._columns(rb, bodies, start), ())
+            return Chunk(rb.num_rows, self._columns(rb, bodies, ids), ())
         bad = pc.is_valid(first)
-        rejected = self._rejected(rb, bodies, first, bad, start)
+        rejected = self._rejected(rb, bodies, first, bad, ids, start)
         good = pc.invert(bad)
         fit_rows = rb.num_rows - len(rejected)
-        positions = pc.filter(_positions(start, rb.num_rows), good)
         kept = bodies.filter(good) if bodies is not None else None
-        return Chunk(fit_rows, self._columns(rb.filter(good), kept, positions), tuple(rejected))
+        return Chunk(fit_rows, self._columns(rb.filter(good), kept, ids.filter(good)),
+                     tuple(rejected))  # fmt: skip
+
+    def _ids(self, rb: pa.RecordBatch, start: int) -> tuple[pa.Array, pa.RecordBatch]:
+        """Every row's message id (null where a key column is null: such a row is rejected),
+        and the batch without the writer's hidden columns."""
+        names = rb.schema.names
+        if DIGEST in names and OCCURRENCE in names:
+            digest = pc.utf8_slice_codeunits(rb.column(DIGEST), 0, DIGEST_CHARS)
+            occurrence = rb.column(OCCURRENCE).cast(pa.string())
+            ids = pc.binary_join_element_wise(self._content_prefix, digest, ":", occurrence, "")
+            kept = [n for n in names if n not in (DIGEST, OCCURRENCE)]
+            rb = pa.RecordBatch.from_arrays([rb.column(n) for n in kept], names=kept)
+            if self.options.message_id_column is None:
+                return ids, rb
+        if self.options.message_id_column is not None:
+            return rb.column(self.options.message_id_column).cast(pa.string()), rb
+        positions = _positions(start, rb.num_rows).cast(pa.string())
+        return pc.binary_join_element_wise(self._prefix, positions, ""), rb
 
     # --- checks ---------------------------------------------------------------------------
 
@@ -193,6 +229,7 @@ class ArrowMapper:
         bodies: pa.Array | None,
         first: pa.Array,
         bad: pa.Array,
+        ids: pa.Array,
         start: int,
     ) -> list[Rejected]:
         out = []
@@ -203,21 +240,19 @@ class ArrowMapper:
             check = self.checks[index]
             value = row.get(check.column) if check.column != ROW else _item(bodies, i)
             problem = Problem(check.summary, check.detail(_size(value)))
-            out.append(Rejected(start + i, self._message_id(row, start + i), problem, _row(row)))
+            found = ids[i].as_py()
+            message_id = found if found is not None else f"{self._prefix}{start + i}"
+            out.append(Rejected(start + i, message_id, problem, _row(row)))
         return out
-
-    def _message_id(self, row: dict[str, Any], position: int) -> str:
-        key = row.get(self.options.message_id_column or "")
-        return self._prefix + str(position) if key is None else str(key)
 
     # --- columns --------------------------------------------------------------------------
 
     def _columns(
-        self, rb: pa.RecordBatch, bodies: pa.Array | None, start: int | pa.Array
+        self, rb: pa.RecordBatch, bodies: pa.Array | None, ids: pa.Array
     ) -> tuple[pa.Array, ...]:
         o = self.options
         out = {
-            "message_id": self._message_ids(rb, start),
+            "message_id": ids,
             "body": bodies if bodies is not None else rb.column(o.body_column).cast(pa.binary()),
         }
         for name, column in (
@@ -230,12 +265,6 @@ class ArrowMapper:
         if o.header_columns:
             out["headers"] = self._headers(rb)
         return tuple(out[name] for name in self.layout.varying)
-
-    def _message_ids(self, rb: pa.RecordBatch, start: int | pa.Array) -> pa.Array:
-        if self.options.message_id_column is not None:
-            return rb.column(self.options.message_id_column).cast(pa.string())
-        positions = _positions(start, rb.num_rows) if isinstance(start, int) else start
-        return pc.binary_join_element_wise(self._prefix, positions.cast(pa.string()), "")
 
     def _headers(self, rb: pa.RecordBatch) -> pa.Array:
         names = self.options.header_columns

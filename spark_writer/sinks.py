@@ -19,8 +19,9 @@ import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.window import Window
 
-from spark_writer.envelope import BatchRef
+from spark_writer.envelope import DIGEST, OCCURRENCE, BatchRef
 from spark_writer.errors import OutboxDataError
 from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OnInvalid, OutboxOptions
 from spark_writer.validate import check_schema, problem_counts
@@ -167,8 +168,27 @@ def run_batch(
             if problems:
                 raise OutboxDataError(batch_id=batch.key, problems=problems)
         plan = WritePlan(options=options, schema=source.schema, batch=batch)
-        results = write_job(laid_out(source, options), plan=plan, on_committed=on_committed)
+        keyed = with_content_ids(source, options)
+        results = write_job(laid_out(keyed, options), plan=plan, on_committed=on_committed)
     return commit_batch(options=options, batch=batch, results=results)
+
+
+def with_content_ids(df: DataFrame, options: OutboxOptions) -> DataFrame:
+    """Without a key column: each row's id comes from its content, never from where it sits.
+
+    Adds the SHA-256 of the row (its JSON, every column) and the row's occurrence among the
+    identical rows of the batch (``row_number`` over a window per digest). Identical rows are
+    interchangeable, so whichever gets which number, a replay of the batch (the same multiset
+    of rows, in any partitioning, order or parallelism) yields the same set of ids: it adds
+    nothing and drops nothing. Costs one shuffle of the batch into as many partitions as it
+    had (so the write keeps its parallelism)."""
+    if options.message_id_column is not None:
+        return df
+    digest = F.sha2(F.to_json(F.struct(*[df[c] for c in df.columns])), 256)
+    parts = max(1, df.rdd.getNumPartitions())
+    keyed = df.withColumn(DIGEST, digest).repartition(parts, F.col(DIGEST))
+    same = Window.partitionBy(DIGEST).orderBy(DIGEST)
+    return keyed.withColumn(OCCURRENCE, F.row_number().over(same) - 1)
 
 
 def laid_out(df: DataFrame, options: OutboxOptions) -> DataFrame:
