@@ -21,7 +21,7 @@ from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
 from app.publisher.outcomes import Outcomes, PublishRun, TagNotes
 from app.publisher.session import Session
-from app.publisher.settlement import Quarantine, oversized_reason
+from app.publisher.settlement import Quarantine, destination_reason, oversized_reason
 from app.publisher.wakeup import Signal
 
 log = logging.getLogger("app.publisher")
@@ -99,7 +99,7 @@ class Sender:
             if state is DestinationState.OK:
                 ready.append(row)
             elif state is DestinationState.PAUSED:
-                reason = f"exchange {row.exchange!r} backing off: {dest.reason(row.exchange)}"
+                reason = destination_reason(row.exchange, dest.reason(row.exchange))
                 p.outcomes().back_off(reason, [row.id])
                 p.written()
             else:
@@ -149,7 +149,7 @@ class Sender:
         log.warning("exchange %r unusable (%s): its rows back off, exchange paused %.1fs",
                     exchange, reason, delay)  # fmt: skip
         if ids:
-            p.outcomes().back_off(f"exchange {exchange!r}: {reason}", ids)
+            p.outcomes().back_off(destination_reason(exchange, reason), ids)
             p.written()
 
     # ------------------------------------------------------------ encoding and writing

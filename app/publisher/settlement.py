@@ -71,6 +71,9 @@ class CloseCause:
     kind: CloseKind
     exchange: str | None = None
     max_size: int | None = None
+    #: a DESTINATION close in the broker's words (``404 NOT_FOUND - no exchange 'x' ...``), with
+    #: no channel number: rows of one missing exchange keep one reason, whichever channel closed
+    reason: str = ""
 
 
 PLAIN = CloseCause(CloseKind.PLAIN)
@@ -92,7 +95,7 @@ def classify_channel_close(reason: CloseReason) -> CloseCause:
     if reason.reply_code in (NOT_FOUND, ACCESS_REFUSED):
         match = _EXCHANGE_IN_TEXT.search(text)
         if match is not None:
-            return CloseCause(CloseKind.DESTINATION, exchange=match.group(1))
+            return CloseCause(CloseKind.DESTINATION, exchange=match.group(1), reason=str(reason))
     if reason.reply_code == PRECONDITION_FAILED:
         match = _MAX_SIZE_IN_TEXT.search(text)
         if match is not None:
@@ -245,6 +248,13 @@ def lose(
     return tally
 
 
+def destination_reason(exchange: str, broker: str) -> str:
+    """The reason kept on a row of a missing or forbidden exchange: the same words whichever
+    path saw it last (the passive check, the exchange paused, a channel the broker closed), so
+    ``outbox failures`` shows one cause as one group."""
+    return f"exchange {exchange!r}: {broker}"
+
+
 def oversized_reason(max_size: int) -> str:
     """The reason of a row whose body is over the broker's ``max_message_size``."""
     return f"body larger than the broker's max_message_size ({max_size} bytes)"
@@ -258,9 +268,10 @@ def _lost(
     if cause.kind is CloseKind.DESTINATION and cause.exchange is not None:
         mine = [i for i in ids if _exchange(rows, i) == cause.exchange]
         ids = [i for i in ids if _exchange(rows, i) != cause.exchange]
-        tally.paused, tally.paused_reason = cause.exchange, event.reason
+        broker = cause.reason or event.reason
+        tally.paused, tally.paused_reason = cause.exchange, broker
         if mine:
-            out.back_off(f"exchange {cause.exchange!r}: {event.reason}", mine)
+            out.back_off(destination_reason(cause.exchange, broker), mine)
             quarantine.drop(mine)
     elif cause.kind is CloseKind.OVERSIZED and cause.max_size is not None:
         big = [i for i in ids if _size(rows, i) > cause.max_size]

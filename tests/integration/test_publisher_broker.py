@@ -249,6 +249,7 @@ async def test_missing_exchange_does_not_stall_other_exchanges(
         failed = [r for r in final if r.status == "failed"]
         assert {r.exchange for r in failed} == {missing} and len(failed) == 20
         assert all("NOT_FOUND" in (r.last_error or "") and r.attempts == 3 for r in failed)
+        assert len({r.last_error for r in failed}) == 1  # one cause, one group in `failures`
         assert publisher.metrics.channel_closes == 0  # checked passively, never published
         seen = await consume_ids(amqp_url, topology["queue"], expect=200)
         assert set(seen) == set(good) and set(seen.values()) == {1}

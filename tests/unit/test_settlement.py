@@ -20,6 +20,7 @@ from app.publisher.settlement import (
     Quarantine,
     classify_channel_close,
     classify_connection_loss,
+    destination_reason,
     lose,
     settle,
 )
@@ -82,6 +83,20 @@ def test_a_missing_exchange_backs_off_its_rows_only() -> None:
     tally = lose([Lost((1, 2, 3), "404")], out, cause=cause, rows=rows, quarantine=Quarantine())
     assert out.destination == {"exchange 'gone': 404": [1, 3]} and out.lost == {"404": [2]}
     assert tally.paused == "gone"
+
+
+def test_one_missing_exchange_is_one_reason_whichever_channel_or_path_saw_it() -> None:
+    """`outbox failures` groups rows by reason: closes on two channels and the passive check
+    (``destination_reason`` with the broker's words) must leave the same text on the rows."""
+    words = "NOT_FOUND - no exchange 'gone' in vhost '/'"
+    cause = classify_channel_close(CloseReason(404, words))
+    out, q = Outcomes(), Quarantine()
+    for channel, row in ((3, 1), (5, 2)):
+        lost = Lost((row,), f"channel {channel} closed: 404 {words}")
+        tally = lose([lost], out, cause=cause, rows={row: Row("gone")}, quarantine=q)
+        assert tally.paused_reason == f"404 {words}"  # what the paused exchange's rows get
+    checked = destination_reason("gone", str(CloseReason(404, words)))
+    assert out.destination == {checked: [1, 2]}
 
 
 def test_an_oversized_close_fails_the_big_bodies_only() -> None:
