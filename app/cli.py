@@ -89,6 +89,11 @@ def render_stats(s: queries.OutboxStats) -> str:
         "",
         table(["status", "rows"], [*counts, ("total", sum(s.counts.values()))]),
         "",
+        *(
+            ["confirmed is PostgreSQL's estimate (a large outbox is not counted row by row)"]
+            if s.confirmed_estimated
+            else []
+        ),
         f"oldest pending        {duration(s.oldest_pending_age_seconds)}",
         f"oldest unconfirmed    {duration(s.oldest_in_flight_age_seconds)}",
         f"confirm latency       p50 {duration(lat.p50)}, p90 {duration(lat.p90)}, "

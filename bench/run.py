@@ -3,8 +3,8 @@
 Prints a table and writes ``bench/results/latest.json`` (one number per key: msg/s or rows/s
 unless the key says otherwise; the target ratios as ``ratio_*`` keys) and
 ``bench/results/latest-runs.json`` (every run, sizes, machine load). ``BENCH_SCALE`` (default 1)
-multiplies every size; ``BENCH_ONLY=baselines,ceiling,drains,memory,latency,spark`` runs a
-subset and writes ``partial.json`` / ``partial-runs.json`` instead.
+multiplies every size; ``BENCH_ONLY=`` a comma list of the ``GROUPS`` below runs a subset and
+writes ``partial.json`` / ``partial-runs.json`` instead.
 The benchmark asserts nothing about speed: it exits non-zero only when a workload broke.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 from bench.common import REPEATS, Measured, Services, Sizes, temp_postgres
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GROUPS = ("baselines", "ceiling", "drains", "memory", "latency", "spark")
+GROUPS = ("baselines", "ceiling", "drains", "memory", "latency", "spark", "consume", "operate")
 #: Groups whose failure is reported but does not fail the run (diagnostics, not issue keys).
 OPTIONAL = {"ceiling"}
 
@@ -83,7 +83,7 @@ class Bench:
         )
 
     def run(self) -> None:
-        from bench.workloads import baselines, ceiling, consume, drain
+        from bench.workloads import baselines, ceiling, consume, drain, operate
 
         s, z = self.services, self.sizes
         self.group("baselines", lambda: baselines.run(s, z))
@@ -93,6 +93,7 @@ class Bench:
         self.group("latency", lambda: drain.run_latency(s, z, drain_rate=self._drain_rate()))
         self.group("spark", lambda: _spark(s, z))
         self.group("consume", lambda: consume.run(s, z))
+        self.group("operate", lambda: operate.run(s, z))
 
     def _drain_rss(self) -> list[float] | None:
         m = self.measured.get("drain_postgres")

@@ -130,6 +130,10 @@ class StatsOut(BaseModel):
     at: dt.datetime
     counts: StatusCounts
     total: int
+    confirmed_estimated: bool = Field(
+        description="counts.confirmed (and total) is PostgreSQL's estimate: an outbox over "
+        "200,000 rows is not counted row by row; every other count is exact."
+    )
     oldest_pending_age_seconds: float | None = Field(
         description="Seconds since the oldest pending row was written."
     )
@@ -152,6 +156,7 @@ class StatsOut(BaseModel):
         lat = s.confirm_latency
         return cls(
             at=s.at, counts=StatusCounts.of(s.counts), total=sum(s.counts.values()),
+            confirmed_estimated=s.confirmed_estimated,
             oldest_pending_age_seconds=s.oldest_pending_age_seconds,
             oldest_in_flight_age_seconds=s.oldest_in_flight_age_seconds,
             confirm_latency=ConfirmLatency(

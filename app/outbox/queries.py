@@ -29,6 +29,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    text,
     true,
     union,
 )
@@ -140,6 +141,8 @@ class OutboxStats:
     possible_duplicates: int
     operator_republished: int
     publishers: list[PublisherInfo]
+    #: ``counts[CONFIRMED]`` is PostgreSQL's estimate (a large outbox), not a count
+    confirmed_estimated: bool = False
 
     @property
     def publishers_alive(self) -> int:
@@ -151,18 +154,55 @@ class OutboxStats:
         return [p.publisher_id for p in self.publishers if p.blocked]
 
 
-def status_counts(conn: Connection) -> tuple[dict[Status, int], int]:
-    """Rows per status (every status present, zero when none) and the sum of ``lost_confirms``
-    (possible duplicates), in one scan of the table."""
-    stmt = select(outbox.c.status, func.count(), func.sum(outbox.c.lost_confirms)).group_by(
-        outbox.c.status
-    )
+#: Set aside: terminal failures and skipped rows (the partial index ``ix_outbox_aside``).
+ASIDE = (Status.RETURNED, Status.NACKED, Status.FAILED, Status.SKIPPED)
+#: On PostgreSQL, above this many rows (its own estimate) the ``confirmed`` count is estimated
+#: from the planner's statistics instead of counted: every other count stays exact and reads
+#: only its own small partial index.
+EXACT_CONFIRMED_UP_TO = 200_000
+
+
+def status_counts(conn: Connection) -> tuple[dict[Status, int], int, bool]:
+    """Rows per status (every status present, zero when none), the sum of ``lost_confirms``
+    (possible duplicates), and whether ``confirmed`` is an estimate. Each count reads a partial
+    index (pending: ``ix_outbox_due``, in flight: ``ix_outbox_lease``, set aside:
+    ``ix_outbox_aside``, lost confirms: ``ix_outbox_lost``); only ``confirmed`` would read the
+    whole table, so on a large PostgreSQL outbox it is the table's estimated size minus the
+    rest (labelled as such)."""
     counts = dict.fromkeys(Status, 0)
-    lost = 0
-    for status, count, lost_here in conn.execute(stmt).all():
+    for status in (Status.PENDING, Status.IN_FLIGHT):
+        stmt = select(func.count()).select_from(outbox).where(outbox.c.status == status.value)
+        counts[status] = int(conn.execute(stmt).scalar_one())
+    aside = (
+        select(outbox.c.status, func.count())
+        .where(outbox.c.status.in_([s.value for s in ASIDE]))
+        .group_by(outbox.c.status)
+    )
+    for status, count in conn.execute(aside).all():
         counts[Status(status)] = int(count)
-        lost += int(lost_here or 0)
-    return counts, lost
+    lost_sum = select(func.coalesce(func.sum(outbox.c.lost_confirms), 0)).where(
+        outbox.c.lost_confirms > 0
+    )
+    lost = int(conn.execute(lost_sum).scalar_one())
+    estimate = _estimated_rows(conn)
+    if estimate is not None and estimate > EXACT_CONFIRMED_UP_TO:
+        counts[Status.CONFIRMED] = max(0, estimate - sum(counts.values()))
+        return counts, lost, True
+    confirmed = (
+        select(func.count()).select_from(outbox).where(outbox.c.status == Status.CONFIRMED.value)
+    )
+    counts[Status.CONFIRMED] = int(conn.execute(confirmed).scalar_one())
+    return counts, lost, False
+
+
+def _estimated_rows(conn: Connection) -> int | None:
+    """PostgreSQL's estimate of the outbox's rows (``pg_class.reltuples``, kept by ANALYZE and
+    autovacuum); None elsewhere or before the table was ever analysed."""
+    if conn.dialect.name != "postgresql":
+        return None
+    stmt = text("SELECT reltuples FROM pg_class WHERE oid = to_regclass(:t)")
+    value = conn.execute(stmt, {"t": outbox.name}).scalar()
+    return None if value is None or value < 0 else int(value)
 
 
 def _sent_at() -> ColumnElement[dt.datetime]:
@@ -188,14 +228,22 @@ def oldest_ages(conn: Connection, *, now: dt.datetime) -> tuple[float | None, fl
     )
 
 
+#: The latency walk reads at most this many times ``max_rows`` of the newest ids: on an outbox
+#: whose recent rows are not confirmed yet it stops there instead of walking the whole table.
+LATENCY_WALK = 10
+
+
 def confirm_latencies(
     conn: Connection, *, now: dt.datetime, window: dt.timedelta, max_rows: int
 ) -> list[float]:
     """Latencies of confirms within ``window`` among the newest rows (at most ``max_rows``,
-    newest by id: a primary-key walk, no sort of the table), sorted."""
+    newest by id, among the ``LATENCY_WALK * max_rows`` newest ids: a bounded primary-key walk,
+    no sort of the table), sorted."""
+    newest = select(func.max(outbox.c.id)).scalar_subquery()
     stmt = (
         select(outbox.c.published_at, outbox.c.confirmed_at)
         .where(
+            outbox.c.id > newest - LATENCY_WALK * max_rows,
             outbox.c.status == Status.CONFIRMED,
             outbox.c.confirmed_at >= now - window,
             outbox.c.published_at.is_not(None),
@@ -248,10 +296,11 @@ def read_stats(
     with engine.connect() as conn:
         pending_age, in_flight_age = oldest_ages(conn, now=now)
         lat = confirm_latencies(conn, now=now, window=latency_window, max_rows=latency_rows)
-        counts, lost = status_counts(conn)
+        counts, lost, estimated = status_counts(conn)
         return OutboxStats(
             at=now,
             counts=counts,
+            confirmed_estimated=estimated,
             oldest_pending_age_seconds=pending_age,
             oldest_in_flight_age_seconds=in_flight_age,
             confirm_latency=summarize_latency(lat, window=latency_window),
@@ -844,7 +893,7 @@ def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) ->
             1 for beat, stopped in pubs
             if stopped is None and (age_seconds(beat, now) or 0.0) <= alive_after
         )  # fmt: skip
-        counts, lost = status_counts(conn)
+        counts, lost, _estimated = status_counts(conn)
         return MetricsSnapshot(
             counts=counts, oldest_pending_age_seconds=pending_age,
             oldest_in_flight_age_seconds=in_flight_age, possible_duplicates=lost,

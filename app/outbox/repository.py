@@ -840,13 +840,18 @@ class OutboxRepository:
                           ordering_key=found.ordering_key, released=released,
                           audit_id=int(audit_id))  # fmt: skip
 
-    def count_purgeable(self, *, older_than: dt.timedelta) -> int:
-        """How many rows :meth:`purge_confirmed` would delete now (a dry run)."""
+    def count_purgeable(self, *, older_than: dt.timedelta, chunk: int = 10_000) -> int:
+        """How many rows :meth:`purge_confirmed` would delete now (a dry run, the same walk)."""
         cutoff = self.clock() - older_than
-        stmt = select(func.count()).where(outbox.c.status == Status.CONFIRMED,
-                                          outbox.c.confirmed_at < cutoff)  # fmt: skip
+        total, after = 0, 0
         with self.engine.connect() as conn:
-            return int(conn.execute(stmt).scalar_one())
+            while True:
+                window = conn.execute(_purge_window(after, chunk, cutoff)).all()
+                doomed = _purgeable(window)
+                total += len(doomed)
+                if _past_retention(window, doomed, chunk):
+                    return total
+                after = window[-1].id
 
     def record_purge(self, *, actor: str, older_than: dt.timedelta, deleted: int,
                      inbox_deleted: int = 0) -> int:  # fmt: skip
@@ -864,23 +869,57 @@ class OutboxRepository:
         self, *, older_than: dt.timedelta, chunk: int = 1000,
         on_chunk: Callable[[int], None] | None = None,
     ) -> int:  # fmt: skip
-        """Delete ``confirmed`` rows confirmed before ``now - older_than``, ``chunk`` rows per
-        transaction so that no long lock or huge WAL burst stalls the publishers
-        (``on_chunk`` hears how many each transaction deleted)."""
+        """Delete ``confirmed`` rows confirmed before ``now - older_than``.
+
+        Walks the primary key from the oldest row, ``chunk`` rows per transaction (so that no
+        long lock or WAL burst stalls the publishers), deleting the confirmed rows past the
+        retention among them; stops at the first window with nothing to delete whose rows were
+        all written after the cutoff (a row is confirmed after it is written, and ids grow with
+        time). Each window is an index range read: the purge costs the rows past retention plus
+        one window, never a scan of the whole table. ``on_chunk`` hears each window's deletes."""
         cutoff = self.clock() - older_than
-        old = (
-            select(outbox.c.id)
-            .where(outbox.c.status == Status.CONFIRMED, outbox.c.confirmed_at < cutoff)
-            .limit(chunk)
-        )
-        total = 0
+        total, after = 0, 0
         while True:
             with self._begin() as conn:
-                deleted = conn.execute(
-                    delete(outbox).where(outbox.c.id.in_(old.scalar_subquery()))
-                ).rowcount
+                window = conn.execute(_purge_window(after, chunk, cutoff)).all()
+                doomed = _purgeable(window)
+                deleted = 0
+                if doomed:
+                    deleted = conn.execute(
+                        delete(outbox).where(
+                            outbox.c.id.in_(doomed), outbox.c.status == Status.CONFIRMED,
+                            outbox.c.confirmed_at < cutoff,
+                        )
+                    ).rowcount  # fmt: skip
             total += deleted
             if on_chunk is not None:
                 on_chunk(deleted)
-            if deleted < chunk:
+            if _past_retention(window, doomed, chunk):
                 return total
+            after = window[-1].id
+
+
+def _purge_window(after: int, chunk: int, cutoff: dt.datetime) -> Select[Any]:
+    """The next ``chunk`` rows by id after ``after`` (a range of the primary key), each with
+    whether it is past retention and whether it was written after the cutoff (compared in
+    SQL: a value a producer stored badly is never parsed here)."""
+    doomed = and_(outbox.c.status == Status.CONFIRMED.value, outbox.c.confirmed_at < cutoff)
+    fresh = outbox.c.created_at >= cutoff
+    return (
+        select(outbox.c.id, doomed.label("doomed"), fresh.label("fresh"))
+        .where(outbox.c.id > after)
+        .order_by(outbox.c.id)
+        .limit(chunk)
+    )
+
+
+def _purgeable(window: Sequence[Any]) -> list[int]:
+    return [r.id for r in window if r.doomed]
+
+
+def _past_retention(window: Sequence[Any], doomed: Sequence[int], chunk: int) -> bool:
+    """The walk is done: the table ended, or a window held nothing to delete and only rows
+    written after the cutoff (later ids are later still)."""
+    if len(window) < chunk:
+        return True
+    return not doomed and all(r.fresh for r in window)

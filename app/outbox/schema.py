@@ -36,6 +36,10 @@ VERSION_TABLE = "outbox_alembic_version"
 STATUS_VALUES = ", ".join(f"'{s.value}'" for s in Status)
 #: Rows that hold their ordering key back (see app.outbox.states.RELEASES_KEY).
 KEY_OPEN = "ordering_key IS NOT NULL AND status NOT IN ('confirmed', 'skipped')"
+#: Rows set aside: terminal failures and operator skips (few next to confirmed rows).
+SETTLED_ASIDE = "status IN ('returned', 'nacked', 'failed', 'skipped')"
+#: Rows whose confirm was lost at least once (possible duplicates).
+LOST = "lost_confirms > 0"
 #: ``BIGINT`` identity on PostgreSQL, ``INTEGER PRIMARY KEY`` (the rowid) on SQLite.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -133,6 +137,22 @@ outbox = Table(
         sqlite_where=text(KEY_OPEN),
     ),
     Index("ix_outbox_batch", "batch_id"),
+    # Status counts, failures by cause and possible duplicates read these small sets, never the
+    # whole table; a row flowing pending -> in_flight -> confirmed touches neither.
+    Index(
+        "ix_outbox_aside",
+        "status",
+        "exchange",
+        "routing_key",
+        postgresql_where=text(SETTLED_ASIDE),
+        sqlite_where=text(SETTLED_ASIDE),
+    ),
+    Index(
+        "ix_outbox_lost",
+        "id",
+        postgresql_where=text(LOST),
+        sqlite_where=text(LOST),
+    ),
 )
 
 batches = Table(

@@ -1,0 +1,102 @@
+"""Operating a large outbox: ``/v1/stats`` (``outbox status``) and ``outbox purge`` on 1,000,000
+rows (almost all confirmed, a few thousand pending, in flight and failed), next to what they
+replaced in the same run: the count by status that reads every row, and the purge whose every
+chunk searched the table from its start.
+
+Each run builds the table fresh (``tests/integration/test_large_outbox.py``'s builder, then
+``VACUUM ANALYZE`` as autovacuum would), so a purge always finds the same ~49,600 rows past an
+11-day retention. Figures are milliseconds per call (stats) and per whole purge.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Engine, delete, select, text
+
+from app.db import make_engine
+from app.outbox import queries
+from app.outbox.repository import OutboxRepository
+from app.outbox.schema import outbox
+from app.outbox.states import Status
+from bench.common import REPEATS, Measured, Services, Sizes, temp_postgres
+from tests.integration.test_large_outbox import NOW, ROWS, build
+
+RETENTION = dt.timedelta(days=11)
+CHUNK = 10_000
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000
+
+
+def _stats(engine: Engine) -> object:
+    window = dt.timedelta(minutes=15)
+    return queries.read_stats(
+        engine, now=NOW, alive_after=15.0, latency_window=window, latency_rows=1000
+    )
+
+
+def _full_scan_counts(engine: Engine) -> object:
+    with engine.connect() as conn:
+        return conn.execute(
+            text("SELECT status, count(*), sum(lost_confirms) FROM outbox GROUP BY status")
+        ).all()
+
+
+def _old_purge(engine: Engine) -> int:
+    """The purge before the primary-key walk: each chunk a search from the table's start."""
+    cutoff = NOW - RETENTION
+    old = (select(outbox.c.id)
+           .where(outbox.c.status == Status.CONFIRMED.value, outbox.c.confirmed_at < cutoff)
+           .limit(CHUNK))  # fmt: skip
+    total = 0
+    while True:
+        with engine.begin() as conn:
+            n = conn.execute(delete(outbox).where(outbox.c.id.in_(old.scalar_subquery()))).rowcount
+        total += n
+        if n < CHUNK:
+            return total
+
+
+def _timed_stats(engine: Engine) -> tuple[float, float]:
+    """(best of 3 read_stats, best of 3 full-scan counts) in ms, each warmed once first."""
+    _stats(engine)
+    best = min(_ms(lambda: _stats(engine)) for _ in range(3))
+    _full_scan_counts(engine)
+    return best, min(_ms(lambda: _full_scan_counts(engine)) for _ in range(3))
+
+
+def _timed_purge(engine: Engine, *, walk: bool) -> float:
+    if not walk:
+        return _ms(lambda: _old_purge(engine))
+    repo = OutboxRepository(engine, clock=lambda: NOW)
+    return _ms(lambda: repo.purge_confirmed(older_than=RETENTION, chunk=CHUNK))
+
+
+def run(services: Services, sizes: Sizes) -> list[Measured]:
+    stats = Measured(key="stats_1m_rows_ms", unit="ms")
+    scan = Measured(key="stats_1m_rows_full_scan_ms", unit="ms")
+    purge = Measured(key="purge_1m_rows_ms", unit="ms")
+    old = Measured(key="purge_1m_rows_search_from_start_ms", unit="ms")
+    for i in range(REPEATS):
+        for walk, target in ((True, purge), (False, old)):
+            with temp_postgres(services) as url:
+                engine = make_engine(url)
+                try:
+                    build(engine)
+                    if walk:
+                        figures = _timed_stats(engine)
+                        stats.runs.append(figures[0])
+                        scan.runs.append(figures[1])
+                    target.runs.append(_timed_purge(engine, walk=walk))
+                finally:
+                    engine.dispose()
+            print(f"  {target.key} run {i + 1}/{REPEATS}: {target.runs[-1]:,.0f} ms", flush=True)
+        print(f"  {stats.key}: {stats.runs[-1]:,.1f} ms, {scan.key}: {scan.runs[-1]:,.1f} ms "
+              f"({ROWS:,} rows)", flush=True)  # fmt: skip
+    return [stats, scan, purge, old]
