@@ -635,6 +635,35 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from app.amqp.errors import ChannelClosedError, WireError
+    from app.topology import declare
+
+    if args.bind and args.queue is None:
+        raise UsageError("--bind needs --queue (the queue to bind)")
+    try:
+        url = settings.amqp_url.get_secret_value()
+        done = asyncio.run(declare(url, exchange=args.exchange, kind=args.type,
+                                   queue=args.queue, bindings=args.bind or ()))  # fmt: skip
+    except ChannelClosedError as exc:
+        raise Failure(f"the broker refused: {exc.reason}") from None
+    except (WireError, TimeoutError) as exc:
+        raise Failure(f"broker: {redact(str(exc)) or type(exc).__name__}") from None
+    if args.json:
+        import dataclasses
+
+        _json(dataclasses.asdict(done))
+        return EXIT_OK
+    print(f"exchange {done.exchange!r} ({done.kind}, durable) is declared")
+    if done.queue is not None:
+        keys = ", ".join(repr(k) for k in done.bindings)
+        print(f"queue {done.queue!r} (durable) is bound to it with {keys}; it holds "
+              f"{done.queue_messages} messages")  # fmt: skip
+    return EXIT_OK
+
+
 def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     from app.demo import main as demo_main  # lazy: Spark is an optional extra
 
@@ -747,6 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_keys(sub)
     _add_purge(sub)
     _add_consume(sub)
+    _add_declare(sub)
     _add_demo(sub)
     return parser
 
@@ -943,6 +973,25 @@ def _add_consume(sub: Sub) -> None:
     )  # fmt: skip
     con.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     con.set_defaults(func=_cmd_consume)
+
+
+def _add_declare(sub: Sub) -> None:
+    dec = sub.add_parser(
+        "declare",
+        help="declare the exchange rows go to (and a queue bound to it): durable, idempotent",
+        description="Declare EXCHANGE, durable, on OUTBOX_AMQP_URL's broker; with --queue also "
+        "a durable queue bound to it. Rows for an exchange that does not exist end 'failed' "
+        "(404 NOT_FOUND) once their retries are spent. Declaring what exists with the same "
+        "type changes nothing.",
+    )
+    dec.add_argument("exchange")
+    dec.add_argument("--type", default="topic", choices=["direct", "topic", "fanout", "headers"],
+                     help="exchange type (default topic)")  # fmt: skip
+    dec.add_argument("--queue", help="also declare this queue and bind it")
+    dec.add_argument("--bind", action="append", metavar="KEY",
+                     help="binding key, repeatable (default '#' for topic, '' else)")  # fmt: skip
+    dec.add_argument("--json", action="store_true", help="what was declared, as JSON")
+    dec.set_defaults(func=_cmd_declare)
 
 
 def _add_demo(sub: Sub) -> None:

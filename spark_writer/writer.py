@@ -6,6 +6,7 @@ Spark-facing shells are ``sinks`` and ``datasource``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,9 @@ class BatchResult:
     rejected: int
     replayed: bool
 
+
+#: The driver logs one line per batch (what it wrote, replays, rejects) under this name.
+log = logging.getLogger("spark_writer")
 
 OnCommitted = Callable[[PartitionResult], None]
 
@@ -202,9 +206,17 @@ def commit_batch(
     rejected = sum(r.rejected for r in results)
     written = sum(r.inserted for r in results)
     if any(r.invalid for r in results):
-        raise OutboxDataError(batch_id=batch.key, problems=merge_problems(results), written=written)
+        error = OutboxDataError(batch_id=batch.key, problems=merge_problems(results),
+                                written=written)  # fmt: skip
+        log.error("outbox batch %s not recorded: %s", batch.key, error)
+        raise error
     with open_store(options.url) as store:
         fresh = store.record_batch(batch=batch, row_count=rows - rejected, rejected_count=rejected)
+    log.info(
+        "outbox batch %s: %d rows, %d written, %d already there (replays or repeated keys), "
+        "%d rejected%s", batch.key, rows, written, rows - rejected - written, rejected,
+        "" if fresh else "; recorded before (a replay)",
+    )  # fmt: skip
     return BatchResult(
         batch_id=batch.key,
         spark_batch_id=batch.spark_batch_id,
@@ -218,6 +230,7 @@ def commit_batch(
 
 def replayed_result(batch: BatchRef) -> BatchResult:
     """The result of a batch that was recorded before and so was not written again."""
+    log.info("outbox batch %s recorded before: a replay, nothing written", batch.key)
     return BatchResult(
         batch_id=batch.key,
         spark_batch_id=batch.spark_batch_id,

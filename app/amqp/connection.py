@@ -429,6 +429,15 @@ class AMQPConnection(asyncio.Protocol):
                 return exc.reason
             return None
 
+    async def call(
+        self, channel_id: int, method: Frame, expect: tuple[type[Frame], ...], *,
+        timeout: float = 10.0,
+    ) -> Frame:  # fmt: skip
+        """One synchronous method on an open channel (``exchange.declare``, ``queue.bind``...);
+        raises ChannelClosedError with the broker's reason when it refuses."""
+        async with asyncio.timeout(timeout):
+            return await self._request(channel_id, method, expect)
+
     # ------------------------------------------------------------ publishing
 
     def encode_batch(

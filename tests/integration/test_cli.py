@@ -45,6 +45,7 @@ COMMANDS = [
     "message",
     "failures",
     "audit",
+    "declare",
 ]
 
 
@@ -551,3 +552,47 @@ def test_help_texts_read_as_text_not_markup(
     shown = capsys.readouterr().out
     for markup in ("``", ":class:", ":func:", ":meth:", ".. "):
         assert markup not in shown, (command, markup)
+
+
+async def _publish_to(amqp_url: str, exchange: str, routing_key: str) -> None:
+    import aio_pika
+
+    conn = await aio_pika.connect(amqp_url)
+    async with conn:
+        ch = await conn.channel(publisher_confirms=True)
+        ex = await ch.get_exchange(exchange)  # passive: it must exist
+        await ex.publish(aio_pika.Message(b"x"), routing_key=routing_key, mandatory=True)
+
+
+async def _delete(amqp_url: str, name: str) -> None:
+    import aio_pika
+
+    conn = await aio_pika.connect(amqp_url)
+    async with conn:
+        ch = await conn.channel()
+        await ch.queue_delete(name)
+        await ch.exchange_delete(name)
+
+
+def test_declare_makes_the_exchange_and_a_bound_queue_idempotently(
+    env: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    monkeypatch.setenv("OUTBOX_AMQP_URL", amqp_url)
+    name = f"test-declare-{os.getpid()}-{time.monotonic_ns()}"
+    argv = ["declare", name, "--queue", name, "--bind", "orders.#", "--json"]
+    try:
+        rc, out, err = run(capsys, *argv)
+        assert rc == EXIT_OK, err
+        assert json.loads(out) == {"exchange": name, "kind": "topic", "queue": name,
+                                   "bindings": ["orders.#"], "queue_messages": 0}  # fmt: skip
+        asyncio.run(_publish_to(amqp_url, name, "orders.eu"))  # mandatory: routed to the queue
+        rc, out, _ = run(capsys, *argv)  # again: nothing changes, the message is still there
+        assert rc == EXIT_OK and json.loads(out)["queue_messages"] == 1
+        rc, _, err = run(capsys, "declare", name, "--type", "direct")
+        assert rc == EXIT_FAILURE and "the broker refused: 406 PRECONDITION_FAILED" in err, err
+        rc, _, err = run(capsys, "declare", name, "--bind", "x")
+        assert rc == EXIT_USAGE and "--bind needs --queue" in err
+    finally:
+        asyncio.run(_delete(amqp_url, name))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -352,10 +353,16 @@ def test_json_body_over_the_maximum_is_caught_in_the_executor(
 
 
 def test_reject_mode_writes_good_rows_and_rejects_the_bad_with_reasons(
-    spark: SparkSession, db_url: str
+    spark: SparkSession, db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     sink = OutboxSink(on_invalid="reject", max_body_bytes=64, **sink_options(db_url))
-    result = sink(orders(spark, 20, BAD_ROWS), 9)
+    with caplog.at_level(logging.INFO, logger="spark_writer"):
+        result = sink(orders(spark, 20, BAD_ROWS), 9)
+    # the driver says what the batch did, in one line
+    assert (
+        "outbox batch orders:9: 20 rows, 15 written, 0 already there (replays or repeated "
+        "keys), 5 rejected" in caplog.text
+    )
     assert (result.rows, result.written, result.rejected) == (20, 15, 5)
     assert dbview.count(db_url, "outbox") == 15
     reasons = {json.loads(r["row_json"])["id"]: r["reason"] for r in dbview.rejects(db_url)}
@@ -367,7 +374,9 @@ def test_reject_mode_writes_good_rows_and_rejects_the_bad_with_reasons(
         17: "body is 65 bytes, over the 64-byte maximum",
     }
     assert [(b["row_count"], b["rejected_count"]) for b in dbview.batches(db_url)] == [(15, 5)]
-    assert sink(orders(spark, 20, BAD_ROWS), 9).replayed
+    with caplog.at_level(logging.INFO, logger="spark_writer"):
+        assert sink(orders(spark, 20, BAD_ROWS), 9).replayed
+    assert "outbox batch orders:9 recorded before: a replay, nothing written" in caplog.text
     assert dbview.counts(db_url) == {"outbox": 15, "outbox_batches": 1, "outbox_rejects": 5}
 
 
