@@ -35,6 +35,8 @@ TARGETS = [
     ("ratio_drain_postgres_2_publishers_vs_drain_postgres", "drain_postgres_2_publishers",
      "drain_postgres", 1.0),
     ("ratio_spark_outbox_vs_jdbc", "spark_outbox_rows", "spark_jdbc_rows", 1.5),
+    ("ratio_spark_outbox_vs_jdbc_same_keys", "spark_outbox_rows", "spark_jdbc_rows_same_keys",
+     1.5),
     # ordered with 10,000 keys within a small factor of the unordered drain
     ("ratio_drain_ordered_10k_keys_vs_drain_postgres", "drain_postgres_ordered_10k_keys",
      "drain_postgres", 0.5),
@@ -54,6 +56,8 @@ def _spark(services: Services, sizes: Sizes) -> list[Measured]:
     return [
         Measured(key="spark_outbox_rows", unit="rows/s", runs=runs["outbox"]),
         Measured(key="spark_jdbc_rows", unit="rows/s", runs=runs["jdbc"]),
+        Measured(key="spark_jdbc_rows_same_keys", unit="rows/s", runs=runs["jdbc_keys"]),
+        Measured(key="spark_outbox_rows_derived_ids", unit="rows/s", runs=runs["derived"]),
     ]
 
 

@@ -2,10 +2,13 @@
 and into a plain table (Spark's own JDBC writer, Debian's PostgreSQL JDBC jar).
 
 Runs in its own process (the JVM stays out of the driver): ``python -m bench.workloads.spark
---rows N --url URL --repeats R`` prints one JSON line ``{"outbox": [...], "jdbc": [...]}``
-(rows/s per run). The DataFrame (``id``, ``key``, a 256-character ``payload``) is cached and
-counted before any write, so both writers are timed on the write alone; the runs alternate
-between the two writers, each into an emptied table, after one small untimed warm-up each.
+--rows N --url URL --repeats R`` prints one JSON line ``{"outbox": [...], "jdbc": [...], ...}``
+(rows/s per run), and ``jdbc_keys`` (JDBC into a table with the outbox's primary key and unique
+``message_id``: like for like) and ``derived`` (``write_outbox`` without a key column: ids from
+each row's content, one shuffle more). The DataFrame (``id``, ``key``, a 256-character
+``payload``) is cached and counted before any write, so every writer is timed on the write
+alone; each run goes through the writers in turn, each into emptied tables, after one small
+untimed warm-up each.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ import psycopg
 
 JDBC_JAR = Path(os.environ.get("BENCH_JDBC_JAR", "/usr/share/java/postgresql.jar"))
 JDBC_TABLE = "bench_jdbc_plain"
+#: Like for like: the outbox's identity and uniqueness (a bigserial primary key, a unique
+#: ``message_id``), the same message columns, written by Spark's JDBC writer.
+JDBC_KEYS_TABLE = "bench_jdbc_keys"
+KEYS_DDL = (f"CREATE TABLE {JDBC_KEYS_TABLE} (id bigserial PRIMARY KEY, message_id text NOT NULL "
+            "UNIQUE, batch_id text NOT NULL, exchange text NOT NULL, routing_key text NOT NULL, "
+            "body bytea NOT NULL)")  # fmt: skip
 WARMUP_ROWS = 2_000
 
 
@@ -66,6 +75,8 @@ def _reset(url: str) -> None:
     conninfo = "postgresql://" + url.split("://", 1)[1]
     with psycopg.connect(conninfo, autocommit=True) as conn:
         conn.execute(f"DROP TABLE IF EXISTS {JDBC_TABLE}")
+        conn.execute(f"DROP TABLE IF EXISTS {JDBC_KEYS_TABLE}")
+        conn.execute(KEYS_DDL)
         conn.execute("TRUNCATE outbox, outbox_batches, outbox_rejects")
         conn.execute("VACUUM ANALYZE outbox")
 
@@ -75,12 +86,24 @@ def _write_jdbc(df: Any, url: str) -> None:
     df.write.mode("append").jdbc(jdbc_url, JDBC_TABLE, properties=props)
 
 
-def _write_outbox(df: Any, url: str, batch: int) -> None:
+def _write_jdbc_keys(df: Any, url: str, batch: int) -> None:
+    from pyspark.sql import functions as F
+
+    jdbc_url, props = _jdbc_props(url)
+    rows = df.select(
+        F.col("key").alias("message_id"), F.lit(f"bench:{batch}").alias("batch_id"),
+        F.lit("bench.spark").alias("exchange"), F.lit("bench").alias("routing_key"),
+        F.col("payload").cast("binary").alias("body"),
+    )  # fmt: skip
+    rows.write.mode("append").jdbc(jdbc_url, JDBC_KEYS_TABLE, properties=props)
+
+
+def _write_outbox(df: Any, url: str, batch: int, *, derived: bool = False) -> None:
     from spark_writer import write_outbox
 
     result = write_outbox(df, url=url, sink="bench", batch_id=batch, exchange="bench.spark",
                           routing_key="bench", body_column="payload",
-                          message_id_column="key")  # fmt: skip
+                          message_id_column=None if derived else "key")  # fmt: skip
     if result.written != result.rows:
         raise RuntimeError(f"write_outbox wrote {result.written} of {result.rows} rows")
 
@@ -104,20 +127,26 @@ def main(argv: list[str] | None = None) -> int:
         warm.count()
         _reset(args.url)
         _write_jdbc(warm, args.url)
+        _write_jdbc_keys(warm, args.url, 0)
         _write_outbox(warm, args.url, batch=0)
+        _reset(args.url)
+        _write_outbox(warm, args.url, batch=0, derived=True)
         df = _frame(spark, args.rows).cache()
         df.count()
-        out: dict[str, list[float]] = {"outbox": [], "jdbc": []}
+        out: dict[str, list[float]] = {"outbox": [], "jdbc": [], "jdbc_keys": [], "derived": []}
+        writers = {
+            "jdbc": lambda i: _write_jdbc(df, args.url),
+            "jdbc_keys": lambda i: _write_jdbc_keys(df, args.url, i + 1),
+            "outbox": lambda i: _write_outbox(df, args.url, batch=i + 1),
+            "derived": lambda i: _write_outbox(df, args.url, batch=i + 1, derived=True),
+        }
         for i in range(args.repeats):
-            _reset(args.url)
-            out["jdbc"].append(args.rows / _timed(lambda: _write_jdbc(df, args.url)))
-            _reset(args.url)
-            out["outbox"].append(
-                args.rows / _timed(lambda i=i: _write_outbox(df, args.url, batch=i + 1))
-            )
-            jdbc, outbox = out["jdbc"][-1], out["outbox"][-1]
-            print(f"  spark run {i + 1}/{args.repeats}: jdbc {jdbc:,.0f} rows/s, "
-                  f"outbox {outbox:,.0f} rows/s", file=sys.stderr, flush=True)  # fmt: skip
+            for name, write in writers.items():
+                _reset(args.url)
+                out[name].append(args.rows / _timed(lambda w=write, i=i: w(i)))
+            figures = ", ".join(f"{k} {v[-1]:,.0f}" for k, v in out.items())
+            print(f"  spark run {i + 1}/{args.repeats} (rows/s): {figures}", file=sys.stderr,
+                  flush=True)  # fmt: skip
     finally:
         spark.stop()
     print(json.dumps(out), flush=True)
