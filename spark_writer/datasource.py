@@ -6,9 +6,12 @@ Register it once per session with ``register_data_source(spark)``. Batch writes 
 Arrow record batches and write them with ``write_partition``, like ``OutboxSink``.
 
 The data source sees the options and the schema on the driver, never the rows: those are checked
-in each task, so in fail mode a bad row stops its own partition (which writes nothing) and the
-batch is not recorded, while partitions without bad rows have committed. ``OutboxSink`` and
-``write_outbox`` check every row before any write.
+in each task. In fail mode (the default) the tasks therefore write their rows *parked* (never
+due): when every partition is clean, ``commit`` releases them in the transaction that records the
+batch; when any row is bad (or its id conflicts), ``commit`` removes them and fails, and
+``abort`` (a failed job) removes them too. So a batch with one bad row publishes nothing. The
+price is one more write of each row on release, paid only here (``OutboxSink`` and
+``write_outbox`` check the rows before any write; reject mode needs no parking).
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ from spark_writer.envelope import BatchRef
 from spark_writer.errors import OutboxConfigError
 from spark_writer.options import OutboxOptions, from_spark_options
 from spark_writer.validate import check_schema
-from spark_writer.writer import PartitionResult, WritePlan, commit_batch, write_partition
+from spark_writer.writer import (
+    PartitionResult,
+    WritePlan,
+    commit_batch,
+    discard_parked,
+    write_partition,
+)
 
 #: Local properties Spark sets on the tasks of a micro-batch.
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
@@ -63,8 +72,9 @@ class OutboxDataSource(DataSource):
                 )
             batch_id = int(time.time() * 1000)  # a label only: the key column makes ids stable
         batch = BatchRef(sink=options.sink, spark_batch_id=batch_id)
+        park = options.on_invalid == "fail"
         return OutboxBatchWriter(
-            WritePlan(options=options, schema=schema, batch=batch, sort_in_task=True)
+            WritePlan(options=options, schema=schema, batch=batch, sort_in_task=True, park=park)
         )
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
@@ -111,7 +121,14 @@ class OutboxBatchWriter(DataSourceArrowWriter):
         return PartitionDone(batch=self.plan.batch, result=result)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        commit_batch(options=self.plan.options, batch=self.plan.batch, results=_results(messages))
+        plan = self.plan
+        commit_batch(
+            options=plan.options, batch=plan.batch, results=_results(messages), parked=plan.park
+        )
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        if self.plan.park:
+            discard_parked(options=self.plan.options, batch=self.plan.batch)
 
 
 class OutboxStreamWriter(DataSourceStreamArrowWriter):
@@ -120,17 +137,26 @@ class OutboxStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, *, options: OutboxOptions, schema: StructType) -> None:
         self.options = options
         self.schema = schema
+        self.park = options.on_invalid == "fail"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         partition, attempt = _task()
         batch = self._task_batch()
-        plan = WritePlan(options=self.options, schema=self.schema, batch=batch, sort_in_task=True)
+        plan = WritePlan(
+            options=self.options, schema=self.schema, batch=batch, sort_in_task=True,
+            park=self.park,
+        )  # fmt: skip
         result = write_partition(iterator, plan=plan, partition=partition, attempt=attempt)
         return PartitionDone(batch=batch, result=result)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         batch = self._batch(messages, batchId)
-        commit_batch(options=self.options, batch=batch, results=_results(messages))
+        results = _results(messages)
+        commit_batch(options=self.options, batch=batch, results=results, parked=self.park)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        if self.park:
+            discard_parked(options=self.options, batch=self._batch(messages, batchId))
 
     def _task_batch(self) -> BatchRef:
         context = TaskContext.get()

@@ -1,27 +1,112 @@
 """The database side of the writer: psycopg 3 (binary COPY) for PostgreSQL, sqlite3 for SQLite.
 
 Only a URL comes in: executors import nothing of the service. Each partition is one
-transaction; its rows are due (``available_at`` = now) when it commits. ``record_batch`` writes
-the ``outbox_batches`` row once every partition succeeded. Re-running a batch adds no row:
-``message_id`` is unique and a conflicting row is skipped (``ON CONFLICT DO NOTHING``).
+transaction; its rows are due (``available_at`` = now) when it commits, or parked (never due)
+when the writer asks for all or nothing: ``record_batch`` then releases them in the transaction
+that records the batch, and ``discard_parked`` removes them when the batch fails. ``record_batch``
+writes the ``outbox_batches`` row once every partition succeeded. Re-running a batch adds no row:
+``message_id`` is unique and a row whose id is there already is skipped (``ON CONFLICT DO
+NOTHING``), but only when it is the same message (a replay). A row whose id the outbox holds for
+another message (another sink, exchange, routing key, body, headers, ...) is a *conflict*: it
+rolls its partition back in fail mode, and goes to ``outbox_rejects`` with the reason in reject
+mode. Message ids are one namespace across sinks, so a consumer can key on ``message_id`` alone.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import IO, Any, NamedTuple, Self
 
 import psycopg
 from psycopg import errors as pg_errors
 
-from spark_writer.envelope import BatchRef, Chunk, Layout, Rejected
+from spark_writer.envelope import PARKED, BatchRef, Chunk, Layout, Problem, Rejected, jsonable
 from spark_writer.errors import OutboxConfigError
 from spark_writer.pgcopy import SIGNATURE, Const, encode
+
+#: What makes two rows the same message, apart from the id: the sink (the ``batch_id``'s prefix)
+#: and these columns.
+CONTENT = (
+    "exchange",
+    "routing_key",
+    "mandatory",
+    "body",
+    "content_type",
+    "headers",
+    "ordering_key",
+)
+CONFLICT = "message id already in the outbox for another message"
+
+
+class Conflict(NamedTuple):
+    """A row whose ``message_id`` the outbox holds for another message (or an earlier row of
+    the same batch with other content): never skipped silently."""
+
+    message_id: str
+    #: the ``batch_id`` of the row holding the id
+    holder: str
+    #: what differs: ``sink`` and/or names of ``CONTENT``
+    differs: tuple[str, ...]
+    #: the refused message as JSON, for ``outbox_rejects``
+    message_json: str
+
+    @property
+    def problem(self) -> Problem:
+        return Problem(
+            CONFLICT,
+            f"message id {self.message_id!r} is held by a row of batch {self.holder} with "
+            f"another {', '.join(self.differs)} (message ids are one namespace across sinks: "
+            "use a key unique per message)",
+        )
+
+
+class KeyConflicts(Exception):
+    """Raised out of ``Store.write`` in fail mode; the partition's transaction rolled back."""
+
+    def __init__(self, conflicts: Sequence[Conflict]) -> None:
+        self.conflicts = tuple(conflicts)
+        super().__init__(f"{len(self.conflicts)} message id conflict(s)")
+
+
+class Written(NamedTuple):
+    """What one partition's transaction did: rows new to the outbox, and the conflicting rows
+    it sent to ``outbox_rejects`` (reject mode)."""
+
+    inserted: int
+    conflicts: tuple[Conflict, ...] = ()
+
+
+def _sink_of(batch_id: str | None) -> str | None:
+    return None if batch_id is None else batch_id.split(":", 1)[0]
+
+
+def _message_json(message: dict[str, Any]) -> str:
+    doc = {k: message.get(k) for k in ("message_id", "batch_id", *CONTENT)}
+    body = doc.get("body")
+    if isinstance(body, bytes | bytearray | memoryview):
+        raw = bytes(body)
+        try:
+            doc["body"] = raw.decode()
+        except UnicodeDecodeError:
+            doc["body_base64"] = jsonable(raw)
+            del doc["body"]
+    headers = doc.get("headers")
+    if isinstance(headers, str):
+        doc["headers"] = json.loads(headers)
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def _conflict_rejects(batch: BatchRef, conflicts: Sequence[Conflict]) -> list[tuple[Any, ...]]:
+    return [
+        _reject_params(batch, Rejected(-1, c.message_id, c.problem, c.message_json))
+        for c in conflicts
+    ]
 
 
 class Store(ABC):
@@ -39,16 +124,26 @@ class Store(ABC):
         chunks: Iterable[Chunk],
         rejects: Sequence[Rejected],
         first_attempt: bool,
-    ) -> int:
-        """Insert one partition in one transaction; return the rows new to the outbox.
+        fail_on_conflict: bool,
+    ) -> Written:
+        """Insert one partition in one transaction; return the rows new to the outbox and the
+        conflicts sent to ``outbox_rejects``.
 
         ``rejects`` is read after ``chunks`` is used up, so it may be filled meanwhile.
         ``first_attempt``: no earlier attempt of this task can have written these rows.
+        ``fail_on_conflict``: a conflict raises ``KeyConflicts`` and nothing is written.
         """
 
     @abstractmethod
-    def record_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
-        """Record the batch in ``outbox_batches``; False when it was recorded before."""
+    def record_batch(
+        self, *, batch: BatchRef, row_count: int, rejected_count: int, release: bool = False
+    ) -> bool:
+        """Record the batch in ``outbox_batches``; False when it was recorded before.
+        ``release``: make the batch's parked rows due, in the same transaction."""
+
+    @abstractmethod
+    def discard_parked(self, batch: BatchRef) -> int:
+        """Remove the parked rows of a batch that is not recorded; how many there were."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -134,9 +229,13 @@ class PostgresStore(Store):
         "content_type": "text",
         "headers": "json",
         "ordering_key": "text",
+        "available_at": "timestamptz",
     }
     REJECT = _REJECT.format("%s")
     RECORD = _RECORD.format("%s")
+    PARKED = PARKED + "+00"
+    RELEASE = "UPDATE outbox SET available_at = now() WHERE batch_id = %s AND available_at = %s"
+    DISCARD = "DELETE FROM outbox WHERE batch_id = %s AND available_at = %s"
 
     def __init__(self, conninfo: str) -> None:
         self.conn = psycopg.connect(conninfo, autocommit=True)
@@ -158,7 +257,8 @@ class PostgresStore(Store):
         chunks: Iterable[Chunk],
         rejects: Sequence[Rejected],
         first_attempt: bool,
-    ) -> int:
+        fail_on_conflict: bool,
+    ) -> Written:
         data = _encoded(layout, chunks)
         columns = ", ".join(_columns(layout))
         with tempfile.SpooledTemporaryFile(max_size=self.SPOOL_MEMORY) as spool:
@@ -168,26 +268,31 @@ class PostgresStore(Store):
                 except pg_errors.UniqueViolation:
                     spool.seek(0)
             replay = _replay(spool) if first_attempt else iter(())
-            return self._staged(layout, columns, _chain(replay, data), batch, rejects)
+            return self._staged(
+                layout, _chain(replay, data), batch, rejects, fail_on_conflict=fail_on_conflict
+            )
 
     def _direct(
         self, columns: str, data: Iterator[bytes], batch: BatchRef, rejects: Sequence[Rejected]
-    ) -> int:
+    ) -> Written:
         with self.conn.transaction(), self.conn.cursor() as cur:
             self._copy(cur, f"outbox ({columns})", data)
             inserted = cur.rowcount
             self._rejects(cur, batch, rejects)
-        return inserted
+        return Written(inserted)
 
     def _staged(
         self,
         layout: Layout,
-        columns: str,
         data: Iterator[bytes],
         batch: BatchRef,
         rejects: Sequence[Rejected],
-    ) -> int:
-        typed = ", ".join(f"{name} {self.TYPES[name]}" for name in _columns(layout))
+        *,
+        fail_on_conflict: bool,
+    ) -> Written:
+        names = _columns(layout)
+        columns = ", ".join(names)
+        typed = ", ".join(f"{name} {self.TYPES[name]}" for name in names)
         with self.conn.transaction(), self.conn.cursor() as cur:
             cur.execute("SET LOCAL jit = off")
             cur.execute("SET LOCAL work_mem = '64MB'")  # sort the staged rows in memory
@@ -198,8 +303,43 @@ class PostgresStore(Store):
                 "ORDER BY pos ON CONFLICT (message_id) DO NOTHING"
             )
             inserted = cur.rowcount
+            conflicts = self._conflicts(cur, names) if inserted < _staged_rows(cur) else ()
+            if conflicts and fail_on_conflict:
+                raise KeyConflicts(conflicts)  # rolls the partition back
             self._rejects(cur, batch, rejects)
-        return inserted
+            if conflicts:
+                cur.executemany(self.REJECT, _conflict_rejects(batch, conflicts))
+        return Written(inserted, conflicts)
+
+    @staticmethod
+    def _conflicts(cur: psycopg.Cursor[Any], names: Sequence[str]) -> tuple[Conflict, ...]:
+        """Staged rows whose id the outbox holds with other content. After the insert, so the
+        rows this statement inserted compare equal to themselves and a row skipped because
+        another transaction inserted its id meanwhile is compared with that row."""
+        tests = {"sink": "split_part(s.batch_id, ':', 1) IS DISTINCT FROM "
+                         "split_part(o.batch_id, ':', 1)"}  # fmt: skip
+        for name in CONTENT:
+            if name not in names:
+                tests[name] = f"o.{name} IS NOT NULL"
+            elif name == "headers":  # json has no equality: compare as jsonb
+                tests[name] = "s.headers::jsonb IS DISTINCT FROM o.headers::jsonb"
+            else:
+                tests[name] = f"s.{name} IS DISTINCT FROM o.{name}"
+        differs = ", ".join(f"{test} AS d_{name}" for name, test in tests.items())
+        staged = ", ".join(f"s.{n}" for n in names)
+        cur.execute(
+            f"SELECT o.batch_id AS holder, {differs}, {staged} FROM outbox_stage s "
+            f"JOIN outbox o ON o.message_id = s.message_id "
+            f"WHERE {' OR '.join(tests.values())} ORDER BY s.pos"
+        )
+        out = []
+        width = 1 + len(tests)
+        for row in cur.fetchall():
+            message = dict(zip(names, row[width:], strict=True))
+            flags = row[1:width]
+            what = tuple(n for n, d in zip(tests, flags, strict=True) if d)
+            out.append(Conflict(message["message_id"], row[0], what, _message_json(message)))
+        return tuple(out)
 
     @staticmethod
     def _copy(cur: psycopg.Cursor[Any], target: str, data: Iterator[bytes]) -> None:
@@ -214,13 +354,49 @@ class PostgresStore(Store):
         if rejects:
             cur.executemany(self.REJECT, [_reject_params(batch, r) for r in rejects])
 
-    def record_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
-        cur = self.conn.execute(self.RECORD, _batch_params(batch, row_count, rejected_count))
-        return cur.rowcount == 1
+    def record_batch(
+        self, *, batch: BatchRef, row_count: int, rejected_count: int, release: bool = False
+    ) -> bool:
+        with self.conn.transaction(), self.conn.cursor() as cur:
+            if release:
+                cur.execute(self.RELEASE, (batch.key, self.PARKED))
+            cur.execute(self.RECORD, _batch_params(batch, row_count, rejected_count))
+            return cur.rowcount == 1
+
+    def discard_parked(self, batch: BatchRef) -> int:
+        return self.conn.execute(self.DISCARD, (batch.key, self.PARKED)).rowcount
+
+
+def _differences(message: dict[str, Any], row: dict[str, Any]) -> tuple[str, ...]:
+    """What ``message`` (a row to insert) and ``row`` (the outbox's) differ in."""
+    out = ["sink"] if _sink_of(message.get("batch_id")) != _sink_of(row["batch_id"]) else []
+    for name in CONTENT:
+        mine, theirs = message.get(name), row[name]
+        if name == "headers":
+            mine, theirs = (json.loads(v) if isinstance(v, str) else v for v in (mine, theirs))
+        elif name == "mandatory":
+            mine, theirs = (None if v is None else bool(v) for v in (mine, theirs))
+        elif name == "body":
+            mine, theirs = (None if v is None else bytes(v) for v in (mine, theirs))
+        if mine != theirs:
+            out.append(name)
+    return tuple(out)
+
+
+def _staged_rows(cur: psycopg.Cursor[Any]) -> int:
+    row = cur.execute("SELECT count(*) FROM outbox_stage").fetchone()
+    return int(row[0]) if row else 0
+
+
+#: ``PARKED`` as binary ``timestamptz``: microseconds since 2000-01-01 UTC, 8 bytes big-endian.
+_PARKED_BINARY = Const((8).to_bytes(4, "big") + (252_455_529_600_000_000).to_bytes(8, "big"))
 
 
 def _encoded(layout: Layout, chunks: Iterable[Chunk]) -> Iterator[bytes]:
-    constants = [Const.of(value) for _, value in layout.constant]
+    constants = [
+        _PARKED_BINARY if name == "available_at" else Const.of(value)
+        for name, value in layout.constant
+    ]
     for chunk in chunks:
         if chunk.rows:
             yield encode([*chunk.columns, *constants])
@@ -268,7 +444,8 @@ class SqliteStore(Store):
         chunks: Iterable[Chunk],
         rejects: Sequence[Rejected],
         first_attempt: bool,
-    ) -> int:
+        fail_on_conflict: bool,
+    ) -> Written:
         columns = _columns(layout)
         constants = [int(v) if isinstance(v, bool) else v for _, v in layout.constant]
         # Map the whole partition first: SQLite has one writer, so hold its lock briefly.
@@ -284,13 +461,63 @@ class SqliteStore(Store):
             before = self.conn.total_changes
             self.conn.executemany(insert, params)
             inserted = self.conn.total_changes - before
+            conflicts = self._conflicts(columns, params) if inserted < len(params) else ()
+            if conflicts and fail_on_conflict:
+                raise KeyConflicts(conflicts)  # rolls the partition back
             self.conn.executemany(self.REJECT, [_reject_params(batch, r) for r in rejects])
-        return inserted
+            self.conn.executemany(self.REJECT, _conflict_rejects(batch, conflicts))
+        return Written(inserted, conflicts)
 
-    def record_batch(self, *, batch: BatchRef, row_count: int, rejected_count: int) -> bool:
+    #: ids per lookup statement (SQLite allows 32,766 parameters)
+    LOOKUP = 500
+
+    def _conflicts(
+        self, columns: Sequence[str], params: Sequence[tuple[Any, ...]]
+    ) -> tuple[Conflict, ...]:
+        """Rows whose id the outbox holds with other content (after the insert, in its
+        transaction: the rows just inserted compare equal to themselves)."""
+        messages = [dict(zip(columns, p, strict=True)) for p in params]
+        held: dict[str, dict[str, Any]] = {}
+        wanted = ", ".join(("message_id", "batch_id", *CONTENT))
+        for start in range(0, len(messages), self.LOOKUP):
+            ids = [m["message_id"] for m in messages[start : start + self.LOOKUP]]
+            cur = self.conn.execute(
+                f"SELECT {wanted} FROM outbox WHERE message_id IN ({', '.join('?' * len(ids))})",
+                ids,
+            )
+            names = [d[0] for d in cur.description]
+            held.update((row[0], dict(zip(names, row, strict=True))) for row in cur)
+        out = []
+        for message in messages:
+            row = held.get(message["message_id"])
+            if row is None:  # cannot be: the insert put it there or found it
+                continue
+            what = _differences(message, row)
+            if what:
+                out.append(
+                    Conflict(message["message_id"], row["batch_id"], what, _message_json(message))
+                )
+        return tuple(out)
+
+    def record_batch(
+        self, *, batch: BatchRef, row_count: int, rejected_count: int, release: bool = False
+    ) -> bool:
         with self._transaction():
+            if release:
+                self.conn.execute(
+                    "UPDATE outbox SET available_at = CURRENT_TIMESTAMP "
+                    "WHERE batch_id = ? AND available_at = ?",
+                    (batch.key, PARKED),
+                )
             cur = self.conn.execute(self.RECORD, _batch_params(batch, row_count, rejected_count))
             return cur.rowcount == 1
+
+    def discard_parked(self, batch: BatchRef) -> int:
+        with self._transaction():
+            cur = self.conn.execute(
+                "DELETE FROM outbox WHERE batch_id = ? AND available_at = ?", (batch.key, PARKED)
+            )
+            return cur.rowcount
 
     def _transaction(self) -> _SqliteTransaction:
         return _SqliteTransaction(self.conn)

@@ -113,9 +113,19 @@ def content_message_id(*, sink: str, spark_batch_id: int, digest: str, occurrenc
     return f"{sink}:{spark_batch_id}:{digest[:DIGEST_CHARS]}:{occurrence}"
 
 
-def layout(options: OutboxOptions, schema: StructType, batch: BatchRef) -> Layout:
+#: ``available_at`` of a parked row: written, never due until its batch commits
+#: (``format("outbox")`` in fail mode releases a batch's rows once every partition succeeded,
+#: or removes them).
+PARKED = "9999-12-31 00:00:00"
+
+
+def layout(
+    options: OutboxOptions, schema: StructType, batch: BatchRef, *, parked: bool = False
+) -> Layout:
     varying = ["message_id"]
     constant: list[tuple[str, str | bool | None]] = [("batch_id", batch.key)]
+    if parked:
+        constant.append(("available_at", PARKED))
     for name, literal in (("exchange", options.exchange), ("routing_key", options.routing_key)):
         if literal is None:
             varying.append(name)
@@ -140,11 +150,17 @@ class ArrowMapper:
     """Checks and maps the Arrow batches of one partition of one batch."""
 
     def __init__(
-        self, *, options: OutboxOptions, schema: StructType, batch: BatchRef, partition: int
+        self,
+        *,
+        options: OutboxOptions,
+        schema: StructType,
+        batch: BatchRef,
+        partition: int,
+        parked: bool = False,
     ) -> None:
         self.options = options
         self.batch = batch
-        self.layout = layout(options, schema, batch)
+        self.layout = layout(options, schema, batch, parked=parked)
         self.checks = checks(schema, options)
         self.names = schema.fieldNames()
         self._plain = all(isinstance(f.dataType, _PLAIN) for f in schema.fields)

@@ -5,6 +5,7 @@
 ├── ``OutboxSchemaError``: the DataFrame lacks a column or a column has the wrong type.
 └── ``OutboxDataError``: rows hold values the outbox cannot take; the batch is not recorded.
 
+A row whose message id the outbox holds for another message (a conflict) is a bad row too.
 Database failures are not wrapped: psycopg and sqlite3 errors propagate as they are. A failed
 batch is not recorded in ``outbox_batches``; the partitions that committed before the failure
 stay (their rows may be published already), and re-running the batch adds only what is missing.

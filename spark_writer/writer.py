@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql.types import StructType
 
-from spark_writer.db import open_store
+from spark_writer.db import CONFLICT, KeyConflicts, open_store
 from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, Problem, Rejected
 from spark_writer.errors import OutboxDataError, ProblemCount
 from spark_writer.options import OutboxOptions
@@ -30,6 +30,9 @@ class WritePlan:
     #: sort each partition by (ordering key, sequence) in the task: ``format("outbox")``, whose
     #: input Spark lays out (the DataFrame writers sort with Spark before the write)
     sort_in_task: bool = False
+    #: write the rows parked (never due) until ``commit_batch`` releases them: all or nothing
+    #: when the rows are checked only in the tasks (``format("outbox")`` in fail mode)
+    park: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,9 @@ class PartitionResult:
     inserted: int = 0
     rejected: int = 0
     invalid: int = 0
+    #: rows whose message id the outbox holds for another message (in ``rejected`` too in
+    #: reject mode; in ``invalid`` in fail mode, where the partition wrote nothing)
+    conflicts: int = 0
     skipped: bool = False
     problems: tuple[ProblemCount, ...] = ()
 
@@ -51,8 +57,11 @@ class BatchResult:
     """The outcome of one batch.
 
     ``rows``: rows in the batch; ``written``: rows new to the outbox; ``duplicates``: fit rows
-    whose ``message_id`` was there already (a retried task, a re-run, a repeated key);
-    ``rejected``: rows put in ``outbox_rejects``; ``replayed``: the batch had been recorded before.
+    whose ``message_id`` was there already for the same message (a retried task, a re-run, the
+    same row twice): true replays, nothing lost; ``rejected``: rows put in ``outbox_rejects``,
+    ``conflicts`` among them (reject mode): rows whose ``message_id`` the outbox holds for
+    another message (another sink, exchange, routing key, body, headers, ...); ``replayed``:
+    the batch had been recorded before. ``rows == written + duplicates + rejected``.
     """
 
     batch_id: str
@@ -62,6 +71,7 @@ class BatchResult:
     duplicates: int
     rejected: int
     replayed: bool
+    conflicts: int = 0
 
 
 #: The driver logs one line per batch (what it wrote, replays, rejects) under this name.
@@ -91,7 +101,11 @@ class _Scan:
 
     def __init__(self, plan: WritePlan, partition: int, batches: Iterable[pa.RecordBatch]) -> None:
         self.mapper = ArrowMapper(
-            options=plan.options, schema=plan.schema, batch=plan.batch, partition=partition
+            options=plan.options,
+            schema=plan.schema,
+            batch=plan.batch,
+            partition=partition,
+            parked=plan.park,
         )
         self.fail = plan.options.on_invalid == "fail"
         self.batches = iter(batches)
@@ -147,12 +161,13 @@ def write_partition(
             return PartitionResult(partition=partition, attempt=attempt, skipped=True)
         scan = _Scan(plan, partition, _prepend(first, batches))
         try:
-            inserted = store.write(
+            written = store.write(
                 batch=plan.batch,
                 layout=scan.mapper.layout,
                 chunks=scan.chunks(),
                 rejects=scan.rejects,
                 first_attempt=attempt == 0,
+                fail_on_conflict=scan.fail,
             )
         except _Invalid:
             scan.drain()
@@ -162,12 +177,23 @@ def write_partition(
                 partition=partition, attempt=attempt, rows=scan.seen, invalid=invalid,
                 problems=problems,
             )  # fmt: skip
+        except KeyConflicts as error:
+            for conflict in error.conflicts:
+                scan.tally.add(conflict.problem)
+            conflicts = len(error.conflicts)
+            return PartitionResult(
+                partition=partition, attempt=attempt, rows=scan.seen, invalid=conflicts,
+                conflicts=conflicts, problems=scan.tally.result(),
+            )  # fmt: skip
+    for conflict in written.conflicts:
+        scan.tally.add(conflict.problem)
     result = PartitionResult(
         partition=partition,
         attempt=attempt,
         rows=scan.seen,
-        inserted=inserted,
-        rejected=len(scan.rejects),
+        inserted=written.inserted,
+        rejected=len(scan.rejects) + len(written.conflicts),
+        conflicts=len(written.conflicts),
         problems=scan.tally.result(),
     )
     if on_committed is not None:
@@ -195,28 +221,45 @@ def _prepend(first: pa.RecordBatch, rest: Iterator[pa.RecordBatch]) -> Iterator[
 
 
 def commit_batch(
-    *, options: OutboxOptions, batch: BatchRef, results: Sequence[PartitionResult]
+    *,
+    options: OutboxOptions,
+    batch: BatchRef,
+    results: Sequence[PartitionResult],
+    parked: bool = False,
 ) -> BatchResult:
     """Driver side, after every task succeeded: record the batch and sum up what it did.
 
     When a task found bad rows in fail mode (its partition wrote nothing), the batch is not
-    recorded and ``OutboxDataError`` says what the other partitions wrote.
+    recorded and ``OutboxDataError`` says what the other partitions wrote. ``parked``: the
+    tasks wrote their rows parked; they are released with the batch's record (one transaction),
+    or removed when the batch fails, so nothing of a failed batch is ever published.
     """
     rows = sum(r.rows for r in results)
     rejected = sum(r.rejected for r in results)
     written = sum(r.inserted for r in results)
+    conflicts = sum(r.conflicts for r in results)
     if any(r.invalid for r in results):
+        if parked:
+            removed = discard_parked(options=options, batch=batch)
+            log.info("outbox batch %s: removed its %d parked row(s)", batch.key, removed)
         error = OutboxDataError(batch_id=batch.key, problems=merge_problems(results),
-                                written=written)  # fmt: skip
+                                written=None if parked else written)  # fmt: skip
         log.error("outbox batch %s not recorded: %s", batch.key, error)
         raise error
     with open_store(options.url) as store:
-        fresh = store.record_batch(batch=batch, row_count=rows - rejected, rejected_count=rejected)
+        fresh = store.record_batch(
+            batch=batch, row_count=rows - rejected, rejected_count=rejected, release=parked
+        )
     log.info(
-        "outbox batch %s: %d rows, %d written, %d already there (replays or repeated keys), "
-        "%d rejected%s", batch.key, rows, written, rows - rejected - written, rejected,
+        "outbox batch %s: %d rows, %d written, %d already there (replays of the same message), "
+        "%d rejected (%d of them message id conflicts)%s", batch.key, rows, written,
+        rows - rejected - written, rejected, conflicts,
         "" if fresh else "; recorded before (a replay)",
     )  # fmt: skip
+    if conflicts:
+        first = next(p.first for p in merge_problems(results) if p.summary == CONFLICT)
+        log.warning("outbox batch %s: %d message id conflict(s) rejected, first: %s",
+                    batch.key, conflicts, first)  # fmt: skip
     return BatchResult(
         batch_id=batch.key,
         spark_batch_id=batch.spark_batch_id,
@@ -225,7 +268,14 @@ def commit_batch(
         duplicates=rows - rejected - written,
         rejected=rejected,
         replayed=not fresh,
+        conflicts=conflicts,
     )
+
+
+def discard_parked(*, options: OutboxOptions, batch: BatchRef) -> int:
+    """Remove the parked rows of a batch that will not be recorded; how many there were."""
+    with open_store(options.url) as store:
+        return store.discard_parked(batch)
 
 
 def replayed_result(batch: BatchRef) -> BatchResult:

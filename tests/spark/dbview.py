@@ -56,3 +56,13 @@ def count(url: str, table: str) -> int:
 
 def counts(url: str) -> dict[str, int]:
     return {t: count(url, t) for t in ("outbox", "outbox_batches", "outbox_rejects")}
+
+
+def execute(url: str, sql: str) -> None:
+    """Run one statement that returns no rows, committed."""
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(sql))
+    finally:
+        engine.dispose()

@@ -25,7 +25,8 @@ def test_readme_python_example_runs_and_is_idempotent(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "outbox.db") as db:
         rows = db.execute("SELECT batch_id, message_id FROM outbox ORDER BY id").fetchall()
         batches = db.execute("SELECT batch_id FROM outbox_batches ORDER BY batch_id").fetchall()
-    # order ids 1 and 2 are the key: the stream (derived ids) adds its own two rows; the data
-    # source's rows share the batch job's keys and add nothing
-    assert len(rows) == 4 and len({m for _, m in rows}) == 4
+    # order ids are the key of the batch job (1, 2) and of the data source (3); the stream's two
+    # rows have content ids
+    assert len(rows) == 5 and len({m for _, m in rows}) == 5
+    assert {m for b, m in rows if not b.startswith("orders-stream")} == {"1", "2", "3"}
     assert [b for (b,) in batches] == ["orders-daily:20240601", "orders-ds:1", "orders-stream:0"]

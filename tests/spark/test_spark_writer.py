@@ -360,8 +360,8 @@ def test_reject_mode_writes_good_rows_and_rejects_the_bad_with_reasons(
         result = sink(orders(spark, 20, BAD_ROWS), 9)
     # the driver says what the batch did, in one line
     assert (
-        "outbox batch orders:9: 20 rows, 15 written, 0 already there (replays or repeated "
-        "keys), 5 rejected" in caplog.text
+        "outbox batch orders:9: 20 rows, 15 written, 0 already there (replays of the same "
+        "message), 5 rejected (0 of them message id conflicts)" in caplog.text
     )
     assert (result.rows, result.written, result.rejected) == (20, 15, 5)
     assert dbview.count(db_url, "outbox") == 15
@@ -498,28 +498,34 @@ def test_data_source_and_foreach_batch_write_the_same_rows(
     ]
 
 
-def test_data_source_refuses_bad_rows_in_their_partition_and_records_no_batch(
-    spark: SparkSession, sqlite_url: str
+def test_data_source_in_fail_mode_writes_nothing_when_any_row_is_bad(
+    spark: SparkSession, db_url: str
 ) -> None:
-    df = orders(spark, 20, {15: {"region": None}})
-    writer = (
-        df.write.format("outbox")
-        .mode("append")
-        .options(
-            url=sqlite_url,
-            sink="ds",
-            batchId="1",
-            exchange="orders.x",
-            routingKeyColumn="region",
-            bodyColumn="payload",
+    def writer(df: DataFrame, **extra: str) -> Any:
+        return (
+            df.write.format("outbox")
+            .mode("append")
+            .options(url=db_url, sink="ds", batchId="1", exchange="orders.x")
+            .options(routingKeyColumn="region", bodyColumn="payload", **extra)
         )
-    )
+
+    bad = orders(spark, 20, {15: {"region": None}})
     with pytest.raises(Exception, match=r"column 'region' \(routing key\) is null: 1 row") as err:
-        writer.save()
-    # The data source sees rows only in its tasks: partition 1 (rows 10-19) wrote nothing,
-    # partition 0 committed, and the batch is not recorded.
-    assert "partitions without bad rows wrote 10 row(s)" in str(err.value)
-    assert dbview.counts(sqlite_url) == {"outbox": 10, "outbox_batches": 0, "outbox_rejects": 0}
+        writer(bad).save()
+    # The data source sees rows only in its tasks: partition 0 (rows 0-9) was clean and wrote
+    # its rows parked (never due); the failing commit removed them. Nothing was published.
+    assert "invalid row(s), nothing written" in str(err.value)
+    assert dbview.counts(db_url) == {"outbox": 0, "outbox_batches": 0, "outbox_rejects": 0}
+
+    writer(orders(spark, 20)).save()  # fixed: every row written and due at once, on commit
+    rows = dbview.outbox(db_url)
+    assert len(rows) == 20 and not [r for r in rows if r["available_at"].startswith("9999")]
+    assert [(b["batch_id"], b["row_count"]) for b in dbview.batches(db_url)] == [("ds:1", 20)]
+
+    # reject mode parks nothing: good rows are due when their partition commits
+    writer(bad, onInvalid="reject", sink="ds-r").save()
+    rows = [r for r in dbview.outbox(db_url) if r["batch_id"] == "ds-r:1"]
+    assert len(rows) == 19 and not [r for r in rows if r["available_at"].startswith("9999")]
 
 
 @pytest.mark.parametrize(
