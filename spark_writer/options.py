@@ -48,6 +48,9 @@ class OutboxOptions:
     mandatory: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     on_invalid: OnInvalid = "fail"
+    #: at most this many partitions write at once, each on one database connection (like
+    #: JDBC's ``numPartitions``): a DataFrame with more partitions is coalesced before the write
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "header_columns", tuple(self.header_columns))
@@ -90,6 +93,8 @@ def _problems(o: OutboxOptions) -> list[str]:
     if o.sequence_column is not None and o.ordering_key_column is None:
         out.append("sequence_column orders the rows of each ordering key: give "
                    "ordering_key_column too")  # fmt: skip
+    if o.max_connections is not None and o.max_connections < 1:
+        out.append("max_connections must be at least 1")
     if o.max_body_bytes < 1:
         out.append("max_body_bytes must be at least 1")
     if o.on_invalid not in ("fail", "reject"):
@@ -136,6 +141,12 @@ def from_spark_options(raw: Mapping[str, str]) -> tuple[OutboxOptions, int | Non
             batch_id = _to_int(key, value)
         elif norm in _SPARK_KEYS:
             values[_SPARK_KEYS[norm]] = _convert(_SPARK_KEYS[norm], key, value)
+        elif norm == "maxconnections":
+            raise OutboxConfigError(
+                f"option {key!r}: format('outbox') opens one connection per partition it "
+                "writes; cap them with df.coalesce(N) before .write (OutboxSink and "
+                "write_outbox take max_connections)"
+            )
         elif norm not in _SPARK_OWN:
             raise OutboxConfigError(f"unknown outbox option {key!r}")
     for required in ("url", "sink"):

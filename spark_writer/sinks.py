@@ -71,6 +71,7 @@ class OutboxSink:
         mandatory: bool = True,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         on_invalid: OnInvalid = "fail",
+        max_connections: int | None = None,
         on_partition_committed: OnCommitted | None = None,
     ) -> None:
         self.options = OutboxOptions(
@@ -89,6 +90,7 @@ class OutboxSink:
             mandatory=mandatory,
             max_body_bytes=max_body_bytes,
             on_invalid=on_invalid,
+            max_connections=max_connections,
         )
         self.on_partition_committed = on_partition_committed
 
@@ -120,6 +122,7 @@ def write_outbox(
     mandatory: bool = True,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_invalid: OnInvalid = "fail",
+    max_connections: int | None = None,
     on_partition_committed: OnCommitted | None = None,
 ) -> BatchResult:
     """Write a batch DataFrame into the outbox; the options are those of ``OutboxSink``.
@@ -145,6 +148,7 @@ def write_outbox(
         mandatory=mandatory,
         max_body_bytes=max_body_bytes,
         on_invalid=on_invalid,
+        max_connections=max_connections,
     )
     check_schema(df.schema, options)
     passes = (batch_id is None) + (on_invalid == "fail") + 1
@@ -169,7 +173,8 @@ def run_batch(
                 raise OutboxDataError(batch_id=batch.key, problems=problems)
         plan = WritePlan(options=options, schema=source.schema, batch=batch)
         keyed = with_content_ids(source, options)
-        results = write_job(laid_out(keyed, options), plan=plan, on_committed=on_committed)
+        ready = capped(laid_out(keyed, options), options.max_connections)
+        results = write_job(ready, plan=plan, on_committed=on_committed)
     return commit_batch(options=options, batch=batch, results=results)
 
 
@@ -200,6 +205,14 @@ def laid_out(df: DataFrame, options: OutboxOptions) -> DataFrame:
         return df
     key, seq = options.ordering_key_column, options.sequence_column
     return df.repartition(F.col(key)).sortWithinPartitions(F.col(key), F.col(seq))
+
+
+def capped(df: DataFrame, max_connections: int | None) -> DataFrame:
+    """At most ``max_connections`` partitions (a coalesce: no shuffle), so at most that many
+    tasks hold a database connection at once."""
+    if max_connections is None or df.rdd.getNumPartitions() <= max_connections:
+        return df
+    return df.coalesce(max_connections)
 
 
 def write_job(

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from spark_writer import OutboxDataError, OutboxSink, write_outbox
+from spark_writer import OutboxDataError, OutboxSink, PartitionResult, write_outbox
 from tests.spark import dbview
 from tests.spark.test_spark_writer import orders, sink_options
 
@@ -134,3 +135,25 @@ def test_foreach_batch_and_data_source_report_conflicts_too(
     # ids 0-5 are taken by "orders" and "audit"; in fail mode the data source parks its rows
     # until the commit, so the rows of the clean partition (6, 7) were removed, not published
     assert not [r for r in dbview.outbox(db_url) if r["batch_id"] == "mirror:1"]
+
+
+def test_max_connections_caps_the_partitions_that_write_at_once(
+    spark: SparkSession, pg_url: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "tasks.log"
+
+    def note(result: PartitionResult) -> None:  # runs in the executor's Python worker
+        with log.open("a") as f:
+            f.write(f"{result.partition} {result.rows}\n")
+
+    df = orders(spark, 40).repartition(4)
+    result = write_outbox(
+        df, batch_id=1, max_connections=1, on_partition_committed=note, **keyed(pg_url)
+    )
+    assert (result.rows, result.written) == (40, 40)
+    assert log.read_text().split("\n") == ["0 40", ""]  # one task, one connection, every row
+    with pytest.raises(ValueError, match="max_connections must be at least 1"):
+        write_outbox(df, batch_id=2, max_connections=0, **keyed(pg_url))
+    writer = df.write.format("outbox").options(url=pg_url, sink="s", maxConnections="2")
+    with pytest.raises(Exception, match=r"cap them with df.coalesce\(N\)"):
+        writer.options(batchId="1", exchange="x", routingKey="k").mode("append").save()
