@@ -100,6 +100,8 @@ def render_stats(s: queries.OutboxStats) -> str:
         f"p99 {duration(lat.p99)} ({lat.samples} confirms, last {duration(lat.window_seconds)})",
         f"possible duplicates   {s.possible_duplicates}",
         f"operator republished  {s.operator_republished}",
+        f"parked (uncommitted)  {s.parked}"
+        + (f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else ""),
         "",
         f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known",
     ]
@@ -127,6 +129,8 @@ def show_stats(s: queries.OutboxStats) -> None:
                             f"{duration(lat.window_seconds)})"),
         ("possible duplicates", str(s.possible_duplicates)),
         ("operator republished", str(s.operator_republished)),
+        ("parked (uncommitted Spark batches)", str(s.parked) + (
+            f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else "")),
     ])  # fmt: skip
     if s.blocked_publishers:
         say(f"BROKER BLOCKED for {', '.join(s.blocked_publishers)}", level="CRITICAL")

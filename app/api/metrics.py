@@ -70,6 +70,16 @@ class SnapshotCollector(Collector):
             "outbox_publishers_alive", "Publishers with a recent heartbeat, not stopped.",
             value=snap.publishers_alive,
         )  # fmt: skip
+        yield GaugeMetricFamily(
+            "outbox_parked_rows",
+            "Pending rows parked by Spark format('outbox') batches not committed yet.",
+            value=snap.parked,
+        )
+        yield GaugeMetricFamily(
+            "outbox_oldest_parked_age_seconds",
+            "Age of the oldest parked row (0 when none): a driver died before its commit.",
+            value=snap.oldest_parked_age_seconds or 0.0,
+        )
 
 
 def render(snap: MetricsSnapshot) -> bytes:

@@ -145,6 +145,15 @@ class StatsOut(BaseModel):
         description="Publishes repeated after an unknown outcome (lost confirms), over all rows."
     )
     operator_republished: int = Field(description="Rows operators moved back to pending.")
+    parked: int = Field(
+        default=0,
+        description="Pending rows parked by the Spark data source (fail mode) for a batch not "
+        "committed yet; rows a driver left when it died between the tasks and the commit stay "
+        "here until the batch is run again. Counted in counts.pending.",
+    )
+    oldest_parked_age_seconds: float | None = Field(
+        default=None, description="Seconds since the oldest parked row was written."
+    )
     publishers_alive: int
     broker_blocked: bool = Field(
         description="A live publisher reports the broker blocking it (memory or disk alarm)."
@@ -165,6 +174,7 @@ class StatsOut(BaseModel):
             ),
             possible_duplicates=s.possible_duplicates,
             operator_republished=s.operator_republished, publishers_alive=s.publishers_alive,
+            parked=s.parked, oldest_parked_age_seconds=s.oldest_parked_age_seconds,
             broker_blocked=bool(s.blocked_publishers),
             publishers=[
                 PublisherOut(

@@ -40,7 +40,8 @@ class Verdict:
 def verdict(stats: OutboxStats, limits: Thresholds = Thresholds()) -> Verdict:
     crit: list[str] = []
     warn: list[str] = []
-    open_rows = stats.counts.get(Status.PENDING, 0) + stats.counts.get(Status.IN_FLIGHT, 0)
+    open_rows = (stats.counts.get(Status.PENDING, 0) - stats.parked
+                 + stats.counts.get(Status.IN_FLIGHT, 0))  # fmt: skip
     if open_rows and stats.publishers_alive == 0:
         crit.append(f"{open_rows} rows waiting and no publisher alive")
     if stats.blocked_publishers:
@@ -50,6 +51,11 @@ def verdict(stats: OutboxStats, limits: Thresholds = Thresholds()) -> Verdict:
          limits.crit_pending_age, warn, crit)  # fmt: skip
     _age(stats.oldest_in_flight_age_seconds, "oldest unconfirmed publish",
          limits.warn_in_flight_age, limits.crit_in_flight_age, warn, crit)  # fmt: skip
+    parked_age = stats.oldest_parked_age_seconds
+    if stats.parked and parked_age is not None and parked_age > limits.warn_pending_age:
+        warn.append(f"{stats.parked} rows parked by a Spark format('outbox') batch that was "
+                    f"never committed, oldest {parked_age:.0f}s (its driver died between the "
+                    "tasks and the commit?): re-run that batch to release them")  # fmt: skip
     failures = sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES)
     if failures:
         warn.append(f"{failures} rows returned, nacked or failed (see `outbox failures`)")

@@ -143,6 +143,10 @@ class OutboxStats:
     publishers: list[PublisherInfo]
     #: ``counts[CONFIRMED]`` is PostgreSQL's estimate (a large outbox), not a count
     confirmed_estimated: bool = False
+    #: pending rows parked by ``format("outbox")`` (fail mode) for a batch not committed yet;
+    #: released when it commits, removed when it fails; left by a driver that died in between
+    parked: int = 0
+    oldest_parked_age_seconds: float | None = None
 
     @property
     def publishers_alive(self) -> int:
@@ -217,10 +221,28 @@ def _held_since() -> ColumnElement[dt.datetime]:
     return func.coalesce(_sent_at(), outbox.c.claimed_at)
 
 
+#: The Spark data source parks rows at ``available_at`` 9999-12-31 (``spark_writer.envelope``):
+#: no real retry is scheduled this late.
+PARKED_FROM = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
+
+
+def parked_rows(conn: Connection, *, now: dt.datetime) -> tuple[int, float | None]:
+    """(rows parked by the Spark data source for a batch not committed, the oldest one's age
+    in seconds): the top of ``ix_outbox_due``."""
+    parked = (outbox.c.status == Status.PENDING) & (outbox.c.available_at >= PARKED_FROM)
+    count, oldest = conn.execute(
+        select(func.count(), func.min(outbox.c.created_at)).where(parked)
+    ).one()
+    return int(count), age_seconds(oldest, now)
+
+
 def oldest_ages(conn: Connection, *, now: dt.datetime) -> tuple[float | None, float | None]:
     """(age of the oldest pending row since it was created, age of the oldest in-flight row
-    since it was sent, or claimed when not sent yet), in seconds."""
-    pending = select(func.min(outbox.c.created_at)).where(outbox.c.status == Status.PENDING)
+    since it was sent, or claimed when not sent yet), in seconds. Parked rows are not
+    waiting for a publisher: they have their own figure (:func:`parked_rows`)."""
+    pending = select(func.min(outbox.c.created_at)).where(
+        outbox.c.status == Status.PENDING, outbox.c.available_at < PARKED_FROM
+    )
     in_flight = select(func.min(_held_since())).where(outbox.c.status == Status.IN_FLIGHT)
     return (
         age_seconds(conn.execute(pending).scalar_one(), now),
@@ -297,10 +319,13 @@ def read_stats(
         pending_age, in_flight_age = oldest_ages(conn, now=now)
         lat = confirm_latencies(conn, now=now, window=latency_window, max_rows=latency_rows)
         counts, lost, estimated = status_counts(conn)
+        parked, parked_age = parked_rows(conn, now=now)
         return OutboxStats(
             at=now,
             counts=counts,
             confirmed_estimated=estimated,
+            parked=parked,
+            oldest_parked_age_seconds=parked_age,
             oldest_pending_age_seconds=pending_age,
             oldest_in_flight_age_seconds=in_flight_age,
             confirm_latency=summarize_latency(lat, window=latency_window),
@@ -882,6 +907,8 @@ class MetricsSnapshot:
     operator_republished: int
     publishers_alive: int
     publishers_known: int
+    parked: int = 0
+    oldest_parked_age_seconds: float | None = None
 
 
 def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) -> MetricsSnapshot:
@@ -894,9 +921,10 @@ def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) ->
             if stopped is None and (age_seconds(beat, now) or 0.0) <= alive_after
         )  # fmt: skip
         counts, lost, _estimated = status_counts(conn)
+        parked, parked_age = parked_rows(conn, now=now)
         return MetricsSnapshot(
             counts=counts, oldest_pending_age_seconds=pending_age,
             oldest_in_flight_age_seconds=in_flight_age, possible_duplicates=lost,
             operator_republished=operator_republished(conn), publishers_alive=alive,
-            publishers_known=len(pubs),
+            publishers_known=len(pubs), parked=parked, oldest_parked_age_seconds=parked_age,
         )  # fmt: skip
