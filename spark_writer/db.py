@@ -25,6 +25,7 @@ from typing import IO, Any, NamedTuple, Self
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.conninfo import make_conninfo
 
 from spark_writer.envelope import PARKED, BatchRef, Chunk, Layout, Problem, Rejected, jsonable
 from spark_writer.errors import OutboxConfigError
@@ -157,13 +158,34 @@ class Store(ABC):
         self.close()
 
 
-def open_store(url: str) -> Store:
-    """A ``Store`` for ``url`` (``postgresql[+driver]://`` or ``sqlite:///PATH``), as a context."""
+def open_store(url: str, *, password_file: str | None = None) -> Store:
+    """A ``Store`` for ``url`` (``postgresql[+driver]://`` or ``sqlite:///PATH``), as a context.
+
+    ``password_file``: a file on this machine holding the database password (a mounted secret),
+    read here, in the executor, so the password is never in Spark's conf, plan, UI or event log.
+    Without it, libpq's own ``PGPASSFILE`` / ``~/.pgpass`` / ``PGPASSWORD`` apply as usual."""
     if url.startswith("sqlite"):
         return SqliteStore(sqlite_path(url))
     if url.startswith(("postgresql", "postgres://")):
-        return PostgresStore(pg_conninfo(url))
+        password = read_password(password_file) if password_file is not None else None
+        return PostgresStore(pg_conninfo(url), password=password)
     raise OutboxConfigError(f"unsupported database URL scheme: {url.split(':', 1)[0]!r}")
+
+
+def read_password(path: str) -> str:
+    """The first line of ``path`` (a secret file), or a clear error naming the file only."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            password = f.readline().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OutboxConfigError(
+            f"password_file {path!r} cannot be read here ({type(exc).__name__}: "
+            f"{getattr(exc, 'strerror', None) or exc}): it must exist on every executor "
+            "(a mounted secret, or shipped with --files)"
+        ) from None
+    if not password:
+        raise OutboxConfigError(f"password_file {path!r} is empty")
+    return password
 
 
 def pg_conninfo(url: str) -> str:
@@ -237,7 +259,9 @@ class PostgresStore(Store):
     RELEASE = "UPDATE outbox SET available_at = now() WHERE batch_id = %s AND available_at = %s"
     DISCARD = "DELETE FROM outbox WHERE batch_id = %s AND available_at = %s"
 
-    def __init__(self, conninfo: str) -> None:
+    def __init__(self, conninfo: str, *, password: str | None = None) -> None:
+        if password is not None:  # a keyword overrides the conninfo's (which has none)
+            conninfo = make_conninfo(conninfo, password=password)
         self.conn = psycopg.connect(conninfo, autocommit=True)
 
     def close(self) -> None:

@@ -51,6 +51,10 @@ class OutboxOptions:
     #: at most this many partitions write at once, each on one database connection (like
     #: JDBC's ``numPartitions``): a DataFrame with more partitions is coalesced before the write
     max_connections: int | None = None
+    #: a file on every executor (a mounted secret) holding the PostgreSQL password, read where
+    #: the connection is made: keep the password out of ``url``, so it is never in Spark's
+    #: conf, plan, UI or event log (libpq's ``PGPASSFILE`` works too)
+    password_file: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "header_columns", tuple(self.header_columns))
@@ -93,6 +97,12 @@ def _problems(o: OutboxOptions) -> list[str]:
     if o.sequence_column is not None and o.ordering_key_column is None:
         out.append("sequence_column orders the rows of each ordering key: give "
                    "ordering_key_column too")  # fmt: skip
+    if o.password_file is not None:
+        if o.url.startswith("sqlite"):
+            out.append("password_file is for PostgreSQL; SQLite has no password")
+        elif _url_password(o.url):
+            out.append("url holds a password and password_file is given: take the password "
+                       "out of the url (Spark would show it)")  # fmt: skip
     if o.max_connections is not None and o.max_connections < 1:
         out.append("max_connections must be at least 1")
     if o.max_body_bytes < 1:
@@ -100,6 +110,13 @@ def _problems(o: OutboxOptions) -> list[str]:
     if o.on_invalid not in ("fail", "reject"):
         out.append(f"on_invalid must be 'fail' or 'reject', not {o.on_invalid!r}")
     return out
+
+
+def _url_password(url: str) -> bool:
+    """True when ``scheme://user:password@host`` carries a password."""
+    rest = url.split("://", 1)[-1]
+    userinfo = rest.split("@", 1)[0] if "@" in rest.split("/", 1)[0] else ""
+    return ":" in userinfo
 
 
 def _one_of(name: str, literal: str | None, column: str | None) -> list[str]:
@@ -126,6 +143,7 @@ _SPARK_KEYS = {
     "mandatory": "mandatory",
     "maxbodybytes": "max_body_bytes",
     "oninvalid": "on_invalid",
+    "passwordfile": "password_file",
 }
 #: Options Spark itself passes along with the user's; the writer does not use them.
 _SPARK_OWN = {"checkpointlocation", "path", "queryname"}

@@ -72,6 +72,7 @@ class OutboxSink:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         on_invalid: OnInvalid = "fail",
         max_connections: int | None = None,
+        password_file: str | None = None,
         on_partition_committed: OnCommitted | None = None,
     ) -> None:
         self.options = OutboxOptions(
@@ -91,6 +92,7 @@ class OutboxSink:
             max_body_bytes=max_body_bytes,
             on_invalid=on_invalid,
             max_connections=max_connections,
+            password_file=password_file,
         )
         self.on_partition_committed = on_partition_committed
 
@@ -123,6 +125,7 @@ def write_outbox(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_invalid: OnInvalid = "fail",
     max_connections: int | None = None,
+    password_file: str | None = None,
     on_partition_committed: OnCommitted | None = None,
 ) -> BatchResult:
     """Write a batch DataFrame into the outbox; the options are those of ``OutboxSink``.
@@ -149,6 +152,7 @@ def write_outbox(
         max_body_bytes=max_body_bytes,
         on_invalid=on_invalid,
         max_connections=max_connections,
+        password_file=password_file,
     )
     check_schema(df.schema, options)
     passes = (batch_id is None) + (on_invalid == "fail") + 1

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql.types import StructType
 
-from spark_writer.db import CONFLICT, KeyConflicts, open_store
+from spark_writer.db import CONFLICT, KeyConflicts, Store, open_store
 from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, Problem, Rejected
 from spark_writer.errors import OutboxDataError, ProblemCount
 from spark_writer.options import OutboxOptions
@@ -156,7 +156,7 @@ def write_partition(
     first = next(batches, None)
     if first is None:  # an empty partition needs no connection
         return PartitionResult(partition=partition, attempt=attempt)
-    with open_store(plan.options.url) as store:
+    with store_for(plan.options) as store:
         if store.batch_recorded(plan.batch):
             return PartitionResult(partition=partition, attempt=attempt, skipped=True)
         scan = _Scan(plan, partition, _prepend(first, batches))
@@ -246,7 +246,7 @@ def commit_batch(
                                 written=None if parked else written)  # fmt: skip
         log.error("outbox batch %s not recorded: %s", batch.key, error)
         raise error
-    with open_store(options.url) as store:
+    with store_for(options) as store:
         fresh = store.record_batch(
             batch=batch, row_count=rows - rejected, rejected_count=rejected, release=parked
         )
@@ -272,9 +272,14 @@ def commit_batch(
     )
 
 
+def store_for(options: OutboxOptions) -> Store:
+    """The outbox database the options name, opened here (in a task: on the executor)."""
+    return open_store(options.url, password_file=options.password_file)
+
+
 def discard_parked(*, options: OutboxOptions, batch: BatchRef) -> int:
     """Remove the parked rows of a batch that will not be recorded; how many there were."""
-    with open_store(options.url) as store:
+    with store_for(options) as store:
         return store.discard_parked(batch)
 
 
@@ -293,7 +298,7 @@ def replayed_result(batch: BatchRef) -> BatchResult:
 
 
 def batch_recorded(*, options: OutboxOptions, batch: BatchRef) -> bool:
-    with open_store(options.url) as store:
+    with store_for(options) as store:
         return store.batch_recorded(batch)
 
 
