@@ -1,13 +1,16 @@
 """A Structured Streaming job for a cluster: order events (JSON files) -> the outbox.
 
-    spark-submit --master spark://spark-master:7077 \
-      --conf spark.pyspark.python=/opt/outbox/.venv/bin/python \
-      --py-files outbox_sink.zip \
-      deploy/spark/orders_to_outbox.py s3a://lake/orders/ s3a://lake/checkpoints/orders-outbox
+    OUTBOX_DATABASE_URL=postgresql+psycopg://outbox@db.internal:5432/outbox \
+    OUTBOX_PASSWORD_FILE=/etc/outbox/pg-password \
+    deploy/spark/submit.sh yarn s3a://lake/orders/ s3a://lake/checkpoints/orders-outbox
 
-Every executor must import ``spark_writer`` (install the package in the executors' Python, or ship
-it with --py-files) and reach the PostgreSQL outbox given by OUTBOX_DATABASE_URL (SQLite is for
-local mode only). The checkpoint makes restarts resume; the sink makes replays add no row.
+Every executor must import ``spark_writer`` and its binary dependencies: ship them as a packed
+virtualenv (``deploy/spark/pack-env.sh``, then ``--archives outbox-env.tar.gz#environment``), as
+``deploy/spark/submit.sh`` does, or bake them into the executor image. The outbox is the
+PostgreSQL database of OUTBOX_DATABASE_URL, *without* its password: OUTBOX_PASSWORD_FILE names a
+file on every node (a mounted secret) that the writer reads where it connects, so the password
+is never in Spark's conf, UI or event log. The checkpoint makes restarts resume; the sink makes
+replays add no row. ``--once`` processes what is there and stops (a smoke test).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ SCHEMA = (
 )
 
 
-def main(source: str, checkpoint: str) -> None:
+def main(source: str, checkpoint: str, once: bool = False) -> None:
     spark = SparkSession.builder.appName("orders-to-outbox").getOrCreate()
     sink = OutboxSink(
         url=os.environ["OUTBOX_DATABASE_URL"],
@@ -35,16 +38,17 @@ def main(source: str, checkpoint: str) -> None:
         message_id_column="event_id",  # the business key: replays and re-sends add no row
         header_columns=["order_id"],
         ordering_key_column="order_id",
+        password_file=os.environ.get("OUTBOX_PASSWORD_FILE"),
     )
     query = (
         spark.readStream.schema(SCHEMA).json(source)
         .writeStream.foreachBatch(sink)  # type: ignore[arg-type]
         .option("checkpointLocation", checkpoint)
-        .trigger(processingTime="10 seconds")
+        .trigger(**({"availableNow": True} if once else {"processingTime": "10 seconds"}))
         .start()
     )  # fmt: skip
     query.awaitTermination()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], once="--once" in sys.argv[3:])
