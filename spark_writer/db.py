@@ -41,6 +41,7 @@ CONTENT = (
     "content_type",
     "headers",
     "ordering_key",
+    "properties",
 )
 CONFLICT = "message id already in the outbox for another message"
 
@@ -97,9 +98,10 @@ def _message_json(message: dict[str, Any]) -> str:
         except UnicodeDecodeError:
             doc["body_base64"] = jsonable(raw)
             del doc["body"]
-    headers = doc.get("headers")
-    if isinstance(headers, str):
-        doc["headers"] = json.loads(headers)
+    for name in ("headers", "properties"):
+        value = doc.get(name)
+        if isinstance(value, str):
+            doc[name] = json.loads(value)
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
@@ -251,6 +253,7 @@ class PostgresStore(Store):
         "content_type": "text",
         "headers": "json",
         "ordering_key": "text",
+        "properties": "json",
         "available_at": "timestamptz",
     }
     REJECT = _REJECT.format("%s")
@@ -345,8 +348,8 @@ class PostgresStore(Store):
         for name in CONTENT:
             if name not in names:
                 tests[name] = f"o.{name} IS NOT NULL"
-            elif name == "headers":  # json has no equality: compare as jsonb
-                tests[name] = "s.headers::jsonb IS DISTINCT FROM o.headers::jsonb"
+            elif name in ("headers", "properties"):  # json has no equality: compare as jsonb
+                tests[name] = f"s.{name}::jsonb IS DISTINCT FROM o.{name}::jsonb"
             else:
                 tests[name] = f"s.{name} IS DISTINCT FROM o.{name}"
         differs = ", ".join(f"{test} AS d_{name}" for name, test in tests.items())
@@ -396,7 +399,7 @@ def _differences(message: dict[str, Any], row: dict[str, Any]) -> tuple[str, ...
     out = ["sink"] if _sink_of(message.get("batch_id")) != _sink_of(row["batch_id"]) else []
     for name in CONTENT:
         mine, theirs = message.get(name), row[name]
-        if name == "headers":
+        if name in ("headers", "properties"):
             mine, theirs = (json.loads(v) if isinstance(v, str) else v for v in (mine, theirs))
         elif name == "mandatory":
             mine, theirs = (None if v is None else bool(v) for v in (mine, theirs))

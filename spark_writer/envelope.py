@@ -31,6 +31,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from app.outbox.content import HEADER_NAME_MAX, RESERVED_HEADERS
 from spark_writer.options import OutboxOptions
 from spark_writer.rules import ROW, Check, checks
 
@@ -132,10 +133,22 @@ def layout(
         else:
             constant.append((name, literal))
     varying.append("body")
-    constant += [("mandatory", options.mandatory), ("content_type", _content_type(options, schema))]
-    varying += ["headers"] if options.header_columns else []
+    constant.append(("mandatory", options.mandatory))
+    if options.content_type_column is None:
+        constant.append(("content_type", _content_type(options, schema)))
+    else:
+        varying.append("content_type")
+    varying += ["headers"] if options.header_columns or options.headers_column else []
     varying += ["ordering_key"] if options.ordering_key_column else []
+    if options.property_columns:
+        varying.append("properties")
+    elif not options.persistent:
+        constant.append(("properties", TRANSIENT))
     return Layout(varying=tuple(varying), constant=tuple(constant))
+
+
+#: ``properties`` of a transient message (the publisher's default is persistent).
+TRANSIENT = json.dumps({"delivery_mode": 1}, separators=(",", ":"))
 
 
 def _content_type(options: OutboxOptions, schema: StructType) -> str:
@@ -161,6 +174,7 @@ class ArrowMapper:
         self.options = options
         self.batch = batch
         self.layout = layout(options, schema, batch, parked=parked)
+        self._default_content_type = _content_type(options, schema)
         self.checks = checks(schema, options)
         self.names = schema.fieldNames()
         self._plain = all(isinstance(f.dataType, _PLAIN) for f in schema.fields)
@@ -229,8 +243,13 @@ class ArrowMapper:
                 return unserialisable
             return pc.fill_null(pc.greater(pc.binary_length(bodies), check.limit), False)
         values = rb.column(check.column)
+        if check.role == "headers":
+            return _headers_mask(check, values)
         if check.kind == "null":
             return pc.is_null(values)
+        if check.kind == "out_of_range":
+            outside = pc.or_(pc.less(values, 0), pc.greater(values, check.limit))
+            return pc.fill_null(outside, False)
         if check.kind == "empty":
             mask = pc.equal(values, "")
         elif check.kind in ("too_long", "too_big"):
@@ -255,7 +274,7 @@ class ArrowMapper:
         for i, row, index in zip(indices, rows, failed, strict=True):
             check = self.checks[index]
             value = row.get(check.column) if check.column != ROW else _item(bodies, i)
-            problem = Problem(check.summary, check.detail(_size(value)))
+            problem = Problem(check.summary, check.detail(_size(value), value))
             found = ids[i].as_py()
             message_id = found if found is not None else f"{self._prefix}{start + i}"
             out.append(Rejected(start + i, message_id, problem, _row(row)))
@@ -278,17 +297,48 @@ class ArrowMapper:
         ):
             if column is not None:
                 out[name] = rb.column(column)
-        if o.header_columns:
+        if o.header_columns or o.headers_column:
             out["headers"] = self._headers(rb)
+        if o.content_type_column is not None:
+            out["content_type"] = pc.fill_null(
+                rb.column(o.content_type_column), self._default_content_type
+            )
+        if o.property_columns:
+            out["properties"] = self._properties(rb)
         return tuple(out[name] for name in self.layout.varying)
 
     def _headers(self, rb: pa.RecordBatch) -> pa.Array:
+        """Per row: the headers column's entries, then ``header_columns`` (which win)."""
         names = self.options.header_columns
         columns = [rb.column(name).to_pylist() for name in names]
+        if self.options.headers_column is not None:
+            column = rb.column(self.options.headers_column)
+            maps = [_header_entries(v) for v in column.to_pylist()]
+        else:
+            maps = [{} for _ in range(rb.num_rows)]
+        rows = list(zip(*columns, strict=True)) if columns else [()] * rb.num_rows
+        docs = []
+        for base, values in zip(maps, rows, strict=True):
+            present = base | {n: v for n, v in zip(names, values, strict=True) if v is not None}
+            docs.append(json.dumps(present, separators=(",", ":"), allow_nan=False))
+        return pa.array(docs, pa.string())
+
+    def _properties(self, rb: pa.RecordBatch) -> pa.Array:
+        """Per row the AMQP properties as the publisher reads them (``properties`` JSON)."""
+        o = self.options
+        props = list(o.property_columns)
+        columns = [rb.column(o.property_columns[p]).to_pylist() for p in props]
         docs = []
         for values in zip(*columns, strict=True):
-            present = {n: v for n, v in zip(names, values, strict=True) if v is not None}
-            docs.append(json.dumps(present, separators=(",", ":"), allow_nan=False))
+            doc: dict[str, Any] = {} if o.persistent else {"delivery_mode": 1}
+            for prop, value in zip(props, values, strict=True):
+                if value is None:
+                    continue
+                if prop == "timestamp" and isinstance(value, dt.datetime):
+                    value = value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+                    value = value.astimezone(dt.UTC).isoformat()
+                doc[prop] = value
+            docs.append(json.dumps(doc, separators=(",", ":")))
         return pa.array(docs, pa.string())
 
     def _json_bodies(self, rb: pa.RecordBatch) -> tuple[pa.Array | None, pa.Array | None]:
@@ -306,6 +356,62 @@ class ArrowMapper:
                 bodies.append(None)
                 bad.append(True)
         return pa.array(bodies, pa.binary()), pa.array(bad, pa.bool_())
+
+
+def _header_entries(value: Any) -> dict[str, Any]:
+    """A headers cell as a dict: a map arrives as (key, value) pairs, Kafka's array as
+    ``{"key", "value"}`` structs (a binary value decoded as UTF-8; the checks ran first)."""
+    if value is None:
+        return {}
+    out: dict[str, Any] = {}
+    for entry in value:
+        key, item = (entry["key"], entry["value"]) if isinstance(entry, dict) else entry
+        if isinstance(item, bytes):
+            item = item.decode("utf-8", errors="replace")
+        if item is not None:
+            out[key] = item
+    return out
+
+
+def _headers_mask(check: Check, values: pa.Array) -> pa.Array:
+    """A headers column's check per row, over its entries (as ``validate`` does in Spark)."""
+    out = []
+    for cell in values.to_pylist():
+        entries = _raw_entries(cell)
+        if check.kind == "header_name":
+            bad = any(len(k.encode()) > HEADER_NAME_MAX or k in RESERVED_HEADERS
+                      for k, _ in entries)  # fmt: skip
+        elif check.kind == "not_utf8":
+            bad = any(isinstance(v, bytes) and not _utf8(v) for _, v in entries)
+        else:
+            bad = sum(len(k.encode()) + _text_size(v) for k, v in entries) > check.limit
+        out.append(bad)
+    return pa.array(out, pa.bool_())
+
+
+def _raw_entries(cell: Any) -> list[tuple[str, Any]]:
+    if cell is None:
+        return []
+    return [(e["key"], e["value"]) if isinstance(e, dict) else (e[0], e[1]) for e in cell]
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _text_size(value: Any) -> int:
+    """Bytes of a header value as Spark casts it to a string (booleans: true/false)."""
+    if value is None:
+        return 0
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, bool):
+        return 4 if value else 5
+    return len(str(value).encode())
 
 
 def _item(values: pa.Array | None, i: int) -> Any:

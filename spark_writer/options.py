@@ -18,6 +18,16 @@ _SINK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _URL_PREFIXES = ("postgresql", "postgres://", "sqlite")
 
 OnInvalid = Literal["fail", "reject"]
+#: ``property_columns`` keys (AMQP basic properties a row may set) -> the role in messages
+PROPERTY_ROLES = {
+    "priority": "priority",
+    "expiration": "expiration",
+    "timestamp": "timestamp",
+    "correlation_id": "correlation id",
+    "type": "type",
+    "app_id": "app id",
+    "reply_to": "reply to",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +58,18 @@ class OutboxOptions:
     mandatory: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     on_invalid: OnInvalid = "fail"
+    #: a column of headers per row: ``map<string, string|integer|boolean>``, or Kafka's
+    #: ``array<struct<key: string, value: string|binary>>`` (values UTF-8); ``header_columns``
+    #: win over a header of the same name
+    headers_column: str | None = None
+    #: the content type per row (a string column; null: ``content_type`` or the default)
+    content_type_column: str | None = None
+    #: AMQP property -> column, per row: ``priority`` (0-255), ``expiration`` (milliseconds),
+    #: ``timestamp`` (a timestamp, or epoch seconds), ``correlation_id``, ``type``, ``app_id``,
+    #: ``reply_to`` (strings); a null value sets no property
+    property_columns: Mapping[str, str] = field(default_factory=dict)
+    #: delivery mode 2 (the broker writes the message to disk) or 1 (transient)
+    persistent: bool = True
     #: at most this many partitions write at once, each on one database connection (like
     #: JDBC's ``numPartitions``): a DataFrame with more partitions is coalesced before the write
     max_connections: int | None = None
@@ -58,6 +80,7 @@ class OutboxOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "header_columns", tuple(self.header_columns))
+        object.__setattr__(self, "property_columns", dict(self.property_columns))
         problems = _problems(self)
         if problems:
             raise OutboxConfigError("invalid outbox options: " + "; ".join(problems))
@@ -74,6 +97,9 @@ class OutboxOptions:
             ("sequence", self.sequence_column),
         ]
         named += [("header", col) for col in self.header_columns]
+        named += [("headers", self.headers_column), ("content type", self.content_type_column)]
+        named += [(PROPERTY_ROLES[p], col) for p, col in self.property_columns.items()
+                  if p in PROPERTY_ROLES]  # fmt: skip
         return [(role, col) for role, col in named if col is not None]
 
 
@@ -105,6 +131,14 @@ def _problems(o: OutboxOptions) -> list[str]:
                        "out of the url (Spark would show it)")  # fmt: skip
     if o.max_connections is not None and o.max_connections < 1:
         out.append("max_connections must be at least 1")
+    unknown = sorted(set(o.property_columns) - set(PROPERTY_ROLES))
+    if unknown:
+        out.append(f"property_columns: unknown properties {unknown}; known are "
+                   f"{sorted(PROPERTY_ROLES)} (content type: content_type_column; delivery "
+                   "mode: persistent)")  # fmt: skip
+    if o.content_type_column is not None and o.content_type is not None:
+        out.append("give content_type (one for the batch) or content_type_column, not both; "
+                   "a null in the column takes the default for the body")  # fmt: skip
     if o.max_body_bytes < 1:
         out.append("max_body_bytes must be at least 1")
     if o.on_invalid not in ("fail", "reject"):
@@ -144,6 +178,10 @@ _SPARK_KEYS = {
     "maxbodybytes": "max_body_bytes",
     "oninvalid": "on_invalid",
     "passwordfile": "password_file",
+    "headerscolumn": "headers_column",
+    "contenttypecolumn": "content_type_column",
+    "propertycolumns": "property_columns",
+    "persistent": "persistent",
 }
 #: Options Spark itself passes along with the user's; the writer does not use them.
 _SPARK_OWN = {"checkpointlocation", "path", "queryname"}
@@ -176,7 +214,12 @@ def from_spark_options(raw: Mapping[str, str]) -> tuple[OutboxOptions, int | Non
 def _convert(name: str, key: str, value: str) -> object:
     if name == "header_columns":
         return tuple(c.strip() for c in value.split(",") if c.strip())
-    if name == "mandatory":
+    if name == "property_columns":  # "priority=prio, correlation_id=corr"
+        pairs = [p.strip() for p in value.split(",") if p.strip()]
+        if not all("=" in p for p in pairs):
+            raise OutboxConfigError(f"option {key!r} is property=column, ...: not {value!r}")
+        return {p.split("=", 1)[0].strip(): p.split("=", 1)[1].strip() for p in pairs}
+    if name in ("mandatory", "persistent"):
         if value.strip().lower() not in ("true", "false"):
             raise OutboxConfigError(f"option {key!r} must be true or false, not {value!r}")
         return value.strip().lower() == "true"

@@ -11,18 +11,32 @@ from typing import Literal, NamedTuple
 
 from pyspark.sql.types import (
     ArrayType,
+    BinaryType,
     DataType,
     DoubleType,
     FloatType,
     MapType,
     StringType,
     StructType,
+    TimestampNTZType,
+    TimestampType,
 )
 
-from app.outbox.content import DEFAULT_MAX_HEADER_BYTES
-from spark_writer.options import SHORTSTR_MAX, OutboxOptions
+from app.outbox.content import DEFAULT_MAX_HEADER_BYTES, HEADER_NAME_MAX
+from spark_writer.options import PROPERTY_ROLES, SHORTSTR_MAX, OutboxOptions
 
-Kind = Literal["null", "empty", "too_long", "too_big", "non_finite"]
+Kind = Literal[
+    "null",
+    "empty",
+    "too_long",
+    "too_big",
+    "non_finite",
+    "out_of_range",
+    "header_name",
+    "not_utf8",
+]
+#: Largest ``expiration`` RabbitMQ takes (milliseconds, below 2**32).
+EXPIRATION_MAX = 2**32 - 1
 #: Stands for "the whole row" in checks of the JSON body (no ``body_column``).
 ROW = "*"
 
@@ -46,14 +60,25 @@ class Check(NamedTuple):
             return f"{where} ({self.role}) is longer than {self.limit} bytes"
         if self.kind == "too_big":
             return f"{where} ({self.role}) is over the {self.limit}-byte maximum"
+        if self.kind == "out_of_range":
+            return f"{where} ({self.role}) is outside 0..{self.limit}"
+        if self.kind == "header_name":
+            return (f"{where} ({self.role}) has a header name over {HEADER_NAME_MAX} bytes or "
+                    "one the publisher sets itself (x-outbox-id, x-outbox-attempt)")  # fmt: skip
+        if self.kind == "not_utf8":
+            return f"{where} ({self.role}) has a header value that is not UTF-8"
         if self.column == ROW:
             return "row JSON (body) holds NaN or infinity, which JSON cannot carry"
         return f"header column {self.column!r} is NaN or infinite"
 
-    def detail(self, size: int | None = None) -> str:
+    def detail(self, size: int | None = None, value: object = None) -> str:
         """This row's reason, for ``outbox_rejects``; ``size`` is the value's length in bytes."""
         if self.kind in ("null", "empty"):
             return f"{self.column} is {self.kind}"
+        if self.kind == "out_of_range":
+            return f"{self.column} is {value}, outside 0..{self.limit}"
+        if self.kind in ("header_name", "not_utf8"):
+            return self.summary
         if self.kind == "too_long":
             return f"{self.column} is {size} bytes, over the {self.limit}-byte limit"
         if self.kind == "too_big":
@@ -91,6 +116,25 @@ def checks(schema: StructType, options: OutboxOptions) -> list[Check]:
     if strings:
         share = header_value_limit(len(strings))
         out += [Check("too_long", name, "header", share) for name in strings]
+    if (column := options.content_type_column) is not None:
+        out.append(Check("too_long", column, "content type", SHORTSTR_MAX))
+    for prop, column in options.property_columns.items():
+        role = PROPERTY_ROLES[prop]
+        if prop == "priority":
+            out.append(Check("out_of_range", column, role, 255))
+        elif prop == "expiration":
+            out.append(Check("out_of_range", column, role, EXPIRATION_MAX))
+        elif prop == "timestamp":
+            if not isinstance(types[column], TimestampType | TimestampNTZType):
+                out.append(Check("out_of_range", column, role, 2**63 - 1))
+        else:
+            out.append(Check("too_long", column, role, SHORTSTR_MAX))
+    if (column := options.headers_column) is not None:
+        out.append(Check("header_name", column, "headers"))
+        if kafka_headers(types[column]) and isinstance(kafka_value(types[column]), BinaryType):
+            out.append(Check("not_utf8", column, "headers"))
+        # bytes of names and values (the JSON's escapes may double them: half the share)
+        out.append(Check("too_long", column, "headers", header_value_limit(len(strings) + 1) // 2))
     if body is None:
         if any(holds_floats(t) for t in types.values()):
             out.append(Check("non_finite", ROW, "body"))
@@ -100,6 +144,20 @@ def checks(schema: StructType, options: OutboxOptions) -> list[Check]:
 
 #: room kept for header names, JSON quoting and escapes within the publisher's header limit
 HEADER_OVERHEAD = 4096
+
+
+def kafka_headers(data_type: DataType) -> bool:
+    """Kafka's header column type: ``array<struct<key, value>>``."""
+    return (
+        isinstance(data_type, ArrayType)
+        and isinstance(data_type.elementType, StructType)
+        and [f.name for f in data_type.elementType.fields] == ["key", "value"]
+    )
+
+
+def kafka_value(data_type: DataType) -> DataType:
+    assert isinstance(data_type, ArrayType) and isinstance(data_type.elementType, StructType)
+    return data_type.elementType["value"].dataType
 
 
 def header_value_limit(string_headers: int) -> int:

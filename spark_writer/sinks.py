@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -49,6 +49,9 @@ class OutboxSink:
     ``df.writeStream.foreachBatch(OutboxSink(url=..., sink="orders", exchange="orders",
     routing_key_column="region")).start()``. ``batch_id`` of the outbox rows is
     ``f"{sink}:{spark_batch_id}"``; a batch id already in ``outbox_batches`` is skipped.
+    The options are those of :class:`~spark_writer.options.OutboxOptions` (where each is
+    described), among them the message per row (``headers_column``, ``content_type_column``,
+    ``property_columns``, ``persistent``), ``max_connections`` and ``password_file``.
     ``on_partition_committed`` runs in the executor after each partition's commit (for metrics
     or fault injection).
     """
@@ -73,6 +76,10 @@ class OutboxSink:
         on_invalid: OnInvalid = "fail",
         max_connections: int | None = None,
         password_file: str | None = None,
+        headers_column: str | None = None,
+        content_type_column: str | None = None,
+        property_columns: Mapping[str, str] | None = None,
+        persistent: bool = True,
         on_partition_committed: OnCommitted | None = None,
     ) -> None:
         self.options = OutboxOptions(
@@ -93,6 +100,10 @@ class OutboxSink:
             on_invalid=on_invalid,
             max_connections=max_connections,
             password_file=password_file,
+            headers_column=headers_column,
+            content_type_column=content_type_column,
+            property_columns=property_columns or {},
+            persistent=persistent,
         )
         self.on_partition_committed = on_partition_committed
 
@@ -126,6 +137,10 @@ def write_outbox(
     on_invalid: OnInvalid = "fail",
     max_connections: int | None = None,
     password_file: str | None = None,
+    headers_column: str | None = None,
+    content_type_column: str | None = None,
+    property_columns: Mapping[str, str] | None = None,
+    persistent: bool = True,
     on_partition_committed: OnCommitted | None = None,
 ) -> BatchResult:
     """Write a batch DataFrame into the outbox; the options are those of ``OutboxSink``.
@@ -153,6 +168,10 @@ def write_outbox(
         on_invalid=on_invalid,
         max_connections=max_connections,
         password_file=password_file,
+        headers_column=headers_column,
+        content_type_column=content_type_column,
+        property_columns=property_columns or {},
+        persistent=persistent,
     )
     check_schema(df.schema, options)
     passes = (batch_id is None) + (on_invalid == "fail") + 1

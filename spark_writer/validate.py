@@ -29,12 +29,16 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from app.outbox.content import HEADER_NAME_MAX, RESERVED_HEADERS
 from spark_writer.errors import OutboxSchemaError, ProblemCount
 from spark_writer.options import OutboxOptions
-from spark_writer.rules import ROW, Check, checks, holds_floats
+from spark_writer.rules import ROW, Check, checks, holds_floats, kafka_headers, kafka_value
 
 #: The column ``annotate`` adds: null for a fit row, else its problem's summary.
 PROBLEM = "_outbox_problem"
+HEADERS_TYPES = (
+    "map<string, string|integer|boolean> or array<struct<key: string, value: string|binary>>"
+)
 #: How much of a row an example in an error shows.
 EXAMPLE_CHARS = 200
 
@@ -63,6 +67,18 @@ ACCEPTED: dict[str, tuple[tuple[type[DataType], ...], str]] = {
         (StringType, BooleanType, FloatType, DoubleType, *_INTEGRAL),
         "string, integer, boolean, float or double",
     ),
+    "content type": ((StringType,), "string"),
+    "priority": (_INTEGRAL, "integer"),
+    "expiration": (_INTEGRAL, "integer (milliseconds)"),
+    "timestamp": (
+        (TimestampType, TimestampNTZType, *_INTEGRAL),
+        "timestamp or integer (epoch seconds)",
+    ),
+    "correlation id": ((StringType,), "string"),
+    "type": ((StringType,), "string"),
+    "app id": ((StringType,), "string"),
+    "reply to": ((StringType,), "string"),
+    "headers": ((MapType, ArrayType), HEADERS_TYPES),
 }
 
 
@@ -81,10 +97,28 @@ def schema_problems(schema: StructType, options: OutboxOptions) -> list[str]:
             problems.append(_missing(column, role, list(fields)))
             continue
         types, wanted = ACCEPTED[role]
-        if not isinstance(fields[column], types):
+        if not isinstance(fields[column], types) or (
+            role == "headers" and not headers_type(fields[column])
+        ):
             got = fields[column].simpleString()
             problems.append(f"column {column!r} ({role}) has type {got}; expected {wanted}")
     return problems
+
+
+def headers_type(data_type: DataType) -> bool:
+    """A headers column's type: ``map<string, string|integer|boolean>`` or Kafka's
+    ``array<struct<key: string, value: string|binary>>``."""
+    if isinstance(data_type, MapType):
+        return isinstance(data_type.keyType, StringType) and isinstance(
+            data_type.valueType, (StringType, BooleanType, *_INTEGRAL)
+        )
+    if kafka_headers(data_type):
+        assert isinstance(data_type, ArrayType) and isinstance(data_type.elementType, StructType)
+        key = data_type.elementType["key"].dataType
+        return isinstance(key, StringType) and isinstance(
+            kafka_value(data_type), StringType | BinaryType
+        )
+    return False
 
 
 def _missing(column: str, role: str, names: list[str]) -> str:
@@ -135,13 +169,43 @@ def _condition(check: Check, df: DataFrame) -> Column | None:
     if check.column == ROW:
         return _non_finite_row(df) if check.kind == "non_finite" else None
     col = df[check.column]
+    if check.role == "headers":
+        return _headers_condition(check, col, df.schema[check.column].dataType)
     if check.kind == "null":
         return col.isNull()
+    if check.kind == "out_of_range":
+        return F.coalesce((col < F.lit(0)) | (col > F.lit(check.limit)), F.lit(False))
     if check.kind == "empty":
         return col == F.lit("")
     if check.kind in ("too_long", "too_big"):
         return F.octet_length(col) > F.lit(check.limit)
     return _non_finite(col)
+
+
+def _headers_condition(check: Check, col: Column, data_type: DataType) -> Column:
+    """The checks of a headers column, over its entries (a map's, or Kafka's key/value pairs)."""
+    entries = F.map_entries(col) if isinstance(data_type, MapType) else col
+    if check.kind == "header_name":
+        bad = F.exists(entries, lambda e: (F.octet_length(e["key"]) > F.lit(HEADER_NAME_MAX))
+                       | e["key"].isin(*sorted(RESERVED_HEADERS)))  # fmt: skip
+    elif check.kind == "not_utf8":
+        bad = F.exists(entries, lambda e: ~_valid_utf8(e["value"]))
+    else:  # too_long: bytes of names and values, the same sum as the executors'
+        size = F.aggregate(
+            entries, F.lit(0).cast("long"),
+            lambda acc, e: acc + F.coalesce(F.octet_length(e["key"]), F.lit(0))
+            + F.coalesce(F.octet_length(e["value"].cast(StringType())), F.lit(0)),
+        )  # fmt: skip
+        bad = size > F.lit(check.limit)
+    return F.coalesce(bad, F.lit(False))
+
+
+def _valid_utf8(value: Column) -> Column:
+    """True when the bytes are UTF-8 (null: valid). Spark 4 has ``is_valid_utf8`` (its
+    ``decode`` raises on bad input); Spark 3.5's ``decode`` replaces bad bytes instead."""
+    if hasattr(F, "is_valid_utf8"):
+        return F.coalesce(F.is_valid_utf8(value), F.lit(True))
+    return F.coalesce(F.encode(F.decode(value, "UTF-8"), "UTF-8") == value, F.lit(True))
 
 
 def _non_finite(col: Column) -> Column:

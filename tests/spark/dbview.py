@@ -11,7 +11,7 @@ from app.db import make_engine
 
 OUTBOX_COLUMNS = (
     "message_id, batch_id, exchange, routing_key, mandatory, body, content_type, headers, "
-    "ordering_key, status, available_at"
+    "ordering_key, properties, status, available_at"
 )
 
 
