@@ -82,3 +82,24 @@ class ServiceCpu:
     def stop(self) -> dict[str, float]:
         return {n: tree_cpu_seconds(p) - self._start[n]  # type: ignore[arg-type]
                 for n, p in self.pids.items() if n in self._start}  # fmt: skip
+
+
+def subtree_cpu_seconds(pid: int) -> float:
+    """User+system CPU of ``pid`` and of every live descendant (children's children too: Spark's
+    JVM under the driver, its Python workers under the JVM), plus what each reaped."""
+    parents: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            st = _stat(int(entry.name))
+            if st is not None:
+                stats[int(entry.name)] = st
+                parents.setdefault(int(st[1]), []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        st = stats.get(current)
+        if st is not None:
+            total += sum(int(st[i]) for i in (11, 12, 13, 14))
+        todo += parents.get(current, [])
+    return total / TICKS

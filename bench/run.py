@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +38,8 @@ TARGETS = [
     ("ratio_spark_outbox_vs_jdbc", "spark_outbox_rows", "spark_jdbc_rows", 1.5),
     ("ratio_spark_outbox_vs_jdbc_same_keys", "spark_outbox_rows", "spark_jdbc_rows_same_keys",
      1.5),
+    ("ratio_spark_outbox_reject_vs_jdbc_same_keys", "spark_outbox_rows_reject",
+     "spark_jdbc_rows_same_keys", 1.5),
     # ordered with 10,000 keys within a small factor of the unordered drain
     ("ratio_drain_ordered_10k_keys_vs_drain_postgres", "drain_postgres_ordered_10k_keys",
      "drain_postgres", 0.5),
@@ -53,12 +56,19 @@ def _spark(services: Services, sizes: Sizes) -> list[Measured]:
             env=env, stdout=subprocess.PIPE, check=True,
         )  # fmt: skip
     runs = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    keys = {
+        "outbox": "spark_outbox_rows",
+        "reject": "spark_outbox_rows_reject",
+        "jdbc": "spark_jdbc_rows",
+        "jdbc_keys": "spark_jdbc_rows_same_keys",
+        "derived": "spark_outbox_rows_derived_ids",
+    }
     return [
-        Measured(key="spark_outbox_rows", unit="rows/s", runs=runs["outbox"]),
-        Measured(key="spark_jdbc_rows", unit="rows/s", runs=runs["jdbc"]),
-        Measured(key="spark_jdbc_rows_same_keys", unit="rows/s", runs=runs["jdbc_keys"]),
-        Measured(key="spark_outbox_rows_derived_ids", unit="rows/s", runs=runs["derived"]),
-    ]
+        Measured(key=key, unit="rows/s", runs=runs[name],
+                 extra={"cpu_us_per_row": runs["cpu_us_per_row"][name],
+                        "peak_tmp_mb": runs["peak_tmp_mb"][name]})
+        for name, key in keys.items()
+    ]  # fmt: skip
 
 
 class Bench:
@@ -118,6 +128,14 @@ class Bench:
         for ratio, num, den, _target in TARGETS:
             if num in out and den in out and out[den] > 0:
                 out[ratio] = round(out[num] / out[den], 3)
+        for key, m in self.measured.items():  # CPU per row per process, temporary disk
+            per_row = m.extra.get("cpu_us_per_row")
+            if per_row and isinstance(per_row[0], dict):
+                for proc in per_row[0]:
+                    median = statistics.median(r[proc] for r in per_row)
+                    out[f"{key}_cpu_us_per_row_{proc}"] = round(median, 2)
+            if m.extra.get("peak_tmp_mb"):
+                out[f"{key}_peak_tmp_mb"] = round(max(m.extra["peak_tmp_mb"]), 2)
         mem = self.measured.get("publisher_peak_rss_mb")
         if mem is not None:
             one, four = mem.extra["peak_rss_mb_1x"], mem.extra["peak_rss_mb_4x"]

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from types import TracebackType
-from typing import IO, Any, NamedTuple, Self
+from typing import Any, NamedTuple, Self
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -236,13 +235,16 @@ _REJECT = (
 
 
 class PostgresStore(Store):
-    """A first attempt COPYs straight into ``outbox`` (the fast path: no second copy of the
-    rows). A ``message_id`` already there fails that COPY; the partition then goes again
-    through a staging table and one ``INSERT … SELECT … ON CONFLICT DO NOTHING``, replaying
-    the COPY data kept in a spool. Retried tasks take the staging path at once."""
+    """One transaction per partition, its COPY data cut into segments of at most
+    ``SEGMENT_BYTES`` held in memory (never on the executor's disk). A first attempt COPYs each
+    segment straight into ``outbox`` under a savepoint (the fast path: no second copy of the
+    rows). A ``message_id`` already there fails that COPY; the segment is rolled back to its
+    savepoint and goes again through a staging table and one ``INSERT … SELECT … ON CONFLICT
+    DO NOTHING``, and so do the segments after it (a replay rarely conflicts in one place
+    only). Retried tasks take the staging path at once."""
 
-    #: Spool held in memory up to this size, then in a temporary file.
-    SPOOL_MEMORY = 64 * 1024 * 1024
+    #: Most COPY data of a partition held at once (the executor's memory; no temporary file).
+    SEGMENT_BYTES = 64 * 1024 * 1024
     TYPES = {
         "message_id": "text",
         "batch_id": "text",
@@ -286,57 +288,53 @@ class PostgresStore(Store):
         first_attempt: bool,
         fail_on_conflict: bool,
     ) -> Written:
-        data = _encoded(layout, chunks)
-        columns = ", ".join(_columns(layout))
-        with tempfile.SpooledTemporaryFile(max_size=self.SPOOL_MEMORY) as spool:
-            if first_attempt:
-                try:
-                    return self._direct(columns, _spooled(data, spool), batch, rejects)
-                except pg_errors.UniqueViolation:
-                    spool.seek(0)
-            replay = _replay(spool) if first_attempt else iter(())
-            return self._staged(
-                layout, _chain(replay, data), batch, rejects, fail_on_conflict=fail_on_conflict
-            )
-
-    def _direct(
-        self, columns: str, data: Iterator[bytes], batch: BatchRef, rejects: Sequence[Rejected]
-    ) -> Written:
-        with self.conn.transaction(), self.conn.cursor() as cur:
-            self._copy(cur, f"outbox ({columns})", data)
-            inserted = cur.rowcount
-            self._rejects(cur, batch, rejects)
-        return Written(inserted)
-
-    def _staged(
-        self,
-        layout: Layout,
-        data: Iterator[bytes],
-        batch: BatchRef,
-        rejects: Sequence[Rejected],
-        *,
-        fail_on_conflict: bool,
-    ) -> Written:
         names = _columns(layout)
         columns = ", ".join(names)
-        typed = ", ".join(f"{name} {self.TYPES[name]}" for name in names)
+        inserted, direct, staging = 0, first_attempt, False
+        conflicts: list[Conflict] = []
         with self.conn.transaction(), self.conn.cursor() as cur:
-            cur.execute("SET LOCAL jit = off")
-            cur.execute("SET LOCAL work_mem = '64MB'")  # sort the staged rows in memory
-            cur.execute(f"CREATE TEMP TABLE outbox_stage (pos bigserial, {typed}) ON COMMIT DROP")
-            self._copy(cur, f"outbox_stage ({columns})", data)
-            cur.execute(
-                f"INSERT INTO outbox ({columns}) SELECT {columns} FROM outbox_stage "
-                "ORDER BY pos ON CONFLICT (message_id) DO NOTHING"
-            )
-            inserted = cur.rowcount
-            conflicts = self._conflicts(cur, names) if inserted < _staged_rows(cur) else ()
+            for segment in _segments(_encoded(layout, chunks), self.SEGMENT_BYTES):
+                if direct:
+                    try:
+                        with self.conn.transaction():  # a savepoint: this segment only
+                            self._copy(cur, f"outbox ({columns})", iter(segment))
+                            inserted += cur.rowcount
+                        continue
+                    except pg_errors.UniqueViolation:
+                        direct = False
+                if not staging:
+                    self._create_stage(cur, names)
+                    staging = True
+                count, found = self._stage(cur, names, segment)
+                inserted += count
+                conflicts += found
             if conflicts and fail_on_conflict:
                 raise KeyConflicts(conflicts)  # rolls the partition back
             self._rejects(cur, batch, rejects)
             if conflicts:
                 cur.executemany(self.REJECT, _conflict_rejects(batch, conflicts))
-        return Written(inserted, conflicts)
+        return Written(inserted, tuple(conflicts))
+
+    def _create_stage(self, cur: psycopg.Cursor[Any], names: Sequence[str]) -> None:
+        typed = ", ".join(f"{name} {self.TYPES[name]}" for name in names)
+        cur.execute("SET LOCAL jit = off")
+        cur.execute("SET LOCAL work_mem = '64MB'")  # sort the staged rows in memory
+        cur.execute(f"CREATE TEMP TABLE outbox_stage (pos bigserial, {typed}) ON COMMIT DROP")
+
+    def _stage(
+        self, cur: psycopg.Cursor[Any], names: Sequence[str], segment: Sequence[Any]
+    ) -> tuple[int, tuple[Conflict, ...]]:
+        """One segment through the staging table: (rows new to the outbox, conflicts)."""
+        columns = ", ".join(names)
+        cur.execute("TRUNCATE outbox_stage")
+        self._copy(cur, f"outbox_stage ({columns})", iter(segment))
+        staged = cur.rowcount
+        cur.execute(
+            f"INSERT INTO outbox ({columns}) SELECT {columns} FROM outbox_stage "
+            "ORDER BY pos ON CONFLICT (message_id) DO NOTHING"
+        )
+        inserted = cur.rowcount
+        return inserted, self._conflicts(cur, names) if inserted < staged else ()
 
     @staticmethod
     def _conflicts(cur: psycopg.Cursor[Any], names: Sequence[str]) -> tuple[Conflict, ...]:
@@ -410,9 +408,18 @@ def _differences(message: dict[str, Any], row: dict[str, Any]) -> tuple[str, ...
     return tuple(out)
 
 
-def _staged_rows(cur: psycopg.Cursor[Any]) -> int:
-    row = cur.execute("SELECT count(*) FROM outbox_stage").fetchone()
-    return int(row[0]) if row else 0
+def _segments(data: Iterator[Any], limit: int) -> Iterator[list[Any]]:
+    """The COPY blocks in runs of about ``limit`` bytes (at least one block each)."""
+    segment: list[bytes] = []
+    size = 0
+    for block in data:
+        segment.append(block)
+        size += len(block)
+        if size >= limit:
+            yield segment
+            segment, size = [], 0
+    if segment:
+        yield segment
 
 
 #: ``PARKED`` as binary ``timestamptz``: microseconds since 2000-01-01 UTC, 8 bytes big-endian.
@@ -427,21 +434,6 @@ def _encoded(layout: Layout, chunks: Iterable[Chunk]) -> Iterator[bytes]:
     for chunk in chunks:
         if chunk.rows:
             yield encode([*chunk.columns, *constants])
-
-
-def _spooled(data: Iterator[bytes], spool: IO[bytes]) -> Iterator[bytes]:
-    for block in data:
-        spool.write(block)
-        yield block
-
-
-def _replay(spool: IO[bytes]) -> Iterator[bytes]:
-    return iter(lambda: spool.read(1 << 20), b"")
-
-
-def _chain(*parts: Iterator[bytes]) -> Iterator[bytes]:
-    for part in parts:
-        yield from part
 
 
 class SqliteStore(Store):

@@ -3,25 +3,35 @@ and into a plain table (Spark's own JDBC writer, Debian's PostgreSQL JDBC jar).
 
 Runs in its own process (the JVM stays out of the driver): ``python -m bench.workloads.spark
 --rows N --url URL --repeats R`` prints one JSON line ``{"outbox": [...], "jdbc": [...], ...}``
-(rows/s per run), and ``jdbc_keys`` (JDBC into a table with the outbox's primary key and unique
+(rows/s per run), ``reject`` (``write_outbox`` in reject mode: no check pass, the input read
+once), and ``jdbc_keys`` (JDBC into a table with the outbox's primary key and unique
 ``message_id``: like for like) and ``derived`` (``write_outbox`` without a key column: ids from
 each row's content, one shuffle more). The DataFrame (``id``, ``key``, a 256-character
 ``payload``) is cached and counted before any write, so every writer is timed on the write
 alone; each run goes through the writers in turn, each into emptied tables, after one small
-untimed warm-up each.
+untimed warm-up each. Per writer and run: CPU microseconds per row of the Spark process tree
+(driver, JVM, Python workers) and of PostgreSQL (its postmaster and backends), from the
+processes' own counters, and the peak of the executors' temporary disk (``TMPDIR`` of the
+Python workers and ``spark.local.dir``, sampled every 10 ms).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
+
+from bench.proccpu import ServiceCpu, subtree_cpu_seconds
 
 JDBC_JAR = Path(os.environ.get("BENCH_JDBC_JAR", "/usr/share/java/postgresql.jar"))
 JDBC_TABLE = "bench_jdbc_plain"
@@ -34,11 +44,12 @@ KEYS_DDL = (f"CREATE TABLE {JDBC_KEYS_TABLE} (id bigserial PRIMARY KEY, message_
 WARMUP_ROWS = 2_000
 
 
-def _spark() -> Any:
+def _spark(tmp: Path) -> Any:
     from pyspark.sql import SparkSession
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    os.environ["TMPDIR"] = str(tmp / "python")  # the Python workers inherit it
     return (
         SparkSession.builder.master("local[2]")
         .appName("outbox-bench")
@@ -49,6 +60,7 @@ def _spark() -> Any:
         .config("spark.jars", str(JDBC_JAR))
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.driver.memory", "1g")
+        .config("spark.local.dir", str(tmp / "spark"))
         .getOrCreate()
     )
 
@@ -98,12 +110,15 @@ def _write_jdbc_keys(df: Any, url: str, batch: int) -> None:
     rows.write.mode("append").jdbc(jdbc_url, JDBC_KEYS_TABLE, properties=props)
 
 
-def _write_outbox(df: Any, url: str, batch: int, *, derived: bool = False) -> None:
+def _write_outbox(
+    df: Any, url: str, batch: int, *, derived: bool = False, reject: bool = False
+) -> None:
     from spark_writer import write_outbox
 
     result = write_outbox(df, url=url, sink="bench", batch_id=batch, exchange="bench.spark",
                           routing_key="bench", body_column="payload",
-                          message_id_column=None if derived else "key")  # fmt: skip
+                          message_id_column=None if derived else "key",
+                          on_invalid="reject" if reject else "fail")  # fmt: skip
     if result.written != result.rows:
         raise RuntimeError(f"write_outbox wrote {result.written} of {result.rows} rows")
 
@@ -114,14 +129,61 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # a spool removed meanwhile
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+class TempDisk:
+    """How far the total size of the files under ``paths`` grew above its size at the start
+    while a write runs, sampled every 10 ms: the executors' temporary disk (Python's ``TMPDIR``:
+    spools; ``spark.local.dir``: shuffle and spill). Files an earlier write left (Spark removes
+    shuffle files lazily) are not counted."""
+
+    def __init__(self, *paths: Path) -> None:
+        self.paths = paths
+        self.start = self._size()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _size(self) -> int:
+        return sum(_dir_bytes(p) for p in self.paths)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._size() - self.start)
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> TempDisk:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--url", required=True, help="SQLAlchemy URL of a migrated PostgreSQL")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    spark = _spark()
+    tmp = Path(tempfile.mkdtemp(prefix="outbox-bench-spark-"))
+    (tmp / "python").mkdir()
+    (tmp / "spark").mkdir()
+    spark = _spark(tmp)
     spark.sparkContext.setLogLevel("ERROR")
+    postgres = ServiceCpu(postgres=int(_jdbc_props(args.url)[0].rsplit(":", 1)[1].split("/")[0]))
+    names = ("outbox", "reject", "jdbc", "jdbc_keys", "derived")
+    out: dict[str, Any] = {name: [] for name in names}
+    out["cpu_us_per_row"] = {name: [] for name in names}
+    out["peak_tmp_mb"] = {name: [] for name in names}
     try:
         warm = _frame(spark, WARMUP_ROWS).cache()
         warm.count()
@@ -133,22 +195,38 @@ def main(argv: list[str] | None = None) -> int:
         _write_outbox(warm, args.url, batch=0, derived=True)
         df = _frame(spark, args.rows).cache()
         df.count()
-        out: dict[str, list[float]] = {"outbox": [], "jdbc": [], "jdbc_keys": [], "derived": []}
         writers = {
+            "outbox": lambda i: _write_outbox(df, args.url, batch=i + 1),
+            "reject": lambda i: _write_outbox(df, args.url, batch=i + 1, reject=True),
             "jdbc": lambda i: _write_jdbc(df, args.url),
             "jdbc_keys": lambda i: _write_jdbc_keys(df, args.url, i + 1),
-            "outbox": lambda i: _write_outbox(df, args.url, batch=i + 1),
             "derived": lambda i: _write_outbox(df, args.url, batch=i + 1, derived=True),
         }
         for i in range(args.repeats):
             for name, write in writers.items():
                 _reset(args.url)
-                out[name].append(args.rows / _timed(lambda w=write, i=i: w(i)))
-            figures = ", ".join(f"{k} {v[-1]:,.0f}" for k, v in out.items())
+                spark_cpu = subtree_cpu_seconds(os.getpid())
+                postgres.start()
+                with TempDisk(tmp / "python", tmp / "spark") as disk:
+                    seconds = _timed(lambda w=write, i=i: w(i))
+                pg = postgres.stop().get("postgres", 0.0)
+                spark_cpu = subtree_cpu_seconds(os.getpid()) - spark_cpu
+                out[name].append(args.rows / seconds)
+                out["cpu_us_per_row"][name].append(
+                    {"spark": spark_cpu / args.rows * 1e6, "postgres": pg / args.rows * 1e6}
+                )
+                out["peak_tmp_mb"][name].append(disk.peak / 1e6)
+            figures = ", ".join(
+                f"{k} {out[k][-1]:,.0f} ({out['cpu_us_per_row'][k][-1]['spark']:.1f} + "
+                f"{out['cpu_us_per_row'][k][-1]['postgres']:.1f} us/row, "
+                f"tmp {out['peak_tmp_mb'][k][-1]:.1f} MB)"
+                for k in names
+            )
             print(f"  spark run {i + 1}/{args.repeats} (rows/s): {figures}", file=sys.stderr,
                   flush=True)  # fmt: skip
     finally:
         spark.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(out), flush=True)
     return 0
 
