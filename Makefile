@@ -9,7 +9,7 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop migrate test test-fast demo bench chaos lint serve publish clean tools lock audit
+.PHONY: help venv services services-stop migrate test test-spark-oldest test-fast demo bench chaos lint serve publish clean tools lock audit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -24,6 +24,16 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	@touch $@
 
 venv: $(VENV)/.installed  ## create the virtualenv and install the package with its test tools
+
+# The oldest PySpark the writers support, in a virtualenv of its own (the lock pins the newest).
+SPARK_OLDEST ?= 3.5.9
+VENV_OLDEST  := .venv-spark35
+$(VENV_OLDEST)/.installed: pyproject.toml $(LOCK)
+	@[ -x $(VENV_OLDEST)/bin/python ] || $(PYTHON) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
+	grep -v '^pyspark==' $(LOCK) > $(VENV_OLDEST)/constraints.txt
+	$(VENV_OLDEST)/bin/python -m pip install -q -c $(VENV_OLDEST)/constraints.txt -e '.[dev]' 'pyspark==$(SPARK_OLDEST)'
+	@touch $@
 
 tools:  ## Java 17+, jq, promtool, chromium and chromium-driver (Debian packages when missing)
 	@deploy/local/ensure-tools.sh
@@ -54,6 +64,9 @@ migrate: venv services  ## create or upgrade the outbox schema (OUTBOX_DATABASE_
 
 test: venv services tools  ## run the whole test suite against the local services
 	@$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-spark-oldest: $(VENV_OLDEST)/.installed services tools  ## the Spark tests on the oldest supported PySpark (3.5)
+	@$(VENV_OLDEST)/bin/pytest -m spark tests/spark $(PYTEST_ARGS)
 
 test-fast: venv services tools  ## the suite without Spark, slow scenarios and the fault matrix
 	@$(VENV)/bin/pytest -m "not spark and not slow and not chaos" $(PYTEST_ARGS)

@@ -2,7 +2,6 @@
 ``format("outbox")`` data source. Every row lands in the outbox exactly once per ``message_id``.
 """
 
-from spark_writer.datasource import OutboxDataSource, register_data_source
 from spark_writer.envelope import derive_message_id
 from spark_writer.errors import (
     OutboxConfigError,
@@ -14,6 +13,13 @@ from spark_writer.errors import (
 from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OutboxOptions
 from spark_writer.sinks import OutboxSink, write_outbox
 from spark_writer.writer import BatchResult, PartitionResult
+
+try:  # format("outbox"): PySpark's Python data source API with Arrow writers (4.1 and later)
+    from spark_writer.datasource import OutboxDataSource, register_data_source
+except ImportError as missing:  # OutboxSink and write_outbox work on PySpark 3.5 and later
+    from spark_writer.versions import unsupported_data_source
+
+    register_data_source = unsupported_data_source(missing)  # type: ignore[assignment]
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",

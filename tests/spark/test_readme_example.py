@@ -17,6 +17,7 @@ pytestmark = pytest.mark.spark
 
 
 def test_readme_python_example_runs_and_is_idempotent(tmp_path: Path) -> None:
+    # the example's step 3 writes through format("outbox") (skipped where PySpark lacks it)
     (code,) = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPARK_LOCAL_IP": "127.0.0.1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
