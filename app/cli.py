@@ -370,6 +370,33 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        found = queries.writer_rejects(engine, batch_id=args.batch, limit=args.limit)
+    finally:
+        engine.dispose()
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps([dataclasses.asdict(r) for r in found], indent=2, default=str))
+        return EXIT_OK
+    if not found:
+        print("no rows refused by the Spark writer" + (f" in batch {args.batch}" if args.batch
+                                                      else ""))  # fmt: skip
+        return EXIT_OK
+    if fancy():
+        show_table(["at", "batch", "message id", "reason", "row"],
+                   [(r.created_at, r.batch_id, r.message_id, r.reason, r.row_json[:60])
+                    for r in found])  # fmt: skip
+        return EXIT_OK
+    for r in found:
+        print(f"{r.created_at:%Y-%m-%d %H:%M:%S}  {r.batch_id:<24} {r.message_id or '-':<20} "
+              f"{r.reason}")  # fmt: skip
+    return EXIT_OK
+
+
 def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
     engine = _engine(settings)
     try:
@@ -860,6 +887,14 @@ def _add_status(sub: Sub) -> None:
     out.add_argument("--json", action="store_true",
                      help="as JSON (like GET /v1/confirms/outstanding)")  # fmt: skip
     out.set_defaults(func=_cmd_outstanding)
+    rej = sub.add_parser(
+        "rejects", help="rows the Spark writer refused (reject mode): bad values and message id "
+        "conflicts, with the reason, newest first",
+    )  # fmt: skip
+    rej.add_argument("--batch", help="only this batch id")
+    rej.add_argument("--limit", type=_bounded_int(1, 500), default=50)
+    rej.add_argument("--json", action="store_true", help="as JSON (like GET /v1/rejects)")
+    rej.set_defaults(func=_cmd_rejects)
     aud = sub.add_parser("audit", help="operator actions (republish, skip), newest first")
     aud.add_argument("--limit", type=_bounded_int(1, 500), default=50)
     aud.add_argument("--json", action="store_true", help="as JSON")

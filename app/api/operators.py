@@ -1,4 +1,5 @@
-"""``/v1/failures`` (terminal failures grouped by cause), ``/v1/audit`` (operator actions) and
+"""``/v1/failures`` (terminal failures grouped by cause), ``/v1/audit`` (operator actions),
+``/v1/rejects`` (rows the Spark writer refused) and
 ``/v1/search/messages`` (messages by status, batch, exchange, routing key, ordering key, reason)."""
 
 from __future__ import annotations
@@ -80,6 +81,37 @@ def get_audit(
                       filter=e.filter, count=e.count) for e in entries]  # fmt: skip
     nxt = entries[-1].id if len(entries) == limit else None
     return AuditPage(items=items, next_before=nxt)
+
+
+class RejectOut(BaseModel):
+    id: int
+    batch_id: str
+    sink: str
+    message_id: str | None
+    reason: str = Field(description="Why the Spark writer refused the row (a bad value, or a "
+                        "message id held by another message).")  # fmt: skip
+    row_json: str = Field(description="The row as the writer saw it, as JSON text.")
+    created_at: dt.datetime
+
+
+class RejectPage(BaseModel):
+    items: list[RejectOut]
+    next_before: int | None = Field(description="Pass as `before` for the next (older) page.")
+
+
+@router.get("/rejects", response_model=RejectPage,
+            summary="Rows the Spark writer refused (reject mode), newest first")  # fmt: skip
+def get_rejects(
+    ctx: Ctx,
+    batch_id: Annotated[Text | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
+) -> RejectPage:
+    found = queries.writer_rejects(ctx.engine, batch_id=batch_id, limit=limit, before=before)
+    items = [RejectOut(id=r.id, batch_id=r.batch_id, sink=r.sink, message_id=r.message_id,
+                       reason=r.reason, row_json=r.row_json, created_at=r.created_at)
+             for r in found]  # fmt: skip
+    return RejectPage(items=items, next_before=found[-1].id if len(found) == limit else None)
 
 
 class MessagePage(BaseModel):

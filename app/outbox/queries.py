@@ -36,7 +36,7 @@ from sqlalchemy import (
 
 from app.outbox.content import ContentError, load_document
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.schema import audit, batches, outbox, publishers
+from app.outbox.schema import audit, batches, outbox, publishers, rejects
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 MAX_ROW_ID = 2**63 - 1
@@ -775,6 +775,40 @@ def audit_trail(engine: Engine, *, limit: int = 50, before: int | None = None) -
         AuditEntry(id=r["id"], at=r["at"], actor=r["actor"], principal=r["principal"],
                    client_addr=r["client_addr"], action=r["action"], request_id=r["request_id"],
                    filter=_as_dict(r["filter"]) or {}, count=r["count"])
+        for r in rows
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class WriterReject:
+    """A row the Spark writer refused in reject mode: a bad value, or a message id the outbox
+    holds for another message (a conflict), with the reason and the row as it came."""
+
+    id: int
+    batch_id: str
+    sink: str
+    message_id: str | None
+    reason: str
+    row_json: str
+    created_at: dt.datetime
+
+
+def writer_rejects(
+    engine: Engine, *, batch_id: str | None = None, limit: int = 50, before: int | None = None
+) -> list[WriterReject]:
+    """``outbox_rejects``, newest first (keyset pages: ``before`` the last id of the previous
+    page), all of them or one batch's (``ix_outbox_rejects_batch``)."""
+    stmt = select(rejects).order_by(rejects.c.id.desc()).limit(limit)
+    if batch_id is not None:
+        stmt = stmt.where(rejects.c.batch_id == batch_id)
+    if before is not None:
+        stmt = stmt.where(rejects.c.id < before)
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).mappings().all()
+    return [
+        WriterReject(id=r["id"], batch_id=r["batch_id"], sink=r["sink"],
+                     message_id=r["message_id"], reason=r["reason"], row_json=r["row_json"],
+                     created_at=r["created_at"])
         for r in rows
     ]  # fmt: skip
 

@@ -46,6 +46,7 @@ COMMANDS = [
     "failures",
     "audit",
     "declare",
+    "rejects",
 ]
 
 
