@@ -20,6 +20,7 @@ except ImportError as missing:  # OutboxSink and write_outbox work on PySpark 3.
     from spark_writer.versions import unsupported_data_source
 
     register_data_source = unsupported_data_source(missing)  # type: ignore[assignment]
+    OutboxDataSource = None  # type: ignore[assignment,misc]  # keeps `import *` working
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
