@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,10 +99,10 @@ DIGEST_CHARS = 32
 
 
 def derive_message_id(*, sink: str, spark_batch_id: int, partition: int, position: int) -> str:
-    """The id of a row by where it sits, ``sink:batch:partition:position``: what
-    ``format("outbox")`` uses without ``messageIdColumn`` (a data source sees one partition at a
-    time). Stable only while a replay lays the batch out the same way; the batch writers derive
-    ids from content instead (:func:`content_message_id`).
+    """The id of a row by where it sits, ``sink:batch:partition:position``: no writer names
+    messages this way any more (a replay laid out otherwise would rename them); it remains the
+    label of a rejected row that has no id of its own (a null key column). Messages get their
+    key column's value or a content id (:func:`content_message_id`).
     """
     return f"{sink}:{spark_batch_id}:{partition}:{position}"
 
@@ -182,10 +183,11 @@ class ArrowMapper:
             sink=batch.sink, spark_batch_id=batch.spark_batch_id, partition=partition, position=0
         )[:-1]
         self._content_prefix = f"{batch.sink}:{batch.spark_batch_id}:"
+        self._occurrences: dict[str, int] = {}
 
     def map(self, rb: pa.RecordBatch, start: int) -> Chunk:
         """Map one batch whose first row has position ``start`` in the partition."""
-        ids, rb = self._ids(rb, start)
+        ids, rb = self._ids(rb)
         bodies, unserialisable = self._json_bodies(rb)
         first = self._first_failures(rb, bodies, unserialisable)
         if first is None:
@@ -198,7 +200,7 @@ class ArrowMapper:
         return Chunk(fit_rows, self._columns(rb.filter(good), kept, ids.filter(good)),
                      tuple(rejected))  # fmt: skip
 
-    def _ids(self, rb: pa.RecordBatch, start: int) -> tuple[pa.Array, pa.RecordBatch]:
+    def _ids(self, rb: pa.RecordBatch) -> tuple[pa.Array, pa.RecordBatch]:
         """Every row's message id (null where a key column is null: such a row is rejected),
         and the batch without the writer's hidden columns."""
         names = rb.schema.names
@@ -212,8 +214,21 @@ class ArrowMapper:
                 return ids, rb
         if self.options.message_id_column is not None:
             return rb.column(self.options.message_id_column).cast(pa.string()), rb
-        positions = _positions(start, rb.num_rows).cast(pa.string())
-        return pc.binary_join_element_wise(self._prefix, positions, ""), rb
+        return self._partition_content_ids(rb), rb
+
+    def _partition_content_ids(self, rb: pa.RecordBatch) -> pa.Array:
+        """``format("outbox")`` without a key column (a task sees one partition, no shuffle):
+        ``sink:batch:d:n`` from the SHA-256 of the row's JSON and its occurrence among the
+        identical rows met so far in this partition. Never from a position: a replay laid out
+        otherwise gives every distinct row the same id. Identical rows in different partitions
+        share an id, so they become one message (the batch writers count them apart)."""
+        out = []
+        for row in rb.to_pylist(maps_as_pydicts="lossy"):
+            digest = hashlib.sha256(_row(row).encode()).hexdigest()[:DIGEST_CHARS]
+            occurrence = self._occurrences.get(digest, 0)
+            self._occurrences[digest] = occurrence + 1
+            out.append(f"{self._content_prefix}{digest}:{occurrence}")
+        return pa.array(out, pa.string())
 
     # --- checks ---------------------------------------------------------------------------
 
@@ -416,10 +431,6 @@ def _text_size(value: Any) -> int:
 
 def _item(values: pa.Array | None, i: int) -> Any:
     return None if values is None else values[i].as_py()
-
-
-def _positions(start: int, rows: int) -> pa.Array:
-    return pa.array(range(start, start + rows), pa.int64())
 
 
 def _size(value: Any) -> int | None:

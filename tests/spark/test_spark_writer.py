@@ -277,7 +277,7 @@ def test_write_outbox_derives_its_batch_id_from_the_content(
     other = write_outbox(orders(spark, 11), **sink_options(sqlite_url))
     assert same.batch_id == first.batch_id and same.replayed
     assert other.batch_id != first.batch_id and not other.replayed
-    # Rows 0..9 of the second DataFrame sit at other positions: new ids, new rows.
+    # Another batch id: content ids carry it, so all 11 rows are new messages.
     assert dbview.count(sqlite_url, "outbox") == 21
 
 

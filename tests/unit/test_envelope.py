@@ -4,6 +4,7 @@ COPY encoder. No SparkSession, no database."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import struct
 from decimal import Decimal
@@ -23,7 +24,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from spark_writer import OutboxConfigError, OutboxOptions, OutboxSchemaError, derive_message_id
+from spark_writer import OutboxConfigError, OutboxOptions, OutboxSchemaError
 from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, jsonable
 from spark_writer.options import from_spark_options
 from spark_writer.pgcopy import Const, encode
@@ -222,22 +223,21 @@ def test_row_without_body_column_becomes_json_with_derived_id() -> None:
     assert out["content_type"] == "application/json"
     assert (out["routing_key"], out["exchange"], out["mandatory"]) == ("eu", "ex", True)
     assert out["batch_id"] == "orders:7"
-    assert out["message_id"] == derive_message_id(
-        sink="orders", spark_batch_id=7, partition=0, position=3
-    )
+    digest = hashlib.sha256(out["body"]).hexdigest()[:32]  # the row's JSON is the body here
+    assert out["message_id"] == f"orders:7:{digest}:0"
 
 
-def test_derived_ids_are_stable_and_distinct_per_position() -> None:
-    ids = {
-        derive_message_id(sink="s", spark_batch_id=b, partition=p, position=i)
-        for b in (1, 2)
-        for p in (0, 1)
-        for i in range(50)
-    }
-    assert len(ids) == 200
-    assert derive_message_id(
-        sink="s", spark_batch_id=1, partition=0, position=0
-    ) == derive_message_id(sink="s", spark_batch_id=1, partition=0, position=0)
+def test_ids_without_a_key_come_from_content_not_position() -> None:
+    """The data source's ids: the same rows give the same ids whatever partition or position
+    they sit at; identical rows are told apart by their occurrence in the partition."""
+    rows = [(i % 3, "eu", "p", "t", 0.5) for i in range(6)]  # three rows, each twice
+    first = rows_of(m := mapper(opts(body_column="payload")), m.map(batch(*rows), 0))
+    again = mapper(opts(body_column="payload"), partition=1)
+    shuffled = rows_of(again, again.map(batch(*reversed(rows)), 40))
+    assert sorted(r["message_id"] for r in first) == sorted(r["message_id"] for r in shuffled)
+    assert len({r["message_id"] for r in first}) == 6
+    assert {r["message_id"].rsplit(":", 1)[1] for r in first} == {"0", "1"}
+    assert all(r["message_id"].startswith("orders:7:") for r in first)
 
 
 def test_body_columns_headers_key_and_ordering_key() -> None:
@@ -338,7 +338,10 @@ def test_bad_rows_are_rejected_naming_column_and_problem(
     [out] = chunk.rejected
     assert (out.problem.summary, out.problem.detail) == (summary, detail)
     assert out.position == 9
-    assert out.message_id == ("orders:7:1:9" if options.message_id_column is None else "")
+    if options.message_id_column is None:  # a content id, like a fit row's
+        assert out.message_id.startswith("orders:7:") and out.message_id.endswith(":0")
+    else:
+        assert out.message_id == ""
     assert json.loads(out.row_json.replace("NaN", "null").replace("Infinity", "null"))["id"] == 1
 
 
@@ -347,13 +350,12 @@ def test_a_batch_keeps_its_fit_rows_in_order_with_their_own_positions() -> None:
     m = mapper(opts(body_column="payload"))
     chunk = m.map(batch(*rows), 100)
     assert chunk.rows == 4
-    assert [(r["message_id"], r["routing_key"], r["body"]) for r in rows_of(m, chunk)] == [
-        (f"orders:7:0:{100 + i}", f"r{i}", f"p{i}".encode()) for i in (0, 2, 3, 5)
+    assert [(r["routing_key"], r["body"]) for r in rows_of(m, chunk)] == [
+        (f"r{i}", f"p{i}".encode()) for i in (0, 2, 3, 5)
     ]
-    assert [(r.position, r.message_id) for r in chunk.rejected] == [
-        (101, "orders:7:0:101"),
-        (104, "orders:7:0:104"),
-    ]
+    assert [r.position for r in chunk.rejected] == [101, 104]
+    ids = [r["message_id"] for r in rows_of(m, chunk)] + [r.message_id for r in chunk.rejected]
+    assert len(set(ids)) == 6 and all(i.startswith("orders:7:") for i in ids)
 
 
 def test_json_body_of_nested_values() -> None:
