@@ -16,6 +16,8 @@ price is one more write of each row on release, paid only here (``OutboxSink`` a
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -42,6 +44,7 @@ from spark_writer.writer import (
     WritePlan,
     commit_batch,
     discard_parked,
+    log,
     write_partition,
 )
 
@@ -91,6 +94,17 @@ class OutboxDataSource(DataSource):
         return options, batch_id
 
 
+def _driver_log() -> None:
+    """Spark runs a data source's ``commit`` in a Python worker on the driver, where nobody
+    configures logging: give the writer's logger a stderr handler there (once), so its line per
+    batch reaches the driver's log like ``OutboxSink``'s. Left alone when logging is set up."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 class PartitionDone(WriterCommitMessage):
     """A task's commit message: what it wrote, for which batch."""
 
@@ -121,6 +135,7 @@ class OutboxBatchWriter(DataSourceArrowWriter):
         return PartitionDone(batch=self.plan.batch, result=result)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        _driver_log()
         plan = self.plan
         commit_batch(
             options=plan.options, batch=plan.batch, results=_results(messages), parked=plan.park
@@ -150,6 +165,7 @@ class OutboxStreamWriter(DataSourceStreamArrowWriter):
         return PartitionDone(batch=batch, result=result)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        _driver_log()
         batch = self._batch(messages, batchId)
         results = _results(messages)
         commit_batch(options=self.options, batch=batch, results=results, parked=self.park)

@@ -22,3 +22,22 @@ def test_the_version_gate_names_what_is_needed_and_what_works() -> None:
 def test_the_writers_import_on_this_pyspark() -> None:
     assert callable(spark_writer.OutboxSink) and callable(spark_writer.write_outbox)
     assert callable(spark_writer.register_data_source)
+
+
+def test_the_data_source_commit_logs_where_nobody_configured_logging() -> None:
+    """Spark runs ``format("outbox")``'s commit in a bare Python worker: its line per batch
+    must still reach stderr (the driver's log)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("pyspark.sql.datasource")
+    code = (
+        "from spark_writer.datasource import _driver_log\n"
+        "from spark_writer.writer import log\n"
+        "_driver_log(); _driver_log()\n"
+        "log.info('outbox batch ds:1: 3 rows, 3 written')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if "outbox batch ds:1" in line]
+    assert len(lines) == 1 and "INFO spark_writer: outbox batch ds:1: 3 rows" in lines[0]
