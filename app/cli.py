@@ -148,14 +148,18 @@ def _ago(then: dt.datetime, now: dt.datetime) -> float:
     return max(0.0, (now - then).total_seconds())
 
 
-BATCH_HEADERS = ["batch", "rows", *(s.value for s in Status), "dup", "last confirmed"]
+#: "rejected": rows the Spark writer refused (bad values, id conflicts: `outbox rejects`)
+BATCH_HEADERS = ["batch", "rows", *(s.value for s in Status), "dup", "rejected", "last confirmed"]
+
+
+def _batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
+    rejected = "-" if b.rejected_count is None else b.rejected_count
+    return (b.batch_id, b.rows, *(b.counts[s] for s in Status), b.republished, rejected,
+            b.last_confirmed_at)  # fmt: skip
 
 
 def render_batches(items: Sequence[queries.BatchSummary]) -> str:
-    rows = [
-        (b.batch_id, b.rows, *(b.counts[s] for s in Status), b.republished, b.last_confirmed_at)
-        for b in items
-    ]
+    rows = [_batch_row(b) for b in items]
     return table(BATCH_HEADERS, rows) if rows else "no batches"
 
 
@@ -455,10 +459,7 @@ def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
 
         print("[" + ",\n".join(BatchOut.of(b).model_dump_json(indent=2) for b in items) + "]")
     elif fancy() and items:
-        show_table(BATCH_HEADERS, [
-            (b.batch_id, b.rows, *(b.counts[s] for s in Status), b.republished,
-             b.last_confirmed_at) for b in items
-        ])  # fmt: skip
+        show_table(BATCH_HEADERS, [_batch_row(b) for b in items])
     else:
         print(render_batches(items))
     return EXIT_OK

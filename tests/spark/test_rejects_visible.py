@@ -17,7 +17,7 @@ from app.cli import main
 from app.db import make_engine
 from spark_writer import OutboxOptions
 from spark_writer.envelope import BatchRef
-from spark_writer.writer import WritePlan, write_partition
+from spark_writer.writer import WritePlan, commit_batch, write_partition
 from tests.integration.test_api import R, client_for, settings_for
 
 pytestmark = pytest.mark.spark
@@ -36,7 +36,8 @@ def write(url: str, sink: str, ids: list[int], regions: list[str | None]) -> Non
     rows = pa.RecordBatch.from_pydict(
         {"id": ids, "region": regions, "payload": [f"{sink} {i}" for i in ids]}
     )
-    write_partition([rows], plan=plan, partition=0, attempt=0)
+    result = write_partition([rows], plan=plan, partition=0, attempt=0)
+    commit_batch(options=options, batch=plan.batch, results=[result])
 
 
 @pytest.fixture
@@ -62,6 +63,11 @@ def test_outbox_rejects_lists_bad_rows_and_conflicts_with_their_reasons(
     (only,) = json.loads(capsys.readouterr().out)
     assert (only["message_id"], only["reason"]) == ("2", "region is null")
     assert json.loads(only["row_json"])["payload"] == "orders 2"
+    assert main(["batches"]) == 0  # each batch's line counts its rejects
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    assert lines["batch"][-3:] == ["rejected", "last", "confirmed"]
+    assert lines["orders:1"][1] == "2" and lines["orders:1"][-2] == "1"
+    assert lines["refunds:1"][1] == "1" and lines["refunds:1"][-2] == "1"
     assert main(["rejects", "--batch", "nope:1"]) == 0
     assert capsys.readouterr().out.strip() == "no rows refused by the Spark writer in batch nope:1"
 
