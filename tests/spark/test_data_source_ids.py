@@ -26,6 +26,7 @@ def save(df: DataFrame, url: str) -> None:
 def test_a_replay_laid_out_otherwise_adds_nothing_and_drops_nothing(
     spark: SparkSession, db_url: str
 ) -> None:
+    # writes through format("outbox") (save above): skipped where PySpark lacks it
     df = orders(spark, 60)  # two partitions of 30
     save(df, db_url)
     first = {r["message_id"]: r["body"] for r in dbview.outbox(db_url)}
