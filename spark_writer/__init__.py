@@ -11,7 +11,7 @@ from spark_writer.errors import (
     ProblemCount,
 )
 from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OutboxOptions
-from spark_writer.sinks import OutboxSink, write_outbox
+from spark_writer.sinks import OutboxSink, SinkTotals, write_outbox
 from spark_writer.writer import BatchResult, PartitionResult
 
 try:  # format("outbox"): PySpark's Python data source API with Arrow writers (4.1 and later)
@@ -34,6 +34,7 @@ __all__ = [
     "OutboxWriterError",
     "PartitionResult",
     "ProblemCount",
+    "SinkTotals",
     "derive_message_id",
     "register_data_source",
     "write_outbox",

@@ -10,8 +10,10 @@ in each task. In fail mode (the default) the tasks therefore write their rows *p
 due): when every partition is clean, ``commit`` releases them in the transaction that records the
 batch; when any row is bad (or its id conflicts), ``commit`` removes them and fails, and
 ``abort`` (a failed job) removes them too. So a batch with one bad row publishes nothing. The
-price is one more write of each row on release, paid only here (``OutboxSink`` and
-``write_outbox`` check the rows before any write; reject mode needs no parking).
+price is one more write of each row on release, paid only here: ``OutboxSink`` and
+``write_outbox`` hold the batch from the driver before their tasks write (one row in
+``outbox_held``), which a streaming data source cannot (Spark gives its driver no hook before a
+micro-batch's tasks); reject mode needs neither.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from spark_writer.writer import (
     PartitionResult,
     WritePlan,
     commit_batch,
-    discard_parked,
+    discard_unrecorded,
     log,
     write_partition,
 )
@@ -143,7 +145,7 @@ class OutboxBatchWriter(DataSourceArrowWriter):
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         if self.plan.park:
-            discard_parked(options=self.plan.options, batch=self.plan.batch)
+            discard_unrecorded(options=self.plan.options, batch=self.plan.batch)
 
 
 class OutboxStreamWriter(DataSourceStreamArrowWriter):
@@ -172,7 +174,7 @@ class OutboxStreamWriter(DataSourceStreamArrowWriter):
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         if self.park:
-            discard_parked(options=self.options, batch=self._batch(messages, batchId))
+            discard_unrecorded(options=self.options, batch=self._batch(messages, batchId))
 
     def _task_batch(self) -> BatchRef:
         context = TaskContext.get()

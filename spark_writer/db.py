@@ -1,10 +1,13 @@
 """The database side of the writer: psycopg 3 (binary COPY) for PostgreSQL, sqlite3 for SQLite.
 
 Only a URL comes in: executors import nothing of the service. Each partition is one
-transaction; its rows are due (``available_at`` = now) when it commits, or parked (never due)
-when the writer asks for all or nothing: ``record_batch`` then releases them in the transaction
-that records the batch, and ``discard_parked`` removes them when the batch fails. ``record_batch``
-writes the ``outbox_batches`` row once every partition succeeded. Re-running a batch adds no row:
+transaction; its rows are due (``available_at`` = now) when it commits, unless the writer asks
+for all or nothing. Then either the driver first *holds* the batch (``hold``: one row in
+``outbox_held``, and publishers claim no row of a held batch), or the tasks write the rows
+*parked* (never due; the data source, whose driver has no hook before its tasks). In both,
+``record_batch`` releases the rows in the transaction that records the batch, and
+``discard_unrecorded`` removes them when the batch fails. ``record_batch`` writes the
+``outbox_batches`` row once every partition succeeded. Re-running a batch adds no row:
 ``message_id`` is unique and a row whose id is there already is skipped (``ON CONFLICT DO
 NOTHING``), but only when it is the same message (a replay). A row whose id the outbox holds for
 another message (another sink, exchange, routing key, body, headers, ...) is a *conflict*: it
@@ -114,6 +117,13 @@ def _conflict_rejects(batch: BatchRef, conflicts: Sequence[Conflict]) -> list[tu
 class Store(ABC):
     """What the writer needs from a database: one connection, used by one thread, a context."""
 
+    conn: Any  # psycopg.Connection (autocommit) or sqlite3.Connection (no implicit transaction)
+    PARKED: str
+    DISCARD: str
+    HOLD: str
+    UNHOLD: str
+    DISCARD_HELD: str
+
     @abstractmethod
     def batch_recorded(self, batch: BatchRef) -> bool: ...
 
@@ -127,6 +137,7 @@ class Store(ABC):
         rejects: Sequence[Rejected],
         first_attempt: bool,
         fail_on_conflict: bool,
+        quiet: bool = False,
     ) -> Written:
         """Insert one partition in one transaction; return the rows new to the outbox and the
         conflicts sent to ``outbox_rejects``.
@@ -134,18 +145,34 @@ class Store(ABC):
         ``rejects`` is read after ``chunks`` is used up, so it may be filled meanwhile.
         ``first_attempt``: no earlier attempt of this task can have written these rows.
         ``fail_on_conflict``: a conflict raises ``KeyConflicts`` and nothing is written.
+        ``quiet``: the batch is held, so the insert wakes no publisher (PostgreSQL: its
+        ``outbox_new`` notification is skipped; lifting the hold notifies instead).
         """
+
+    def hold(self, batch: BatchRef) -> None:
+        """Hold the batch: no publisher claims its rows until ``record_batch`` (driver side,
+        before the tasks write). Holding a held batch again is a no-op."""
+        self.conn.execute(self.HOLD, (batch.key,))
 
     @abstractmethod
     def record_batch(
         self, *, batch: BatchRef, row_count: int, rejected_count: int, release: bool = False
     ) -> bool:
-        """Record the batch in ``outbox_batches``; False when it was recorded before.
-        ``release``: make the batch's parked rows due, in the same transaction."""
+        """Record the batch in ``outbox_batches`` and lift its hold; False when it was recorded
+        before. ``release``: make the batch's parked rows due, in the same transaction."""
+
+    def discard_unrecorded(self, batch: BatchRef) -> int:
+        """Remove the rows of a batch that will not be recorded (parked, or of a held batch,
+        and never claimed); how many there were. The hold stays: a task of the failed job
+        still running (a speculative or cancelled attempt) commits into a held batch, never
+        a published one; a re-run of the batch lifts the hold when it records the batch."""
+        with self._transaction():
+            parked = self.conn.execute(self.DISCARD, (batch.key, self.PARKED)).rowcount
+            held = self.conn.execute(self.DISCARD_HELD, (batch.key, batch.key)).rowcount
+            return int(parked) + int(held)
 
     @abstractmethod
-    def discard_parked(self, batch: BatchRef) -> int:
-        """Remove the parked rows of a batch that is not recorded; how many there were."""
+    def _transaction(self) -> Any: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -223,6 +250,13 @@ def _batch_params(batch: BatchRef, row_count: int, rejected_count: int) -> tuple
     return (batch.key, batch.sink, batch.spark_batch_id, batch.query_id, row_count, rejected_count)
 
 
+_HOLD = "INSERT INTO outbox_held (batch_id) VALUES ({0}) ON CONFLICT DO NOTHING"
+_UNHOLD = "DELETE FROM outbox_held WHERE batch_id = {0}"
+#: never-claimed rows of a held batch (a row a publisher took was not held when it took it)
+_DISCARD_HELD = (
+    "DELETE FROM outbox WHERE batch_id = {0} AND status = 'pending' AND attempts = 0 "
+    "AND EXISTS (SELECT 1 FROM outbox_held WHERE batch_id = {0})"
+)
 _RECORD = (
     "INSERT INTO outbox_batches (batch_id, sink, spark_batch_id, query_id, row_count, "
     "rejected_count) VALUES ({0}, {0}, {0}, {0}, {0}, {0}) ON CONFLICT (batch_id) DO NOTHING"
@@ -263,6 +297,9 @@ class PostgresStore(Store):
     PARKED = PARKED + "+00"
     RELEASE = "UPDATE outbox SET available_at = now() WHERE batch_id = %s AND available_at = %s"
     DISCARD = "DELETE FROM outbox WHERE batch_id = %s AND available_at = %s"
+    HOLD = _HOLD.format("%s")
+    UNHOLD = _UNHOLD.format("%s")
+    DISCARD_HELD = _DISCARD_HELD.format("%s")
 
     def __init__(self, conninfo: str, *, password: str | None = None) -> None:
         if password is not None:  # a keyword overrides the conninfo's (which has none)
@@ -287,12 +324,15 @@ class PostgresStore(Store):
         rejects: Sequence[Rejected],
         first_attempt: bool,
         fail_on_conflict: bool,
+        quiet: bool = False,
     ) -> Written:
         names = _columns(layout)
         columns = ", ".join(names)
         inserted, direct, staging = 0, first_attempt, False
         conflicts: list[Conflict] = []
         with self.conn.transaction(), self.conn.cursor() as cur:
+            if quiet:  # read by the outbox_notify_new trigger (migration 0012)
+                cur.execute("SET LOCAL outbox.quiet = 'on'")
             for segment in _segments(_encoded(layout, chunks), self.SEGMENT_BYTES):
                 if direct:
                     try:
@@ -386,10 +426,12 @@ class PostgresStore(Store):
             if release:
                 cur.execute(self.RELEASE, (batch.key, self.PARKED))
             cur.execute(self.RECORD, _batch_params(batch, row_count, rejected_count))
-            return cur.rowcount == 1
+            fresh = bool(cur.rowcount == 1)
+            cur.execute(self.UNHOLD, (batch.key,))
+            return fresh
 
-    def discard_parked(self, batch: BatchRef) -> int:
-        return self.conn.execute(self.DISCARD, (batch.key, self.PARKED)).rowcount
+    def _transaction(self) -> Any:
+        return self.conn.transaction()
 
 
 def _differences(message: dict[str, Any], row: dict[str, Any]) -> tuple[str, ...]:
@@ -442,6 +484,11 @@ class SqliteStore(Store):
     BUSY_MS = 120_000
     REJECT = _REJECT.format("?")
     RECORD = _RECORD.format("?")
+    PARKED = PARKED
+    DISCARD = "DELETE FROM outbox WHERE batch_id = ? AND available_at = ?"
+    HOLD = _HOLD.format("?")
+    UNHOLD = _UNHOLD.format("?")
+    DISCARD_HELD = _DISCARD_HELD.format("?")
 
     def __init__(self, path: str) -> None:
         self.conn = sqlite3.connect(path, timeout=self.BUSY_MS / 1000, isolation_level=None)
@@ -464,6 +511,7 @@ class SqliteStore(Store):
         rejects: Sequence[Rejected],
         first_attempt: bool,
         fail_on_conflict: bool,
+        quiet: bool = False,
     ) -> Written:
         columns = _columns(layout)
         constants = [int(v) if isinstance(v, bool) else v for _, v in layout.constant]
@@ -529,14 +577,9 @@ class SqliteStore(Store):
                     (batch.key, PARKED),
                 )
             cur = self.conn.execute(self.RECORD, _batch_params(batch, row_count, rejected_count))
-            return cur.rowcount == 1
-
-    def discard_parked(self, batch: BatchRef) -> int:
-        with self._transaction():
-            cur = self.conn.execute(
-                "DELETE FROM outbox WHERE batch_id = ? AND available_at = ?", (batch.key, PARKED)
-            )
-            return cur.rowcount
+            fresh = bool(cur.rowcount == 1)
+            self.conn.execute(self.UNHOLD, (batch.key,))
+            return fresh
 
     def _transaction(self) -> _SqliteTransaction:
         return _SqliteTransaction(self.conn)

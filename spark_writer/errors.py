@@ -7,8 +7,8 @@
 
 A row whose message id the outbox holds for another message (a conflict) is a bad row too.
 Database failures are not wrapped: psycopg and sqlite3 errors propagate as they are. A failed
-batch is not recorded in ``outbox_batches``; the partitions that committed before the failure
-stay (their rows may be published already), and re-running the batch adds only what is missing.
+batch is not recorded in ``outbox_batches``. In fail mode nothing of it is published (its rows
+were held or parked, and are removed); a re-run of the batch adds only what is missing.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ class OutboxSchemaError(OutboxWriterError, ValueError):
 class OutboxDataError(OutboxWriterError, ValueError):
     """Some rows cannot go to the outbox; the batch is not recorded.
 
-    ``written`` is None when the rows were found before any write (``OutboxSink`` and
-    ``write_outbox`` check the whole batch first); otherwise the executors found them, the
-    partitions holding them wrote nothing, and the others wrote ``written`` rows.
+    The executors found them; the partitions holding them wrote nothing. ``written`` is None
+    when nothing of the batch stays in the outbox (fail mode: the batch was held, or its rows
+    parked, and they were removed); otherwise the other partitions wrote ``written`` rows.
     """
 
     def __init__(

@@ -1,8 +1,7 @@
 """What makes a row unfit for the outbox, as data: one ordered list of ``Check`` per batch.
 
-Pure: a ``StructType`` and the options in, checks out. Two engines evaluate the same list:
-``validate.annotate`` as Spark expressions on the driver, ``envelope.ArrowMapper`` with pyarrow
-in each task. A row's problem is its first failing check, so both report the same text.
+Pure: a ``StructType`` and the options in, checks out. ``envelope.ArrowMapper`` evaluates the
+list with pyarrow in each task; a row's problem is its first failing check.
 """
 
 from __future__ import annotations

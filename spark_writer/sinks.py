@@ -1,10 +1,12 @@
 """Spark-facing writers: ``OutboxSink`` for ``foreachBatch``, ``write_outbox`` for batch jobs.
 
-Each batch runs as: schema check on the driver → (fail mode) one aggregation of the rows'
-problems, and an error naming them before anything is written → one Spark job where every task
+Each batch runs as: schema check on the driver → (fail mode) the batch *held* (one row in
+``outbox_held``: no publisher claims its rows yet) → one Spark job where every task checks and
 writes its own partition in one transaction from Arrow batches, as the ``format("outbox")`` data
-source does (the same ``write_partition``) → one driver statement recording the batch in
-``outbox_batches``. Only a small result per task travels back to the driver.
+source does (the same ``write_partition``): the input is read once → one driver transaction
+recording the batch in ``outbox_batches`` and lifting the hold; or, when a task found a bad row
+in fail mode (its partition wrote nothing), the batch's rows removed and an error naming every
+problem. Only a small result per task travels back to the driver.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import pickle
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import pyarrow as pa
@@ -22,9 +25,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.window import Window
 
 from spark_writer.envelope import DIGEST, OCCURRENCE, BatchRef
-from spark_writer.errors import OutboxDataError
 from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OnInvalid, OutboxOptions
-from spark_writer.validate import check_schema, problem_counts
+from spark_writer.validate import check_schema
 from spark_writer.writer import (
     BatchResult,
     OnCommitted,
@@ -32,14 +34,17 @@ from spark_writer.writer import (
     WritePlan,
     batch_recorded,
     commit_batch,
+    discard_unrecorded,
+    hold_batch,
+    log,
     replayed_result,
     write_partition,
 )
 
-#: Persist a DataFrame read twice (fail mode's check, then the write) unless it is cached.
-#: Off: measured on 200k-row batches (a JSON file source, a generated plan), building the cache
-#: cost more than reading the batch again. Persist an expensive plan yourself before the call;
-#: a cached DataFrame is used as it is.
+#: Persist a DataFrame read twice (``write_outbox`` deriving the batch id from the content,
+#: then the write) unless it is cached. Off: measured on 200k-row batches (a JSON file source,
+#: a generated plan), building the cache cost more than reading the batch again. Persist an
+#: expensive plan yourself before the call, or pass ``batch_id``.
 PERSIST_BETWEEN_PASSES = False
 
 
@@ -106,14 +111,49 @@ class OutboxSink:
             persistent=persistent,
         )
         self.on_partition_committed = on_partition_committed
+        #: what the last batch did, and the sums over every batch this sink object wrote
+        #: (Spark's progress cannot carry them: see ``SinkTotals``)
+        self.last_result: BatchResult | None = None
+        self.totals = SinkTotals()
 
     def __call__(self, batch_df: DataFrame, batch_id: int) -> BatchResult:
         batch = BatchRef(
             sink=self.options.sink, spark_batch_id=batch_id, query_id=_query_id(batch_df)
         )
-        return run_batch(
+        result = run_batch(
             batch_df, options=self.options, batch=batch, on_committed=self.on_partition_committed
         )
+        self.last_result = result
+        self.totals.add(result)
+        return result
+
+
+@dataclass
+class SinkTotals:
+    """Sums of the ``BatchResult`` of every batch one ``OutboxSink`` wrote (driver side).
+
+    Spark reports a ``foreachBatch`` sink's ``numOutputRows`` as -1 and collects no metric a
+    ``foreachBatch`` function observes (``observe()`` inside the function reaches no
+    ``StreamingQueryProgress``: tried on PySpark 4.x), so what the writer did is here, in the
+    driver's log line per batch, and in ``outbox batches``.
+    """
+
+    batches: int = 0
+    replayed_batches: int = 0
+    rows: int = 0
+    written: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    conflicts: int = 0
+
+    def add(self, result: BatchResult) -> None:
+        self.batches += 1
+        self.replayed_batches += result.replayed
+        self.rows += result.rows
+        self.written += result.written
+        self.duplicates += result.duplicates
+        self.rejected += result.rejected
+        self.conflicts += result.conflicts
 
 
 def write_outbox(
@@ -174,7 +214,7 @@ def write_outbox(
         persistent=persistent,
     )
     check_schema(df.schema, options)
-    passes = (batch_id is None) + (on_invalid == "fail") + 1
+    passes = (batch_id is None) + 1
     with persisted(df, passes=passes) as source:
         spark_batch_id = batch_id if batch_id is not None else content_batch_id(source, sink)
         batch = BatchRef(sink=sink, spark_batch_id=spark_batch_id)
@@ -184,21 +224,39 @@ def write_outbox(
 def run_batch(
     df: DataFrame, *, options: OutboxOptions, batch: BatchRef, on_committed: OnCommitted | None
 ) -> BatchResult:
-    """Check, write every partition from its executor, then record the batch on the driver."""
+    """Write every partition from its executor (checking its rows on the way: the input is read
+    once), then record the batch on the driver. In fail mode the batch is held meanwhile, so
+    nothing of it is published unless every row of every partition was good."""
     check_schema(df.schema, options)
     if batch_recorded(options=options, batch=batch):
         return replayed_result(batch)
-    fail = options.on_invalid == "fail"
-    with persisted(df, passes=2 if fail else 1) as source:
-        if fail:
-            problems = problem_counts(source, options)
-            if problems:
-                raise OutboxDataError(batch_id=batch.key, problems=problems)
-        plan = WritePlan(options=options, schema=source.schema, batch=batch)
-        keyed = with_content_ids(source, options)
-        ready = capped(laid_out(keyed, options), options.max_connections)
+    held = options.on_invalid == "fail"
+    if held:
+        hold_batch(options=options, batch=batch)
+    plan = WritePlan(options=options, schema=df.schema, batch=batch, held=held)
+    keyed = with_content_ids(df, options)
+    ready = capped(laid_out(keyed, options), options.max_connections)
+    try:
         results = write_job(ready, plan=plan, on_committed=on_committed)
-    return commit_batch(options=options, batch=batch, results=results)
+    except BaseException:
+        if held:
+            _discard_after_failure(options, batch)
+        raise
+    return commit_batch(options=options, batch=batch, results=results, held=held)
+
+
+def _discard_after_failure(options: OutboxOptions, batch: BatchRef) -> None:
+    """The write job failed (a task error, a lost executor, a cancelled query): remove what its
+    tasks committed into the held batch, best effort (the hold keeps it unpublished either way,
+    and a re-run of the batch adds only what is missing)."""
+    try:
+        removed = discard_unrecorded(options=options, batch=batch)
+    except Exception as error:  # the database may be what failed: the rows stay held
+        log.warning("outbox batch %s: write failed; its rows stay held until the batch is "
+                    "re-run (%s)", batch.key, error)  # fmt: skip
+    else:
+        log.warning("outbox batch %s: write failed; removed the %d row(s) its tasks had "
+                    "written (held, never published)", batch.key, removed)  # fmt: skip
 
 
 def with_content_ids(df: DataFrame, options: OutboxOptions) -> DataFrame:

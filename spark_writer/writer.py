@@ -33,6 +33,9 @@ class WritePlan:
     #: write the rows parked (never due) until ``commit_batch`` releases them: all or nothing
     #: when the rows are checked only in the tasks (``format("outbox")`` in fail mode)
     park: bool = False
+    #: the driver held the batch before the tasks write (``OutboxSink`` and ``write_outbox``
+    #: in fail mode): the inserts need not wake a publisher
+    held: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,10 +138,10 @@ class _Scan:
 
 
 def _described(rejected: Rejected) -> Problem:
-    """The problem with the row named, for an error report."""
-    return Problem(
-        rejected.problem.summary, f"{rejected.problem.detail} (message id {rejected.message_id})"
-    )
+    """The problem with the row named, for an error report (its detail when it says more)."""
+    problem, where = rejected.problem, f"message id {rejected.message_id}"
+    first = where if problem.detail == problem.summary else f"{problem.detail} ({where})"
+    return Problem(problem.summary, first)
 
 
 def write_partition(
@@ -168,6 +171,7 @@ def write_partition(
                 rejects=scan.rejects,
                 first_attempt=attempt == 0,
                 fail_on_conflict=scan.fail,
+                quiet=plan.held,
             )
         except _Invalid:
             scan.drain()
@@ -226,24 +230,27 @@ def commit_batch(
     batch: BatchRef,
     results: Sequence[PartitionResult],
     parked: bool = False,
+    held: bool = False,
 ) -> BatchResult:
     """Driver side, after every task succeeded: record the batch and sum up what it did.
 
     When a task found bad rows in fail mode (its partition wrote nothing), the batch is not
-    recorded and ``OutboxDataError`` says what the other partitions wrote. ``parked``: the
-    tasks wrote their rows parked; they are released with the batch's record (one transaction),
-    or removed when the batch fails, so nothing of a failed batch is ever published.
+    recorded and ``OutboxDataError`` says what it found. ``parked`` (the tasks wrote their rows
+    parked) or ``held`` (the batch was held before the tasks wrote): the rows are released with
+    the batch's record (one transaction), or removed when the batch fails, so nothing of a
+    failed batch is ever published.
     """
     rows = sum(r.rows for r in results)
     rejected = sum(r.rejected for r in results)
     written = sum(r.inserted for r in results)
     conflicts = sum(r.conflicts for r in results)
     if any(r.invalid for r in results):
-        if parked:
-            removed = discard_parked(options=options, batch=batch)
-            log.info("outbox batch %s: removed its %d parked row(s)", batch.key, removed)
+        if parked or held:
+            removed = discard_unrecorded(options=options, batch=batch)
+            log.info("outbox batch %s: removed the %d row(s) its tasks had written", batch.key,
+                     removed)  # fmt: skip
         error = OutboxDataError(batch_id=batch.key, problems=merge_problems(results),
-                                written=None if parked else written)  # fmt: skip
+                                written=None if parked or held else written)  # fmt: skip
         log.error("outbox batch %s not recorded: %s", batch.key, error)
         raise error
     with store_for(options) as store:
@@ -277,10 +284,18 @@ def store_for(options: OutboxOptions) -> Store:
     return open_store(options.url, password_file=options.password_file)
 
 
-def discard_parked(*, options: OutboxOptions, batch: BatchRef) -> int:
-    """Remove the parked rows of a batch that will not be recorded; how many there were."""
+def hold_batch(*, options: OutboxOptions, batch: BatchRef) -> None:
+    """Hold the batch before its tasks write: no publisher claims its rows until it is
+    recorded (``commit_batch``), and ``discard_unrecorded`` removes them if it fails."""
     with store_for(options) as store:
-        return store.discard_parked(batch)
+        store.hold(batch)
+
+
+def discard_unrecorded(*, options: OutboxOptions, batch: BatchRef) -> int:
+    """Remove the never-published rows of a batch that will not be recorded (parked, or of a
+    held batch); how many there were."""
+    with store_for(options) as store:
+        return store.discard_unrecorded(batch)
 
 
 def replayed_result(batch: BatchRef) -> BatchResult:

@@ -72,7 +72,7 @@ class SnapshotCollector(Collector):
         )  # fmt: skip
         yield GaugeMetricFamily(
             "outbox_parked_rows",
-            "Pending rows parked by Spark format('outbox') batches not committed yet.",
+            "Pending rows of Spark batches in fail mode not recorded yet (held or parked).",
             value=snap.parked,
         )
         yield GaugeMetricFamily(

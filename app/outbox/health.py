@@ -53,8 +53,8 @@ def verdict(stats: OutboxStats, limits: Thresholds = Thresholds()) -> Verdict:
          limits.warn_in_flight_age, limits.crit_in_flight_age, warn, crit)  # fmt: skip
     parked_age = stats.oldest_parked_age_seconds
     if stats.parked and parked_age is not None and parked_age > limits.warn_pending_age:
-        warn.append(f"{stats.parked} rows parked by a Spark format('outbox') batch that was "
-                    f"never committed, oldest {parked_age:.0f}s (its driver died between the "
+        warn.append(f"{stats.parked} rows parked by a Spark batch in fail mode that was "
+                    f"never recorded, oldest {parked_age:.0f}s (its driver died between the "
                     "tasks and the commit?): re-run that batch to release them")  # fmt: skip
     failures = sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES)
     if failures:

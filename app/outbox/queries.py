@@ -25,6 +25,7 @@ from sqlalchemy import (
     and_,
     case,
     cast,
+    exists,
     func,
     literal,
     or_,
@@ -36,7 +37,7 @@ from sqlalchemy import (
 
 from app.outbox.content import ContentError, load_document
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.schema import audit, batches, outbox, publishers, rejects
+from app.outbox.schema import audit, batches, held, outbox, publishers, rejects
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 MAX_ROW_ID = 2**63 - 1
@@ -143,8 +144,9 @@ class OutboxStats:
     publishers: list[PublisherInfo]
     #: ``counts[CONFIRMED]`` is PostgreSQL's estimate (a large outbox), not a count
     confirmed_estimated: bool = False
-    #: pending rows parked by ``format("outbox")`` (fail mode) for a batch not committed yet;
-    #: released when it commits, removed when it fails; left by a driver that died in between
+    #: pending rows of Spark batches in fail mode not recorded yet (parked by ``format("outbox")``
+    #: or in a held batch of ``OutboxSink``/``write_outbox``); released when the batch is
+    #: recorded, removed when it fails; left by a driver that died in between
     parked: int = 0
     oldest_parked_age_seconds: float | None = None
 
@@ -227,21 +229,35 @@ PARKED_FROM = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
 
 
 def parked_rows(conn: Connection, *, now: dt.datetime) -> tuple[int, float | None]:
-    """(rows parked by the Spark data source for a batch not committed, the oldest one's age
-    in seconds): the top of ``ix_outbox_due``."""
-    parked = (outbox.c.status == Status.PENDING) & (outbox.c.available_at >= PARKED_FROM)
-    count, oldest = conn.execute(
-        select(func.count(), func.min(outbox.c.created_at)).where(parked)
-    ).one()
-    return int(count), age_seconds(oldest, now)
+    """(pending rows of Spark batches not recorded yet, the oldest one's age in seconds): rows
+    the data source parked (the top of ``ix_outbox_due``) and rows of held batches (fail mode
+    of ``OutboxSink`` and ``write_outbox``: ``outbox_held``, then ``ix_outbox_batch``)."""
+    pending = outbox.c.status == Status.PENDING
+    parked = pending & (outbox.c.available_at >= PARKED_FROM)
+    on_hold = (
+        pending
+        & (outbox.c.available_at < PARKED_FROM)
+        & outbox.c.batch_id.in_(select(held.c.batch_id))
+    )
+    count, oldest = 0, None
+    for cond in (parked, on_hold):
+        n, first = conn.execute(
+            select(func.count(), func.min(outbox.c.created_at)).where(cond)
+        ).one()
+        count += int(n)
+        if first is not None and (oldest is None or first < oldest):
+            oldest = first
+    return count, age_seconds(oldest, now)
 
 
 def oldest_ages(conn: Connection, *, now: dt.datetime) -> tuple[float | None, float | None]:
     """(age of the oldest pending row since it was created, age of the oldest in-flight row
-    since it was sent, or claimed when not sent yet), in seconds. Parked rows are not
-    waiting for a publisher: they have their own figure (:func:`parked_rows`)."""
+    since it was sent, or claimed when not sent yet), in seconds. Parked rows and rows of held
+    batches are not waiting for a publisher: they have their own figure (:func:`parked_rows`)."""
     pending = select(func.min(outbox.c.created_at)).where(
-        outbox.c.status == Status.PENDING, outbox.c.available_at < PARKED_FROM
+        outbox.c.status == Status.PENDING,
+        outbox.c.available_at < PARKED_FROM,
+        ~exists().where(held.c.batch_id == outbox.c.batch_id),
     )
     in_flight = select(func.min(_held_since())).where(outbox.c.status == Status.IN_FLIGHT)
     return (

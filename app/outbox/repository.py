@@ -43,7 +43,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from app.outbox.schema import KEY_OPEN, audit, outbox, publishers
+from app.outbox.schema import KEY_OPEN, audit, held, outbox, publishers
 from app.outbox.states import TERMINAL_FAILURES, Status, check_transition
 
 Clock = Callable[[], dt.datetime]
@@ -406,10 +406,13 @@ class OutboxRepository:
 
     def _due(self, now: dt.datetime, limit: int, *, keyed: bool) -> Select[tuple[int]]:
         """Due pending rows, oldest first: rows without an ordering key, or (``keyed``) only the
-        head of each ordering key, the first of its rows not yet confirmed or skipped."""
+        head of each ordering key, the first of its rows not yet confirmed or skipped. Never a
+        row of a held batch (``outbox_held``: a Spark batch written but not yet recorded); a
+        held head holds its key back."""
         due = (
             select(outbox.c.id)
             .where(outbox.c.status == Status.PENDING, outbox.c.available_at <= now)
+            .where(~exists().where(held.c.batch_id == outbox.c.batch_id))
             .order_by(outbox.c.available_at, outbox.c.id)
             .limit(limit)
         )

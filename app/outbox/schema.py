@@ -168,6 +168,15 @@ batches = Table(
     CheckConstraint("row_count >= 0", name="ck_outbox_batches_row_count_nonneg"),
 )
 
+#: Spark batches whose rows are written but must not be published yet (fail mode: the driver
+#: holds the batch before its tasks write, and releases it when it records the batch).
+held = Table(
+    "outbox_held",
+    metadata,
+    Column("batch_id", Text, primary_key=True),
+    Column("held_at", UTCDateTime, nullable=False, server_default=_now()),
+)
+
 rejects = Table(
     "outbox_rejects",
     metadata,

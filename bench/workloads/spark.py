@@ -3,10 +3,11 @@ and into a plain table (Spark's own JDBC writer, Debian's PostgreSQL JDBC jar).
 
 Runs in its own process (the JVM stays out of the driver): ``python -m bench.workloads.spark
 --rows N --url URL --repeats R`` prints one JSON line ``{"outbox": [...], "jdbc": [...], ...}``
-(rows/s per run), ``reject`` (``write_outbox`` in reject mode: no check pass, the input read
-once), and ``jdbc_keys`` (JDBC into a table with the outbox's primary key and unique
-``message_id``: like for like) and ``derived`` (``write_outbox`` without a key column: ids from
-each row's content, one shuffle more). The DataFrame (``id``, ``key``, a 256-character
+(rows/s per run: fail mode, the batch held while its tasks check and write it, the input
+read once), ``reject`` (``write_outbox`` in reject mode: no hold), ``jdbc_keys`` (JDBC into a
+table with the outbox's primary key and unique ``message_id``: like for like) and ``derived``
+(``write_outbox`` without a key column: ids from each row's content, one shuffle more). The
+DataFrame (``id``, ``key``, a 256-character
 ``payload``) is cached and counted before any write, so every writer is timed on the write
 alone; each run goes through the writers in turn, each into emptied tables, after one small
 untimed warm-up each. Per writer and run: CPU microseconds per row of the Spark process tree
@@ -89,7 +90,7 @@ def _reset(url: str) -> None:
         conn.execute(f"DROP TABLE IF EXISTS {JDBC_TABLE}")
         conn.execute(f"DROP TABLE IF EXISTS {JDBC_KEYS_TABLE}")
         conn.execute(KEYS_DDL)
-        conn.execute("TRUNCATE outbox, outbox_batches, outbox_rejects")
+        conn.execute("TRUNCATE outbox, outbox_batches, outbox_rejects, outbox_held")
         conn.execute("VACUUM ANALYZE outbox")
 
 

@@ -157,7 +157,8 @@ def test_bad_property_values_name_the_column_and_the_rest_is_written(
     with pytest.raises(OutboxDataError) as err:
         write_outbox(df, batch_id=1, **options(db_url))
     text = str(err.value)
-    assert "column 'prio' (priority) is outside 0..255: 1 row(s), first: id=m1" in text
+    assert "column 'prio' (priority) is outside 0..255: 1 row(s), first: prio is 300" in text
+    assert "(message id m1)" in text
     assert "column 'ttl_ms' (expiration) is outside 0..4294967295: 1 row(s)" in text
     assert "column 'corr' (correlation id) is longer than 255 bytes: 1 row(s)" in text
     result = write_outbox(df, batch_id=2, on_invalid="reject", **options(db_url))

@@ -67,7 +67,7 @@ def test_parked_rows_of_an_uncommitted_batch_are_counted_apart_and_warned_about(
         conn.execute(update(outbox).values(created_at=old))
     rc, out = status(capsys, "--check")
     assert rc == 1, out  # WARNING
-    assert "3 rows parked by a Spark format('outbox') batch that was never committed" in out
+    assert "3 rows parked by a Spark batch in fail mode that was never recorded" in out
     assert "re-run that batch to release them" in out
     rc, out = status(capsys)
     assert "parked (uncommitted)  3, oldest 1h" in out

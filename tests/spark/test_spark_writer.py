@@ -328,7 +328,7 @@ def test_nan_in_a_json_body_or_a_header_is_found_before_any_write(
             body_column="tenant", header_columns=["score"], message_id_column="id",
         )(df, 1)  # fmt: skip
     assert [(p.summary, p.rows, p.first) for p in err.value.problems] == [
-        ("header column 'score' is NaN or infinite", 1, "id=3")
+        ("header column 'score' is NaN or infinite", 1, "message id 3")
     ]
     assert dbview.counts(sqlite_url) == {"outbox": 0, "outbox_batches": 0, "outbox_rejects": 0}
 
@@ -337,7 +337,7 @@ def test_json_body_over_the_maximum_is_caught_in_the_executor(
     spark: SparkSession, pg_url: str
 ) -> None:
     # Spark cannot size the JSON the writer will make: the task finds it, its partition writes
-    # nothing, the batch is not recorded.
+    # nothing, the batch is not recorded, and the other partition's rows go with the batch.
     df = orders(spark, 20, {17: {"payload": "x" * 100}})
     with pytest.raises(OutboxDataError) as err:
         write_outbox(
@@ -347,9 +347,8 @@ def test_json_body_over_the_maximum_is_caught_in_the_executor(
     assert [(p.summary, p.rows) for p in err.value.problems] == [
         ("row JSON (body) is over the 100-byte maximum", 1)
     ]
-    written = err.value.written  # the partition without the bad row (laid out by content id)
-    assert 0 < written < 20
-    assert dbview.counts(pg_url) == {"outbox": written, "outbox_batches": 0, "outbox_rejects": 0}
+    assert err.value.written is None
+    assert dbview.counts(pg_url) == {"outbox": 0, "outbox_batches": 0, "outbox_rejects": 0}
 
 
 def test_reject_mode_writes_good_rows_and_rejects_the_bad_with_reasons(
