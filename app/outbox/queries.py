@@ -25,7 +25,6 @@ from sqlalchemy import (
     and_,
     case,
     cast,
-    exists,
     func,
     literal,
     or_,
@@ -257,7 +256,7 @@ def oldest_ages(conn: Connection, *, now: dt.datetime) -> tuple[float | None, fl
     pending = select(func.min(outbox.c.created_at)).where(
         outbox.c.status == Status.PENDING,
         outbox.c.available_at < PARKED_FROM,
-        ~exists().where(held.c.batch_id == outbox.c.batch_id),
+        outbox.c.batch_id.not_in(select(held.c.batch_id)),  # see OutboxRepository._due
     )
     in_flight = select(func.min(_held_since())).where(outbox.c.status == Status.IN_FLIGHT)
     return (
