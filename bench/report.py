@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from bench.run import RESULTS, RSS_GROWTH_LIMIT_PCT, TARGETS
+from bench.run import LATENCY_LIMITS_MS, RESULTS, RSS_GROWTH_LIMIT_PCT, TARGETS
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -44,6 +44,10 @@ def render(numbers: dict[str, float], detail: dict[str, object]) -> str:
             f"({numbers['publisher_peak_rss_mb']:.1f} → {numbers['publisher_peak_rss_mb_4x']:.1f}"
             f" MB) | {growth:+.1f} % | < {RSS_GROWTH_LIMIT_PCT:.0f} % | {met} |"
         )
+    for key, limit in LATENCY_LIMITS_MS:
+        if key in numbers:
+            met = "yes" if numbers[key] <= limit else "**no**"
+            out.append(f"| `{key}` | {numbers[key]:.1f} ms | ≤ {limit:.0f} ms | {met} |")
     failed = detail.get("failed") or {}
     assert isinstance(failed, dict)
     out += [f"\nFAILED {name}: {error}" for name, error in failed.items()]

@@ -40,11 +40,16 @@ TARGETS = [
      1.5),
     ("ratio_spark_outbox_reject_vs_jdbc_same_keys", "spark_outbox_rows_reject",
      "spark_jdbc_rows_same_keys", 1.5),
+    # the speed issue's targets: a drain near what the broker takes from the wire layer alone
+    ("ratio_drain_postgres_vs_ceiling", "drain_postgres", "diag_broker_ceiling_wire_only", 0.8),
+    ("ratio_drain_sqlite_vs_ceiling", "drain_sqlite", "diag_broker_ceiling_wire_only", 0.8),
     # ordered with 10,000 keys within a small factor of the unordered drain
     ("ratio_drain_ordered_10k_keys_vs_drain_postgres", "drain_postgres_ordered_10k_keys",
      "drain_postgres", 0.5),
 ]  # fmt: skip
 RSS_GROWTH_LIMIT_PCT = 10.0
+#: Confirm latency at 50 % of the drain rate: (key, at most)
+LATENCY_LIMITS_MS = (("confirm_latency_p50_ms", 15.0), ("confirm_latency_p99_ms", 60.0))
 
 
 def _spark(services: Services, sizes: Sizes) -> list[Measured]:
@@ -162,6 +167,10 @@ class Bench:
             ok = "yes" if growth < RSS_GROWTH_LIMIT_PCT else "NO"
             label = "publisher peak RSS growth, 4x backlog (%)"
             lines.append(f"{label:<56} {growth:>7.1f}  <{RSS_GROWTH_LIMIT_PCT:<5.0f}  {ok}")
+        for key, limit in LATENCY_LIMITS_MS:
+            if key in numbers:
+                ok = "yes" if numbers[key] <= limit else "NO"
+                lines.append(f"{key + ' (ms)':<56} {numbers[key]:>7.1f}  <={limit:<4.0f}  {ok}")
         for name, error in self.failed.items():
             lines.append(f"FAILED {name}: {error}")
         return "\n".join(lines)
