@@ -65,6 +65,14 @@ class PublisherLocked(RepositoryError):
 #: The head of every ordering key: its first row still open (not confirmed, not skipped). A
 #: loose index scan over ``ix_outbox_key_open``: one probe per open key, however many rows wait
 #: behind each head (a hot key with 100,000 waiting rows costs one probe, not 100,000).
+_NO_BITMAP = text("SET LOCAL enable_bitmapscan = off")
+#: any row holding its ordering key open: the predicate and the order of ix_outbox_key_open,
+#: so it reads the first entry of that (small) index (``LIMIT 1`` alone chose a scan of the
+#: whole table, which finds nothing when no row has a key)
+_ANY_KEY_OPEN = text(
+    f"SELECT ordering_key FROM outbox WHERE {KEY_OPEN} ORDER BY ordering_key LIMIT 1"
+)
+
 # the predicate of ix_outbox_key_open, on alias ``o`` (so the planner uses that index)
 _OPEN = KEY_OPEN.replace("ordering_key", "o.ordering_key").replace("status", "o.status")
 _KEY_HEADS = (
@@ -453,6 +461,19 @@ class OutboxRepository:
                 left = limit - len(rows)
                 if left <= 0:
                     break
+                if keyed and conn.execute(_ANY_KEY_OPEN).first() is None:
+                    # No open keyed row (a tiny partial index says so): skip the keyed claim.
+                    # Without keys PostgreSQL's plan for it, once ANALYZE has seen the outbox,
+                    # walked every due row looking for a key head: 50-330 ms per claim.
+                    continue
+                if not keyed and self.is_postgres:
+                    # This claim must walk ix_outbox_due in order and stop after ``left`` rows.
+                    # On an outbox whose statistics lag its content (a backlog written since the
+                    # last ANALYZE: a first drain, an incident's pile-up) PostgreSQL guessed ~200
+                    # due rows and chose a bitmap scan of every due row and a sort (an external
+                    # merge on disk): 25-50 ms per 500-row claim instead of 10 in all
+                    # (docs/performance.md). The keyed claim before it keeps the planner's choice.
+                    conn.execute(_NO_BITMAP)
                 stmt = self._claim_stmt(self._due(now, left, keyed=keyed))
                 rows += conn.execute(stmt.values(**values).returning(*CLAIM_COLUMNS)).all()
         claimed = [ClaimedRow(*row) for row in rows]
