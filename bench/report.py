@@ -9,7 +9,14 @@ import argparse
 import json
 import sys
 
-from bench.run import LATENCY_LIMITS_MS, RESULTS, RSS_GROWTH_LIMIT_PCT, TARGETS
+from bench.run import (
+    LATENCY_LIMITS_MS,
+    PUBLISHER_CPU_LIMIT,
+    PUBLISHER_CPU_RATIO,
+    RESULTS,
+    RSS_GROWTH_LIMIT_PCT,
+    TARGETS,
+)
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -48,6 +55,15 @@ def render(numbers: dict[str, float], detail: dict[str, object]) -> str:
         if key in numbers:
             met = "yes" if numbers[key] <= limit else "**no**"
             out.append(f"| `{key}` | {numbers[key]:.1f} ms | ≤ {limit:.0f} ms | {met} |")
+    if PUBLISHER_CPU_RATIO in numbers:
+        cpu_ratio = float(numbers[PUBLISHER_CPU_RATIO])
+        met = "yes" if cpu_ratio <= PUBLISHER_CPU_LIMIT else "**no**"
+        out.append(
+            f"| publisher CPU per row / aio-pika window CPU per message "
+            f"({numbers['drain_postgres_cpu_us_per_row_publisher']:.0f} / "
+            f"{numbers['publish_aio_pika_window_cpu_us_per_msg']:.0f} µs) | {cpu_ratio:.2f} | "
+            f"≤ {PUBLISHER_CPU_LIMIT} | {met} |"
+        )
     failed = detail.get("failed") or {}
     assert isinstance(failed, dict)
     out += [f"\nFAILED {name}: {error}" for name, error in failed.items()]

@@ -50,6 +50,9 @@ TARGETS = [
 RSS_GROWTH_LIMIT_PCT = 10.0
 #: Confirm latency at 50 % of the drain rate: (key, at most)
 LATENCY_LIMITS_MS = (("confirm_latency_p50_ms", 15.0), ("confirm_latency_p99_ms", 60.0))
+#: The publisher's CPU per confirmed row over aio-pika's windowed loop's CPU per message
+PUBLISHER_CPU_RATIO = "ratio_publisher_cpu_vs_aio_pika_window_cpu"
+PUBLISHER_CPU_LIMIT = 0.5
 
 
 def _spark(services: Services, sizes: Sizes) -> list[Measured]:
@@ -139,8 +142,15 @@ class Bench:
                 for proc in per_row[0]:
                     median = statistics.median(r[proc] for r in per_row)
                     out[f"{key}_cpu_us_per_row_{proc}"] = round(median, 2)
+            per_msg = m.extra.get("cpu_us_per_msg")
+            if per_msg:
+                out[f"{key}_cpu_us_per_msg"] = round(statistics.median(per_msg), 2)
             if m.extra.get("peak_tmp_mb"):
                 out[f"{key}_peak_tmp_mb"] = round(max(m.extra["peak_tmp_mb"]), 2)
+        mine = out.get("drain_postgres_cpu_us_per_row_publisher")
+        theirs = out.get("publish_aio_pika_window_cpu_us_per_msg")
+        if mine and theirs:  # the speed issue: at most half of what the bare loop spends
+            out[PUBLISHER_CPU_RATIO] = round(mine / theirs, 3)
         mem = self.measured.get("publisher_peak_rss_mb")
         if mem is not None:
             one, four = mem.extra["peak_rss_mb_1x"], mem.extra["peak_rss_mb_4x"]
@@ -171,6 +181,11 @@ class Bench:
             if key in numbers:
                 ok = "yes" if numbers[key] <= limit else "NO"
                 lines.append(f"{key + ' (ms)':<56} {numbers[key]:>7.1f}  <={limit:<4.0f}  {ok}")
+        if PUBLISHER_CPU_RATIO in numbers:
+            cpu_ratio = numbers[PUBLISHER_CPU_RATIO]
+            ok = "yes" if cpu_ratio <= PUBLISHER_CPU_LIMIT else "NO"
+            label = "publisher CPU/row / aio-pika window CPU/msg"
+            lines.append(f"{label:<56} {cpu_ratio:>7.2f}  <={PUBLISHER_CPU_LIMIT:<4}  {ok}")
         for name, error in self.failed.items():
             lines.append(f"FAILED {name}: {error}")
         return "\n".join(lines)
