@@ -62,9 +62,8 @@ class PublisherLocked(RepositoryError):
     """A second publisher tried to start on a SQLite outbox that another live publisher holds."""
 
 
-#: The head of every ordering key: its first row still open (not confirmed, not skipped). A
-#: loose index scan over ``ix_outbox_key_open``: one probe per open key, however many rows wait
-#: behind each head (a hot key with 100,000 waiting rows costs one probe, not 100,000).
+#: Before the unkeyed claim: walk ix_outbox_due in order, never a bitmap scan and a sort
+#: (see ``OutboxRepository.claim``).
 _NO_BITMAP = text("SET LOCAL enable_bitmapscan = off")
 #: any row holding its ordering key open: the predicate and the order of ix_outbox_key_open,
 #: so it reads the first entry of that (small) index (``LIMIT 1`` alone chose a scan of the
@@ -73,6 +72,9 @@ _ANY_KEY_OPEN = text(
     f"SELECT ordering_key FROM outbox WHERE {KEY_OPEN} ORDER BY ordering_key LIMIT 1"
 )
 
+#: The head of every ordering key: its first row still open (not confirmed, not skipped). A
+#: loose index scan over ``ix_outbox_key_open``: one probe per open key, however many rows wait
+#: behind each head (a hot key with 100,000 waiting rows costs one probe, not 100,000).
 # the predicate of ix_outbox_key_open, on alias ``o`` (so the planner uses that index)
 _OPEN = KEY_OPEN.replace("ordering_key", "o.ordering_key").replace("status", "o.status")
 _KEY_HEADS = (

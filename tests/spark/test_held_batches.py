@@ -13,6 +13,7 @@ functions (``write_partition``, ``commit_batch``) and claimed by the publisher's
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,17 +23,25 @@ import psycopg
 import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 from sqlalchemy import make_url
 
 from app.cli import main
 from app.db import make_engine
 from app.outbox.repository import OutboxRepository
-from spark_writer import OutboxDataError, OutboxOptions, OutboxSink
+from spark_writer import OutboxDataError, OutboxOptions, OutboxSink, write_outbox
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, commit_batch, hold_batch, write_partition
 from tests.spark import dbview
-from tests.spark.test_spark_writer import ORDERS, await_stream, write_order_files
+from tests.spark.test_spark_writer import (
+    ORDERS,
+    await_stream,
+    fail_on_row_25,
+    orders,
+    sink_options,
+    write_order_files,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -237,3 +246,30 @@ def test_a_held_insert_wakes_no_publisher_and_lifting_the_hold_does(pg_url: str)
         assert [n.channel for n in listener.notifies(timeout=2, stop_after=1)] == ["outbox_new"]
         commit_batch(options=options, batch=batch, results=[done], held=True)
         assert [n.channel for n in listener.notifies(timeout=2, stop_after=1)] == ["outbox_new"]
+
+
+def test_a_failed_write_job_publishes_nothing_and_its_rerun_releases_every_row(
+    spark: SparkSession, db_url: str, repo: OutboxRepository, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a bad value but a task that fails (here a UDF on row 25, both attempts): the job
+    fails, the driver removes what the other partition committed into the held batch, and a
+    partition committing after that stays held; the fixed re-run writes and releases all."""
+    df = orders(spark, 30)
+    fails_on_row_25 = F.udf(lambda payload: fail_on_row_25(payload), StringType())
+    broken = df.withColumn("payload", fails_on_row_25("payload"))
+    with (
+        caplog.at_level(logging.WARNING, logger="spark_writer"),
+        pytest.raises(Exception, match="row 25 cannot be computed"),
+    ):
+        write_outbox(broken, batch_id=4, **sink_options(db_url))
+    assert "outbox batch orders:4: write failed; removed the" in caplog.text
+    assert claimed_ids(repo) == []  # whatever partition 0 committed, before or after the removal
+    assert dbview.count(db_url, "outbox_batches") == 0
+    assert [h["batch_id"] for h in dbview.query(db_url, "SELECT batch_id FROM outbox_held")] == [
+        "orders:4"
+    ]
+
+    result = write_outbox(df, batch_id=4, **sink_options(db_url))
+    assert (result.rows, result.written + result.duplicates) == (30, 30)
+    assert dbview.count(db_url, "outbox_held") == 0
+    assert len(claimed_ids(repo)) == 30
