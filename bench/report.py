@@ -10,6 +10,7 @@ import json
 import sys
 
 from bench.run import (
+    LATENCY_FLOOR_MS,
     LATENCY_LIMITS_MS,
     PUBLISHER_CPU_LIMIT,
     PUBLISHER_CPU_RATIO,
@@ -55,6 +56,10 @@ def render(numbers: dict[str, float], detail: dict[str, object]) -> str:
         if key in numbers:
             met = "yes" if numbers[key] <= limit else "**no**"
             out.append(f"| `{key}` | {numbers[key]:.1f} ms | ≤ {limit:.0f} ms | {met} |")
+    for key in LATENCY_FLOOR_MS:
+        if key in numbers:
+            out.append(f"| `{key}`: the broker alone at that rate | {numbers[key]:.1f} ms | "
+                       "(the floor) | |")  # fmt: skip
     if PUBLISHER_CPU_RATIO in numbers:
         cpu_ratio = float(numbers[PUBLISHER_CPU_RATIO])
         met = "yes" if cpu_ratio <= PUBLISHER_CPU_LIMIT else "**no**"

@@ -50,6 +50,8 @@ TARGETS = [
 RSS_GROWTH_LIMIT_PCT = 10.0
 #: Confirm latency at 50 % of the drain rate: (key, at most)
 LATENCY_LIMITS_MS = (("confirm_latency_p50_ms", 15.0), ("confirm_latency_p99_ms", 60.0))
+#: The broker's own confirm latency at the same rate (no database, no publisher): the floor
+LATENCY_FLOOR_MS = ("diag_broker_confirm_p50_ms", "diag_broker_confirm_p99_ms")
 #: The publisher's CPU per confirmed row over aio-pika's windowed loop's CPU per message
 PUBLISHER_CPU_RATIO = "ratio_publisher_cpu_vs_aio_pika_window_cpu"
 PUBLISHER_CPU_LIMIT = 0.5
@@ -112,10 +114,21 @@ class Bench:
         self.group("ceiling", lambda: ceiling.run(s, z))
         self.group("drains", lambda: drain.run_drains(s, z))
         self.group("memory", lambda: [drain.run_memory(s, z, one_x=self._drain_rss())])
-        self.group("latency", lambda: drain.run_latency(s, z, drain_rate=self._drain_rate()))
+        self.group("latency", lambda: self._latency())
         self.group("spark", lambda: _spark(s, z))
         self.group("consume", lambda: consume.run(s, z))
         self.group("operate", lambda: operate.run(s, z))
+
+    def _latency(self) -> list[Measured]:
+        """The product's confirm latency at half the drain rate, and the broker's own at the same
+        rate (wire layer, no database): the floor under it on this machine."""
+        from bench.workloads import ceiling, drain
+
+        rate = self._drain_rate()
+        floor = ceiling.run_confirm_floor(self.services, rate_per_s=0.5 * rate,
+                                          seconds=self.sizes.latency_seconds,
+                                          warmup=drain.LATENCY_WARMUP)  # fmt: skip
+        return floor + drain.run_latency(self.services, self.sizes, drain_rate=rate)
 
     def _drain_rss(self) -> list[float] | None:
         m = self.measured.get("drain_postgres")
@@ -181,6 +194,9 @@ class Bench:
             if key in numbers:
                 ok = "yes" if numbers[key] <= limit else "NO"
                 lines.append(f"{key + ' (ms)':<56} {numbers[key]:>7.1f}  <={limit:<4.0f}  {ok}")
+        for key in LATENCY_FLOOR_MS:
+            if key in numbers:
+                lines.append(f"{key + ' (ms, the floor)':<56} {numbers[key]:>7.1f}")
         if PUBLISHER_CPU_RATIO in numbers:
             cpu_ratio = numbers[PUBLISHER_CPU_RATIO]
             ok = "yes" if cpu_ratio <= PUBLISHER_CPU_LIMIT else "NO"

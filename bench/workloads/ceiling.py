@@ -9,6 +9,7 @@ faster than the broker confirms them. Not one of the issue's keys: reported as `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from app.amqp import AMQPConnection, CloseReason, OutgoingMessage, ReturnedMessage
@@ -102,3 +103,75 @@ def _once(services: Services, n: int) -> float:
 def run(services: Services, sizes: Sizes) -> list[Measured]:
     n = 2 * sizes.publish
     return [repeat("diag_broker_ceiling_wire_only", "msg/s", lambda: _once(services, n))]
+
+
+class _Timed(_Acks):
+    """Acks with the time each delivery tag was confirmed (``multiple`` settles every tag up to
+    it); publish times are noted by the publisher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: list[float] = [0.0]  # index = delivery tag (tags start at 1)
+        self.latencies: list[float] = []
+        self._settled = 0
+
+    def _settle(self, tag: int, multiple: bool) -> None:
+        now = time.perf_counter()
+        first = self._settled + 1 if multiple else tag
+        for t in range(first, tag + 1):
+            self.latencies.append(now - self.published[t])
+        self._settled = max(self._settled, tag)
+        super()._settle(tag, multiple)
+
+
+async def _paced(services: Services, exchange: str, key: str, rate_per_s: float,
+                 seconds: float) -> list[float]:  # fmt: skip
+    """Publish at ``rate_per_s`` (a batch every 20 ms, like the latency run's producer) for
+    ``seconds``; the publish -> ack latency of every message, in seconds, in tag order."""
+    acks = _Timed()
+    conn = await AMQPConnection.connect(services.amqp_url, listener=acks, name="bench-floor")
+    try:
+        channel = await conn.open_channel(confirm=True)
+        start = time.perf_counter()
+        sent = 0
+        while (elapsed := time.perf_counter() - start) < seconds:
+            due = int(elapsed * rate_per_s) - sent
+            if due > 0:
+                props = [{"delivery_mode": 2, "message_id": f"f-{sent + i}"} for i in range(due)]
+                msgs = [OutgoingMessage(exchange, key, BODY, marshal(p)) for p in props]
+                now = time.perf_counter()
+                acks.published.extend([now] * due)
+                conn.publish_batch(channel, msgs)
+                sent += due
+                if conn.write_paused:
+                    await conn.drain()
+            await asyncio.sleep(0.02)
+        deadline = time.perf_counter() + 30
+        while acks.confirmed < sent and time.perf_counter() < deadline:
+            if acks.lost is not None:
+                raise RuntimeError(f"channel lost: {acks.lost}")
+            acks.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(acks.changed.wait(), 1.0)
+        return acks.latencies
+    finally:
+        await conn.close()
+
+
+def run_confirm_floor(services: Services, *, rate_per_s: float, seconds: float,
+                      warmup: float) -> list[Measured]:  # fmt: skip
+    """The broker's own confirm latency for this message shape at the latency run's rate, from
+    the product's wire layer with no database: the floor under ``confirm_latency_*``."""
+    with topology(services, "floor") as topo:
+        lat = asyncio.run(_paced(services, topo.exchange, topo.routing_key, rate_per_s,
+                                 warmup + seconds))  # fmt: skip
+    steady = sorted(lat[int(rate_per_s * warmup) :]) or sorted(lat)
+    p50 = steady[len(steady) // 2] * 1000
+    p99 = steady[min(len(steady) - 1, int(len(steady) * 0.99))] * 1000
+    print(f"  broker confirm latency (wire layer, no database) at {rate_per_s:,.0f} msg/s over "
+          f"{len(steady):,} messages: p50 {p50:.1f} ms, p99 {p99:.1f} ms", flush=True)  # fmt: skip
+    return [
+        Measured(key="diag_broker_confirm_p50_ms", unit="ms", runs=[p50],
+                 extra={"rate_msg_per_s": rate_per_s}),
+        Measured(key="diag_broker_confirm_p99_ms", unit="ms", runs=[p99]),
+    ]  # fmt: skip

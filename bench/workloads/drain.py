@@ -279,17 +279,32 @@ def _wait_drained(db_url: str, timeout: float) -> None:
     raise RuntimeError("latency run: the publisher did not catch up")
 
 
-def _percentiles(db_url: str, since: dt.datetime) -> tuple[float, float, int]:
-    query = (
-        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), "
-        "percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), count(*) FROM ("
-        " SELECT extract(epoch FROM confirmed_at - created_at) * 1000 AS ms FROM outbox"
-        " WHERE status = 'confirmed' AND created_at >= %(since)s) t"
-    )
+def _percentiles(db_url: str, since: dt.datetime) -> dict[str, float]:
+    """p50 and p99 in ms of created → confirmed (``total``), and of its two legs: created →
+    claimed (``claim``: the wake-up and the claim) and claimed → confirmed (``settle``: the
+    publish, the broker's confirm and the write-back)."""
+    legs = {"total": ("created_at", "confirmed_at"), "claim": ("created_at", "claimed_at"),
+            "settle": ("claimed_at", "confirmed_at")}  # fmt: skip
+    cols = ", ".join(
+        f"percentile_cont({q}) WITHIN GROUP (ORDER BY extract(epoch FROM {b} - {a}) * 1000)"
+        for a, b in legs.values() for q in (0.5, 0.99)
+    )  # fmt: skip
+    query = (f"SELECT count(*), {cols} FROM outbox "
+             "WHERE status = 'confirmed' AND created_at >= %(since)s")  # fmt: skip
     with psycopg.connect(libpq_url(db_url)) as conn:
         row = conn.execute(query, {"since": since}).fetchone()
+        # the publisher's own histogram of publish -> broker ack (bucket bounds, seconds)
+        report = conn.execute("SELECT stats FROM outbox_publishers").fetchone()
     assert row is not None
-    return float(row[0]), float(row[1]), int(row[2])
+    out = {"count": float(row[0])}
+    for i, leg in enumerate(legs):
+        out[f"{leg}_p50"], out[f"{leg}_p99"] = float(row[1 + 2 * i]), float(row[2 + 2 * i])
+    stats = report[0] if report is not None and isinstance(report[0], dict) else {}
+    for q in ("p50", "p99"):
+        value = stats.get(f"confirm_latency_{q}")
+        if value is not None:
+            out[f"broker_{q}"] = float(value) * 1000
+    return out
 
 
 def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[Measured]:
@@ -308,10 +323,16 @@ def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[
         finally:
             proc.stop()
         proc.check()
-        p50, p99, count = _percentiles(db_url, steady_from)
+        got = _percentiles(db_url, steady_from)
+    p50, p99, count = got["total_p50"], got["total_p99"], int(got["count"])
     print(f"  confirm latency at {rate:,.0f} rows/s over {count:,} rows: "
-          f"p50 {p50:.1f} ms, p99 {p99:.1f} ms", flush=True)  # fmt: skip
-    extra = {"latency_rate_rows_per_s": rate, "latency_rows": count}
+          f"p50 {p50:.1f} ms, p99 {p99:.1f} ms; created -> claimed p50 {got['claim_p50']:.1f}, "
+          f"p99 {got['claim_p99']:.1f}; claimed -> confirmed p50 {got['settle_p50']:.1f}, "
+          f"p99 {got['settle_p99']:.1f}; publish -> broker ack p50 "
+          f"{got.get('broker_p50', -1):.1f}, p99 {got.get('broker_p99', -1):.1f} "
+          "(histogram bucket bounds)", flush=True)  # fmt: skip
+    legs = {f"latency_{k}_ms": round(v, 2) for k, v in got.items() if k != "count"}
+    extra = {"latency_rate_rows_per_s": rate, "latency_rows": count, **legs}
     return [
         Measured(key="confirm_latency_p50_ms", unit="ms", runs=[p50], extra=extra),
         Measured(key="confirm_latency_p99_ms", unit="ms", runs=[p99]),
