@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=60.0, gt=0, description="Lease on claimed rows.")
     poll_interval: float = Field(default=0.2, gt=0, description="Idle wait between empty claims.")
     flush_interval: float = Field(
-        default=0.02, gt=0, description="Most delay before outcomes hit the DB."
+        default=0.002, gt=0, description="Most delay before outcomes hit the DB."
     )
     max_attempts: int = Field(default=10, ge=1, description="Default publish attempts per row.")
     backoff_base: float = Field(default=0.5, gt=0, description="First retry delay, seconds.")
