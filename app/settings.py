@@ -53,6 +53,11 @@ class Settings(BaseSettings):
     flush_interval: float = Field(
         default=0.002, gt=0, description="Most delay before outcomes hit the DB."
     )
+    synchronous_commit: bool = Field(
+        default=False,
+        description="Write-backs of outcomes wait for the disk (claims always do); off, a "
+        "database crash can undo the last ones: those rows are published again, counted.",
+    )
     max_attempts: int = Field(default=10, ge=1, description="Default publish attempts per row.")
     backoff_base: float = Field(default=0.5, gt=0, description="First retry delay, seconds.")
     backoff_max: float = Field(default=60.0, gt=0, description="Largest retry delay, seconds.")

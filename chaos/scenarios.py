@@ -494,6 +494,26 @@ async def restart_postgres(ctx: Ctx) -> None:
     ctx.note(f"PostgreSQL down and up again in {time.monotonic() - began:.1f}s")
 
 
+async def crash_postgres(ctx: Ctx) -> None:
+    """11d. Every PostgreSQL process killed at once (``kill -9``) mid-drain, then started: crash
+    recovery replays the WAL on disk, and the publisher's last write-backs (committed without
+    waiting for the disk) may be undone."""
+    await ctx.fault_now("PostgreSQL crash (kill -9 of every process)")
+    began = time.monotonic()
+    await asyncio.to_thread(ctx.services.crash_postgres)
+    await ctx.landed()
+    ctx.note(f"PostgreSQL crashed and recovered in {time.monotonic() - began:.1f}s")
+
+
+async def undone_seen(ctx: Ctx) -> None:
+    """11d: what the crash undid, from the publisher's own log."""
+    await db_errors_seen(ctx)
+    logs = "".join(p.log_text() for p in ctx.publishers)
+    undone = sum(int(n) for n in re.findall(r"(\d+) rows we had settled are in flight again", logs))
+    ctx.note(f"{undone} settled rows were in flight again after the crash (undone write-backs), "
+             "released as possible duplicates")  # fmt: skip
+
+
 async def lose_commit_reply(ctx: Ctx) -> None:
     """11c. The connection to PostgreSQL breaks right after a claim's COMMIT reached the server:
     the rows are claimed (in_flight, leased to this publisher) but the publisher never got them."""
@@ -658,6 +678,14 @@ SCENARIOS: list[Scenario] = [
         "the outbox database going away and back: the publisher waits and goes on",
         restart_postgres,
         verify=db_errors_seen,
+    ),
+    Scenario(
+        "11d",
+        "PostgreSQL crash (kill -9 of every process) mid-drain",
+        "write-backs that did not wait for the disk and were undone by the crash only re-publish: "
+        "every duplicate is counted, nothing is lost",
+        crash_postgres,
+        verify=undone_seen,
     ),
     Scenario(
         "11c",

@@ -133,6 +133,11 @@ class PrivateServices:
         self._script("stop", "postgres", timeout=120)
         self._script("start", "postgres")
 
+    def crash_postgres(self) -> None:
+        """``kill -9`` of every PostgreSQL process at once, then a start (crash recovery)."""
+        self._script("crash", "postgres", timeout=60)
+        self._script("start", "postgres")
+
     # ------------------------------------------------------------ the broker process
 
     @property

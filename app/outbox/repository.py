@@ -235,6 +235,10 @@ CLAIM_COLUMNS = (
 )  # fmt: skip
 
 
+#: This transaction's commit does not wait for the disk (the publisher's outcomes only).
+_ASYNC_COMMIT = text("SET LOCAL synchronous_commit TO off")
+
+
 class OutboxRepository:
     """All reads and writes of outbox rows that change their state."""
 
@@ -245,18 +249,36 @@ class OutboxRepository:
         self._local = threading.local()
 
     @contextmanager
-    def unit_of_work(self) -> Iterator[None]:
+    def unit_of_work(self, *, durable: bool = True) -> Iterator[None]:
         """Run the calls inside in one transaction (one commit): a publisher writes all the
-        outcomes of one flush this way. Nested units join the outer one."""
+        outcomes of one flush this way. Nested units join the outer one.
+
+        ``durable=False``: the commit returns before its WAL reaches the disk (PostgreSQL
+        ``synchronous_commit = off`` for this transaction; SQLite ``synchronous = NORMAL`` in
+        WAL mode, for it alone). A database crash may undo it whole, never tear it: only for
+        writes whose loss re-publishes rather than loses (the publisher's outcomes,
+        docs/guarantees.md section 1)."""
         if getattr(self._local, "conn", None) is not None:
             yield
             return
-        with self.engine.begin() as conn:
-            self._local.conn = conn
+        sqlite_relaxed = not durable and not self.is_postgres
+        with self.engine.connect() as conn:
+            if sqlite_relaxed:  # a connection setting, outside the transaction
+                conn.exec_driver_sql("PRAGMA synchronous=NORMAL")
+                conn.commit()
             try:
-                yield
+                with conn.begin():
+                    if not durable and self.is_postgres:
+                        conn.execute(_ASYNC_COMMIT)
+                    self._local.conn = conn
+                    try:
+                        yield
+                    finally:
+                        self._local.conn = None
             finally:
-                self._local.conn = None
+                if sqlite_relaxed:
+                    conn.exec_driver_sql("PRAGMA synchronous=FULL")
+                    conn.commit()
 
     @contextmanager
     def _begin(self) -> Iterator[Connection]:

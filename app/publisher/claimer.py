@@ -24,6 +24,8 @@ from app.settings import Settings
 log = logging.getLogger("app.publisher")
 
 ORPHAN_ERROR = "claimed by a claim whose result was lost: released unpublished"
+UNDONE_ERROR = ("settled by a write-back that a database crash undid: published, so the next "
+                "publish may be a duplicate")  # fmt: skip
 
 
 @dataclass
@@ -37,6 +39,7 @@ class ClaimerParts:
     metrics: PublisherMetrics
     accepted: Callable[[], None]  # wake the sender
     clock: Callable[[], float]
+    undoable: Callable[[], frozenset[int]] = frozenset  # rows settled by not-yet-durable commits
 
 
 class Claimer:
@@ -45,6 +48,7 @@ class Claimer:
         self.room = Signal()
         self.stopped = False
         self.orphans_possible = False
+        self._failures_seen = 0  # DB thread failures already followed by an orphan check
 
     async def run(self) -> None:
         p, s = self.p, self.p.settings
@@ -66,7 +70,7 @@ class Claimer:
     async def _claim(self, limit: int) -> list[ClaimedRow] | None:
         p, s = self.p, self.p.settings
         try:
-            if self.orphans_possible:
+            if self.orphans_suspected():
                 await self.release_orphans()
             started = time.perf_counter()
             rows = await p.db.call(p.repo.claim, owner=p.owner, limit=limit,
@@ -84,20 +88,42 @@ class Claimer:
             p.accepted()
         return rows
 
+    def orphans_suspected(self) -> bool:
+        """A claim failed (it may have leased rows unseen), or any database call failed since
+        the last check (a database crash may have undone our last write-backs that did not wait
+        for the disk, putting settled rows back in flight under our lease)."""
+        return self.orphans_possible or self.p.db.failures != self._failures_seen
+
     async def release_orphans(self) -> None:
         """Give back rows leased to this publisher that it does not hold (never published)."""
         p = self.p
-        released = await p.db.call(self._write_orphans, held=frozenset(p.holdings.held))
+        failures = p.db.failures
+        unseen, undone = await p.db.call(self._write_orphans, held=frozenset(p.holdings.held),
+                                         undoable=p.undoable())  # fmt: skip
         self.orphans_possible = False
-        if released:
-            p.metrics.released += released
-            log.warning("released %d rows a failed claim had leased to us unseen", released)
+        self._failures_seen = failures
+        if unseen:
+            p.metrics.released += unseen
+            log.warning("released %d rows a failed claim had leased to us unseen", unseen)
+        if undone:
+            p.metrics.lost_confirms += undone
+            log.warning("%d rows we had settled are in flight again (a database crash undid the "
+                        "write-back): released to be published again, each a possible duplicate",
+                        undone)  # fmt: skip
 
-    def _write_orphans(self, *, held: frozenset[int]) -> int:
+    def _write_orphans(self, *, held: frozenset[int], undoable: frozenset[int]) -> tuple[int, int]:
         """DB thread. Safe only between claims: every row a finished claim returned is in
-        ``held`` (settled rows have left ``in_flight`` before their ids leave ``held``)."""
+        ``held`` (settled rows have left ``in_flight`` before their ids leave ``held``).
+        Returns (rows released unpublished, rows released as possible duplicates)."""
         p = self.p
         orphans = [i for i in p.repo.leased_ids(owner=p.owner) if i not in held]
         if not orphans:
-            return 0
-        return p.repo.release(owner=p.owner, ids=orphans, lost=False, error=ORPHAN_ERROR)
+            return 0, 0
+        undone = [i for i in orphans if i in undoable]
+        unseen = [i for i in orphans if i not in undoable]
+        with p.repo.unit_of_work():
+            released = p.repo.release(owner=p.owner, ids=unseen, lost=False,
+                                      error=ORPHAN_ERROR) if unseen else 0  # fmt: skip
+            lost = p.repo.release(owner=p.owner, ids=undone, lost=True,
+                                  error=UNDONE_ERROR) if undone else 0  # fmt: skip
+        return released, lost

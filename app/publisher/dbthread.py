@@ -22,6 +22,7 @@ class DbThread:
         self._executor: ThreadPoolExecutor | None = None
         self.last_ok: float | None = None  # monotonic time of the last successful call
         self.last_error: str | None = None
+        self.failures = 0  # calls that raised, ever: a claimer compares it (lost commits)
 
     def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-db")
@@ -35,6 +36,7 @@ class DbThread:
         try:
             result = await loop.run_in_executor(self._executor, functools.partial(fn, **kwargs))
         except Exception as exc:
+            self.failures += 1
             self.last_error = f"{type(exc).__name__}"
             raise
         self.last_ok = time.monotonic()

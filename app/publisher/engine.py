@@ -107,7 +107,7 @@ class Publisher:
         self.claimer = Claimer(ClaimerParts(
             settings=settings, repo=repository, db=self.db, owner=self.publisher_id,
             holdings=self.holdings, session=self.session, metrics=self.metrics,
-            accepted=self.sender.work.set, clock=clock,
+            accepted=self.sender.work.set, clock=clock, undoable=self.writeback.undoable,
         ))  # fmt: skip
         self.listener = Listener(url=settings.database_url.get_secret_value(),
                                  wake=self.claimer.room.set)  # fmt: skip
@@ -238,7 +238,7 @@ class Publisher:
         await _finish(tasks["claimer"])
         if "listener" in tasks:
             tasks["listener"].cancel()  # it may sit in a 5 s wait for notifications
-        if self.claimer.orphans_possible:
+        if self.claimer.orphans_suspected():
             with contextlib.suppress(Exception):
                 await self.claimer.release_orphans()
         await self.session.cancel_helpers()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,10 @@ log = logging.getLogger("app.publisher")
 
 #: The longest the loop sleeps with nothing to write (it re-checks due tag notes after it).
 IDLE_CHECK = 0.25
+#: How long the ids of a write-back committed without waiting for the disk are remembered: a
+#: database crash can undo such a commit only until its WAL is flushed, within 3 x
+#: ``wal_writer_delay`` (PostgreSQL's default: 600 ms), or by any durable commit before that.
+UNDO_HORIZON = 2.0
 RETRY_PAUSE = 1.0
 _Facts = list[tuple[int, tuple[int, int, object] | None]]
 
@@ -58,6 +63,8 @@ class Writeback:
         self.out = Outcomes()
         self.wake = Signal()
         self.stopped = False
+        # (when, ids) of recent write-backs a database crash could still undo (not durable)
+        self._undoable: deque[tuple[float, list[int]]] = deque()
 
     def buffer(self) -> Outcomes:
         return self.out
@@ -103,9 +110,23 @@ class Writeback:
             return False
         p.metrics.flush_seconds.observe(time.perf_counter() - started)
         self._count(written)
+        if not p.settings.synchronous_commit:
+            self._remember_undoable(list(out.settled_ids()))
         p.holdings.forget(out.settled_ids())
         p.freed()
         return True
+
+    def _remember_undoable(self, ids: list[int]) -> None:
+        now = self.p.clock()
+        self._undoable.append((now, ids))
+        while self._undoable and self._undoable[0][0] < now - UNDO_HORIZON:
+            self._undoable.popleft()
+
+    def undoable(self) -> frozenset[int]:
+        """Rows this publisher settled in commits that did not wait for the disk, within
+        :data:`UNDO_HORIZON`: a database crash may have put them back in ``in_flight`` under our
+        lease. Published and settled, so a re-publish of one may be a duplicate."""
+        return frozenset(i for _, ids in self._undoable for i in ids)
 
     def _count(self, w: Written) -> None:
         m = self.p.metrics
@@ -123,7 +144,7 @@ class Writeback:
 
     def _write(self, *, out: Outcomes, facts: _Facts, returned: _Facts) -> Written:
         """The whole write-back in one transaction (one commit)."""
-        with self.p.repo.unit_of_work():
+        with self.p.repo.unit_of_work(durable=self.p.settings.synchronous_commit):
             return self._write_all(out, facts, returned)
 
     def _write_all(self, out: Outcomes, facts: _Facts, returned_facts: _Facts) -> Written:

@@ -161,6 +161,27 @@ stop_postgres() {
   pg_run "$PG_BIN/pg_ctl" -D "$data" -m fast -w -t 60 stop >/dev/null || true
 }
 
+crash_postgres() {  # kill -9 of the postmaster and every backend at once (the fault matrix):
+  # no shutdown checkpoint, WAL buffers not yet written are gone; the next start recovers
+  local data; data=$(pg_dir)
+  [ -f "$data/postmaster.pid" ] || { log "postgresql: not started by this script"; return 1; }
+  local pid all p; pid=$(head -1 "$data/postmaster.pid")
+  kill -STOP "$pid"  # no new backend forks between the listing and the kill
+  all="$(pgrep -P "$pid" | tr '\n' ' ')$pid"
+  log "crashing postgresql (kill -9 of $all)"
+  # shellcheck disable=SC2086
+  kill -9 $all 2>/dev/null || true
+  local deadline=$((SECONDS + 30))
+  for p in $all; do  # gone, or a zombie not yet reaped
+    while [ -d "/proc/$p" ] && ! grep -q '^State:.Z' "/proc/$p/status" 2>/dev/null; do
+      [ $SECONDS -lt $deadline ] || { log "postgresql: pid $p survived kill -9"; return 1; }
+      sleep 0.05
+    done
+  done
+  # stale lock files: a zombie postmaster not yet reaped would still pass their pid check
+  rm -f "$data/postmaster.pid" "$data/.s.PGSQL.$PG_PORT.lock"
+}
+
 print_env() {  # OUTBOX_KEEP=1: variables already set win over the local defaults
   local amqp=amqp://guest:guest@127.0.0.1:$AMQP_PORT/
   local db=postgresql+psycopg://outbox:outbox@127.0.0.1:$PG_PORT/outbox
@@ -182,8 +203,9 @@ case "${1:-}" in
     case $what in all) start_rabbitmq; start_postgres;; rabbitmq) start_rabbitmq;; postgres) start_postgres;; esac ;;
   stop)
     case $what in all) stop_rabbitmq; stop_postgres;; rabbitmq) stop_rabbitmq;; postgres) stop_postgres;; esac ;;
+  crash) [ "$what" = postgres ] || { echo "usage: $0 crash postgres" >&2; exit 2; }; crash_postgres ;;
   status) status ;;
   env) print_env ;;
   ctl) shift; rmq_env; exec "$RMQ_BIN/rabbitmqctl" -n "$NODE" "$@" ;;
-  *) echo "usage: $0 start|stop [all|rabbitmq|postgres] | status | env | ctl ARGS…" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop [all|rabbitmq|postgres] | crash postgres | status | env | ctl ARGS…" >&2; exit 2 ;;
 esac

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime as dt
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -13,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, make_url, select
+from sqlalchemy import Engine, make_url, select, update
 from sqlalchemy.exc import OperationalError
 
 from app.db import make_engine
 from app.outbox.repository import ClaimedRow, OutboxRepository
-from app.outbox.schema import publishers
+from app.outbox.schema import outbox, publishers
 from app.publisher import Publisher
 from tests.conftest import services_env
 from tests.factories import add_rows
@@ -163,6 +164,88 @@ async def test_rows_of_a_claim_whose_result_was_lost_are_released(
     assert all(r.attempts == 2 for r in orphans)
     seen = await consume_ids(amqp_url, topology["queue"], expect=300)
     assert set(seen) == set(ids) and set(seen.values()) == {1}
+
+
+class _CrashUndoesAWriteback(OutboxRepository):
+    """The real repository, except that a database crash is acted out around the first
+    write-back that confirms rows: its commit (one that did not wait for the disk) is undone,
+    so those rows are ``in_flight`` under our lease again, as the claim left them; then the
+    publisher's next database call fails, whichever it is, as the first call on a connection
+    to a crashed server does. Chaos scenario 11d crashes a real PostgreSQL, but cannot make a
+    crash land on such a commit."""
+
+    undone: list[int] = []
+    failed = False
+    owner = ""
+
+    def _crashed(self) -> None:
+        if self.undone and not self.failed:
+            self.failed = True
+            raise OperationalError("BEGIN", {}, Exception("server closed the connection"))
+
+    @contextlib.contextmanager
+    def unit_of_work(self, *, durable: bool = True) -> Iterator[None]:
+        self._crashed()
+        before = set(self.confirmed_ids())
+        with super().unit_of_work(durable=durable):
+            yield
+        if not durable and not self.undone:
+            self.undone = sorted(set(self.confirmed_ids()) - before)
+            with self.engine.begin() as conn:
+                conn.execute(update(outbox).where(outbox.c.id.in_(self.undone)).values(
+                    status="in_flight", confirmed_at=None, lease_owner=self.owner,
+                    lease_until=self.clock() + dt.timedelta(seconds=60)))  # fmt: skip
+
+    def claim(self, **kwargs: Any) -> list[ClaimedRow]:
+        self._crashed()
+        return super().claim(**kwargs)
+
+    def heartbeat(self, **kwargs: Any) -> Any:
+        self._crashed()
+        return super().heartbeat(**kwargs)
+
+    def count_open(self) -> int:
+        self._crashed()
+        return super().count_open()
+
+    def confirmed_ids(self) -> list[int]:
+        with self.engine.connect() as conn:
+            return list(conn.execute(select(outbox.c.id).where(outbox.c.status == "confirmed"))
+                        .scalars())  # fmt: skip
+
+
+async def test_write_back_undone_by_a_database_crash_is_republished_and_counted(
+    db_url: str, amqp_url: str, topology: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Write-backs commit without waiting for the disk (``synchronous_commit`` off, the
+    default). A crash that undoes one leaves rows we settled in flight under our lease; after
+    any failed database call the publisher finds them, releases them as possible duplicates and
+    publishes them again: nothing stranded, every duplicate counted (docs/guarantees.md)."""
+    engine = make_engine(db_url)
+    try:
+        ids = add_rows(engine, n=300, exchange=topology["exchange"], routing_key="rk")
+        settings = settings_for(db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300,
+                                lease_seconds=60.0)  # fmt: skip
+        repo = _CrashUndoesAWriteback(engine)
+        publisher = Publisher(settings=settings, repository=repo)
+        repo.owner = publisher.publisher_id
+        async with asyncio.timeout(30):  # the lease is 60 s: expiry cannot be what frees them
+            stats = await publisher.run(until_empty=True)
+        final = rows(engine)
+    finally:
+        engine.dispose()
+    undone = set(repo.undone)
+    assert undone and repo.failed
+    assert stats.confirmed == 300 + len(undone)  # settled twice: the crash undid the first
+    assert all(r.status == "confirmed" for r in final)
+    assert {r.id for r in final if r.lost_confirms == 1} == undone
+    assert all(r.lost_confirms == 0 for r in final if r.id not in undone)
+    assert f"{len(undone)} rows we had settled are in flight again" in caplog.text
+    assert publisher.metrics.lost_confirms == len(undone)
+    seen = await consume_ids(amqp_url, topology["queue"], expect=300 + len(undone))
+    assert set(seen) == set(ids)
+    by_id = {r.message_id: r.id for r in final}
+    assert {m for m, n in seen.items() if n == 2} == {m for m, i in by_id.items() if i in undone}
 
 
 async def test_reject_publish_nacks_retry_until_the_queue_drains(
