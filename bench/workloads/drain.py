@@ -284,7 +284,8 @@ def _percentiles(db_url: str, since: dt.datetime) -> dict[str, float]:
     claimed (``claim``: the wake-up and the claim) and claimed → confirmed (``settle``: the
     publish, the broker's confirm and the write-back)."""
     legs = {"total": ("created_at", "confirmed_at"), "claim": ("created_at", "claimed_at"),
-            "settle": ("claimed_at", "confirmed_at")}  # fmt: skip
+            "settle": ("claimed_at", "confirmed_at"), "publish": ("claimed_at", "published_at"),
+            "ack": ("published_at", "confirmed_at")}  # fmt: skip
     cols = ", ".join(
         f"percentile_cont({q}) WITHIN GROUP (ORDER BY extract(epoch FROM {b} - {a}) * 1000)"
         for a, b in legs.values() for q in (0.5, 0.99)
@@ -328,7 +329,9 @@ def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[
     print(f"  confirm latency at {rate:,.0f} rows/s over {count:,} rows: "
           f"p50 {p50:.1f} ms, p99 {p99:.1f} ms; created -> claimed p50 {got['claim_p50']:.1f}, "
           f"p99 {got['claim_p99']:.1f}; claimed -> confirmed p50 {got['settle_p50']:.1f}, "
-          f"p99 {got['settle_p99']:.1f}; publish -> broker ack p50 "
+          f"p99 {got['settle_p99']:.1f} (claimed -> published p50 {got['publish_p50']:.1f}, p99 "
+          f"{got['publish_p99']:.1f}; published -> confirmed written p50 {got['ack_p50']:.1f}, "
+          f"p99 {got['ack_p99']:.1f}); publish -> broker ack p50 "
           f"{got.get('broker_p50', -1):.1f}, p99 {got.get('broker_p99', -1):.1f} "
           "(histogram bucket bounds)", flush=True)  # fmt: skip
     legs = {f"latency_{k}_ms": round(v, 2) for k, v in got.items() if k != "count"}
