@@ -110,22 +110,25 @@ class Writeback:
             return False
         p.metrics.flush_seconds.observe(time.perf_counter() - started)
         self._count(written)
+        settled = list(out.settled_ids())
         if not p.settings.synchronous_commit:
-            self._remember_undoable(list(out.settled_ids()))
-        p.holdings.forget(out.settled_ids())
+            self._undoable.append((p.clock(), settled))
+            self._forget_durable()
+        p.holdings.forget(settled)
         p.freed()
         return True
 
-    def _remember_undoable(self, ids: list[int]) -> None:
-        now = self.p.clock()
-        self._undoable.append((now, ids))
-        while self._undoable and self._undoable[0][0] < now - UNDO_HORIZON:
+    def _forget_durable(self) -> None:
+        """Drop the write-backs older than :data:`UNDO_HORIZON`: on disk by now."""
+        oldest = self.p.clock() - UNDO_HORIZON
+        while self._undoable and self._undoable[0][0] < oldest:
             self._undoable.popleft()
 
     def undoable(self) -> frozenset[int]:
         """Rows this publisher settled in commits that did not wait for the disk, within
         :data:`UNDO_HORIZON`: a database crash may have put them back in ``in_flight`` under our
         lease. Published and settled, so a re-publish of one may be a duplicate."""
+        self._forget_durable()  # after an idle spell the last write-backs are durable too
         return frozenset(i for _, ids in self._undoable for i in ids)
 
     def _count(self, w: Written) -> None:
