@@ -446,11 +446,7 @@ class OutboxRepository:
         held head holds its key back."""
         due = (
             select(outbox.c.id)
-            # 'pending' written into the statement, not bound: a prepared claim's generic plan
-            # (psycopg prepares it on its fifth run; PostgreSQL may keep that plan for good)
-            # can use ix_outbox_due only if its predicate is provable without the parameters
-            .where(outbox.c.status == literal(Status.PENDING.value, literal_execute=True))
-            .where(outbox.c.available_at <= now)
+            .where(outbox.c.status == self._pending(keyed), outbox.c.available_at <= now)
             # NOT IN, not NOT EXISTS: PostgreSQL cannot turn it into an anti-join, so the plan
             # stays the walk of ix_outbox_due with the (few) held batch ids hashed once per
             # statement, whatever it guesses about outbox_held (never analysed, it guessed 1,200
@@ -464,6 +460,19 @@ class OutboxRepository:
         else:
             due = due.where(outbox.c.ordering_key.is_(None))
         return due.with_for_update(skip_locked=True) if self.is_postgres else due
+
+    @staticmethod
+    def _pending(keyed: bool) -> Any:
+        """'pending' for the claim's status test. Unkeyed: written into the statement, so a
+        prepared claim's generic plan (psycopg prepares it on its fifth run; PostgreSQL may keep
+        that plan until the next ANALYZE) can prove ix_outbox_due's predicate and walk it.
+        Keyed: bound. Written in, it let the keyed claim's generic plan walk ix_outbox_due and
+        join every row to the materialised key heads (5.5 million comparisons for 2,000 rows,
+        400-780 ms per claim: 2,450-4,859 rows/s in 5 of 11 runs with 10,000 keys). Bound, the
+        plan starts from the key heads (8,707-9,399 rows/s in 8 of 8 runs)."""
+        if keyed:
+            return Status.PENDING
+        return literal(Status.PENDING.value, literal_execute=True)
 
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedRow]:
         """Take up to ``limit`` due rows, oldest first, into ``in_flight`` under a lease.
