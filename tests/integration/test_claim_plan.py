@@ -17,28 +17,17 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
-from app.db import make_engine
 from app.outbox.repository import OutboxRepository
 from tests.integration.test_large_outbox import _nodes, captured
 
 NOW = dt.datetime(2026, 11, 25, 12, 0, tzinfo=dt.UTC)
 SMALL, BACKLOG, CLAIM = 50, 20_000, 200
-
-
-@pytest.fixture
-def engine_pg(pg_url: str) -> Iterator[Engine]:
-    engine = make_engine(pg_url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
 
 
 def add(engine: Engine, first: int, last: int) -> None:
@@ -52,12 +41,10 @@ def add(engine: Engine, first: int, last: int) -> None:
         """), {"now": NOW, "first": first, "last": last})  # fmt: skip
 
 
-def generic_plan(
-    engine: Engine, sent: list[tuple[str, Any]], *, settings: bool
-) -> list[dict[str, Any]]:
+def generic_plan(engine: Engine, sent: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     """The plan nodes of the claim's generic plan: the plan PostgreSQL keeps for a prepared
-    statement (psycopg prepares the claim on its fifth run). Planned after the statements sent
-    before the claim in its transaction (``settings``), or alone."""
+    statement (psycopg prepares the claim on its fifth run), planned after the settings the
+    claim's transaction sends before it."""
     claim, parameters = next((s, p) for s, p in sent if s.lstrip().upper().startswith("WITH"))
     names: list[str] = []  # psycopg's %(name)s -> $n, in order of first appearance
 
@@ -67,10 +54,9 @@ def generic_plan(
         return f"${names.index(match[1]) + 1}"
 
     with engine.begin() as conn:
-        if settings:
-            for statement, params in sent:
-                if "set_config" in statement:
-                    conn.exec_driver_sql(statement, params)
+        for statement, params in sent:
+            if "set_config" in statement:
+                conn.exec_driver_sql(statement, params)
         conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
         # PREPARE and EXECUTE with literal arguments: the client-side cursor interpolates them
         cur = psycopg.ClientCursor(conn.connection.driver_connection)  # type: ignore[arg-type]
@@ -95,26 +81,27 @@ def walks_the_due_index(nodes: list[dict[str, Any]]) -> bool:
     )
 
 
-def test_the_claim_walks_the_due_index_at_any_size_of_the_outbox(engine_pg: Engine) -> None:
-    repo = OutboxRepository(engine_pg, clock=lambda: NOW)
-    add(engine_pg, 1, SMALL)
-    with engine_pg.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_the_claim_walks_the_due_index_at_any_size_of_the_outbox(engine: Engine) -> None:
+    repo = OutboxRepository(engine, clock=lambda: NOW)
+    add(engine, 1, SMALL)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("ANALYZE outbox"))
-    first, sent = captured(engine_pg, lambda: repo.claim(owner="p1", limit=10,
-                                                         lease_seconds=30))  # fmt: skip
+    first, sent = captured(engine, lambda: repo.claim(owner="p1", limit=10,
+                                                      lease_seconds=30))  # fmt: skip
     assert [r.id for r in first] == list(range(1, 11))
     # as the product sends it, the claim's generic plan walks the index
-    assert walks_the_due_index(generic_plan(engine_pg, sent, settings=True))
+    assert walks_the_due_index(generic_plan(engine, sent))
     # the hazard: with 'pending' bound as a parameter, as it was, the generic plan cannot use
     # ix_outbox_due (its predicate is not provable) and reads the whole table and sorts it
     bound = [(s.replace("outbox.status = 'pending'", "outbox.status = %(due_status)s::VARCHAR"),
               {**p, "due_status": "pending"}) for s, p in sent]  # fmt: skip
     assert bound != sent
-    kinds = {n["Node Type"] for n in generic_plan(engine_pg, bound, settings=True)}
+    kinds = {n["Node Type"] for n in generic_plan(engine, bound)}
     assert "Sort" in kinds and "Seq Scan" in kinds, kinds
 
-    add(engine_pg, SMALL + 1, SMALL + BACKLOG)  # a backlog arrives; no ANALYZE since
-    claimed, sent = captured(engine_pg, lambda: repo.claim(owner="p1", limit=CLAIM,
-                                                           lease_seconds=30))  # fmt: skip
+    add(engine, SMALL + 1, SMALL + BACKLOG)  # a backlog arrives; no ANALYZE since
+    claimed, sent = captured(engine, lambda: repo.claim(owner="p1", limit=CLAIM,
+                                                        lease_seconds=30))  # fmt: skip
     assert [r.id for r in claimed] == list(range(11, CLAIM + 11))  # the oldest, in order
-    assert walks_the_due_index(generic_plan(engine_pg, sent, settings=True))
+    assert walks_the_due_index(generic_plan(engine, sent))
