@@ -51,8 +51,9 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=60.0, gt=0, description="Lease on claimed rows.")
     poll_interval: float = Field(default=0.2, gt=0, description="Idle wait between empty claims.")
     flush_interval: float = Field(
-        default=0.002, gt=0, description="Most delay before outcomes hit the DB."
-    )
+        default=0.0, ge=0, le=10, description="Wait after an outcome before writing it, so more "
+        "gather (0: at once; under load they gather while the previous write-back runs).",
+    )  # fmt: skip
     synchronous_commit: bool = Field(
         default=False,
         description="Write-backs of outcomes wait for the disk (claims always do); off, a "

@@ -25,6 +25,7 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Engine,
+    Integer,
     Select,
     Text,
     and_,
@@ -250,6 +251,7 @@ class OutboxRepository:
         self.clock = clock
         self.dialect = engine.dialect.name
         self._local = threading.local()
+        self._claims: dict[bool, Any] = {}  # the claim statements, keyed and not, built once
 
     @contextmanager
     def unit_of_work(self, *, durable: bool = True) -> Iterator[None]:
@@ -439,7 +441,7 @@ class OutboxRepository:
 
     # ---------------------------------------------------------------- hot path
 
-    def _due(self, now: dt.datetime, limit: int, *, keyed: bool) -> Select[tuple[int]]:
+    def _due(self, now: Any, limit: Any, *, keyed: bool) -> Select[tuple[int]]:
         """Due pending rows, oldest first: rows without an ordering key, or (``keyed``) only the
         head of each ordering key, the first of its rows not yet confirmed or skipped. Never a
         row of a held batch (``outbox_held``: a Spark batch written but not yet recorded); a
@@ -489,12 +491,8 @@ class OutboxRepository:
         """
         check_transition(Status.PENDING, Status.IN_FLIGHT)
         now = self.clock()
-        values = {
-            "status": Status.IN_FLIGHT, "lease_owner": owner,
-            "lease_until": now + dt.timedelta(seconds=lease_seconds),
-            "attempts": outbox.c.attempts + 1, "channel_id": None, "delivery_tag": None,
-            "claimed_at": now,
-        }  # fmt: skip
+        params = {"claim_now": now, "claim_owner": owner,
+                  "claim_until": now + dt.timedelta(seconds=lease_seconds)}  # fmt: skip
         rows: list[Any] = []
         with self._begin() as conn:
             for keyed in (True, False):
@@ -520,17 +518,36 @@ class OutboxRepository:
                     # is the only plan without a penalty, custom or generic. The keyed claim
                     # before it keeps the planner's choice.
                     conn.execute(_WALK_DUE_INDEX)
-                stmt = self._claim_stmt(self._due(now, left, keyed=keyed))
-                rows += conn.execute(stmt.values(**values).returning(*CLAIM_COLUMNS)).all()
+                stmt = self._claim_statement(keyed)
+                rows += conn.execute(stmt, {**params, "claim_limit": left}).all()
         claimed = [ClaimedRow(*row) for row in rows]
         claimed.sort(key=lambda r: r.id)
         return claimed
 
-    def _claim_stmt(self, due: Select[tuple[int]]) -> Any:
+    def _claim_statement(self, keyed: bool) -> Any:
+        """The claim, built once per repository and kind, its values bound: building it and
+        its cache key for every claim cost about 0.4 ms of Python, on the claim's path."""
+        stmt = self._claims.get(keyed)
+        if stmt is not None:
+            return stmt
+        now = bindparam("claim_now", type_=outbox.c.available_at.type)
+        due = self._due(now, bindparam("claim_limit", type_=Integer), keyed=keyed)
         if self.is_postgres:
             cte = due.cte("due")
-            return update(outbox).where(outbox.c.id == cte.c.id)
-        return update(outbox).where(outbox.c.id.in_(due.scalar_subquery()))
+            stmt = update(outbox).where(outbox.c.id == cte.c.id)
+        else:
+            stmt = update(outbox).where(outbox.c.id.in_(due.scalar_subquery()))
+        stmt = stmt.values(
+            status=Status.IN_FLIGHT,
+            lease_owner=bindparam("claim_owner", type_=outbox.c.lease_owner.type),
+            lease_until=bindparam("claim_until", type_=outbox.c.lease_until.type),
+            attempts=outbox.c.attempts + 1,
+            channel_id=None,
+            delivery_tag=None,
+            claimed_at=now,
+        ).returning(*CLAIM_COLUMNS)
+        self._claims[keyed] = stmt
+        return stmt
 
     # -------------------------------------------- per-row values, one statement
 

@@ -1,6 +1,11 @@
 """The claimer: keeps the window full. Claims ``claim_batch`` due rows while fewer than
 ``window`` rows are held, and only while the broker can take publishes.
 
+Once a claim finds fewer rows than it asked for, the outbox is drained for now. With PostgreSQL
+notifications up (:mod:`app.publisher.listener`), only news of rows (or the poll) brings the next
+claim: room freed by write-backs does not, which would claim an empty outbox after each of them.
+Without notifications (SQLite, or the listener down), a short pause, then a claim.
+
 A claim whose result never reached us (its COMMIT's reply lost) may have leased rows to us all the
 same; the heartbeat would renew them forever. So after a failed claim, before the next one, every
 row leased to us that we do not hold is released (never published: not counted as lost).
@@ -10,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from app.outbox.repository import ClaimedRow, OutboxRepository
@@ -24,6 +29,8 @@ from app.settings import Settings
 log = logging.getLogger("app.publisher")
 
 ORPHAN_ERROR = "claimed by a claim whose result was lost: released unpublished"
+#: Without notifications, the pause after a claim that caught up: the next rows gather meanwhile.
+CAUGHT_UP_PAUSE = 0.002
 UNDONE_ERROR = ("settled by a write-back that a database crash undid: published, so the next "
                 "publish may be a duplicate")  # fmt: skip
 
@@ -40,12 +47,15 @@ class ClaimerParts:
     accepted: Callable[[], None]  # wake the sender
     clock: Callable[[], float]
     undoable: Callable[[], frozenset[int]] = frozenset  # rows settled by not-yet-durable commits
+    notified: Callable[[], bool] = bool  # new rows announce themselves (LISTEN is up)
+    settled: Callable[[Iterable[int]], Awaitable[None]] | None = None  # the write-back freeing them
 
 
 class Claimer:
     def __init__(self, parts: ClaimerParts) -> None:
         self.p = parts
-        self.room = Signal()
+        self.room = Signal()  # the window has room (or anything else worth a look)
+        self.news = Signal()  # rows were committed since the last claim began
         self.stopped = False
         self.orphans_possible = False
         self._failures_seen = 0  # DB thread failures already followed by an orphan check
@@ -62,25 +72,47 @@ class Claimer:
             rows = await self._claim(limit)
             if rows is None:
                 await self.room.wait(max(s.poll_interval, 1.0))
-            elif not rows:  # idle: poll
-                await self.room.wait(s.poll_interval)
-            elif len(rows) < limit:  # caught up: a short pause lets the next rows gather
-                await self.room.wait(min(s.poll_interval, s.flush_interval))
+            elif len(rows) < limit:  # caught up
+                await self._caught_up(pause=min(s.poll_interval, CAUGHT_UP_PAUSE) if rows
+                                      else s.poll_interval)  # fmt: skip
+
+    def new_rows(self) -> None:
+        """The listener's wake-up: rows were committed (or made due)."""
+        self.news.set()
+        self.room.set()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.news.set()
+        self.room.set()
+
+    async def _caught_up(self, *, pause: float) -> None:
+        """After a claim that found fewer rows than it asked for: with notifications up, wait
+        for news (or the poll); without, ``pause`` (rows gather meanwhile) or room freed."""
+        if self.p.notified():
+            await self.news.wait(self.p.settings.poll_interval)
+        else:
+            await self.room.wait(pause)
 
     async def _claim(self, limit: int) -> list[ClaimedRow] | None:
         p, s = self.p, self.p.settings
         try:
             if self.orphans_suspected():
                 await self.release_orphans()
+            self.news.clear()  # what was announced until now, this claim sees
             started = time.perf_counter()
-            rows = await p.db.call(p.repo.claim, owner=p.owner, limit=limit,
-                                   lease_seconds=s.lease_seconds)  # fmt: skip
+            rows = await p.db.claim(p.repo.claim, owner=p.owner, limit=limit,
+                                    lease_seconds=s.lease_seconds)  # fmt: skip
         except Exception:
             self.orphans_possible = True
             p.metrics.db_errors += 1
             log.exception("claim failed; retrying (rows it may have leased are released first)")
             return None
         p.metrics.claim_seconds.observe(time.perf_counter() - started)
+        if rows and p.settled is not None:
+            # a row still held was released by a write-back running on the other lane:
+            # accept it only once that write-back has forgotten the old one (module dbthread)
+            await p.settled([r.id for r in rows])
         if rows:
             p.metrics.claims += 1
             p.metrics.claimed += len(rows)
@@ -98,8 +130,8 @@ class Claimer:
         """Give back rows leased to this publisher that it does not hold (never published)."""
         p = self.p
         failures = p.db.failures
-        unseen, undone = await p.db.call(self._write_orphans, held=frozenset(p.holdings.held),
-                                         undoable=p.undoable())  # fmt: skip
+        unseen, undone = await p.db.claim(self._write_orphans, held=frozenset(p.holdings.held),
+                                          undoable=p.undoable())  # fmt: skip
         self.orphans_possible = False
         self._failures_seen = failures
         if unseen:

@@ -89,7 +89,7 @@ class Publisher:
         self.quarantine = Quarantine()
         self.destinations = Destinations(backoff=self.backoff, ok_ttl=EXCHANGE_OK_TTL)
         self.notes = TagNotes(after=settings.outstanding_after)
-        self.db = DbThread()
+        self.db = DbThread(claims_apart=repository.is_postgres)
         self.session = Session(settings=settings, metrics=self.metrics, events=self,
                                name=f"outbox-publisher {self.publisher_id}", clock=clock,
                                rng=self.backoff.rng)  # fmt: skip
@@ -108,9 +108,10 @@ class Publisher:
             settings=settings, repo=repository, db=self.db, owner=self.publisher_id,
             holdings=self.holdings, session=self.session, metrics=self.metrics,
             accepted=self.sender.work.set, clock=clock, undoable=self.writeback.undoable,
+            notified=lambda: self.listener.listening, settled=self.writeback.settled,
         ))  # fmt: skip
         self.listener = Listener(url=settings.database_url.get_secret_value(),
-                                 wake=self.claimer.room.set)  # fmt: skip
+                                 wake=self.claimer.new_rows)  # fmt: skip
         self.housekeeping: Housekeeping | None = None
         self.probes: ProbeServer | None = None
         self.metrics.gauges = self._gauges
@@ -233,8 +234,7 @@ class Publisher:
         self.session.stopping = True
         tasks = self._tasks
         self.listener.stop()
-        self.claimer.stopped = True
-        self.claimer.room.set()
+        self.claimer.stop()
         await _finish(tasks["claimer"])
         if "listener" in tasks:
             tasks["listener"].cancel()  # it may sit in a 5 s wait for notifications

@@ -17,6 +17,10 @@ class Signal:
     def set(self) -> None:
         self._event.set()
 
+    def clear(self) -> None:
+        """Forget a ``set()`` nobody waited for yet."""
+        self._event.clear()
+
     async def wait(self, timeout: float | None) -> bool:
         """Wait for a ``set()`` (cleared on return) or ``timeout`` seconds; True when set."""
         if timeout is not None and timeout <= 0:

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from app.outbox.repository import Backoff, OutboxRepository, Published
@@ -65,6 +65,8 @@ class Writeback:
         self.stopped = False
         # (when, ids) of recent write-backs a database crash could still undo (not durable)
         self._undoable: deque[tuple[float, list[int]]] = deque()
+        self.settling: frozenset[int] = frozenset()  # rows the running write-back settles
+        self._done = Signal()  # a write-back finished (settling emptied)
 
     def buffer(self) -> Outcomes:
         return self.out
@@ -82,7 +84,9 @@ class Writeback:
                     return
                 await self.wake.wait(self._idle_wait())
                 continue
-            await asyncio.sleep(interval)  # let the outcomes of one interval gather
+            # ``flush_interval`` (0 by default) lets the outcomes of one interval gather; under
+            # load they gather anyway while the previous write-back runs
+            await asyncio.sleep(interval)
             await self.flush()
 
     def _idle_wait(self) -> float:
@@ -99,9 +103,11 @@ class Writeback:
         facts = [(row_id, p.holdings.facts(row_id)) for row_id in out.confirmed]
         returned = [(r.id, p.holdings.facts(r.id)) for r in out.returned]
         started = time.perf_counter()
+        self.settling = frozenset(out.settled_ids())
         try:
             written = await p.db.call(self._write, out=out, facts=facts, returned=returned)
         except Exception:
+            self._finished()
             p.metrics.db_errors += 1
             log.exception("writing %d outcomes failed; retrying in %.0fs", out.rows(),
                           RETRY_PAUSE)  # fmt: skip
@@ -115,8 +121,20 @@ class Writeback:
             self._undoable.append((p.clock(), settled))
             self._forget_durable()
         p.holdings.forget(settled)
+        self._finished()
         p.freed()
         return True
+
+    def _finished(self) -> None:
+        self.settling = frozenset()
+        self._done.set()
+
+    async def settled(self, ids: Iterable[int]) -> None:
+        """Return once no running write-back settles any of ``ids``: a claim on its own lane
+        may return a row that the write-back running now has just released, and accepting it
+        before that write-back forgets the row would lose the new claim (module dbthread)."""
+        while self.settling and not self.settling.isdisjoint(ids):
+            await self._done.wait(IDLE_CHECK)
 
     def _forget_durable(self) -> None:
         """Drop the write-backs older than :data:`UNDO_HORIZON`: on disk by now."""

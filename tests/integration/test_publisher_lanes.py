@@ -1,0 +1,101 @@
+"""Claims on their own database lane (PostgreSQL): a claim never waits for a write-back, yet a
+row a running write-back releases is accepted by a later claim only after that write-back has
+forgotten it; and once caught up, only news of rows brings a claim."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from sqlalchemy import select
+
+from app.db import make_engine
+from app.outbox.repository import OutboxRepository
+from app.outbox.schema import outbox
+from app.publisher import Publisher
+from tests.factories import add_rows
+from tests.publisher_support import all_in, running_publisher, settings_for, wait_rows
+
+NO_BROKER = "amqp://guest:guest@127.0.0.1:9/"  # never dialled: these parts need no broker
+SLOW_POLL = 5.0
+
+
+async def test_a_claim_accepts_a_row_a_running_write_back_released_only_after_it(
+    pg_url: str,
+) -> None:
+    """The write-back (main lane) releases published rows (their confirms lost with a channel)
+    and commits; before its call returns, a claim (claims lane) takes the same rows again. The
+    claim must not be accepted before the write-back forgets the rows: accepted first, the new
+    claim would be forgotten with the old one (held by nobody, leased to us)."""
+    engine = make_engine(pg_url)
+    settings = settings_for(db_url=pg_url, amqp_url=NO_BROKER)
+    publisher = Publisher(settings=settings, repository=OutboxRepository(engine))
+    assert publisher.db.claims_apart
+    publisher.db.start()
+    go_on = threading.Event()
+    try:
+        add_rows(engine, n=3)
+        first = await publisher.claimer._claim(10)
+        assert first is not None and len(first) == 3
+        ids = [r.id for r in first]
+        publisher.holdings.take(10)  # as if sent
+
+        committed = threading.Event()
+        real_write = publisher.writeback._write
+
+        def write_then_stall(**kwargs: Any) -> Any:
+            written = real_write(**kwargs)  # committed: the rows are pending again
+            committed.set()
+            go_on.wait(10)
+            return written
+
+        publisher.writeback._write = write_then_stall  # type: ignore[method-assign]
+        publisher.writeback.buffer().lose("channel closed before the confirm came", ids)
+        flush = asyncio.create_task(publisher.writeback.flush())
+        assert await asyncio.to_thread(committed.wait, 10)
+
+        claim = asyncio.create_task(publisher.claimer._claim(10))
+        await asyncio.sleep(0.5)  # the claim's statement has long returned the rows
+        owned = select(outbox.c.status, outbox.c.lease_owner).order_by(outbox.c.id)
+        with engine.connect() as conn:
+            owners = conn.execute(owned).all()
+        assert owners == [("in_flight", publisher.publisher_id)] * 3
+        assert not claim.done(), "a claim was accepted while the write-back settling its rows ran"
+
+        go_on.set()
+        assert await flush
+        again = await claim
+        assert again is not None and [r.id for r in again] == ids
+        assert sorted(publisher.holdings.held) == ids  # held again, as the database says
+        assert [r.id for r in publisher.holdings.queue] == ids
+    finally:
+        go_on.set()
+        publisher.db.stop()
+        engine.dispose()
+
+
+async def test_caught_up_a_claim_follows_news_of_rows_not_every_write_back(
+    pg_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """With notifications up, a burst of rows costs one claim: the write-backs that confirm it
+    free room in the window, but the outbox had nothing more, so they bring no (empty) claim."""
+    engine = make_engine(pg_url)
+    try:
+        settings = settings_for(db_url=pg_url, amqp_url=amqp_url, poll_interval=SLOW_POLL)
+        async with running_publisher(settings, engine) as publisher:
+            deadline = time.monotonic() + 10
+            while not publisher.listener.listening and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the startup claims are over: the claimer waits for news
+            before = publisher.metrics.claim_seconds.count
+            bursts = 5
+            for _ in range(bursts):
+                add_rows(engine, n=20, exchange=topology["exchange"])
+                await wait_rows(engine, all_in("confirmed"), timeout=10)
+            claims = publisher.metrics.claim_seconds.count - before
+        assert publisher.metrics.confirmed == 20 * bursts
+        assert bursts <= claims <= bursts + 2, f"{claims} claims for {bursts} bursts"
+    finally:
+        engine.dispose()
