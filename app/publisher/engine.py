@@ -97,6 +97,7 @@ class Publisher:
             settings=settings, repo=repository, db=self.db, owner=self.publisher_id,
             holdings=self.holdings, notes=self.notes, still_out=self._still_out,
             metrics=self.metrics, backoff=self.backoff, freed=self._freed, clock=clock,
+            made_due=self._made_due,
         ))  # fmt: skip
         self.sender = Sender(SenderParts(
             holdings=self.holdings, session=self.session, destinations=self.destinations,
@@ -359,6 +360,9 @@ class Publisher:
     def _freed(self) -> None:
         self.claimer.room.set()
         self._settled.set()
+
+    def _made_due(self) -> None:
+        self.claimer.new_rows()
 
     def _idle(self) -> bool:
         h = self.holdings

@@ -3,9 +3,10 @@
 A row is *held* from the claim that returned it until the write-back that settles it in the
 database: in the send ``queue`` (claimed, not yet published), ``parked`` behind an exchange check,
 in the quarantine (:mod:`app.publisher.settlement`), or published and awaiting the broker (its
-latest publish facts in ``sent``). Claims and write-backs share the one database thread, so their
-results reach the loop in order: a row settled by a write-back is forgotten before any later
-claim's rows are accepted.
+latest publish facts in ``sent``). A row settled by a write-back is forgotten before a later
+claim of it is accepted: on one database thread because results reach the loop in order; with
+claims on their own lane because the claimer waits for the write-back that settles a row it
+claimed again (:mod:`app.publisher.dbthread`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The write-back: settled outcomes and outstanding tags to the database, on a deadline.
 
-Whatever the broker does, within ``flush_interval`` of an outcome it is written, and within
+Whatever the broker does, an outcome is written once the running write-back is done (after
+``flush_interval``, 0 by default), and within
 ``outstanding_after`` (+ one flush) of a publish that is still unconfirmed its channel, delivery
 tag and publish time are on its row. The loop waits on a deadline as well as on its wake-up, so it
 never depends on an ack arriving (a broker that never acks still shows every outstanding confirm).
@@ -55,6 +56,7 @@ class WritebackParts:
     backoff: Backoff
     freed: Callable[[], None]  # rows left the window: wake the claimer
     clock: Callable[[], float]
+    made_due: Callable[[], None] = lambda: None  # rows became due: news for the claimer
 
 
 class Writeback:
@@ -120,10 +122,20 @@ class Writeback:
         if not p.settings.synchronous_commit:
             self._undoable.append((p.clock(), settled))
             self._forget_durable()
+        news = bool(out.lost or out.released) or self._keys_moved_on(settled)
         p.holdings.forget(settled)
         self._finished()
         p.freed()
+        if news:
+            p.made_due()
         return True
+
+    def _keys_moved_on(self, settled: list[int]) -> bool:
+        """Did a row with an ordering key settle? Then its key's next row may be due now, and
+        no notification says so."""
+        held = self.p.holdings.held
+        return any((row := held.get(i)) is not None and row.ordering_key is not None
+                   for i in settled)  # fmt: skip
 
     def _finished(self) -> None:
         self.settling = frozenset()

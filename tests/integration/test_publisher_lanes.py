@@ -99,3 +99,25 @@ async def test_caught_up_a_claim_follows_news_of_rows_not_every_write_back(
         assert bursts <= claims <= bursts + 2, f"{claims} claims for {bursts} bursts"
     finally:
         engine.dispose()
+
+
+async def test_an_ordered_key_moves_on_at_its_write_back_not_at_the_next_poll(
+    pg_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """A key's next row becomes due when the write-back settles its head, and no notification
+    says so: that write-back is the claimer's news, or each row would wait for a poll."""
+    engine = make_engine(pg_url)
+    try:
+        settings = settings_for(db_url=pg_url, amqp_url=amqp_url, poll_interval=SLOW_POLL)
+        async with running_publisher(settings, engine) as publisher:
+            deadline = time.monotonic() + 10
+            while not publisher.listener.listening and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            began = time.monotonic()
+            add_rows(engine, n=10, exchange=topology["exchange"], ordering_key="one-key")
+            await wait_rows(engine, all_in("confirmed"), timeout=4 * SLOW_POLL)
+            took = time.monotonic() - began
+        assert took < SLOW_POLL, f"{took:.1f}s for 10 rows of one key: they waited for polls"
+    finally:
+        engine.dispose()
