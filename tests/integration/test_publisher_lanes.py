@@ -22,6 +22,14 @@ NO_BROKER = "amqp://guest:guest@127.0.0.1:9/"  # never dialled: these parts need
 SLOW_POLL = 5.0
 
 
+async def _caught_up(publisher: Publisher) -> None:
+    """Until the publisher listens and its start-up claims are over: it waits for news."""
+    deadline = time.monotonic() + 10
+    while not publisher.listener.listening and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+
+
 async def test_a_claim_accepts_a_row_a_running_write_back_released_only_after_it(
     pg_url: str,
 ) -> None:
@@ -85,10 +93,7 @@ async def test_caught_up_a_claim_follows_news_of_rows_not_every_write_back(
     try:
         settings = settings_for(db_url=pg_url, amqp_url=amqp_url, poll_interval=SLOW_POLL)
         async with running_publisher(settings, engine) as publisher:
-            deadline = time.monotonic() + 10
-            while not publisher.listener.listening and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)  # the startup claims are over: the claimer waits for news
+            await _caught_up(publisher)
             before = publisher.metrics.claim_seconds.count
             bursts = 5
             for _ in range(bursts):
@@ -110,10 +115,7 @@ async def test_an_ordered_key_moves_on_at_its_write_back_not_at_the_next_poll(
     try:
         settings = settings_for(db_url=pg_url, amqp_url=amqp_url, poll_interval=SLOW_POLL)
         async with running_publisher(settings, engine) as publisher:
-            deadline = time.monotonic() + 10
-            while not publisher.listener.listening and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)
+            await _caught_up(publisher)
             began = time.monotonic()
             add_rows(engine, n=10, exchange=topology["exchange"], ordering_key="one-key")
             await wait_rows(engine, all_in("confirmed"), timeout=4 * SLOW_POLL)
