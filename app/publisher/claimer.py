@@ -5,8 +5,8 @@ Once a claim finds fewer rows than it asked for, the outbox is drained for now. 
 notifications up (:mod:`app.publisher.listener`), only news of rows (or the poll) brings the next
 claim: a notification, or a write-back that released rows or settled a row with an ordering key
 (its key's next row may be due). Room freed by other write-backs does not: it claimed an empty
-outbox after each of them.
-Without notifications (SQLite, or the listener down), a short pause, then a claim.
+outbox after each of them. Without notifications (SQLite, or the listener down), a short pause,
+then a claim.
 
 A claim whose result never reached us (its COMMIT's reply lost) may have leased rows to us all the
 same; the heartbeat would renew them forever. So after a failed claim, before the next one, every
