@@ -48,9 +48,9 @@ class ClaimerParts:
     metrics: PublisherMetrics
     accepted: Callable[[], None]  # wake the sender
     clock: Callable[[], float]
+    notified: Callable[[], bool]  # new rows announce themselves (LISTEN is up)
+    settled: Callable[[Iterable[int]], Awaitable[None]]  # after the write-back settling them
     undoable: Callable[[], frozenset[int]] = frozenset  # rows settled by not-yet-durable commits
-    notified: Callable[[], bool] = bool  # new rows announce themselves (LISTEN is up)
-    settled: Callable[[Iterable[int]], Awaitable[None]] | None = None  # the write-back freeing them
 
 
 class Claimer:
@@ -111,11 +111,10 @@ class Claimer:
             log.exception("claim failed; retrying (rows it may have leased are released first)")
             return None
         p.metrics.claim_seconds.observe(time.perf_counter() - started)
-        if rows and p.settled is not None:
+        if rows:
             # a row still held was released by a write-back running on the other lane:
             # accept it only once that write-back has forgotten the old one (module dbthread)
             await p.settled([r.id for r in rows])
-        if rows:
             p.metrics.claims += 1
             p.metrics.claimed += len(rows)
             p.holdings.accept(rows, at=p.clock())
