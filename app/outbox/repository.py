@@ -252,6 +252,7 @@ class OutboxRepository:
         self.dialect = engine.dialect.name
         self._local = threading.local()
         self._claims: dict[bool, Any] = {}  # the claim statements, keyed and not, built once
+        self._updates: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}  # write-backs
 
     @contextmanager
     def unit_of_work(self, *, durable: bool = True) -> Iterator[None]:
@@ -560,33 +561,54 @@ class OutboxRepository:
     ) -> int:
         """``UPDATE outbox SET <columns> = per-row values, <values> WHERE held by owner`` for
         ``rows`` of ``(id, *column values)``, as ONE statement: ``FROM unnest(arrays)`` on
-        PostgreSQL, ``FROM json_each(:rows)`` on SQLite. Returns the rows updated."""
+        PostgreSQL, ``FROM json_each(:rows)`` on SQLite. Returns the rows updated.
+
+        ``values`` are plain values, bound: the statement is built once per repository and
+        shape (columns and value names). Building it and its cache key cost about 0.3 ms of
+        Python on every write-back."""
         if not rows:
             return 0
-        v = self._pg_rows(rows, columns) if self.is_postgres else self._sqlite_rows(rows, columns)
+        stmt = self._update_statement(tuple(columns), tuple(values))
+        params: dict[str, Any] = {"u_owner": owner}
+        params.update((f"v_{name}", value) for name, value in values.items())
+        if self.is_postgres:
+            for i, name in enumerate(["id", *columns]):
+                params[f"u_{name}"] = [r[i] for r in rows]
+        else:
+            params["u_rows"] = json.dumps([[_sqlite_json(x) for x in r] for r in rows])
+        with self._begin() as conn:
+            return conn.execute(stmt, params).rowcount
+
+    def _update_statement(self, columns: tuple[str, ...], names: tuple[str, ...]) -> Any:
+        key = (columns, names)
+        stmt = self._updates.get(key)
+        if stmt is not None:
+            return stmt
+        v = self._pg_rows(columns) if self.is_postgres else self._sqlite_rows(columns)
+        owner = bindparam("u_owner", type_=outbox.c.lease_owner.type)
+        bound = {name: bindparam(f"v_{name}", type_=outbox.c[name].type) for name in names}
         stmt = (
             update(outbox)
             .where(outbox.c.id == v.c.id, outbox.c.status == Status.IN_FLIGHT,
                    outbox.c.lease_owner == owner)
-            .values(**{c: v.c[c] for c in columns}, **values)
+            .values(**{c: v.c[c] for c in columns}, **bound)
         )  # fmt: skip
-        with self._begin() as conn:
-            return conn.execute(stmt).rowcount
+        self._updates[key] = stmt
+        return stmt
 
-    def _pg_rows(self, rows: Sequence[Sequence[Any]], columns: Sequence[str]) -> Any:
+    @staticmethod
+    def _pg_rows(columns: Sequence[str]) -> Any:
         names = ["id", *columns]
         return select(
             *[
-                func.unnest(
-                    bindparam(f"u_{name}", [r[i] for r in rows], type_=ARRAY(outbox.c[name].type))
-                ).label(name)
-                for i, name in enumerate(names)
+                func.unnest(bindparam(f"u_{name}", type_=ARRAY(outbox.c[name].type))).label(name)
+                for name in names
             ]
         ).subquery("v")
 
-    def _sqlite_rows(self, rows: Sequence[Sequence[Any]], columns: Sequence[str]) -> Any:
-        data = json.dumps([[_sqlite_json(x) for x in r] for r in rows])
-        each = func.json_each(bindparam("rows", data)).table_valued("value").alias("j")
+    @staticmethod
+    def _sqlite_rows(columns: Sequence[str]) -> Any:
+        each = func.json_each(bindparam("u_rows", type_=Text)).table_valued("value").alias("j")
         names = ["id", *columns]
         return select(
             *[func.json_extract(each.c.value, f"$[{i}]").label(n) for i, n in enumerate(names)]

@@ -350,6 +350,31 @@ class TestRepositoryContract:
         assert statuses(engine) == {"confirmed": 1, "pending": 2}
         assert repo.count_open() == 2
 
+    def test_write_back_values_arrive_exactly_whatever_they_hold(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        """A write-back sends its per-row values as arrays (binary on PostgreSQL, JSON on
+        SQLite): a broker's reply text with quotes, commas, braces, backslashes, the word NULL or
+        nothing at all, delivery tags past 32 bits, rows with and without publish facts; each
+        row gets its own values, none shifted or lost."""
+        texts = ['say "hi", {x} \\ y', "NULL", "", "→ ünïcode ✓", "x" * 1000]
+        seed(engine, len(texts) + 1)
+        *held, plain = repo.claim(owner="p1", limit=len(texts) + 1, lease_seconds=30)
+        sent = T0 - dt.timedelta(seconds=3)
+        big = 2**40
+        returns = [ReturnedRow(r.id, 312, t) for r, t in zip(held, texts, strict=True)]
+        facts = [Published(r.id, 7, big + i, sent) for i, r in enumerate(held[::2])]
+        assert repo.mark_returned(owner="p1", returns=returns, published=facts) == len(texts)
+        assert repo.record_published(owner="p1", channel_id=9, tags=[(plain.id, big)]) == 1
+        for i, (r, text) in enumerate(zip(held, texts, strict=True)):
+            got = row(engine, r.id)
+            assert (got["status"], got["reply_text"]) == ("returned", text)
+            assert got["last_error"] == f"returned by broker: 312 {text}"
+            facts_of = (7, big + i // 2, sent) if i % 2 == 0 else (None, None, None)
+            assert (got["channel_id"], got["delivery_tag"], got["published_at"]) == facts_of
+        got = row(engine, plain.id)
+        assert (got["status"], got["channel_id"], got["delivery_tag"]) == ("in_flight", 9, big)
+
     def test_returned_and_late_tag_notes_keep_true_publish_facts(
         self, repo: OutboxRepository, engine: Engine
     ) -> None:
