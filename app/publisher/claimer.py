@@ -49,7 +49,7 @@ class ClaimerParts:
     accepted: Callable[[], None]  # wake the sender
     clock: Callable[[], float]
     notified: Callable[[], bool]  # new rows announce themselves (LISTEN is up)
-    settled: Callable[[Iterable[int]], Awaitable[None]]  # after the write-back settling them
+    settled: Callable[[Iterable[int]], Awaitable[int]]  # after the write-back settling them
     undoable: Callable[[], frozenset[int]] = frozenset  # rows settled by not-yet-durable commits
 
 
@@ -114,12 +114,22 @@ class Claimer:
         if rows:
             # a row still held was released by a write-back running on the other lane:
             # accept it only once that write-back has forgotten the old one (module dbthread)
-            await p.settled([r.id for r in rows])
+            await self._settled(rows)
             p.metrics.claims += 1
             p.metrics.claimed += len(rows)
             p.holdings.accept(rows, at=p.clock())
             p.accepted()
         return rows
+
+    async def _settled(self, rows: list[ClaimedRow]) -> None:
+        started = time.perf_counter()
+        waited = await self.p.settled([r.id for r in rows])
+        if waited:
+            seconds = time.perf_counter() - started
+            self.p.metrics.claim_wait_seconds.observe(seconds)
+            log.info("a claim returned %d row(s) that the running write-back was settling "
+                     "(released, or put back for a retry); accepted them %.1f ms later, once it "
+                     "had finished", waited, seconds * 1000)  # fmt: skip
 
     def orphans_suspected(self) -> bool:
         """A claim failed (it may have leased rows unseen), or any database call failed since

@@ -113,6 +113,8 @@ class PublisherMetrics:
         self.confirm_latency = Histogram(LATENCY_BUCKETS)
         self.flush_seconds = Histogram(DB_BUCKETS)
         self.claim_seconds = Histogram(DB_BUCKETS)
+        #: claims that returned rows the running write-back settled, and waited for it
+        self.claim_wait_seconds = Histogram(DB_BUCKETS)
         self._base: dict[str, float] = {}
         #: set by the engine: current gauge values (held, queued, outstanding, ...)
         self.gauges: Callable[[], dict[str, float | None]] = dict
@@ -270,6 +272,8 @@ class PublisherCollector(Collector):
              "Publish (socket write) to broker confirm, per confirmed row."),
             ("flush_seconds", m.flush_seconds, "Write-back transaction time."),
             ("claim_seconds", m.claim_seconds, "Claim statement time."),
+            ("claim_wait_seconds", m.claim_wait_seconds,
+             "Time a claim waited for the running write-back to settle rows it returned."),
         ):  # fmt: skip
             family = HistogramMetricFamily(f"outbox_publisher_{name}", doc, labels=["publisher"])
             family.add_metric(label, hist.cumulative(), sum_value=hist.sum)

@@ -141,12 +141,17 @@ class Writeback:
         self.settling = frozenset()
         self._done.set()
 
-    async def settled(self, ids: Iterable[int]) -> None:
+    async def settled(self, ids: Iterable[int]) -> int:
         """Return once no running write-back settles any of ``ids``: a claim on its own lane
         may return a row that the write-back running now has just released, and accepting it
-        before that write-back forgets the row would lose the new claim (module dbthread)."""
+        before that write-back forgets the row would lose the new claim (module dbthread).
+        Returns how many of ``ids`` it waited for (0: it did not wait)."""
+        ids = list(ids)
+        waited = 0
         while self.settling and not self.settling.isdisjoint(ids):
+            waited = waited or len(self.settling.intersection(ids))
             await self._done.wait(IDLE_CHECK)
+        return waited
 
     def _forget_durable(self) -> None:
         """Drop the write-backs older than :data:`UNDO_HORIZON`: on disk by now."""

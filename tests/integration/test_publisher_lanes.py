@@ -5,16 +5,20 @@ forgotten it; and once caught up, only news of rows brings a claim."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
 
+import pytest
+from prometheus_client import generate_latest
 from sqlalchemy import select
 
 from app.db import make_engine
 from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox
 from app.publisher import Publisher
+from app.publisher.metrics import registry_for
 from tests.factories import add_rows
 from tests.publisher_support import all_in, running_publisher, settings_for, wait_rows
 
@@ -31,12 +35,14 @@ async def _caught_up(publisher: Publisher) -> None:
 
 
 async def test_a_claim_accepts_a_row_a_running_write_back_released_only_after_it(
-    pg_url: str,
+    pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The write-back (main lane) releases published rows (their confirms lost with a channel)
     and commits; before its call returns, a claim (claims lane) takes the same rows again. The
     claim must not be accepted before the write-back forgets the rows: accepted first, the new
-    claim would be forgotten with the old one (held by nobody, leased to us)."""
+    claim would be forgotten with the old one (held by nobody, leased to us). The wait is
+    logged and shows in ``outbox_publisher_claim_wait_seconds``."""
+    caplog.set_level(logging.INFO, logger="app.publisher")
     engine = make_engine(pg_url)
     settings = settings_for(db_url=pg_url, amqp_url=NO_BROKER)
     publisher = Publisher(settings=settings, repository=OutboxRepository(engine))
@@ -78,6 +84,15 @@ async def test_a_claim_accepts_a_row_a_running_write_back_released_only_after_it
         assert again is not None and [r.id for r in again] == ids
         assert sorted(publisher.holdings.held) == ids  # held again, as the database says
         assert [r.id for r in publisher.holdings.queue] == ids
+
+        waits = publisher.metrics.claim_wait_seconds
+        assert waits.count == 1 and waits.sum >= 0.4  # it waited out the stalled write-back
+        scraped = generate_latest(registry_for(publisher.metrics, publisher_id="p")).decode()
+        assert 'outbox_publisher_claim_wait_seconds_count{publisher="p"} 1.0' in scraped
+        said = [
+            r.getMessage() for r in caplog.records if "write-back was settling" in r.getMessage()
+        ]
+        assert len(said) == 1 and said[0].startswith("a claim returned 3 row(s)"), said
     finally:
         go_on.set()
         publisher.db.stop()
