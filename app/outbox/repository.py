@@ -64,16 +64,23 @@ class PublisherLocked(RepositoryError):
 
 
 #: Before the unkeyed claim: walk ix_outbox_due in order, never a bitmap scan, a sequential
-#: scan or a sort, whatever the statistics say (see ``OutboxRepository.claim``). One round trip.
-_WALK_DUE_INDEX = text(
-    "SELECT set_config('enable_bitmapscan', 'off', true),"
-    " set_config('enable_seqscan', 'off', true), set_config('enable_sort', 'off', true)"
+#: scan or a sort, whatever the statistics say (see ``OutboxRepository.claim``).
+_WALK_SETTINGS = (
+    "set_config('enable_bitmapscan', 'off', true) || set_config('enable_seqscan', 'off', true)"
+    " || set_config('enable_sort', 'off', true)"
 )
+_WALK_DUE_INDEX = text(f"SELECT {_WALK_SETTINGS}")
 #: any row holding its ordering key open: the predicate and the order of ix_outbox_key_open,
 #: so it reads the first entry of that (small) index (``LIMIT 1`` alone chose a scan of the
 #: whole table, which finds nothing when no row has a key)
-_ANY_KEY_OPEN = text(
-    f"SELECT ordering_key FROM outbox WHERE {KEY_OPEN} ORDER BY ordering_key LIMIT 1"
+_FIRST_OPEN_KEY = f"SELECT ordering_key FROM outbox WHERE {KEY_OPEN} ORDER BY ordering_key LIMIT 1"
+_ANY_KEY_OPEN = text(_FIRST_OPEN_KEY)
+#: PostgreSQL: the same, and when no key is open (no keyed claim will run), the settings of the
+#: unkeyed claim at once: one round trip fewer on every claim of an outbox without open keys.
+#: With a key open they stay unset here: the keyed claim keeps the planner's choice.
+_ANY_KEY_OPEN_ELSE_WALK = text(
+    f"SELECT k.open, CASE WHEN k.open IS NULL THEN {_WALK_SETTINGS} END"
+    f" FROM (SELECT ({_FIRST_OPEN_KEY}) AS open) AS k"
 )
 
 #: The head of every ordering key: its first row still open (not confirmed, not skipped). A
@@ -495,17 +502,19 @@ class OutboxRepository:
         params = {"claim_now": now, "claim_owner": owner,
                   "claim_until": now + dt.timedelta(seconds=lease_seconds)}  # fmt: skip
         rows: list[Any] = []
+        walking = False  # the unkeyed claim's settings are made
         with self._begin() as conn:
             for keyed in (True, False):
                 left = limit - len(rows)
                 if left <= 0:
                     break
-                if keyed and conn.execute(_ANY_KEY_OPEN).first() is None:
+                if keyed and not self._any_key_open(conn):
                     # No open keyed row (a tiny partial index says so): skip the keyed claim.
                     # Without keys PostgreSQL's plan for it, once ANALYZE has seen the outbox,
                     # walked every due row looking for a key head: 50-330 ms per claim.
+                    walking = self.is_postgres
                     continue
-                if not keyed and self.is_postgres:
+                if not keyed and self.is_postgres and not walking:
                     # This claim must walk ix_outbox_due in order and stop after ``left`` rows.
                     # An outbox's statistics always lag its content (a queue: every row passes
                     # through in seconds). With a backlog written since the last ANALYZE,
@@ -524,6 +533,13 @@ class OutboxRepository:
         claimed = [ClaimedRow(*row) for row in rows]
         claimed.sort(key=lambda r: r.id)
         return claimed
+
+    def _any_key_open(self, conn: Connection) -> bool:
+        """Whether a row holds its ordering key open. PostgreSQL: when none does, the same
+        round trip makes the unkeyed claim's settings (``_ANY_KEY_OPEN_ELSE_WALK``)."""
+        if not self.is_postgres:
+            return conn.execute(_ANY_KEY_OPEN).first() is not None
+        return conn.execute(_ANY_KEY_OPEN_ELSE_WALK).scalar() is not None
 
     def _claim_statement(self, keyed: bool) -> Any:
         """The claim, built once per repository and kind, its values bound: building it and
