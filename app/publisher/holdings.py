@@ -11,7 +11,6 @@ claimed again (:mod:`app.publisher.dbthread`).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -78,7 +77,7 @@ class Holdings:
         for row_id in ids:
             row = held.get(row_id)
             if row is not None:
-                held[row_id] = dataclasses.replace(row, attempts=row.attempts + 1)
+                held[row_id] = row._replace(attempts=row.attempts + 1)
 
     def forget(self, ids: Iterable[int]) -> None:
         """Rows the database no longer has this publisher hold."""
