@@ -51,6 +51,13 @@ Clock = Callable[[], dt.datetime]
 SQLITE_MAX_IDS = 10_000
 
 
+def storable(text: str) -> str:
+    """``text`` as every database here can keep it: PostgreSQL's text refuses NUL (U+0000),
+    which a broker's reply text (a ``basic.return``, a channel close) may carry, and one such
+    text failed the whole write-back it was in, again at every retry. NUL becomes U+FFFD."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -80,7 +87,7 @@ _ANY_KEY_OPEN = text(_FIRST_OPEN_KEY)
 #: With a key open they stay unset here: the keyed claim keeps the planner's choice.
 _ANY_KEY_OPEN_ELSE_WALK = text(
     f"SELECT k.open, CASE WHEN k.open IS NULL THEN {_WALK_SETTINGS} END"
-    f" FROM (SELECT ({_FIRST_OPEN_KEY}) AS open) AS k"
+    f" FROM (SELECT ({_FIRST_OPEN_KEY}) AS open OFFSET 0) AS k"  # OFFSET 0: one probe, not two
 )
 
 #: The head of every ordering key: its first row still open (not confirmed, not skipped). A
@@ -673,9 +680,8 @@ class OutboxRepository:
                 ids=ids, source=Status.IN_FLIGHT, target=Status.CONFIRMED, owner=owner,
                 values=values_no_status,
             )  # fmt: skip
-        if published:
-            facts = [(p.id, p.channel_id, p.delivery_tag, p.published_at) for p in published]
-            moved += self._update_rows(owner, facts, PUBLISH_FACTS, values)
+        if published:  # each a tuple (id, *PUBLISH_FACTS)
+            moved += self._update_rows(owner, published, PUBLISH_FACTS, values)
         return moved
 
     def mark_returned(
@@ -690,8 +696,8 @@ class OutboxRepository:
         reply = ["reply_code", "reply_text", "last_error"]
         with_facts, without = [], []
         for r in returns:
-            row = (r.id, r.reply_code, r.reply_text, f"returned by broker: {r.reply_code} "
-                   f"{r.reply_text}")  # fmt: skip
+            text = storable(r.reply_text)
+            row = (r.id, r.reply_code, text, f"returned by broker: {r.reply_code} {text}")
             if r.id in facts:
                 with_facts.append((*row, *facts[r.id]))
             else:
@@ -707,7 +713,7 @@ class OutboxRepository:
 
     def mark_failed(self, *, owner: str, ids: Sequence[int], reason: str) -> int:
         """A permanent error (oversized body, destination gone past its budget): keep the reason."""
-        values = {"last_error": reason, "lease_owner": None, "lease_until": None}
+        values = {"last_error": storable(reason), "lease_owner": None, "lease_until": None}
         return self.transition(
             ids=ids, source=Status.IN_FLIGHT, target=Status.FAILED, owner=owner, values=values
         )
@@ -729,6 +735,7 @@ class OutboxRepository:
         check_transition(Status.IN_FLIGHT, exhausted)
         if not ids:
             return RetryOutcome(0, 0)
+        error = storable(error)
         now = self.clock()
         held = select(outbox.c.id, outbox.c.attempts, outbox.c.max_attempts).where(
             self._held(owner, ids)
@@ -772,7 +779,7 @@ class OutboxRepository:
             "lost_confirms": outbox.c.lost_confirms + (1 if lost else 0),
         }  # fmt: skip
         if error is not None:
-            values["last_error"] = error
+            values["last_error"] = storable(error)
         return self.transition(
             ids=ids, source=Status.IN_FLIGHT, target=Status.PENDING, owner=owner, values=values
         )
@@ -782,7 +789,8 @@ class OutboxRepository:
         new attempt, and the earlier publish counts as a possible duplicate. They stay
         ``in_flight`` with this owner."""
         values = {"attempts": outbox.c.attempts + 1, "lost_confirms": outbox.c.lost_confirms + 1,
-                  "last_error": error, "channel_id": None, "delivery_tag": None}  # fmt: skip
+                  "last_error": storable(error), "channel_id": None,
+                  "delivery_tag": None}  # fmt: skip
         with self._begin() as conn:
             return sum(
                 conn.execute(

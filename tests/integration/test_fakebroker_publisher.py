@@ -149,6 +149,32 @@ async def test_channel_closed_mid_window(
     assert publisher.metrics.lost == 6
 
 
+async def test_a_broker_text_with_nul_settles_on_postgresql(
+    pg_url: str, broker: FakeBroker
+) -> None:
+    """A return and a channel close whose reply texts carry NUL, which PostgreSQL's text
+    refuses: the returned row keeps its text readable, the channel's rows are released (their
+    confirms lost) and confirm when published again, and so do the rows around them. One such
+    text failed the whole write-back it was in, at every retry."""
+    engine = make_engine(pg_url)
+    try:
+        add_rows(engine, n=6, exchange="ex")
+        settings = settings_for(db_url=pg_url, amqp_url=broker.url)
+        async with running_publisher(settings, engine):
+            pubs = await broker.wait_published(6)
+            pubs[1].send_return(312, "NO_ROUTE\x00x")
+            pubs[2].ack(multiple=True)
+            await wait_rows(engine, lambda rs: rs[1].status == "returned")
+            broker.connection.close_channel(pubs[3].channel_id, 504, "CHANNEL_ERROR\x00")
+            broker.start_auto_ack()
+            final = await wait_rows(engine, all_in("confirmed", "returned"))
+    finally:
+        engine.dispose()
+    assert [r.status for r in final] == ["confirmed", "returned"] + ["confirmed"] * 4
+    assert final[1].reply_text == "NO_ROUTE\ufffdx"
+    assert [r.lost_confirms for r in final[3:]] == [1, 1, 1]
+
+
 async def test_ack_of_unknown_tag(sqlite_url: str, engine: Engine, broker: FakeBroker) -> None:
     """A broker acking a tag never published is a protocol error: counted, and the channel is
     no longer trusted: its unconfirmed rows go out again on a fresh channel."""

@@ -375,6 +375,27 @@ class TestRepositoryContract:
         got = row(engine, plain.id)
         assert (got["status"], got["channel_id"], got["delivery_tag"]) == ("in_flight", 9, big)
 
+    def test_a_broker_text_with_nul_is_kept_readable_and_settles_its_row(
+        self, repo: OutboxRepository, engine: Engine
+    ) -> None:
+        """PostgreSQL's text refuses NUL, and a broker's reply text may carry one: stored as
+        U+FFFD (on both databases alike), it no longer fails the write-back it is in."""
+        seed(engine, 5)
+        a, b, c, d, e = repo.claim(owner="p1", limit=5, lease_seconds=30)
+        with repo.unit_of_work():
+            repo.mark_confirmed(owner="p1", ids=[e.id])
+            repo.mark_returned(owner="p1", returns=[ReturnedRow(a.id, 312, "NO\x00ROUTE")])
+            repo.mark_failed(owner="p1", ids=[b.id], reason="closed: 406 x\x00y")
+            repo.retry(owner="p1", ids=[c.id], error="nack\x00", backoff=Backoff(),
+                       exhausted=Status.NACKED)  # fmt: skip
+            repo.release(owner="p1", ids=[d.id], lost=True, error="gone\x00")
+        assert row(engine, a.id)["reply_text"] == "NO\ufffdROUTE"
+        assert row(engine, a.id)["last_error"] == "returned by broker: 312 NO\ufffdROUTE"
+        assert row(engine, b.id)["last_error"] == "closed: 406 x\ufffdy"
+        assert row(engine, c.id)["last_error"] == "nack\ufffd"
+        assert row(engine, d.id)["last_error"] == "gone\ufffd"
+        assert statuses(engine) == {"returned": 1, "failed": 1, "pending": 2, "confirmed": 1}
+
     def test_returned_and_late_tag_notes_keep_true_publish_facts(
         self, repo: OutboxRepository, engine: Engine
     ) -> None:
