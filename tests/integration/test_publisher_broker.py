@@ -415,7 +415,11 @@ async def test_access_refused_exchange_backs_off_alone(
             assert all(r.status == "failed" and "ACCESS_REFUSED" in (r.last_error or "")
                        for r in refused)  # fmt: skip
             assert all(r.status == "confirmed" for r in final if r.exchange != forbidden)
-            assert publisher.metrics.destination_errors >= 2
+            # The budget counts attempts: the broker refused the first; the second was refused
+            # again or backed off at once while the exchange was still paused (a race between
+            # the pause and the rows' own backoff): either way it ends the rows' budget.
+            assert all(r.attempts >= 2 for r in refused)
+            assert publisher.metrics.destination_errors >= 1
             seen = await consume_ids(amqp_url, topology["queue"], expect=100)
             assert set(seen) == set(good)
         finally:
