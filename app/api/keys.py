@@ -14,12 +14,12 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from app.api.auth import Caller, require_operator, require_reader
 from app.api.context import ApiContext, get_ctx
 from app.api.limits import StrictJsonRoute
-from app.api.models import Text
+from app.api.models import TEXT_PATTERN, Text, utf8_text
 from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
 from app.outbox import queries
 from app.outbox.repository import CannotSkip, SkipResult
@@ -59,8 +59,13 @@ class ParkedKeyPage(BaseModel):
 class SkipRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reason: Annotated[str, Field(min_length=1, max_length=1000)] = Field(
-        description="Why this row will not be delivered (kept in the audit trail)."
+    reason: Annotated[
+        str,
+        Field(min_length=1, max_length=1000, pattern=TEXT_PATTERN),
+        AfterValidator(utf8_text),
+    ] = Field(
+        description="Why this row will not be delivered (kept in the audit trail); one line of "
+        "text, no control characters."
     )
 
 

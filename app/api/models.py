@@ -36,13 +36,13 @@ MAX_REPUBLISH_LIMIT = 100_000
 MAX_AGE_SECONDS = 10 * 365 * 86400
 
 
-def _utf8(value: str) -> str:
+def utf8_text(value: str) -> str:
     value.encode()  # lone surrogates raise here (UnicodeEncodeError is a ValueError)
     return value
 
 
 Text = Annotated[
-    str, Field(min_length=1, max_length=1024, pattern=TEXT_PATTERN), AfterValidator(_utf8)
+    str, Field(min_length=1, max_length=1024, pattern=TEXT_PATTERN), AfterValidator(utf8_text)
 ]
 Cursor = Annotated[str, Field(min_length=4, max_length=2048, pattern=CURSOR_PATTERN)]
 RequestId = Annotated[

@@ -349,6 +349,19 @@ async def test_parked_keys_and_skip_over_rest(db_url: str, engine: Engine) -> No
         assert r.status_code == 404
         r = await c.post("/v1/messages/g-k1-0/skip", json={"reason": ""}, headers=OP)
         assert r.status_code == 422
+        # A reason is untrusted text: NUL (PostgreSQL's text refuses it) and other control
+        # characters (they would forge lines in logs and tables) are refused with the field
+        # named; a lone surrogate (not UTF-8) is refused with the body; the row waits, untouched.
+        for bad, status, why in ((r"bad\u0000payload", 422, "reason"),
+                                 (r"line one\nline two", 422, "reason"),
+                                 (r"\u001b[31mred", 422, "reason"),
+                                 (r"\ud800", 400, "lone surrogate")):  # fmt: skip
+            raw = f'{{"reason": "{bad}"}}'.encode()  # as a client may send it
+            r = await c.post("/v1/messages/g-k1-0/skip", content=raw,
+                             headers={**OP, "Content-Type": "application/json"})  # fmt: skip
+            assert r.status_code == status and why in r.text, (bad, r.text)
+        r = await c.get("/v1/keys/parked", headers=R)
+        assert [k["blocking_message_id"] for k in r.json()["items"]] == ["g-k1-0"]
         r = await c.post("/v1/messages/g-k1-0/skip", json=body, headers=OP)
         assert r.status_code == 200, r.text
         assert r.json()["released"] == 2 and r.json()["previous_status"] == "failed"
