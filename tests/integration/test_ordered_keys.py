@@ -414,7 +414,9 @@ async def test_connections_closed_mid_window_never_let_a_later_row_overtake(
             for n in (300, 1000):
                 await wait_rows(engine, lambda rs, n=n: sum(r.status == "confirmed" for r in rs)
                                 >= n, timeout=60)  # fmt: skip
-                assert await asyncio.to_thread(close_broker_connections, publisher_id) == 1
+                # >= 1: the connection closed at 300 may still be listed while it closes
+                closed = await asyncio.to_thread(close_broker_connections, publisher_id)
+                assert closed >= 1
             await wait_rows(engine, all_in("confirmed"), timeout=90)
         assert publisher.metrics.reconnects >= 1
         arrivals = await first_deliveries(amqp_url, queue, expect=2000)
