@@ -65,7 +65,10 @@ DDL = {
         *(s.format(t="state") for s in STATE_INDEXES),
     ],
 }
-ROWS = "SELECT 'm-' || g, 'b', 'ex', 'rk', %(body)s FROM generate_series(%(first)s::bigint, %(last)s::bigint) g"
+ROWS = (
+    "SELECT 'm-' || g, 'b', 'ex', 'rk', %(body)s "
+    "FROM generate_series(%(first)s::bigint, %(last)s::bigint) g"
+)
 INSERT = {
     "wide": f"INSERT INTO wide (message_id, batch_id, exchange, routing_key, body) {ROWS}",
     "narrow": (
