@@ -243,6 +243,18 @@ def test_the_operator_republishes_from_the_failures_view_with_preview_and_audit(
     )  # fmt: skip
     assert again.status_code == 200 and "Already done with this request id: 2 rows" in again.text
     assert len(audit_rows(engine)) == 1
+    # the name for the audit row is untrusted text: a NUL (PostgreSQL's text refuses it), a
+    # forged log line or an overlong name is refused with a message, and nothing is written
+    for n, bad in enumerate(("al\x00ice", "alice\nconsole: republish forged", "a" * 65)):
+        fresh = [(k, f"ui-bad-actor-{n}" if k == "request_id" else v) for k, v in confirmation]
+        refused = httpx.post(
+            server.base + "/ui/republish", content=urlencode([*fresh, ("actor", bad)]),
+            headers={"content-type": "application/x-www-form-urlencoded"}, cookies=cookie,
+            timeout=15,
+        )  # fmt: skip
+        assert refused.status_code == 400, (bad, refused.status_code)
+        assert "must be one line of at most 64 characters" in refused.text
+    assert len(audit_rows(engine)) == 1
 
     browser.get(server.base + "/ui/audit")
     entry = browser.find_element(By.CSS_SELECTOR, "#audit tr.entry").text

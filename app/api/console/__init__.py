@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
@@ -38,6 +39,8 @@ from app.outbox.states import TERMINAL_FAILURES, Status
 log = logging.getLogger("app.api.console")
 HERE = Path(__file__).resolve().parent
 MAX_FIELD = 1000
+MAX_ACTOR = 64  # as the API's actor (X-Outbox-Actor)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 NONE = "\N{EN DASH}"
 STALE_FORM = ("This form was not sent from this console session (its CSRF token is missing or "
               "stale). Reload the page and try again.")  # fmt: skip
@@ -206,6 +209,19 @@ def _one(form: Mapping[str, list[str]], name: str) -> str | None:
     if len(value) > MAX_FIELD:
         raise ConsoleError(400, f"The field {name!r} is longer than {MAX_FIELD} characters.")
     return value or None
+
+
+def _actor(form: Mapping[str, list[str]], session: Session) -> str:
+    """Who acted, for the audit row: the name typed in, else the signed-in token's name. A
+    name is one line (a NUL would fail the audit row's write on PostgreSQL; other control
+    characters would forge lines in the log)."""
+    value = _one(form, "actor")
+    if value is None:
+        return session.principal
+    if len(value) > MAX_ACTOR or _CONTROL.search(value):
+        raise ConsoleError(400, f"Your name for the audit row must be one line of at most "
+                           f"{MAX_ACTOR} characters, without control characters.")  # fmt: skip
+    return value
 
 
 def _param(request: Request, name: str) -> str | None:
@@ -517,13 +533,13 @@ async def republish(request: Request) -> HTMLResponse:
         raise ConsoleError(400, "The confirmation has no request id: start from the preview.")
     req = _republish_request(form, request_id=request_id, dry_run=False)
     flt = req.to_filter()
-    actor = _one(form, "actor") or session.principal
+    actor = _actor(form, session)
     try:
         await run_in_threadpool(_refuse_reused_request_id, ctx, request_id=req.request_id, flt=flt)
     except HTTPException as exc:
         raise ConsoleError(exc.status_code, str(exc.detail)) from None
     result = await run_in_threadpool(
-        ctx.repo.republish, actor=actor[:64], filter=flt, limit=req.limit, dry_run=False,
+        ctx.repo.republish, actor=actor, filter=flt, limit=req.limit, dry_run=False,
         request_id=req.request_id, principal=session.principal,
         client_addr=client_address(request),
     )  # fmt: skip
