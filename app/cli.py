@@ -13,6 +13,7 @@ import getpass
 import ipaddress
 import math
 import os
+import re
 import socket
 import sys
 import uuid
@@ -776,6 +777,24 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _line(most: int) -> Callable[[str], str]:
+    """A text kept in the audit trail: one line of 1 to ``most`` characters, no control
+    characters (they would forge lines in logs and tables), as the API checks it."""
+
+    def check(text: str) -> str:
+        value = text.strip()
+        if not value or len(value) > most:
+            raise argparse.ArgumentTypeError(f"must be 1 to {most} characters, got {len(value)}")
+        if _CONTROL.search(value):
+            raise argparse.ArgumentTypeError("must be one line, without control characters")
+        return value
+
+    return check
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _default_actor() -> str:
     try:
         user = getpass.getuser()
@@ -942,7 +961,8 @@ def _add_republish(sub: Sub) -> None:
     rep.add_argument("--all", action="store_true",
                      help="repeat in chunks of --limit until every matching row moved")  # fmt: skip
     rep.add_argument("--request-id", help="idempotency key (default: a new one, printed)")
-    rep.add_argument("--actor", default=_default_actor(), help="who acts (audit row)")
+    rep.add_argument("--actor", type=_line(64), default=_default_actor(),
+                     help="who acts (audit row)")  # fmt: skip
     rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")
     rep.set_defaults(func=_cmd_republish)
 
@@ -958,8 +978,10 @@ def _add_keys(sub: Sub) -> None:
         help="skip a terminal failure (audited): not delivered, its ordering key goes on",
     )
     skip.add_argument("message_id", help="the blocking row (see `outbox parked`)")
-    skip.add_argument("--reason", required=True, help="why (kept in the audit trail)")
-    skip.add_argument("--actor", default=_default_actor(), help="who acts (audit row)")
+    skip.add_argument("--reason", required=True, type=_line(1000),
+                      help="why (kept in the audit trail)")  # fmt: skip
+    skip.add_argument("--actor", type=_line(64), default=_default_actor(),
+                      help="who acts (audit row)")  # fmt: skip
     skip.add_argument("--json", action="store_true", help="as JSON (like POST .../skip)")
     skip.set_defaults(func=_cmd_skip)
 
@@ -979,7 +1001,8 @@ def _add_purge(sub: Sub) -> None:
         "--chunk", type=_bounded_int(1, 100_000), default=1000, help="rows per transaction"
     )
     pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
-    pur.add_argument("--actor", default=_default_actor(), help="who purges (audit row)")
+    pur.add_argument("--actor", type=_line(64), default=_default_actor(),
+                     help="who purges (audit row)")  # fmt: skip
     pur.add_argument("--json", action="store_true", help="what was (or would be) deleted, as JSON")
     pur.set_defaults(func=_cmd_purge)
 
@@ -1064,8 +1087,21 @@ def _db_problem(exc: DBAPIError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
     err = sys.stderr
+    for arg in given:  # bytes that are not UTF-8 arrive as lone surrogates: no database takes them
+        try:
+            arg.encode()
+        except UnicodeEncodeError:
+            try:  # the bytes as given: 'a\xffb'
+                raw = arg.encode(errors="surrogateescape")
+            except UnicodeEncodeError:
+                raw = arg.encode(errors="backslashreplace")
+            shown = raw.decode(errors="backslashreplace")
+            print(f"outbox: the argument '{shown}' is not valid UTF-8 (see `outbox --help`)",
+                  file=err)  # fmt: skip
+            return EXIT_USAGE
+    args = build_parser().parse_args(given)
     try:
         settings = Settings()
     except ValidationError as exc:

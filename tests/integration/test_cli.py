@@ -327,6 +327,15 @@ def test_the_insecure_switch_obeys_one_rule_whichever_way_it_is_set(
         (["batches", "--status", "lost"], "invalid choice"),
         (["nosuchcommand"], "invalid choice"),
         (["serve", "--tls-cert", "/no/such.pem"], "both --tls-cert and --tls-key"),
+        # texts kept in the audit trail: one line, bounded (as the API checks them)
+        (["skip", "m-1", "--reason", "line one\nline two"], "one line, without control"),
+        (["skip", "m-1", "--reason", "  "], "must be 1 to 1000 characters"),
+        (["skip", "m-1", "--reason", "x", "--actor", "a" * 65], "must be 1 to 64 characters"),
+        (["purge", "--actor", "\x1b[2Jforged"], "one line, without control"),
+        (["republish", "--batch", "b", "--actor", "al\tice"], "one line, without control"),
+        # bytes that are not UTF-8 (Python hands them over as lone surrogates)
+        (["republish", "--exchange", "a\udcffb", "--dry-run"], "is not valid UTF-8"),
+        (["skip", "m-\udcff", "--reason", "x"], "is not valid UTF-8"),
     ],
 )
 def test_every_bad_argument_is_one_line_and_exit_2(
