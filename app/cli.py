@@ -13,7 +13,6 @@ import getpass
 import ipaddress
 import math
 import os
-import re
 import socket
 import sys
 import uuid
@@ -31,10 +30,13 @@ from app.logs import configure as configure_logging
 from app.logs import redact
 from app.outbox import queries
 from app.outbox.repository import (
+    MAX_ACTOR,
+    MAX_REASON,
     CannotSkip,
     OutboxRepository,
     RepositoryError,
     RepublishFilter,
+    has_control_characters,
     utcnow,
 )
 from app.outbox.states import TERMINAL_FAILURES, Status
@@ -785,14 +787,11 @@ def _line(most: int) -> Callable[[str], str]:
         value = text.strip()
         if not value or len(value) > most:
             raise argparse.ArgumentTypeError(f"must be 1 to {most} characters, got {len(value)}")
-        if _CONTROL.search(value):
+        if has_control_characters(value):
             raise argparse.ArgumentTypeError("must be one line, without control characters")
         return value
 
     return check
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _default_actor() -> str:
@@ -800,7 +799,7 @@ def _default_actor() -> str:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = "unknown"
-    return f"cli:{user}@{socket.gethostname()}"[:64]
+    return f"cli:{user}@{socket.gethostname()}"[:MAX_ACTOR]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -961,7 +960,7 @@ def _add_republish(sub: Sub) -> None:
     rep.add_argument("--all", action="store_true",
                      help="repeat in chunks of --limit until every matching row moved")  # fmt: skip
     rep.add_argument("--request-id", help="idempotency key (default: a new one, printed)")
-    rep.add_argument("--actor", type=_line(64), default=_default_actor(),
+    rep.add_argument("--actor", type=_line(MAX_ACTOR), default=_default_actor(),
                      help="who acts (audit row)")  # fmt: skip
     rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")
     rep.set_defaults(func=_cmd_republish)
@@ -978,9 +977,9 @@ def _add_keys(sub: Sub) -> None:
         help="skip a terminal failure (audited): not delivered, its ordering key goes on",
     )
     skip.add_argument("message_id", help="the blocking row (see `outbox parked`)")
-    skip.add_argument("--reason", required=True, type=_line(1000),
+    skip.add_argument("--reason", required=True, type=_line(MAX_REASON),
                       help="why (kept in the audit trail)")  # fmt: skip
-    skip.add_argument("--actor", type=_line(64), default=_default_actor(),
+    skip.add_argument("--actor", type=_line(MAX_ACTOR), default=_default_actor(),
                       help="who acts (audit row)")  # fmt: skip
     skip.add_argument("--json", action="store_true", help="as JSON (like POST .../skip)")
     skip.set_defaults(func=_cmd_skip)
@@ -1001,7 +1000,7 @@ def _add_purge(sub: Sub) -> None:
         "--chunk", type=_bounded_int(1, 100_000), default=1000, help="rows per transaction"
     )
     pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
-    pur.add_argument("--actor", type=_line(64), default=_default_actor(),
+    pur.add_argument("--actor", type=_line(MAX_ACTOR), default=_default_actor(),
                      help="who purges (audit row)")  # fmt: skip
     pur.add_argument("--json", action="store_true", help="what was (or would be) deleted, as JSON")
     pur.set_defaults(func=_cmd_purge)

@@ -22,7 +22,7 @@ from app.api.limits import StrictJsonRoute
 from app.api.models import TEXT_PATTERN, Text, utf8_text
 from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
 from app.outbox import queries
-from app.outbox.repository import CannotSkip, SkipResult
+from app.outbox.repository import MAX_REASON, CannotSkip, SkipResult
 
 log = logging.getLogger("app.api.keys")
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
@@ -61,7 +61,7 @@ class SkipRequest(BaseModel):
 
     reason: Annotated[
         str,
-        Field(min_length=1, max_length=1000, pattern=TEXT_PATTERN),
+        Field(min_length=1, max_length=MAX_REASON, pattern=TEXT_PATTERN),
         AfterValidator(utf8_text),
     ] = Field(
         description="Why this row will not be delivered (kept in the audit trail); one line of "

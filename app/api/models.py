@@ -24,11 +24,16 @@ from pydantic import (
 
 from app.outbox import queries
 from app.outbox.reports import PublisherReport
-from app.outbox.repository import RepublishFilter, RepublishResult
+from app.outbox.repository import (
+    CONTROL_CHARACTERS,
+    MAX_ACTOR,
+    RepublishFilter,
+    RepublishResult,
+)
 from app.outbox.states import Status
 
 #: No control characters (PostgreSQL text refuses NUL), bounded length.
-TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+TEXT_PATTERN = rf"^[^{CONTROL_CHARACTERS}]+$"
 CURSOR_PATTERN = r"^[A-Za-z0-9_-]+$"
 #: An actor name or request id: printable ASCII, no leading space.
 TOKEN_PATTERN = r"^[!-~][ -~]*$"
@@ -54,7 +59,7 @@ RequestId = Annotated[
         description="Operator-chosen id of this action; repeating it replays the first result.",
     ),
 ]
-Actor = Annotated[str, Field(min_length=1, max_length=64, pattern=TOKEN_PATTERN)]
+Actor = Annotated[str, Field(min_length=1, max_length=MAX_ACTOR, pattern=TOKEN_PATTERN)]
 RepublishStatus = Literal["returned", "nacked", "failed"]
 ALL_REPUBLISH_STATUSES: list[RepublishStatus] = ["failed", "nacked", "returned"]
 

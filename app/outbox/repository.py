@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import random
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,18 @@ from app.outbox.states import TERMINAL_FAILURES, Status, check_transition
 
 Clock = Callable[[], dt.datetime]
 SQLITE_MAX_IDS = 10_000
+#: The texts an operator gives for the audit trail (who acts, why a row is skipped) are one line
+#: without these characters (NUL, which PostgreSQL's text refuses, and the controls that would
+#: forge lines in logs and tables), checked alike by the API, the console and the CLI. A regular
+#: expression character class, without its brackets.
+CONTROL_CHARACTERS = r"\x00-\x1f\x7f"
+MAX_ACTOR = 64
+MAX_REASON = 1000
+_CONTROL = re.compile(f"[{CONTROL_CHARACTERS}]")
+
+
+def has_control_characters(text: str) -> bool:
+    return _CONTROL.search(text) is not None
 
 
 def storable(text: str) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import re
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
@@ -33,14 +32,12 @@ from app.api.context import client_address, get_ctx
 from app.api.models import RepublishRequest
 from app.api.v1 import _refuse_reused_request_id
 from app.outbox import health, queries
-from app.outbox.repository import RepublishFilter
+from app.outbox.repository import MAX_ACTOR, RepublishFilter, has_control_characters
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 log = logging.getLogger("app.api.console")
 HERE = Path(__file__).resolve().parent
 MAX_FIELD = 1000
-MAX_ACTOR = 64  # as the API's actor (X-Outbox-Actor)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 NONE = "\N{EN DASH}"
 STALE_FORM = ("This form was not sent from this console session (its CSRF token is missing or "
               "stale). Reload the page and try again.")  # fmt: skip
@@ -218,7 +215,7 @@ def _actor(form: Mapping[str, list[str]], session: Session) -> str:
     value = _one(form, "actor")
     if value is None:
         return session.principal
-    if len(value) > MAX_ACTOR or _CONTROL.search(value):
+    if len(value) > MAX_ACTOR or has_control_characters(value):
         raise ConsoleError(400, f"Your name for the audit row must be one line of at most "
                            f"{MAX_ACTOR} characters, without control characters.")  # fmt: skip
     return value
