@@ -194,6 +194,20 @@ def in_flight_ids(engine: Engine, *, owner: str | None = None) -> set[str]:
     return retrying(run)
 
 
+def in_flight_during(engine: Engine, action: Callable[[], T]) -> tuple[set[str], T]:
+    """The rows in flight while ``action`` runs (a fault), with no row able to join them meanwhile.
+
+    A SHARE lock on the outbox makes every claim (an UPDATE) wait until ``action`` has returned,
+    so no row is claimed, and so none is published, between the read and the fault. Reading first
+    and faulting after, without the lock, misses the rows a publisher claims in between.
+    Write-backs wait too, which only keeps settled rows in the set a little longer."""
+    with engine.connect() as conn, conn.begin():
+        conn.execute(text("LOCK TABLE outbox IN SHARE MODE"))
+        stmt = select(outbox.c.message_id).where(outbox.c.status == "in_flight")
+        ids = {m for (m,) in conn.execute(stmt)}
+        return ids, action()
+
+
 @dataclass(frozen=True)
 class FinalRow:
     message_id: str

@@ -130,8 +130,9 @@ async def kill_one_of_two_ordered(ctx: Ctx) -> None:
     await kill_one_of_two(ctx, min_held=20)  # one row per key in flight: fewer held at once
     await asyncio.sleep(0.5)
     # the broker's death loses the survivor's unconfirmed publishes too: those may be duplicated
-    exposed = await asyncio.to_thread(ctx.snapshot_in_flight)
-    pid = await asyncio.to_thread(ctx.services.kill_broker)
+    # read under a lock that holds claims until the broker is dead: a row claimed between the
+    # read and the kill would be on the wire unseen
+    exposed, pid = await asyncio.to_thread(ob.in_flight_during, ctx.engine, ctx.services.kill_broker)
     ctx.dup_scope = (ctx.dup_scope or set()) | exposed
     ctx.result.allowed = len(ctx.dup_scope)
     ctx.note(f"{len(exposed)} rows in flight at the broker kill (possible duplicates too)")
