@@ -132,7 +132,8 @@ async def kill_one_of_two_ordered(ctx: Ctx) -> None:
     # the broker's death loses the survivor's unconfirmed publishes too: those may be duplicated
     # read under a lock that holds claims until the broker is dead: a row claimed between the
     # read and the kill would be on the wire unseen
-    exposed, pid = await asyncio.to_thread(ob.in_flight_during, ctx.engine, ctx.services.kill_broker)
+    kill = ctx.services.kill_broker
+    exposed, pid = await asyncio.to_thread(ob.in_flight_during, ctx.engine, kill)
     ctx.dup_scope = (ctx.dup_scope or set()) | exposed
     ctx.result.allowed = len(ctx.dup_scope)
     ctx.note(f"{len(exposed)} rows in flight at the broker kill (possible duplicates too)")
