@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pika
 import psycopg
 from psycopg import sql
+from sqlalchemy import make_url
 
 from app.db import migrate
 
@@ -56,6 +58,14 @@ class Sizes:
 class Services:
     amqp_url: str
     database_url: str  # SQLAlchemy URL of the local PostgreSQL (the ``outbox`` database)
+
+    @property
+    def broker_port(self) -> int:
+        return urlsplit(self.amqp_url).port or 5672
+
+    @property
+    def database_port(self) -> int:
+        return make_url(self.database_url).port or 5432
 
     @classmethod
     def from_env(cls) -> Services:

@@ -9,7 +9,10 @@ postmaster and come and go with connections.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -82,6 +85,58 @@ class ServiceCpu:
     def stop(self) -> dict[str, float]:
         return {n: tree_cpu_seconds(p) - self._start[n]  # type: ignore[arg-type]
                 for n, p in self.pids.items() if n in self._start}  # fmt: skip
+
+
+class RunCpu:
+    """CPU seconds of one run: this process's (named ``own``) and the services' on ``ports``.
+
+    ``with RunCpu("client", rabbitmq=5673) as cpu: ...`` then ``cpu.per_message(n)`` gives
+    microseconds per message for each, e.g. ``{"client": 140.0, "rabbitmq": 55.0}``."""
+
+    def __init__(self, own: str, **ports: int) -> None:
+        self.own = own
+        self.services = ServiceCpu(**ports)
+        self.seconds: dict[str, float] = {}
+        self._own_start = 0.0
+
+    def __enter__(self) -> RunCpu:
+        self.services.start()
+        self._own_start = time.process_time()
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        own = time.process_time() - self._own_start
+        self.seconds = {self.own: own, **self.services.stop()}
+
+    def per_message(self, n: int) -> dict[str, float]:
+        return {name: seconds / n * 1e6 for name, seconds in self.seconds.items()}
+
+
+def describe(per_message: dict[str, float]) -> str:
+    """``client 140 us, rabbitmq 55 us`` (for the benchmark's progress lines)."""
+    return ", ".join(f"{name} {us:.0f} us" for name, us in per_message.items())
+
+
+def median_by_process(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each process's figure over the runs (the processes of the first run)."""
+    out = {}
+    for name in runs[0]:
+        values = sorted(r[name] for r in runs if name in r)
+        out[name] = values[len(values) // 2]
+    return out
+
+
+def cpu_by_process(extra: dict[str, Any]) -> dict[str, float]:
+    """A workload's median CPU microseconds per message (row) for each process, from the record
+    it keeps (``cpu_us_per_row``: drains and Spark; ``cpu_us_per_msg_by_process``: the rest);
+    empty when it keeps none."""
+    for name in ("cpu_us_per_row", "cpu_us_per_msg_by_process"):
+        runs = extra.get(name)
+        if runs and isinstance(runs[0], dict):
+            return median_by_process(runs)
+    return {}
 
 
 def subtree_cpu_seconds(pid: int) -> float:

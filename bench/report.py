@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from bench.proccpu import cpu_by_process
 from bench.run import (
     LATENCY_FLOOR_MS,
     LATENCY_LIMITS_MS,
@@ -69,10 +70,25 @@ def render(numbers: dict[str, float], detail: dict[str, object]) -> str:
             f"{numbers['publish_aio_pika_window_cpu_us_per_msg']:.0f} µs) | {cpu_ratio:.2f} | "
             f"≤ {PUBLISHER_CPU_LIMIT} | {met} |"
         )
+    out += _cpu_table(workloads)
     failed = detail.get("failed") or {}
     assert isinstance(failed, dict)
     out += [f"\nFAILED {name}: {error}" for name, error in failed.items()]
     return "\n".join(out)
+
+
+def _cpu_table(workloads: dict[str, dict[str, object]]) -> list[str]:
+    """CPU microseconds per message (row) of each process involved, medians over the runs."""
+    rows = []
+    for key, w in workloads.items():
+        by_process = cpu_by_process(w)
+        if by_process:
+            each = ", ".join(f"{name} {us:,.0f}" for name, us in by_process.items())
+            rows.append(f"| `{key}` | {each} | {sum(by_process.values()):,.0f} |")
+    if not rows:
+        return []
+    return ["", "| workload | CPU µs per message (row), per process (medians of the runs) | sum |", "|---|---|---:|",
+            *rows]  # fmt: skip
 
 
 def main() -> int:

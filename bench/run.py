@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPEATS, Measured, Services, Sizes, temp_postgres
+from bench.proccpu import median_by_process
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GROUPS = ("baselines", "ceiling", "drains", "memory", "latency", "spark", "consume", "operate")
@@ -158,6 +159,10 @@ class Bench:
             per_msg = m.extra.get("cpu_us_per_msg")
             if per_msg:
                 out[f"{key}_cpu_us_per_msg"] = round(statistics.median(per_msg), 2)
+            by_process = m.extra.get("cpu_us_per_msg_by_process")
+            if by_process:
+                for proc, median in median_by_process(by_process).items():
+                    out[f"{key}_cpu_us_per_msg_{proc}"] = round(median, 2)
             if m.extra.get("peak_tmp_mb"):
                 out[f"{key}_peak_tmp_mb"] = round(max(m.extra["peak_tmp_mb"]), 2)
         mine = out.get("drain_postgres_cpu_us_per_row_publisher")

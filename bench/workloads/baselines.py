@@ -14,6 +14,7 @@ import aio_pika
 import pika
 
 from bench.common import BODY, Measured, Services, Sizes, rate, repeat, topology
+from bench.proccpu import RunCpu, describe, median_by_process
 
 WINDOW = 1_000
 
@@ -78,19 +79,19 @@ def _pika_blocking(services: Services, exchange: str, key: str, n: int) -> float
 
 
 def _checked(
-    services: Services, tag: str, n: int, publish: object, cpu: list[float] | None = None
+    services: Services, tag: str, n: int, publish: object, cpu: list[dict[str, float]] | None = None
 ) -> float:
     """One run on a fresh exchange and queue; check every message arrived; return msg/s.
-    ``cpu``: gets this process's CPU microseconds per message of the run (connecting included:
-    the loop runs in this process, which does nothing else meanwhile)."""
+    ``cpu``: gets the run's CPU microseconds per message of this process (``client``: the loop
+    runs here and nothing else does meanwhile; connecting included) and of the broker."""
     with topology(services, tag) as topo:
-        started = time.process_time()
-        if asyncio.iscoroutinefunction(publish):
-            seconds = asyncio.run(publish(services, topo.exchange, topo.routing_key, n))
-        else:
-            seconds = publish(services, topo.exchange, topo.routing_key, n)  # type: ignore[operator]
+        with RunCpu("client", rabbitmq=services.broker_port) as used:
+            if asyncio.iscoroutinefunction(publish):
+                seconds = asyncio.run(publish(services, topo.exchange, topo.routing_key, n))
+            else:
+                seconds = publish(services, topo.exchange, topo.routing_key, n)  # type: ignore[operator]
         if cpu is not None:
-            cpu.append(1e6 * (time.process_time() - started) / n)
+            cpu.append(used.per_message(n))
         depth = topo.depth()
     if depth != n:
         raise RuntimeError(f"{tag}: queue holds {depth} messages, published {n}")
@@ -98,10 +99,11 @@ def _checked(
 
 
 def _with_cpu(key: str, n: int, tag: str, services: Services, publish: object) -> Measured:
-    cpu: list[float] = []
+    cpu: list[dict[str, float]] = []
     measured = repeat(key, "msg/s", lambda: _checked(services, tag, n, publish, cpu))
-    measured.extra["cpu_us_per_msg"] = cpu
-    print(f"    CPU per message (this process): {sorted(cpu)[len(cpu) // 2]:.0f} us", flush=True)
+    measured.extra["cpu_us_per_msg"] = [run["client"] for run in cpu]
+    measured.extra["cpu_us_per_msg_by_process"] = cpu
+    print(f"    CPU per message: {describe(median_by_process(cpu))}", flush=True)
     return measured
 
 

@@ -15,6 +15,7 @@ import time
 from app.amqp import AMQPConnection, CloseReason, OutgoingMessage, ReturnedMessage
 from app.amqp import marshal_properties as marshal
 from bench.common import BODY, Measured, Services, Sizes, rate, repeat, topology
+from bench.proccpu import RunCpu, describe, median_by_process
 
 WINDOW = 5_000
 BATCH = 500
@@ -91,9 +92,11 @@ async def _publish(services: Services, exchange: str, key: str, n: int) -> float
         await conn.close()
 
 
-def _once(services: Services, n: int) -> float:
+def _once(services: Services, n: int, cpu: list[dict[str, float]]) -> float:
     with topology(services, "ceiling") as topo:
-        seconds = asyncio.run(_publish(services, topo.exchange, topo.routing_key, n))
+        with RunCpu("client", rabbitmq=services.broker_port) as used:
+            seconds = asyncio.run(_publish(services, topo.exchange, topo.routing_key, n))
+        cpu.append(used.per_message(n))
         depth = topo.depth()
     if depth != n:
         raise RuntimeError(f"ceiling: queue holds {depth} messages, published {n}")
@@ -101,8 +104,14 @@ def _once(services: Services, n: int) -> float:
 
 
 def run(services: Services, sizes: Sizes) -> list[Measured]:
+    """The ceiling, with the CPU per message of the wire-layer client and of the broker: what
+    the drains' CPU per row is compared with (docs/performance.md, the capacity model)."""
     n = 2 * sizes.publish
-    return [repeat("diag_broker_ceiling_wire_only", "msg/s", lambda: _once(services, n))]
+    cpu: list[dict[str, float]] = []
+    measured = repeat("diag_broker_ceiling_wire_only", "msg/s", lambda: _once(services, n, cpu))
+    measured.extra["cpu_us_per_msg_by_process"] = cpu
+    print(f"    CPU per message: {describe(median_by_process(cpu))}", flush=True)
+    return [measured]
 
 
 class _Timed(_Acks):
@@ -162,16 +171,19 @@ def run_confirm_floor(services: Services, *, rate_per_s: float, seconds: float,
                       warmup: float) -> list[Measured]:  # fmt: skip
     """The broker's own confirm latency for this message shape at the latency run's rate, from
     the product's wire layer with no database: the floor under ``confirm_latency_*``."""
-    with topology(services, "floor") as topo:
+    with topology(services, "floor") as topo, \
+            RunCpu("client", rabbitmq=services.broker_port) as used:  # fmt: skip
         lat = asyncio.run(_paced(services, topo.exchange, topo.routing_key, rate_per_s,
                                  warmup + seconds))  # fmt: skip
+    cpu = used.per_message(max(1, len(lat)))
     steady = sorted(lat[int(rate_per_s * warmup) :]) or sorted(lat)
     p50 = steady[len(steady) // 2] * 1000
     p99 = steady[min(len(steady) - 1, int(len(steady) * 0.99))] * 1000
     print(f"  broker confirm latency (wire layer, no database) at {rate_per_s:,.0f} msg/s over "
-          f"{len(steady):,} messages: p50 {p50:.1f} ms, p99 {p99:.1f} ms", flush=True)  # fmt: skip
+          f"{len(steady):,} messages: p50 {p50:.1f} ms, p99 {p99:.1f} ms; CPU per message: "
+          f"{describe(cpu)}", flush=True)  # fmt: skip
     return [
         Measured(key="diag_broker_confirm_p50_ms", unit="ms", runs=[p50],
-                 extra={"rate_msg_per_s": rate_per_s}),
+                 extra={"rate_msg_per_s": rate_per_s, "cpu_us_per_msg_by_process": [cpu]}),
         Measured(key="diag_broker_confirm_p99_ms", unit="ms", runs=[p99]),
     ]  # fmt: skip

@@ -20,6 +20,7 @@ from sqlalchemy import Connection
 from app.consumer import Consumer, ConsumerConfig, Message
 from app.db import make_engine
 from bench.common import BODY, Measured, Services, Sizes, repeat, temp_postgres, topology
+from bench.proccpu import RunCpu, describe, median_by_process
 
 
 async def _fill(services: Services, queue: str, n: int) -> None:
@@ -87,19 +88,23 @@ async def _kit(services: Services, url: str, queue: str, n: int, *, prefetch: in
 
 
 def _measure(services: Services, key: str, n: int, consume: Callable[[str], Any]) -> Measured:
-    cpu: list[float] = []
+    cpu: list[dict[str, float]] = []
+    ports = {"rabbitmq": services.broker_port}
+    if key.startswith("consume_kit"):  # the inbox's database
+        ports["postgresql"] = services.database_port
 
     def one() -> float:
         with topology(services, key) as topo:
             asyncio.run(_fill(services, topo.queue, n))
-            before = time.process_time()
-            seconds = asyncio.run(consume(topo.queue))
-            cpu.append((time.process_time() - before) / n * 1e6)
+            with RunCpu("client", **ports) as used:
+                seconds = asyncio.run(consume(topo.queue))
+            cpu.append(used.per_message(n))
         return n / seconds
 
     measured = repeat(key, "msg/s", one)
-    measured.extra["cpu_us_per_msg"] = cpu
-    print(f"    CPU per message (this process): {sorted(cpu)[len(cpu) // 2]:.0f} us", flush=True)
+    measured.extra["cpu_us_per_msg"] = [run["client"] for run in cpu]
+    measured.extra["cpu_us_per_msg_by_process"] = cpu
+    print(f"    CPU per message: {describe(median_by_process(cpu))}", flush=True)
     return measured
 
 

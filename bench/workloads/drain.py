@@ -36,7 +36,7 @@ from bench.common import (
     temp_sqlite,
     topology,
 )
-from bench.proccpu import ServiceCpu
+from bench.proccpu import RunCpu, ServiceCpu, describe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LATENCY_WARMUP = 3.0
@@ -126,16 +126,6 @@ class DrainResult:
     service_cpu: dict[str, float] = field(default_factory=dict)
 
 
-def _port(url: str, default: int) -> int:
-    from sqlalchemy import make_url
-
-    if url.startswith("amqp"):
-        from urllib.parse import urlsplit
-
-        return urlsplit(url).port or default
-    return make_url(url).port or default
-
-
 def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
                keys: int | None = None) -> DrainResult:  # fmt: skip
     """Seed ``n`` rows, run ``publishers`` processes with ``--until-empty``, time the drain.
@@ -148,8 +138,8 @@ def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
                           keys=keys)  # fmt: skip
         else:
             seed_sqlite(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key)
-        services_cpu = ServiceCpu(postgresql=_port(services.database_url, 5432),
-                                  rabbitmq=_port(services.amqp_url, 5672))  # fmt: skip
+        services_cpu = ServiceCpu(postgresql=services.database_port,
+                                  rabbitmq=services.broker_port)  # fmt: skip
         services_cpu.start()
         start = dt.datetime.now(dt.UTC)
         procs = [start_publisher(services, db_url, Path(logdir), until_empty=True, name=str(i))
@@ -314,17 +304,22 @@ def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[
     seconds = LATENCY_WARMUP + sizes.latency_seconds
     with temp_postgres(services) as db_url, topology(services, "latency") as topo, \
             tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir:  # fmt: skip
-        proc = start_publisher(services, db_url, Path(logdir), until_empty=False, name="lat")
-        try:
-            time.sleep(1.0)  # let it connect before rows arrive
-            steady_from = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=LATENCY_WARMUP)
-            produced = _produce(db_url, rate=rate, seconds=seconds, exchange=topo.exchange,
-                                key=topo.routing_key)  # fmt: skip
-            _wait_drained(db_url, timeout=60 + produced / 1000)
-        finally:
-            proc.stop()
+        # CPU over the whole run (warm-up and start-up included), per row produced
+        with RunCpu("producer", postgresql=services.database_port,
+                    rabbitmq=services.broker_port) as used:  # fmt: skip
+            proc = start_publisher(services, db_url, Path(logdir), until_empty=False, name="lat")
+            try:
+                time.sleep(1.0)  # let it connect before rows arrive
+                steady_from = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=LATENCY_WARMUP)
+                produced = _produce(db_url, rate=rate, seconds=seconds, exchange=topo.exchange,
+                                    key=topo.routing_key)  # fmt: skip
+                _wait_drained(db_url, timeout=60 + produced / 1000)
+            finally:
+                proc.stop()
         proc.check()
         got = _percentiles(db_url, steady_from)
+    rows = max(1, produced)
+    cpu = {"publisher": proc.cpu_seconds / rows * 1e6, **used.per_message(rows)}
     p50, p99, count = got["total_p50"], got["total_p99"], int(got["count"])
     print(f"  confirm latency at {rate:,.0f} rows/s over {count:,} rows: "
           f"p50 {p50:.1f} ms, p99 {p99:.1f} ms; created -> claimed p50 {got['claim_p50']:.1f}, "
@@ -333,9 +328,10 @@ def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[
           f"{got['publish_p99']:.1f}; published -> confirmed written p50 {got['ack_p50']:.1f}, "
           f"p99 {got['ack_p99']:.1f}); publish -> broker ack p50 "
           f"{got.get('broker_p50', -1):.1f}, p99 {got.get('broker_p99', -1):.1f} "
-          "(histogram bucket bounds)", flush=True)  # fmt: skip
+          f"(histogram bucket bounds); CPU per row: {describe(cpu)}", flush=True)  # fmt: skip
     legs = {f"latency_{k}_ms": round(v, 2) for k, v in got.items() if k != "count"}
-    extra = {"latency_rate_rows_per_s": rate, "latency_rows": count, **legs}
+    extra = {"latency_rate_rows_per_s": rate, "latency_rows": count, **legs,
+             "cpu_us_per_msg_by_process": [cpu]}  # fmt: skip
     return [
         Measured(key="confirm_latency_p50_ms", unit="ms", runs=[p50], extra=extra),
         Measured(key="confirm_latency_p99_ms", unit="ms", runs=[p99]),
