@@ -83,8 +83,30 @@ class ServiceCpu:
         self._start = {n: tree_cpu_seconds(p) for n, p in self.pids.items() if p is not None}
 
     def stop(self) -> dict[str, float]:
+        for pid in self.pids.values():
+            if pid is not None:
+                _wait_reaped(pid)
         return {n: tree_cpu_seconds(p) - self._start[n]  # type: ignore[arg-type]
                 for n, p in self.pids.items() if n in self._start}  # fmt: skip
+
+
+def _wait_reaped(pid: int, timeout: float = 2.0) -> None:
+    """Wait (bounded) until ``pid`` has reaped its exited children. A zombie's ``stat`` shows no
+    CPU, and its time joins the parent's ``cutime`` only once reaped: a PostgreSQL backend whose
+    connection closed just before the reading would otherwise count for nothing (seen: 0 µs per
+    message for a consumer that closed its pool as the run ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        zombies = False
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                st = _stat(int(entry.name))
+                if st is not None and int(st[1]) == pid and st[0] == "Z":
+                    zombies = True
+                    break
+        if not zombies:
+            return
+        time.sleep(0.01)
 
 
 class RunCpu:
