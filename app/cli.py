@@ -614,7 +614,7 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
     import importlib
     import signal
 
-    from app.consumer import Consumer, ConsumerConfig
+    from app.consumer import Consumer, ConsumerConfig, consumer_engine
 
     module_name, _, attr = args.handler.partition(":")
     try:
@@ -629,7 +629,8 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
         concurrency=args.concurrency or settings.consumer_concurrency,
         delivery_limit=args.delivery_limit or settings.consumer_delivery_limit,
     )  # fmt: skip
-    engine = _engine(settings)
+    engine = consumer_engine(settings.database_url.get_secret_value(),
+                             concurrency=config.concurrency)  # fmt: skip
     check_schema(engine)
 
     async def consume() -> None:

@@ -8,7 +8,13 @@ connection; its writes and the inbox row commit together, then the delivery is a
 
 from app.consumer.acks import AckTracker
 from app.consumer.inbox import Handler, Message, handle_once, purge_inbox
-from app.consumer.kit import Consumer, ConsumerConfig, ConsumerMetrics, registry_for
+from app.consumer.kit import (
+    Consumer,
+    ConsumerConfig,
+    ConsumerMetrics,
+    consumer_engine,
+    registry_for,
+)
 
 __all__ = [
     "AckTracker",
@@ -17,6 +23,7 @@ __all__ = [
     "ConsumerMetrics",
     "Handler",
     "Message",
+    "consumer_engine",
     "handle_once",
     "purge_inbox",
     "registry_for",

@@ -17,8 +17,7 @@ from typing import Any
 import aio_pika
 from sqlalchemy import Connection
 
-from app.consumer import Consumer, ConsumerConfig, Message
-from app.db import make_engine
+from app.consumer import Consumer, ConsumerConfig, Message, consumer_engine
 from bench.common import BODY, Measured, Services, Sizes, repeat, temp_postgres, topology
 from bench.proccpu import RunCpu, describe, median_by_process
 
@@ -63,14 +62,15 @@ async def _plain(services: Services, queue: str, n: int, *, no_ack: bool) -> flo
 
 async def _kit(services: Services, url: str, queue: str, n: int, *, prefetch: int,
                multiple: bool, handler_ms: float) -> float:  # fmt: skip
-    engine = make_engine(url)
+    concurrency = min(8, prefetch)
+    engine = consumer_engine(url, concurrency=concurrency)  # as `outbox consume` makes it
 
     def handler(message: Message, conn: Connection) -> None:
         if handler_ms:
             time.sleep(handler_ms / 1000)
 
     cfg = ConsumerConfig(name=f"bench-{queue}", queue=queue, prefetch=prefetch,
-                         concurrency=min(8, prefetch), ack_multiple=multiple)  # fmt: skip
+                         concurrency=concurrency, ack_multiple=multiple)  # fmt: skip
     consumer = Consumer(config=cfg, amqp_url=services.amqp_url, engine=engine, handler=handler)
     stop = asyncio.Event()
     start = time.perf_counter()

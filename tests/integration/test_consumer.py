@@ -122,6 +122,52 @@ async def test_every_effect_once_with_prefetch_and_multiple_acks(
     assert 'outbox_consumer_handler_seconds_count{consumer="test"} 550.0' in text
 
 
+async def test_the_consumer_engine_keeps_one_session_per_handler_thread(
+    pg_url: str, amqp_url: str, engine: Engine, queue: str
+) -> None:
+    """Eight handler threads at prefetch 10 on ``consumer_engine`` (what ``outbox consume``
+    uses): eight database sessions in all. On the default pool of five, the threads beyond it
+    opened and closed a session per message (about 300 for 2,000 messages in the benchmark)."""
+    from sqlalchemy import event
+
+    from app.consumer import consumer_engine
+
+    ids = [f"s-{i}" for i in range(400)]
+    await publish(amqp_url, queue, ids)
+    sized = consumer_engine(pg_url, concurrency=8)
+    sessions = []
+    event.listen(sized, "connect", lambda *_: sessions.append(1))
+    try:
+        async with consuming(amqp_url, sized, queue, prefetch=10, concurrency=8) as consumer:
+            await until(lambda: consumer.metrics.counts["acked"] == 400, what="400 acks")
+    finally:
+        sized.dispose()
+    assert sorted(effects(engine)) == sorted(ids)
+    assert len(sessions) <= 8, f"{len(sessions)} database sessions for 8 handler threads"
+
+
+def test_a_pool_smaller_than_the_handler_threads_is_named_at_start(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from app.consumer import consumer_engine
+
+    small, sized = make_engine(pg_url, pool_size=2), consumer_engine(pg_url, concurrency=4)
+    config = ConsumerConfig(name="pooled", queue="unused", concurrency=4)
+    try:
+        with caplog.at_level(logging.WARNING, logger="app.consumer"):
+            Consumer(config=config, amqp_url="amqp://127.0.0.1:9/", engine=small, handler=record)
+            assert "keeps 2 connections for 4 handler threads" in caplog.text
+            assert "pool_size >= 4" in caplog.text
+            caplog.clear()
+            Consumer(config=config, amqp_url="amqp://127.0.0.1:9/", engine=sized, handler=record)
+            assert "handler threads" not in caplog.text
+    finally:
+        small.dispose()
+        sized.dispose()
+
+
 async def test_a_poison_message_is_dead_lettered_and_never_blocks_the_rest(
     amqp_url: str, engine: Engine, queue: str
 ) -> None:
