@@ -625,9 +625,14 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError(f"handler {args.handler!r} is not callable")
     config = ConsumerConfig(
         name=args.name or args.queue, queue=args.queue,
+        mode=args.mode or settings.consumer_mode,
         prefetch=args.prefetch or settings.consumer_prefetch,
         concurrency=args.concurrency or settings.consumer_concurrency,
+        batch_size=args.batch_size or settings.consumer_batch_size,
         delivery_limit=args.delivery_limit or settings.consumer_delivery_limit,
+        handler_timeout=args.handler_timeout or settings.consumer_handler_timeout,
+        dead_letter_exchange=args.dead_letter_exchange,
+        dead_letter_routing_key=args.dead_letter_routing_key,
     )  # fmt: skip
     engine = consumer_engine(settings.database_url.get_secret_value(),
                              concurrency=config.concurrency)  # fmt: skip
@@ -645,16 +650,13 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
             from app.consumer import registry_for
             from app.probes import ProbeServer, check_route, metrics_route
 
-            def ready() -> tuple[bool, dict[str, object]]:
-                return consumer.metrics.connected, {"consumer": config.name}
-
             def alive() -> tuple[bool, dict[str, object]]:
                 return True, {"consumer": config.name}
 
             probes = ProbeServer({
                 "/metrics": metrics_route(registry_for(consumer.metrics, consumer=config.name)),
                 "/healthz": check_route(alive),
-                "/readyz": check_route(ready),
+                "/readyz": check_route(consumer.ready),
             }, host=args.metrics_host, port=args.metrics_port)  # fmt: skip
             await probes.start()
             print(f"outbox consume: metrics on {probes.url}/metrics", file=sys.stderr)
@@ -1024,12 +1026,36 @@ def _add_consume(sub: Sub) -> None:
         help="unacked deliveries held at once (default OUTBOX_CONSUMER_PREFETCH, 100)",
     )  # fmt: skip
     con.add_argument(
+        "--mode", choices=("batch", "message"), default=None,
+        help="batch: windows of deliveries per transaction (effects in the database); message: "
+        "a transaction per message (effects outside it) (default OUTBOX_CONSUMER_MODE, batch)",
+    )  # fmt: skip
+    con.add_argument(
         "--concurrency", type=_bounded_int(1, 256), default=None,
-        help="handlers running at once (default OUTBOX_CONSUMER_CONCURRENCY, 8)",
+        help="handler threads (default OUTBOX_CONSUMER_CONCURRENCY, 8)",
+    )  # fmt: skip
+    con.add_argument(
+        "--batch-size", type=_bounded_int(1, 10000), default=None,
+        help="batch mode: deliveries per transaction at most (default "
+        "OUTBOX_CONSUMER_BATCH_SIZE, 50)",
     )  # fmt: skip
     con.add_argument("--delivery-limit", type=_bounded_int(1, 1000), default=None,
-                     help="failed attempts before a message is dead-lettered "
-                     "(default OUTBOX_CONSUMER_DELIVERY_LIMIT, 5)")  # fmt: skip
+                     help="attempts (failures, timeouts, crashes) before a message is "
+                     "dead-lettered (default OUTBOX_CONSUMER_DELIVERY_LIMIT, 5)")  # fmt: skip
+    con.add_argument(
+        "--handler-timeout", type=_positive_seconds, default=None,
+        help="seconds a handler may run before its attempt fails (default "
+        "OUTBOX_CONSUMER_HANDLER_TIMEOUT, 60)",
+    )  # fmt: skip
+    con.add_argument(
+        "--dead-letter-exchange", default=None,
+        help="publish dead letters here with headers saying why ('' is the default exchange), "
+        "then ack them; without it they are rejected (the queue's x-dead-letter-exchange)",
+    )  # fmt: skip
+    con.add_argument(
+        "--dead-letter-routing-key", default=None,
+        help="routing key for --dead-letter-exchange (default: the message's)",
+    )  # fmt: skip
     con.add_argument(
         "--metrics-port", type=_bounded_int(0, 65535), default=None,
         help="serve /metrics, /healthz, /readyz on this port (0: any free one)",

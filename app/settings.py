@@ -79,15 +79,33 @@ class Settings(BaseSettings):
         default=14.0, gt=0, description="Keep the consumer kit's inbox rows this long (longer "
         "than any redelivery or republish can come late).",
     )  # fmt: skip
+    consumer_mode: Literal["batch", "message"] = Field(
+        default="batch",
+        description="`outbox consume`: `batch` handles windows of deliveries in one transaction "
+        "each (effects in the database); `message` one transaction per message (effects "
+        "outside it). See docs/consumer.md.",
+    )  # fmt: skip
     consumer_prefetch: int = Field(
-        default=100, ge=1, le=65535, description="`outbox consume`: the consumer's prefetch."
+        default=200, ge=1, le=65535, description="`outbox consume`: the consumer's prefetch."
     )
     consumer_concurrency: int = Field(
-        default=8, ge=1, le=256, description="`outbox consume`: handlers running at once."
-    )
+        default=8, ge=1, le=256,
+        description="`outbox consume`: handler threads (windows or messages at once).",
+    )  # fmt: skip
+    consumer_batch_size: int = Field(
+        default=50, ge=1, le=10000,
+        description="`outbox consume`, batched mode: deliveries per transaction at most (and "
+        "at most half the prefetch).",
+    )  # fmt: skip
     consumer_delivery_limit: int = Field(
         default=5, ge=1, le=1000,
-        description="`outbox consume`: failed attempts before a message is dead-lettered.",
+        description="`outbox consume`: attempts (failures, timeouts, crashes while the handler "
+        "ran) before a message is dead-lettered.",
+    )  # fmt: skip
+    consumer_handler_timeout: float = Field(
+        default=60.0, gt=0, le=86400,
+        description="`outbox consume`: seconds a handler may run; past it the attempt fails "
+        "and the consumer is not ready until the handler returns.",
     )  # fmt: skip
     max_header_bytes: int = Field(
         default=64 * 1024,

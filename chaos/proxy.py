@@ -142,7 +142,7 @@ class TcpProxy:
         return self.port
 
     def url_for(self, amqp_url: str) -> str:
-        """The same AMQP URL with host and port swapped for the proxy's."""
+        """The same URL (AMQP, or a database's) with host and port swapped for the proxy's."""
         prefix, rest = amqp_url.split("@", 1)
         path = rest.split("/", 1)[1] if "/" in rest else ""
         return f"{prefix}@{self.listen_host}:{self.port}/{path}"
@@ -204,6 +204,23 @@ class TcpProxy:
         """Reset every open connection now."""
         for pair in self._pairs:
             pair.close(abort=True)
+
+    async def refuse(self) -> None:
+        """Refuse connections, as a server that is down does: stop listening (a connect gets
+        ECONNREFUSED) and reset every open connection."""
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    await self._server.wait_closed()
+            self._server = None
+        self.cut()
+
+    async def accept(self) -> None:
+        """Listen again on the same port after :meth:`refuse`."""
+        if self._server is None:
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(self._accept, self.listen_host, self.port)
 
     def open_connections(self) -> int:
         return sum(not p.closed for p in self._pairs)

@@ -3,6 +3,7 @@ unique key, so a second effect would show), written in the kit's transaction."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from sqlalchemy import Connection, Engine, text
@@ -32,3 +33,11 @@ def record(message: Message, conn: Connection) -> None:
 def effects(engine: Engine) -> list[str]:
     with engine.connect() as conn:
         return list(conn.execute(text("SELECT message_id FROM consumer_effects")).scalars())
+
+
+def crash_or_record(message: Message, conn: Connection) -> None:
+    """:func:`record`, but header ``crash`` kills the process (as a segfault or an OOM kill
+    would): nothing after the handler runs, no exception reaches the kit."""
+    if message.headers.get("crash"):
+        os._exit(137)
+    record(message, conn)

@@ -6,7 +6,7 @@ connection; its writes and the inbox row commit together, then the delivery is a
 ``outbox consume QUEUE --handler module:function`` runs one from the command line.
 """
 
-from app.consumer.acks import AckTracker
+from app.consumer.acks import Ack, AckTracker
 from app.consumer.inbox import Handler, Message, handle_once, purge_inbox
 from app.consumer.kit import (
     Consumer,
@@ -17,6 +17,7 @@ from app.consumer.kit import (
 )
 
 __all__ = [
+    "Ack",
     "AckTracker",
     "Consumer",
     "ConsumerConfig",

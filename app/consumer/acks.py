@@ -1,53 +1,69 @@
-"""Which deliveries of one channel may be acknowledged, and with ``multiple``. Pure, no I/O.
+"""Which deliveries of one channel to acknowledge, and how. Pure, no I/O.
 
-A handler may finish out of order (several run at once); the kit acknowledges only what has
-finished, and uses ``multiple=true`` only over a contiguous run of finished deliveries: an ack
-with ``multiple`` settles *every* outstanding tag up to it, so one unfinished delivery below the
-tag would be acknowledged before its handler ran (lost if the consumer then died).
+Handlers finish out of order (windows run side by side, a slow one among them). Every finished
+delivery is acknowledged at once, even while an older one still runs: the broker then frees its
+prefetch slot, so one slow handler never holds back the others (no head-of-line blocking).
+
+An ack with ``multiple`` settles *every* outstanding tag up to it, so it is used only over the
+unbroken run of finished deliveries at the head of the channel (acking past a delivery still
+running would lose it if the consumer then died); finished deliveries behind a running one get an
+ack each.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """One ``basic.ack`` frame: ``tag`` alone, or every outstanding tag up to it (``multiple``)."""
+
+    tag: int
+    multiple: bool
+    count: int  # deliveries it settles
 
 
 class AckTracker:
     """Delivery tags of one channel, in the order the broker sent them."""
 
     def __init__(self) -> None:
-        self._outstanding: deque[int] = deque()  # received, not yet acked/nacked, in order
-        self._finished: set[int] = set()  # handler done, ack owed
-        self._gone: set[int] = set()  # settled on their own (nack/reject), skip in the run
+        self._outstanding: dict[int, bool] = {}  # tag -> finished, in arrival (= tag) order
 
     def __len__(self) -> int:
         return len(self._outstanding)
 
     def received(self, tag: int) -> None:
-        if self._outstanding and tag <= self._outstanding[-1]:
-            raise ValueError(f"delivery tag {tag} after {self._outstanding[-1]}: not in order")
-        self._outstanding.append(tag)
+        if self._outstanding and tag <= next(reversed(self._outstanding)):
+            raise ValueError(f"delivery tag {tag} after {next(reversed(self._outstanding))}: "
+                             "not in order")  # fmt: skip
+        self._outstanding[tag] = False
 
     def finished(self, tag: int) -> None:
         """The handler of ``tag`` is done (its effect committed): an ack is owed."""
-        self._finished.add(tag)
+        if tag in self._outstanding:
+            self._outstanding[tag] = True
 
     def settled(self, tag: int) -> None:
-        """``tag`` was nacked or rejected on its own: it leaves the run."""
-        self._gone.add(tag)
+        """``tag`` was nacked or rejected on its own: nothing more is owed for it."""
+        self._outstanding.pop(tag, None)
 
-    def ackable(self) -> tuple[int, int] | None:
-        """``(tag, count)``: ack ``tag`` with ``multiple=True`` to settle ``count`` finished
-        deliveries (the longest finished prefix); None when the oldest is still running."""
-        last, count = None, 0
-        while self._outstanding:
-            head = self._outstanding[0]
-            if head in self._gone:
-                self._gone.discard(head)
-                self._outstanding.popleft()
-            elif head in self._finished:
-                self._finished.discard(head)
-                self._outstanding.popleft()
-                last, count = head, count + 1
+    def acks(self, *, multiple: bool = True) -> list[Ack]:
+        """The frames that settle every finished delivery, and forget them: with ``multiple``,
+        one ``multiple`` ack over the finished run at the head (if it has more than one) and a
+        single ack for each finished delivery behind a running one."""
+        frames: list[Ack] = []
+        head = True
+        run_end, run = 0, 0
+        for tag, done in list(self._outstanding.items()):
+            if not done:
+                head = False
+                continue
+            del self._outstanding[tag]
+            if head and multiple:
+                run_end, run = tag, run + 1
             else:
-                break
-        return None if last is None else (last, count)
+                frames.append(Ack(tag, False, 1))
+        if run:
+            frames.insert(0, Ack(run_end, run > 1, run))
+        return frames

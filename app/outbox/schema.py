@@ -218,6 +218,21 @@ inbox = Table(
     Index("ix_outbox_inbox_received", "received_at"),
 )
 
+#: The consumer kit's attempts (app.consumer): how often a message's handler started without
+#: an outcome (it raised, timed out, or its process died), recorded before a retry runs it, so a
+#: message that kills its consumer is dead-lettered after the limit; deleted with its effect.
+consumer_attempts = Table(
+    "outbox_consumer_attempts",
+    metadata,
+    Column("consumer", Text, nullable=False),
+    Column("message_id", Text, nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("last_error", Text),
+    Column("updated_at", UTCDateTime, nullable=False, server_default=_now()),
+    PrimaryKeyConstraint("consumer", "message_id", name="pk_outbox_consumer_attempts"),
+    CheckConstraint("attempts >= 0", name="ck_outbox_consumer_attempts_count"),
+)
+
 publishers = Table(
     "outbox_publishers",
     metadata,
