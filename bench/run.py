@@ -47,6 +47,12 @@ TARGETS = [
     # ordered with 10,000 keys within a small factor of the unordered drain
     ("ratio_drain_ordered_10k_keys_vs_drain_postgres", "drain_postgres_ordered_10k_keys",
      "drain_postgres", 0.5),
+    # the consumer kit: batched inbox near the wire's own consume loop, far above a hand-written
+    # per-message inbox loop
+    ("ratio_consume_kit_batched_vs_aio_pika_manual_ack", "consume_kit_batched",
+     "consume_aio_pika_manual_ack", 0.6),
+    ("ratio_consume_kit_batched_vs_inbox_loop", "consume_kit_batched",
+     "consume_inbox_loop_per_message", 4.0),
 ]  # fmt: skip
 RSS_GROWTH_LIMIT_PCT = 10.0
 #: Confirm latency at 50 % of the drain rate: (key, at most)

@@ -1,10 +1,19 @@
-"""The receiving end: the consumer kit (inbox in PostgreSQL, manual acks) at prefetch 1, 10, 100
-and 1,000, with ``multiple`` and with single acks, with a handler of 0 and of 5 ms, next to
-aio-pika's plain consume loops (auto-ack, and a manual ack per message) on the same backlog.
+"""The receiving end: the consumer kit against the plain ways of consuming the same backlog.
+
+Every consumer that has an effect writes one row per message (``bench_effects``) with the inbox
+row in the same transaction, on the same PostgreSQL:
+
+- ``consume_aio_pika_autoack`` and ``consume_aio_pika_manual_ack``: aio-pika's consume loop with
+  no database at all (nothing deduplicated, no effect): the floor of the wire;
+- ``consume_inbox_loop_per_message``: what a careful team writes by hand: aio-pika with prefetch
+  100, and per message BEGIN, the inbox ``INSERT … ON CONFLICT DO NOTHING``, the effect, COMMIT,
+  then the ack (psycopg's async connection, one message at a time);
+- ``consume_kit_batched_*``: the kit in its default mode (windows of deliveries per transaction);
+- ``consume_kit_per_message_*``: the kit with a transaction per message (``mode="message"``).
 
 Each run fills a fresh queue with ``n`` persistent messages, then times the consumer from its
-start to the last message handled (acks flushed). CPU per message is this process's CPU time
-(the kit's event loop and handler threads, or aio-pika's loop) over the messages.
+start to the last message acknowledged. CPU per message is counted for the client process, the
+broker and the database (``bench.proccpu``).
 """
 
 from __future__ import annotations
@@ -15,11 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 import aio_pika
-from sqlalchemy import Connection
+import psycopg
+from sqlalchemy import Connection, text
 
 from app.consumer import Consumer, ConsumerConfig, Message, consumer_engine
-from bench.common import BODY, Measured, Services, Sizes, repeat, temp_postgres, topology
+from bench.common import BODY, Measured, Services, Sizes, libpq_url, repeat, temp_postgres, topology
 from bench.proccpu import RunCpu, describe, median_by_process
+
+EFFECTS = "CREATE TABLE IF NOT EXISTS bench_effects (message_id TEXT NOT NULL, body BYTEA)"
+INSERT_EFFECT = "INSERT INTO bench_effects (message_id, body) VALUES (:m, :b)"
 
 
 async def _fill(services: Services, queue: str, n: int) -> None:
@@ -60,17 +73,43 @@ async def _plain(services: Services, queue: str, n: int, *, no_ack: bool) -> flo
         return time.perf_counter() - start
 
 
-async def _kit(services: Services, url: str, queue: str, n: int, *, prefetch: int,
-               multiple: bool, handler_ms: float) -> float:  # fmt: skip
-    concurrency = min(8, prefetch)
+async def _inbox_loop(services: Services, url: str, queue: str, n: int) -> float:
+    """The hand-written per-message inbox loop."""
+    db = await psycopg.AsyncConnection.connect(libpq_url(url))
+    conn = await aio_pika.connect(services.amqp_url)
+    async with conn, db:
+        ch = await conn.channel()
+        await ch.set_qos(prefetch_count=100)
+        q = await ch.get_queue(queue)
+        inbox: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+        start = time.perf_counter()
+        await q.consume(inbox.put, no_ack=False)
+        for _ in range(n):
+            message = await asyncio.wait_for(inbox.get(), 600)
+            async with db.transaction():
+                new = await db.execute(
+                    "INSERT INTO outbox_inbox (consumer, message_id, received_at) "
+                    "VALUES ('hand', %s, now()) ON CONFLICT DO NOTHING RETURNING message_id",
+                    (message.message_id,),
+                )
+                if await new.fetchone() is not None:
+                    await db.execute("INSERT INTO bench_effects (message_id, body) VALUES (%s, %s)",
+                                     (message.message_id, message.body))  # fmt: skip
+            await message.ack()
+        return time.perf_counter() - start
+
+
+async def _kit(services: Services, url: str, queue: str, n: int, *, mode: str, prefetch: int,
+               concurrency: int, handler_ms: float = 0.0) -> float:  # fmt: skip
     engine = consumer_engine(url, concurrency=concurrency)  # as `outbox consume` makes it
 
     def handler(message: Message, conn: Connection) -> None:
         if handler_ms:
             time.sleep(handler_ms / 1000)
+        conn.execute(text(INSERT_EFFECT), {"m": message.message_id, "b": message.body})
 
-    cfg = ConsumerConfig(name=f"bench-{queue}", queue=queue, prefetch=prefetch,
-                         concurrency=concurrency, ack_multiple=multiple)  # fmt: skip
+    cfg = ConsumerConfig(name=f"bench-{queue}", queue=queue, prefetch=prefetch, mode=mode,  # type: ignore[arg-type]
+                         concurrency=concurrency)  # fmt: skip
     consumer = Consumer(config=cfg, amqp_url=services.amqp_url, engine=engine, handler=handler)
     stop = asyncio.Event()
     start = time.perf_counter()
@@ -79,7 +118,7 @@ async def _kit(services: Services, url: str, queue: str, n: int, *, prefetch: in
         while consumer.metrics.counts["acked"] < n:
             if task.done():
                 task.result()
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.002)
         return time.perf_counter() - start
     finally:
         stop.set()
@@ -87,10 +126,11 @@ async def _kit(services: Services, url: str, queue: str, n: int, *, prefetch: in
         engine.dispose()
 
 
-def _measure(services: Services, key: str, n: int, consume: Callable[[str], Any]) -> Measured:
+def _measure(services: Services, key: str, n: int, consume: Callable[[str], Any],
+             *, database: bool) -> Measured:  # fmt: skip
     cpu: list[dict[str, float]] = []
     ports = {"rabbitmq": services.broker_port}
-    if key.startswith("consume_kit"):  # the inbox's database
+    if database:
         ports["postgresql"] = services.database_port
 
     def one() -> float:
@@ -109,28 +149,29 @@ def _measure(services: Services, key: str, n: int, consume: Callable[[str], Any]
 
 
 def run(services: Services, sizes: Sizes) -> list[Measured]:
-    n = max(1000, sizes.publish // 10)
+    n = max(2000, sizes.publish // 4)
     out = [
         _measure(services, "consume_aio_pika_autoack", n,
-                 lambda q: _plain(services, q, n, no_ack=True)),
+                 lambda q: _plain(services, q, n, no_ack=True), database=False),
         _measure(services, "consume_aio_pika_manual_ack", n,
-                 lambda q: _plain(services, q, n, no_ack=False)),
+                 lambda q: _plain(services, q, n, no_ack=False), database=False),
     ]  # fmt: skip
     with temp_postgres(services) as url:
-        for prefetch in (1, 10, 100, 1000):
-            out.append(_measure(
-                services, f"consume_kit_prefetch_{prefetch}", n,
-                lambda q, p=prefetch: _kit(services, url, q, n, prefetch=p, multiple=True,
-                                           handler_ms=0),
-            ))  # fmt: skip
-        out.append(_measure(
-            services, "consume_kit_prefetch_100_single_acks", n,
-            lambda q: _kit(services, url, q, n, prefetch=100, multiple=False, handler_ms=0),
-        ))  # fmt: skip
-        for prefetch in (10, 100):
-            out.append(_measure(
-                services, f"consume_kit_prefetch_{prefetch}_handler_5ms", n,
-                lambda q, p=prefetch: _kit(services, url, q, n, prefetch=p, multiple=True,
-                                           handler_ms=5),
-            ))  # fmt: skip
+        with psycopg.connect(libpq_url(url), autocommit=True) as db:
+            db.execute(EFFECTS)
+        out.append(_measure(services, "consume_inbox_loop_per_message", n,
+                            lambda q: _inbox_loop(services, url, q, n), database=True))  # fmt: skip
+        defaults = ConsumerConfig(name="-", queue="-")  # what `outbox consume` runs
+        base = {"prefetch": defaults.prefetch, "concurrency": defaults.concurrency}
+        kits: list[tuple[str, dict[str, Any]]] = [
+            ("consume_kit_batched", {**base, "mode": "batch"}),
+            ("consume_kit_per_message", {**base, "mode": "message"}),
+            ("consume_kit_batched_handler_5ms", {**base, "mode": "batch", "handler_ms": 5}),
+            ("consume_kit_per_message_handler_5ms", {**base, "mode": "message",
+                                                     "handler_ms": 5}),
+        ]  # fmt: skip
+        for key, options in kits:
+            out.append(_measure(services, key, n,
+                                lambda q, o=options: _kit(services, url, q, n, **o),
+                                database=True))  # fmt: skip
     return out
