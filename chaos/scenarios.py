@@ -15,15 +15,19 @@ import sys
 import time
 from pathlib import Path
 
+from pamqp.commands import Basic
+
 from chaos import amqp, kit_handler
 from chaos import outbox as ob
 from chaos.amqp import Topology
 from chaos.outbox import Expect, PlannedRow
+from chaos.proxy import TcpProxy
 from chaos.runner import Ctx, Scenario, ScenarioError, Step, default_plan, default_topology
 from chaos.services import ArmedEval
 from chaos.spark import produce_with_spark
 
 LEASE = 3  # seconds; the kill scenarios wait for it to expire
+KIT_LIMIT = 3  # the consumer kit's delivery limit in 15, 15b, 15c
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -172,18 +176,45 @@ def kit_topology(ctx: Ctx) -> Topology:
                     unverified=(ctx.names["kit"],))  # fmt: skip
 
 
+def kit_dlq_topology(ctx: Ctx) -> Topology:
+    """:func:`kit_topology` with the kit's queue dead-lettering into ``<kit>.dlq``."""
+    topo = kit_topology(ctx)
+    kit = ctx.names["kit"]
+    topo.queues[kit] = {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{kit}.dlq"}
+    topo.queues[f"{kit}.dlq"] = {}
+    topo.unverified = (kit, f"{kit}.dlq")
+    return topo
+
+
 def _spawn_kit(ctx: Ctx) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(OUTBOX_DATABASE_URL=ctx.db_url, OUTBOX_AMQP_URL=ctx.amqp_url)
+    env.update(OUTBOX_DATABASE_URL=ctx.data.get("kit_db_url", ctx.db_url),
+               OUTBOX_AMQP_URL=ctx.amqp_url)  # fmt: skip
     ctx.log_dir.mkdir(parents=True, exist_ok=True)
     log = open(ctx.log_dir / f"kit-{len(ctx.data.get('kits', []))}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "consume", ctx.names["kit"], "--handler",
-         "chaos.kit_handler:record", "--name", "chaos-kit", "--prefetch", "300"],
+         "chaos.kit_handler:record", "--name", "chaos-kit", "--prefetch", "300",
+         "--delivery-limit", str(KIT_LIMIT)],
         env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     ctx.data.setdefault("kits", []).append(proc)
     return proc
+
+
+def _kit_logs(ctx: Ctx) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(ctx.log_dir.glob("kit-*.log")))
+
+
+async def _dead_letters(ctx: Ctx) -> list[str]:
+    """The message ids in the kit's dead-letter queue."""
+    ids = []
+    async with amqp.channel(ctx.amqp_url) as ch:
+        while True:
+            got = await ch.basic_get(f"{ctx.names['kit']}.dlq", no_ack=True)
+            if got is None or got.delivery is None or not hasattr(got.delivery, "delivery_tag"):
+                return ids
+            ids.append(str(got.header.properties.message_id))
 
 
 async def start_the_kit(ctx: Ctx) -> None:
@@ -233,7 +264,100 @@ async def check_effects_once(ctx: Ctx) -> None:
     ctx.check(f"no effect twice ({total - distinct} duplicates)", total == distinct)
 
 
+async def kit_behind_a_proxy(ctx: Ctx) -> None:
+    """15b, before the rows flow: the kit reaches its database through a proxy of its own."""
+    from sqlalchemy import make_url
+
+    proxy = TcpProxy("127.0.0.1", ctx.services.pg_port)
+    await proxy.start()
+    ctx.data["kit_proxy"] = proxy
+    ctx.data["kit_db_url"] = (
+        make_url(ctx.db_url).set(port=proxy.port).render_as_string(hide_password=False)
+    )
+    await start_the_kit(ctx)
+
+
+async def kit_database_refuses(ctx: Ctx) -> None:
+    """15b. The consumer kit's database refuses connections and resets the open ones for
+    10 s while the kit consumes; then it comes back."""
+    first = ctx.data["kits"][0]
+    want = ctx.rows // 5
+    deadline = time.monotonic() + 60
+    while (await asyncio.to_thread(kit_handler.counts, ctx.engine))[1] < want:
+        if first.poll() is not None or time.monotonic() > deadline:
+            raise ScenarioError(f"the consumer kit did not reach {want} effects")
+        await asyncio.sleep(0.01)
+    proxy: TcpProxy = ctx.data["kit_proxy"]
+    await ctx.fault_now("the consumer kit's database refuses connections for 10 s")
+    await proxy.refuse()
+    await ctx.landed()
+    await asyncio.sleep(10)
+    await proxy.accept()
+
+
+async def check_outage_effects(ctx: Ctx) -> None:
+    """15b, after: effects once, nothing dead-lettered, one outage logged with its length."""
+    await check_effects_once(ctx)
+    dead = await _dead_letters(ctx)
+    ctx.check(f"no good message dead-lettered ({len(dead)})", not dead)
+    logs = _kit_logs(ctx)
+    once = logs.count("does not answer") == 1 and logs.count("answers again after") == 1
+    ctx.check("one WARNING when the outage began, one INFO with its length when it ended", once)
+
+
+async def start_the_kit_supervised(ctx: Ctx) -> None:
+    """15c, before the rows flow: a poison message that kills the kit's process waits in its
+    queue, and the kit runs under a supervisor that starts it again whenever it dies (as
+    systemd's Restart=always or a Kubernetes pod would)."""
+    async with amqp.channel(ctx.amqp_url) as ch:
+        await ch.basic_publish(b"poison", exchange="", routing_key=ctx.names["kit"],
+                               properties=Basic.Properties(message_id="poison-1",
+                                                           headers={"crash": True},
+                                                           delivery_mode=2))  # fmt: skip
+    await start_the_kit(ctx)
+    ctx.data["crashes"] = 0
+
+    async def supervise() -> None:
+        while True:
+            proc = ctx.data["kits"][-1]
+            while proc.poll() is None:
+                await asyncio.sleep(0.05)
+            if ctx.data.get("stopping"):
+                return
+            ctx.data["crashes"] += 1
+            _spawn_kit(ctx)
+
+    ctx.data["supervisor"] = asyncio.create_task(supervise())
+
+
+async def poison_waits(ctx: Ctx) -> None:
+    """15c. The fault is in the data: the poison is consumed and kills the kit, again and
+    again, while the rows flow."""
+    await ctx.fault_now("a message that kills the consumer kit's process")
+    await ctx.landed()
+
+
+async def check_poison_dead_lettered(ctx: Ctx) -> None:
+    """15c, after: effects once for every confirmed row, the poison alone dead-lettered after
+    the delivery limit (limit + 1 crashes: the first delivery, then one per counted attempt)."""
+    deadline = time.monotonic() + 60
+    dead: list[str] = []
+    while not dead and time.monotonic() < deadline:
+        dead = await _dead_letters(ctx)
+        await asyncio.sleep(0.2)
+    await check_effects_once(ctx)
+    crashes = ctx.data["crashes"]
+    ctx.note(f"kit crashes: {crashes}; dead letters: {dead}")
+    ctx.check("the dead-letter queue holds exactly the poison", dead == ["poison-1"])
+    ctx.check(f"dead-lettered after the limit ({crashes} crashes, limit {KIT_LIMIT})",
+              crashes == KIT_LIMIT + 1)  # fmt: skip
+
+
 async def stop_the_kits(ctx: Ctx) -> None:
+    ctx.data["stopping"] = True
+    supervisor = ctx.data.get("supervisor")
+    if supervisor is not None:
+        supervisor.cancel()
     for proc in ctx.data.get("kits", []):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -241,6 +365,9 @@ async def stop_the_kits(ctx: Ctx) -> None:
                 await asyncio.to_thread(proc.wait, 30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    proxy = ctx.data.get("kit_proxy")
+    if proxy is not None:
+        await proxy.close()
 
 
 # ---------------------------------------------------------------- 3, 4, 5, 6: broker faults
@@ -732,6 +859,32 @@ SCENARIOS: list[Scenario] = [
         topology=kit_topology,
         setup=start_the_kit,
         verify=check_effects_once,
+        teardown=stop_the_kits,
+    ),
+    Scenario(
+        "15b",
+        "the consumer kit's database refuses connections for 10 s mid-consume",
+        "a failing dependency is not a failing message: the kit pauses, retries, dead-letters "
+        "nothing, and each message's effect happens once",
+        kit_database_refuses,
+        trigger=0.1,
+        flow=8.0,
+        topology=kit_dlq_topology,
+        setup=kit_behind_a_proxy,
+        verify=check_outage_effects,
+        teardown=stop_the_kits,
+    ),
+    Scenario(
+        "15c",
+        "a message that kills the consumer kit's process, kit restarted by a supervisor",
+        "its attempts are counted before its handler runs: dead-lettered after the limit, "
+        "and every other message's effect happens once",
+        poison_waits,
+        trigger=0.1,
+        flow=8.0,
+        topology=kit_dlq_topology,
+        setup=start_the_kit_supervised,
+        verify=check_poison_dead_lettered,
         teardown=stop_the_kits,
     ),
     Scenario(
