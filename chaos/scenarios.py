@@ -667,9 +667,16 @@ async def orphans_seen(ctx: Ctx) -> None:
 
 
 async def db_errors_seen(ctx: Ctx) -> None:
+    """The publisher logs each database outage once: a WARNING when a call first fails, an
+    INFO with its length when one succeeds again (no line, nor traceback, per failed call)."""
     logs = "".join(p.log_text() for p in ctx.publishers)
-    errors = len(re.findall(r"(claim failed|writing outcomes failed|housekeeping failed)", logs))
-    ctx.note(f"publisher logged {errors} failed DB calls and went on")
+    began = len(re.findall(r"a database call failed", logs))
+    ended = re.findall(r"the database answers again after ([0-9.]+)s \((\d+) calls", logs)
+    ctx.note(f"publisher logged {began} database outage(s) (ended: {ended}) and went on")
+    per_call = len(re.findall(r"(claim failed|outcomes failed|housekeeping failed)", logs))
+    once = len(ended) == began and per_call == 0
+    ctx.check(f"each outage logged once, its end with its length ({per_call} lines per failed "
+              "call)", once)  # fmt: skip
 
 
 # ---------------------------------------------------------------- 13: Spark

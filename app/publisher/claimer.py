@@ -108,7 +108,8 @@ class Claimer:
         except Exception:
             self.orphans_possible = True
             p.metrics.db_errors += 1
-            log.exception("claim failed; retrying (rows it may have leased are released first)")
+            log.debug("claim failed; retrying (rows it may have leased are released first)",
+                      exc_info=True)  # fmt: skip
             return None
         p.metrics.claim_seconds.observe(time.perf_counter() - started)
         if rows:
@@ -145,6 +146,7 @@ class Claimer:
                                           undoable=p.undoable())  # fmt: skip
         self.orphans_possible = False
         self._failures_seen = failures
+        p.db.orphans_checked(failures_seen=failures)
         if unseen:
             p.metrics.released += unseen
             log.warning("released %d rows a failed claim had leased to us unseen", unseen)

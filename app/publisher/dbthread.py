@@ -16,29 +16,40 @@ its channel). The claimer waits for that write-back to finish before it accepts 
 forgotten before a later claim of it is accepted, as with one thread.
 
 The lanes share what ``/readyz`` and the claimer read: when the database last answered, and how
-many calls failed.
+many calls failed. An outage is logged here, once: a WARNING (with the first error's traceback)
+when a call first fails, an INFO with the outage's length when a call succeeds again; the callers
+retry without a line per attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("app.publisher")
 
 
 class DbThread:
-    def __init__(self, *, claims_apart: bool = False) -> None:
+    def __init__(self, *, claims_apart: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.claims_apart = claims_apart
+        self.clock = clock
         self._executor: ThreadPoolExecutor | None = None
         self._claims: ThreadPoolExecutor | None = None
         self.last_ok: float | None = None  # monotonic time of the last successful call
         self.last_error: str | None = None
         self.failures = 0  # calls that raised, ever, on either lane: the claimer compares it
+        #: when the first call failed that no orphan check has followed yet: the undo horizon
+        #: of write-backs is measured from here, not from when the check runs (a crash undoes
+        #: what was written just before it, however long the outage lasts)
+        self.failed_at: float | None = None
+        self._down_since: float | None = None  # the outage being logged
 
     def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-db")
@@ -69,7 +80,24 @@ class DbThread:
         except Exception as exc:
             self.failures += 1
             self.last_error = f"{type(exc).__name__}"
+            now = self.clock()
+            if self.failed_at is None:
+                self.failed_at = now
+            if self._down_since is None:
+                self._down_since = now
+                log.warning("a database call failed (%s); retrying, quietly until it answers",
+                            self.last_error, exc_info=exc)  # fmt: skip
             raise
         self.last_ok = time.monotonic()
         self.last_error = None
+        if self._down_since is not None:
+            log.info("the database answers again after %.1fs (%d calls failed meanwhile)",
+                     self.clock() - self._down_since, self.failures)  # fmt: skip
+            self._down_since = None
         return result
+
+    def orphans_checked(self, *, failures_seen: int) -> None:
+        """An orphan check that began after ``failures_seen`` failures is done: the horizon
+        thaws unless a call failed since."""
+        if self.failures == failures_seen:
+            self.failed_at = None

@@ -89,7 +89,7 @@ class Publisher:
         self.quarantine = Quarantine()
         self.destinations = Destinations(backoff=self.backoff, ok_ttl=EXCHANGE_OK_TTL)
         self.notes = TagNotes(after=settings.outstanding_after)
-        self.db = DbThread(claims_apart=repository.is_postgres)
+        self.db = DbThread(claims_apart=repository.is_postgres, clock=clock)
         self.session = Session(settings=settings, metrics=self.metrics, events=self,
                                name=f"outbox-publisher {self.publisher_id}", clock=clock,
                                rng=self.backoff.rng)  # fmt: skip

@@ -64,9 +64,9 @@ class Housekeeping:
                     log.info("outbox drained: stopping")
                     p.request_stop()
                     return
-            except Exception:
+            except Exception:  # a database call: the outage is logged once, by its lane
                 p.metrics.db_errors += 1
-                log.exception("housekeeping failed; trying again")
+                log.debug("housekeeping failed; trying again", exc_info=True)
             p.session.check_confirm_timeout(p.clock())
             if await self.beat_now.wait(min(1.0, s.poll_interval)):
                 next_beat = 0.0
@@ -83,6 +83,9 @@ class Housekeeping:
         p = self.p
         swept = await p.db.call(p.repo.release_expired)
         if swept:
+            # each swept row may have been on the wire: a possible duplicate, as the row's own
+            # lost_confirms says (ours too, after an outage longer than the lease)
+            p.metrics.lost_confirms += swept
             log.warning("released %d rows of expired leases (a publisher died holding them; "
                         "each may be published twice)", swept)  # fmt: skip
 

@@ -110,9 +110,9 @@ class Writeback:
             written = await p.db.call(self._write, out=out, facts=facts, returned=returned)
         except Exception:
             self._finished()
-            p.metrics.db_errors += 1
-            log.exception("writing %d outcomes failed; retrying in %.0fs", out.rows(),
-                          RETRY_PAUSE)  # fmt: skip
+            p.metrics.db_errors += 1  # the outage is logged once, by the database lane
+            log.debug("writing %d outcomes failed; retrying in %.0fs", out.rows(), RETRY_PAUSE,
+                      exc_info=True)  # fmt: skip
             self.out.merge(out)
             await asyncio.sleep(RETRY_PAUSE)
             return False
@@ -154,8 +154,13 @@ class Writeback:
         return waited
 
     def _forget_durable(self) -> None:
-        """Drop the write-backs older than :data:`UNDO_HORIZON`: on disk by now."""
-        oldest = self.p.clock() - UNDO_HORIZON
+        """Drop the write-backs older than :data:`UNDO_HORIZON` before now, or before the first
+        database call that failed and no orphan check has followed: on disk by then. (Measured
+        from now alone, an outage longer than the horizon forgot the write-backs a crash had
+        just undone, and their rows were published again as never published.)"""
+        now = self.p.clock()
+        failed_at = self.p.db.failed_at
+        oldest = (now if failed_at is None else min(now, failed_at)) - UNDO_HORIZON
         while self._undoable and self._undoable[0][0] < oldest:
             self._undoable.popleft()
 
