@@ -142,7 +142,17 @@ class Settings(BaseSettings):
     ui_session_seconds: int = Field(
         default=8 * 3600, ge=60, le=7 * 24 * 3600,
         description="Lifetime of a web console session (/ui) after sign-in; rotating a token "
-        "ends every session signed with it.",
+        "or the session key ends every session signed with it, signing out ends one.",
+    )  # fmt: skip
+    session_secret: SecretStr | None = Field(
+        default=None, description="Key that signs web console sessions (/ui), at least 32 "
+        "characters (`openssl rand -hex 32`); default: a random key generated once and kept in "
+        "the database (outbox_secrets), shared by every API replica. Changing it ends every "
+        "session.",
+    )  # fmt: skip
+    session_secret_file: str | None = Field(
+        default=None, description="A file holding the session key (a mounted secret), read "
+        "when the API starts; instead of OUTBOX_SESSION_SECRET.",
     )  # fmt: skip
     api_probe_timeout: float = Field(
         default=3.0, gt=0, description="Most wait of /readyz for the database and the broker."

@@ -27,6 +27,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
 from starlette.concurrency import run_in_threadpool
 
 from app.api.auth import Role, _has_tokens, role_of
+from app.api.console import store
 from app.api.console.session import COOKIE, COOKIE_PATH, Session, SessionError, SessionSigner
 from app.api.context import client_address, get_ctx
 from app.api.models import RepublishRequest
@@ -124,7 +125,8 @@ env.filters.update(age=_age, when=_when, query=lambda d: urlencode(d, doseq=True
 
 
 def install(app: FastAPI) -> None:
-    app.state.console_signer = SessionSigner(app.state.ctx.settings)
+    ctx = app.state.ctx
+    app.state.console_sessions = store.ConsoleSessions(ctx.settings, ctx.engine)
     app.include_router(router)
     app.add_exception_handler(LoginRequired, _to_login)
     app.add_exception_handler(ConsoleError, _console_error)
@@ -134,9 +136,15 @@ def install(app: FastAPI) -> None:
         return RedirectResponse("/ui", 307)
 
 
+def _sessions(request: Request) -> store.ConsoleSessions:
+    sessions: store.ConsoleSessions = request.app.state.console_sessions
+    return sessions
+
+
 def _signer(request: Request) -> SessionSigner:
-    signer: SessionSigner = request.app.state.console_signer
-    return signer
+    """The session signer (its secret read from the database on first use: call from a
+    worker thread)."""
+    return _sessions(request).signer(now=get_ctx(request).now())
 
 
 def _now(request: Request) -> float:
@@ -144,8 +152,14 @@ def _now(request: Request) -> float:
 
 
 def _session(request: Request) -> Session:
+    """The request's live session (its cookie checked, then its row: blocking I/O, call from a
+    worker thread); :class:`LoginRequired` otherwise."""
     try:
-        return _signer(request).read(request.cookies.get(COOKIE), now=_now(request))
+        session = _signer(request).read(request.cookies.get(COOKIE), now=_now(request))
+        if not store.session_live(_sessions(request).engine, session_id=session.nonce,
+                                  now=get_ctx(request).now()):  # fmt: skip
+            raise SessionError("the session ended (signed out on the server): sign in again")
+        return session
     except SessionError as exc:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         raise LoginRequired(target, str(exc), expired=exc.expired) from None
@@ -162,9 +176,13 @@ def render(
 
 
 def _error_page(request: Request, status: int, message: str) -> HTMLResponse:
+    """An error page, with the navigation of the cookie's session if it has one (read without
+    the database, which may be why the page is shown: any action checks the session in full)."""
+    signer = _sessions(request).loaded()
     try:
-        session: Session | None = _session(request)
-    except LoginRequired:
+        cookie = request.cookies.get(COOKIE)
+        session = signer.read(cookie, now=_now(request)) if signer and cookie else None
+    except SessionError:
         session = None
     return render(request, "error.html", session=session, code=status, message=message)
 
@@ -241,7 +259,7 @@ def _int_param(request: Request, name: str) -> int | None:
 
 async def _acting(request: Request) -> tuple[Session, dict[str, list[str]]]:
     """A state-changing form: a session, its CSRF token, and the operator role."""
-    session = _session(request)
+    session = await run_in_threadpool(_session, request)
     form = await _form(request)
     if not _signer(request).csrf_ok(session, _one(form, "csrf")):
         log.warning("console: form without a valid CSRF token from %s", client_address(request))
@@ -291,7 +309,12 @@ async def login(request: Request) -> Response:
                       insecure=insecure, next=target, message=message)  # fmt: skip
     principal = ("anonymous (insecure mode)" if insecure else
                  "operator-token" if role >= Role.OPERATOR else "read-token")  # fmt: skip
-    cookie, session = _signer(request).issue(role, principal, now=_now(request))
+    signer = await run_in_threadpool(_signer, request)
+    cookie, session = signer.issue(role, principal, now=_now(request))
+    expires = dt.datetime.fromtimestamp(session.expires, dt.UTC)
+    await run_in_threadpool(store.open_session, _sessions(request).engine,
+                            session_id=session.nonce, principal=principal, expires=expires,
+                            now=ctx.now())  # fmt: skip
     log.info("console: %s signed in from %s", principal, client)
     response = RedirectResponse(target, 303, headers=SECURITY_HEADERS)
     response.set_cookie(COOKIE, cookie, max_age=session.expires - int(_now(request)),
@@ -302,10 +325,13 @@ async def login(request: Request) -> Response:
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
-    session = _session(request)
+    """Sign-out ends the session on the server: a copy of the cookie is refused from now on."""
+    session = await run_in_threadpool(_session, request)
     form = await _form(request)
     if not _signer(request).csrf_ok(session, _one(form, "csrf")):
         raise ConsoleError(403, "This form was not sent from this console session.")
+    await run_in_threadpool(store.end_session, _sessions(request).engine,
+                            session_id=session.nonce, now=get_ctx(request).now())  # fmt: skip
     response = RedirectResponse("/ui/login", 303, headers=SECURITY_HEADERS)
     response.delete_cookie(COOKIE, path=COOKIE_PATH, httponly=True, samesite="strict")
     return response
