@@ -242,8 +242,12 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         app = create_app(settings)
     except ApiConfigError as exc:
         raise UsageError(str(exc)) from None
+    # explicit: uvicorn's default trusts X-Forwarded-For from 127.0.0.1 (any local process,
+    # or a forged header through a local proxy, would choose the audited and throttled address)
+    proxies = args.forwarded_allow_ips or settings.api_forwarded_allow_ips or ""
     uvicorn.run(app, host=host, port=port, log_level=args.log_level, ssl_certfile=cert,
-                ssl_keyfile=key)  # fmt: skip
+                ssl_keyfile=key, proxy_headers=bool(proxies),
+                forwarded_allow_ips=proxies)  # fmt: skip
     return EXIT_OK
 
 
@@ -867,6 +871,11 @@ def _add_serve(sub: Sub) -> None:
     )
     srv.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     srv.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    srv.add_argument(
+        "--forwarded-allow-ips", metavar="ADDRESSES",
+        help="trust X-Forwarded-For/-Proto from these proxies only (comma-separated IPs or "
+        "networks; default OUTBOX_API_FORWARDED_ALLOW_IPS, none)",
+    )  # fmt: skip
     srv.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )

@@ -131,6 +131,11 @@ class Settings(BaseSettings):
         default=None, description="`outbox serve` speaks HTTPS with this certificate (PEM)."
     )
     api_tls_key: str | None = Field(default=None, description="The API certificate's key (PEM).")
+    api_forwarded_allow_ips: str | None = Field(
+        default=None, description="`outbox serve` trusts X-Forwarded-For/-Proto only from these "
+        "proxy addresses (comma-separated IPs or networks, as uvicorn's --forwarded-allow-ips); "
+        "default none: the peer address is the client, for the audit and the throttle.",
+    )  # fmt: skip
     api_max_body_bytes: int = Field(
         default=64 * 1024, ge=1024, le=16 * 1024 * 1024,
         description="Largest request body the API reads (413 above it, before any parsing).",

@@ -256,6 +256,69 @@ def test_serve_really_starts_under_uvicorn_and_answers(sqlite_url: str) -> None:
     assert READ not in err and OPERATOR not in err
 
 
+class Served:
+    """``outbox serve`` as a real subprocess on a free loopback port."""
+
+    def __init__(self, db_url: str, *args: str, **env: str) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        self.env.update(OUTBOX_DATABASE_URL=db_url, OUTBOX_API_TOKEN=READ,
+                        OUTBOX_OPERATOR_TOKEN=OPERATOR, **env)  # fmt: skip
+        self.args = ["serve", "--port", str(self.port), "--log-level", "warning", *args]
+
+    def __enter__(self) -> Served:
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", *self.args], env=self.env,
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                httpx.get(f"{self.base}/healthz", timeout=1)
+                return self
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise AssertionError(f"outbox serve did not start ({self.proc.poll()})")
+
+    def __exit__(self, *_exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate(timeout=5)
+
+
+def _audit_addresses(engine: Engine) -> list[str | None]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(audit.c.client_addr).order_by(audit.c.id)).scalars())
+
+
+def test_serve_trusts_no_forwarded_header_unless_told(sqlite_url: str) -> None:
+    """Issue 29, Medium 2: uvicorn trusts X-Forwarded-For from 127.0.0.1 by default, so 200
+    wrong tokens with forged addresses got 200 x 401 and no 429, and the audit stored the
+    forged address. ``outbox serve`` now trusts no proxy unless ``--forwarded-allow-ips``."""
+    engine = make_engine(sqlite_url)
+    body = {"request_id": "fwd-1", "statuses": ["failed"], "dry_run": False}
+    try:
+        with Served(sqlite_url, OUTBOX_API_AUTH_FAILURES_PER_MINUTE="5") as srv:
+            forged = {"Authorization": f"Bearer {OPERATOR}", "X-Forwarded-For": "203.0.113.9"}
+            r = httpx.post(f"{srv.base}/v1/republish", json=body, headers=forged, timeout=5)
+            assert r.status_code == 200, r.text
+            codes = [httpx.get(f"{srv.base}/v1/stats", timeout=5, headers={
+                "Authorization": f"Bearer wrong-token-{i:04d}-xxxxxxxx",
+                "X-Forwarded-For": f"198.51.100.{i}"}).status_code for i in range(8)]  # fmt: skip
+            assert codes == [401] * 5 + [429] * 3, codes
+        assert _audit_addresses(engine) == ["127.0.0.1"]
+        with Served(sqlite_url, "--forwarded-allow-ips", "127.0.0.1") as srv:  # behind a proxy
+            r = httpx.post(f"{srv.base}/v1/republish", json={**body, "request_id": "fwd-2"},
+                           headers=forged, timeout=5)  # fmt: skip
+            assert r.status_code == 200, r.text
+        assert _audit_addresses(engine) == ["127.0.0.1", "203.0.113.9"]
+    finally:
+        engine.dispose()
+
+
 # ------------------------------------------------------------------------------ rendering
 
 
