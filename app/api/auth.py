@@ -86,15 +86,20 @@ def role_of(
     client: str = "unknown",
 ) -> Role:
     """The role a request's bearer token grants; 401 when missing or unknown, 429 once a client
-    failed too often (counted in ``ctx.throttle``)."""
+    failed too often (counted in ``ctx.throttle``).
+
+    The token is checked first (in constant time) and only failures meet the throttle: a valid
+    token is never refused, so wrong tokens sent from an operator's address (a shared NAT, a
+    page they visit) cannot lock the operator out. Guessing stays bounded: a client over its
+    budget gets 429 for every wrong token, and a token has at least 16 characters.
+    """
     if not _has_tokens(settings):
         return Role.OPERATOR  # check_auth_config let this through: explicit insecure mode
-    if ctx is not None:
-        ctx.throttle.check(client)
     try:
         return _role(settings, credentials)
     except HTTPException:
         if ctx is not None:
+            ctx.throttle.check(client)  # over its budget: 429, not counted again
             ctx.throttle.failed(client)
         log.warning("failed authentication from %s", client)
         raise

@@ -628,8 +628,29 @@ async def test_failed_authentications_are_rate_limited_per_client(sqlite_url: st
         codes = [(await c.get("/v1/stats", headers={"Authorization": f"Bearer wrong-{i}"}))
                  .status_code for i in range(7)]  # fmt: skip
         assert codes == [401] * 5 + [429] * 2
-        r = await c.get("/v1/stats", headers=R)
+        r = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong-again"})
         assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0  # this client waits
+
+
+async def test_a_valid_token_is_never_refused_by_the_throttle(sqlite_url: str) -> None:
+    """Issue 29, Medium 3: the throttle ran before the token check, so 20 wrong tokens from an
+    operator's address (or any page they visit) locked the valid operator token out with 429."""
+    engine = make_engine(sqlite_url)
+    try:
+        seed_every_state(engine, Clock())
+        async with client_for(create_app(settings_for(sqlite_url), engine=engine)) as c:
+            for i in range(25):
+                await c.get("/v1/stats", headers={"Authorization": f"Bearer wrong-{i}"})
+            wrong = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
+            assert wrong.status_code == 429, "the guesser is throttled"
+            assert (await c.get("/v1/stats", headers=R)).status_code == 200
+            r = await c.post("/v1/republish", json={"request_id": "l-1", "statuses": ["failed"]},
+                             headers=OP)  # fmt: skip
+            assert r.status_code == 200 and r.json()["count"] == 2, r.text
+            wrong = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
+            assert wrong.status_code == 429, "a valid token does not reset the guesser's budget"
+    finally:
+        engine.dispose()
 
 
 async def test_the_audit_row_records_the_token_and_the_client_address(

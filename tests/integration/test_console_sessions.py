@@ -101,3 +101,42 @@ async def test_a_malformed_cookie_is_a_sign_in_page_not_a_500(db_url: str, engin
     async with console(db_url, engine) as c:
         r = await c.get("/ui/audit", headers={"Cookie": "outbox_session=a.\xe9".encode("latin-1")})
         assert r.status_code == 303 and r.headers["location"].startswith("/ui/login")
+
+
+CROSS_SITE = [
+    {"Origin": "https://evil.example"},
+    {"Origin": "null"},  # a data: URL or a sandboxed frame
+    {"Referer": "https://evil.example/page"},
+    {"Origin": "http://outbox.test", "Sec-Fetch-Site": "cross-site"},
+]
+
+
+async def test_a_sign_in_posted_from_another_site_is_refused(db_url: str, engine: Engine) -> None:
+    """Issue 29, Medium 3 (login CSRF): any page an operator visited could post the sign-in form,
+    signing them in as someone else or spending their address's budget of failures."""
+    async with console(db_url, engine) as c:
+        for headers in CROSS_SITE:
+            r = await c.post("/ui/login", data={"token": OPERATOR, "next": "/ui"}, headers=headers)
+            assert r.status_code == 403 and "outbox_session" not in r.cookies, headers
+            assert "not sent from this console" in r.text
+        for i in range(30):  # wrong tokens from another site spend nobody's budget
+            r = await c.post("/ui/login", data={"token": f"wrong-{i}"}, headers=CROSS_SITE[0])
+            assert r.status_code == 403
+        r = await c.post("/ui/login", data={"token": "wrong"}, headers=ORIGIN)
+        assert r.status_code == 401
+        assert await sign_in(c, OPERATOR)
+        for same in ({"Referer": "http://outbox.test/ui/login"}, {"Sec-Fetch-Site": "same-origin"},
+                     {}):  # fmt: skip
+            r = await c.post("/ui/login", data={"token": READ}, headers=same)
+            assert r.status_code == 303, same
+    with engine.connect() as conn:
+        assert len(conn.execute(select(ui_sessions)).all()) == 4
+
+
+async def test_failed_sign_ins_never_lock_out_the_valid_token(db_url: str, engine: Engine) -> None:
+    """Issue 29, Medium 3: after 20 failures from an address the valid token got 429 too."""
+    async with console(db_url, engine) as c:
+        codes = [(await c.post("/ui/login", data={"token": f"wrong-{i}"}, headers=ORIGIN))
+                 .status_code for i in range(25)]  # fmt: skip
+        assert codes == [401] * 20 + [429] * 5
+        assert await sign_in(c, OPERATOR)

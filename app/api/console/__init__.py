@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
@@ -289,6 +289,21 @@ def login_page(request: Request) -> HTMLResponse:
                   message="Your session expired: sign in again." if expired else None)  # fmt: skip
 
 
+def _posted_here(request: Request) -> bool:
+    """A form posted from this console's own page. A browser names the page that posts (Origin
+    on every POST, ``null`` from a data: URL or a sandbox; Referer; Sec-Fetch-Site): another
+    site's page must not sign an operator in as someone else (login CSRF), nor spend their
+    address's budget of failures. A client that names no page is not a browser on another site."""
+    host = request.headers.get("host", "")
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return False
+    origin = request.headers.get("origin")
+    if origin is not None:
+        return origin != "null" and urlsplit(origin).netloc == host
+    referer = request.headers.get("referer")
+    return referer is None or urlsplit(referer).netloc == host
+
+
 @router.post("/login")
 async def login(request: Request) -> Response:
     ctx = get_ctx(request)
@@ -297,6 +312,11 @@ async def login(request: Request) -> Response:
     client = client_address(request)
     token = (form.get("token") or [""])[0]
     insecure = not _has_tokens(ctx.settings)
+    if not _posted_here(request):
+        log.warning("console: sign-in posted from another site refused, from %s", client)
+        return render(request, "login.html", session=None, code=403, insecure=insecure,
+                      next=target, message="This sign-in was not sent from this console's page: "
+                      "open the console and sign in there.")  # fmt: skip
     try:
         creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token)
         role = role_of(ctx.settings, creds if token else None, ctx=ctx, client=client)
