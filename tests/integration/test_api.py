@@ -23,6 +23,7 @@ from sqlalchemy import Engine, insert, select
 
 from app.api import ApiConfigError, create_app
 from app.db import make_engine, migrate
+from app.outbox import queries
 from app.outbox.repository import Backoff, OutboxRepository, ReturnedRow
 from app.outbox.schema import audit, batches, outbox, publishers
 from app.outbox.states import Status
@@ -831,6 +832,32 @@ async def test_messages_list_filters_by_created_range_and_refuses_an_empty_range
     assert r.status_code == 422 and "earlier than" in r.json()["detail"], r.text
     r = await client.get("/v1/messages", params={"created_after": "yesterday"}, headers=R)
     assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["query", "created_after"]
+
+
+async def test_a_page_of_large_rows_stays_within_the_byte_budget_and_pages_on(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    """Issue 29, Medium 4: ``GET /v1/messages?batch_id=…&limit=500`` over 40 rows with 1 MB
+    header and property documents answered 80 MB (RSS 109 -> 407 MB). A page now stops at
+    about 4 MiB of row text, says so, and ``next_after`` reaches every row."""
+    big = add_rows(engine, n=12, batch_id="big:1", headers={"h": "x" * 900_000},
+                   properties={"correlation_id": "c", "type": "y" * 900_000})  # fmt: skip
+    small = add_rows(engine, n=3, batch_id="big:1")
+    seen: list[str] = []
+    after = None
+    for _ in range(20):
+        params = {"batch_id": "big:1", "limit": 500, **({"after": after} if after else {})}
+        r = await client.get("/v1/messages", params=params, headers=R)
+        assert r.status_code == 200, r.text[:200]
+        assert len(r.content) <= queries.MAX_PAGE_BYTES + 64 * 1024, len(r.content)
+        page = r.json()
+        seen += [m["message_id"] for m in page["items"]]
+        assert page["items"][0]["headers"]["h"] == "x" * 900_000, "rows come whole"
+        after = page["next_after"]
+        assert page["truncated"] == (after is not None)
+        if after is None:
+            break
+    assert seen == big + small, "paging reaches every row once, in order"
 
 
 # ------------------------------------------------------------------------------ problem details

@@ -448,9 +448,11 @@ def messages(request: Request) -> HTMLResponse:
         ordering_key=fields["ordering_key"], reason=fields["reason"],
     )  # fmt: skip
     after = _int_param(request, "after")
-    found = queries.search_messages(get_ctx(request).engine, flt=flt, limit=PAGE, after=after)
+    page = queries.search_messages(get_ctx(request).engine, flt=flt, limit=PAGE, after=after)
+    found = page.items
     shown = {k: v for k, v in {**fields, "status": status.value if status else None}.items() if v}
-    nxt = {**shown, "after": found[-1].id} if len(found) == PAGE else None
+    more = page.truncated or len(found) == PAGE
+    nxt = {**shown, "after": found[-1].id} if more and found else None
     return render(request, "messages.html", session=session, found=found, shown=shown,
                   status=status, statuses=list(Status), fields=fields, next=nxt)  # fmt: skip
 
