@@ -36,6 +36,7 @@ from app.outbox.repository import (
     OutboxRepository,
     RepositoryError,
     RepublishFilter,
+    RequestIdReused,
     has_control_characters,
     utcnow,
 )
@@ -479,12 +480,14 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
     try:
         if flt.batch_id is not None and not queries.batch_exists(engine, batch_id=flt.batch_id):
             raise Failure(f"no batch {flt.batch_id!r}")
-        _refuse_reused_request_id(engine, request_id, flt)
         repo = OutboxRepository(engine)
-        result = repo.republish(
-            actor=args.actor, filter=flt, limit=args.limit, dry_run=args.dry_run,
-            request_id=request_id,
-        )  # fmt: skip
+        try:
+            result = repo.republish(
+                actor=args.actor, filter=flt, limit=args.limit, dry_run=args.dry_run,
+                request_id=request_id,
+            )  # fmt: skip
+        except RequestIdReused as exc:
+            raise UsageError(str(exc)) from None
         moved, chunk = result.count, 1
         chunked = args.all and not args.dry_run and not result.replayed
         with progress("republish", result.matched if chunked else None) as bar:
@@ -708,14 +711,6 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     from app.demo import main as demo_main  # lazy: Spark is an optional extra
 
     return demo_main(settings, rows=args.rows, files=args.files, workdir=args.workdir)
-
-
-def _refuse_reused_request_id(engine: Engine, request_id: str | None, flt: RepublishFilter) -> None:
-    seen = queries.audit_by_request_id(engine, request_id=request_id) if request_id else None
-    if seen is not None and (seen.action != "republish" or seen.filter != flt.as_json()):
-        raise UsageError(
-            f"request id {request_id} was already used (audit {seen.id}) with another filter"
-        )
 
 
 def _republish_filter(args: argparse.Namespace) -> RepublishFilter:

@@ -6,6 +6,7 @@ as a publisher would move them; time is a settable clock shared by the repositor
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import os
@@ -452,6 +453,54 @@ async def test_reusing_a_request_id_for_another_filter_is_a_409(
     r = await client.post("/v1/republish", json=other, headers=OP)
     assert r.status_code == 409 and "r-1" in r.json()["detail"]
     assert len(audit_rows(engine)) == 1
+
+
+async def test_a_request_id_with_another_limit_or_a_dry_run_with_another_filter_is_a_409(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    """Issue 29, Low: the same request_id with a different limit replayed silently, and dry
+    runs never checked the id."""
+    first = {"request_id": "r-2", "statuses": ["returned"], "limit": 1}
+    r = await client.post("/v1/republish", json=first, headers=OP)
+    assert r.status_code == 200 and r.json()["count"] == 1, r.text
+    for other in ({**first, "limit": 100}, {**first, "statuses": ["failed"], "dry_run": True}):
+        r = await client.post("/v1/republish", json=other, headers=OP)
+        assert r.status_code == 409 and "r-2" in r.json()["detail"], (other, r.text)
+    again = await client.post("/v1/republish", json=first, headers=OP)
+    assert again.json()["replayed"] is True
+    assert len(audit_rows(engine)) == 1
+
+
+async def test_concurrent_republishes_with_one_request_id_never_answer_a_false_replay(
+    pg_url: str,
+) -> None:
+    """Issue 29, Medium 5: two concurrent POST /v1/republish with one request_id and different
+    batch_ids: in 19 of 20 rounds the loser got ``200 replayed:true count:10`` for its own batch
+    while its rows stayed failed (the id was checked before the transaction, the replay path
+    compared no filter). 20 rounds, each two requests at once on PostgreSQL (the endpoint runs
+    in the server's worker threads): one moves its batch, the other is a 409 and moves nothing."""
+    engine = make_engine(pg_url)
+    app = create_app(settings_for(pg_url), engine=engine)
+    async with client_for(app) as c:
+        for round_ in range(20):
+            sides = {s: add_rows(engine, n=10, batch_id=f"race:{round_}:{s}", status="failed",
+                                 last_error="boom") for s in "ab"}  # fmt: skip
+            bodies = [{"request_id": f"race-{round_}", "batch_id": f"race:{round_}:{s}",
+                       "statuses": ["failed"]} for s in "ab"]  # fmt: skip
+            answers = await asyncio.gather(
+                *(c.post("/v1/republish", json=b, headers=OP) for b in bodies)
+            )
+            codes = sorted(r.status_code for r in answers)
+            assert codes == [200, 409], [(r.status_code, r.text) for r in answers]
+            [won] = [r.json() for r in answers if r.status_code == 200]
+            assert (won["replayed"], won["count"]) == (False, 10)
+            winner = won["filter"]["batch_id"][-1]
+            loser = "b" if winner == "a" else "a"
+            assert set(statuses_of(engine, sides[winner]).values()) == {"pending"}
+            assert set(statuses_of(engine, sides[loser]).values()) == {"failed"}, "loser moved"
+    rows = audit_rows(engine)
+    engine.dispose()
+    assert len(rows) == 20 and len({r["request_id"] for r in rows}) == 20
 
 
 async def test_republish_by_filter_honours_exchange_time_range_and_limit(

@@ -31,9 +31,13 @@ from app.api.console import store
 from app.api.console.session import COOKIE, COOKIE_PATH, Session, SessionError, SessionSigner
 from app.api.context import client_address, get_ctx
 from app.api.models import RepublishRequest
-from app.api.v1 import _refuse_reused_request_id
 from app.outbox import health, queries
-from app.outbox.repository import MAX_ACTOR, RepublishFilter, has_control_characters
+from app.outbox.repository import (
+    MAX_ACTOR,
+    RepublishFilter,
+    RequestIdReused,
+    has_control_characters,
+)
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 log = logging.getLogger("app.api.console")
@@ -580,14 +584,13 @@ async def republish(request: Request) -> HTMLResponse:
     flt = req.to_filter()
     actor = _actor(form, session)
     try:
-        await run_in_threadpool(_refuse_reused_request_id, ctx, request_id=req.request_id, flt=flt)
-    except HTTPException as exc:
-        raise ConsoleError(exc.status_code, str(exc.detail)) from None
-    result = await run_in_threadpool(
-        ctx.repo.republish, actor=actor, filter=flt, limit=req.limit, dry_run=False,
-        request_id=req.request_id, principal=session.principal,
-        client_addr=client_address(request),
-    )  # fmt: skip
+        result = await run_in_threadpool(
+            ctx.repo.republish, actor=actor, filter=flt, limit=req.limit, dry_run=False,
+            request_id=req.request_id, principal=session.principal,
+            client_addr=client_address(request),
+        )  # fmt: skip
+    except RequestIdReused as exc:
+        raise ConsoleError(409, str(exc)) from None
     log.info("console: republish %s by %s (%s) moved %d rows, audit %s", req.request_id, actor,
              session.principal, result.count, result.audit_id)  # fmt: skip
     return render(request, "republish_done.html", session=session, result=result,
