@@ -116,8 +116,12 @@ def strict_loads(raw: bytes) -> Any:
                            parse_float=_finite)  # fmt: skip
     except json.JSONDecodeError as exc:
         raise JsonError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:  # 60 KB of "[" was a 500 with a traceback
+        raise JsonError("nested too deeply") from None
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise JsonError("nested too deeply") from None
     except UnicodeEncodeError:
         raise JsonError(
             "a string holds a lone surrogate (\\ud800-\\udfff): not valid Unicode"
@@ -146,7 +150,12 @@ def _finite(text: str) -> float:
 
 
 class StrictJsonRoute(APIRoute):
-    """Parses a JSON body with :func:`strict_loads` before FastAPI does (a 400 otherwise)."""
+    """Parses a JSON body with :func:`strict_loads` before FastAPI does (a 400 otherwise), after
+    :meth:`before_body` (the token check of :class:`app.api.auth.TokenJsonRoute`): a body sent
+    without a valid token is never parsed, and counts as a failed authentication."""
+
+    def before_body(self, request: Request) -> None:
+        """Runs before a body is parsed (nothing here)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -155,6 +164,7 @@ class StrictJsonRoute(APIRoute):
             if request.method in ("POST", "PUT", "PATCH"):
                 raw = await request.body()
                 if raw:
+                    self.before_body(request)
                     ctype = request.headers.get("content-type", "").split(";")[0].strip()
                     if ctype != JSON_MEDIA:
                         raise HTTPException(415, f"send the body as {JSON_MEDIA}, not "

@@ -11,9 +11,8 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 
-from app.api.auth import require_reader
+from app.api.auth import TokenJsonRoute, require_reader
 from app.api.context import ApiContext, get_ctx
-from app.api.limits import StrictJsonRoute
 from app.api.models import MessageOut, Text, UtcDatetime
 from app.api.v1 import ERRORS
 from app.outbox import queries
@@ -22,7 +21,7 @@ from app.outbox.states import Status
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
 router = APIRouter(
     prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
-    route_class=StrictJsonRoute,
+    route_class=TokenJsonRoute,
 )  # fmt: skip
 
 

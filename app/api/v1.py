@@ -8,9 +8,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
 from fastapi.exceptions import RequestValidationError
 
-from app.api.auth import Caller, require_operator, require_reader
+from app.api.auth import Caller, TokenJsonRoute, require_operator, require_reader
 from app.api.context import ApiContext, get_ctx
-from app.api.limits import StrictJsonRoute
 from app.api.models import (
     MAX_AGE_SECONDS,
     BatchOut,
@@ -57,7 +56,7 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "descrip
 
 router = APIRouter(
     prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
-    route_class=StrictJsonRoute,
+    route_class=TokenJsonRoute,
 )  # fmt: skip
 
 

@@ -672,6 +672,22 @@ async def test_a_large_body_is_refused_before_parsing_and_before_auth(
     assert r.status_code == 413
 
 
+async def test_a_deeply_nested_body_is_a_4xx_and_without_a_token_counts_as_a_failure(
+    sqlite_url: str,
+) -> None:
+    """Issue 29, Low: 60 KB of nested ``[`` without a token answered 500 with a traceback
+    (``strict_loads`` missed RecursionError), and did not count in the throttle."""
+    nested = b"[" * 60_000
+    json_type = {"Content-Type": "application/json"}
+    app = create_app(settings_for(sqlite_url, api_auth_failures_per_minute=3))
+    async with client_for(app) as c:
+        r = await c.post("/v1/republish", content=nested, headers={**OP, **json_type})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["detail"], r.text
+        codes = [(await c.post("/v1/republish", content=nested, headers=json_type)).status_code
+                 for _ in range(5)]  # fmt: skip
+        assert codes == [401] * 3 + [429] * 2, "a body without a token is a failed sign-in"
+
+
 async def test_failed_authentications_are_rate_limited_per_client(sqlite_url: str) -> None:
     app = create_app(settings_for(sqlite_url, api_auth_failures_per_minute=5))
     async with client_for(app) as c:
