@@ -136,6 +136,11 @@ class Settings(BaseSettings):
         "proxy addresses (comma-separated IPs or networks, as uvicorn's --forwarded-allow-ips); "
         "default none: the peer address is the client, for the audit and the throttle.",
     )  # fmt: skip
+    api_docs: bool = Field(
+        default=False, description="`outbox serve` also serves /docs, /redoc and /openapi.json "
+        "(off by default: the Swagger UI and ReDoc pages load scripts from a CDN on the "
+        "console's origin, without its Content-Security-Policy).",
+    )  # fmt: skip
     api_max_body_bytes: int = Field(
         default=64 * 1024, ge=1024, le=16 * 1024 * 1024,
         description="Largest request body the API reads (413 above it, before any parsing).",

@@ -51,6 +51,9 @@ def create_app(
         description=DESCRIPTION,
         lifespan=lifespan,
         dependencies=[Depends(reject_unknown_query)],
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url="/redoc" if settings.api_docs else None,
+        openapi_url="/openapi.json" if settings.api_docs else None,
     )
     app.state.ctx = ctx
     # outermost: a body over the limit is refused before any parsing or token check

@@ -973,6 +973,16 @@ async def test_an_unreachable_database_is_a_problem_too() -> None:
     assert "database unavailable" in str(body["detail"])
 
 
+async def test_the_api_documentation_pages_are_off_unless_asked_for(sqlite_url: str) -> None:
+    """Issue 29, Low: /docs, /redoc and /openapi.json were open on the console's origin without
+    its CSP or frame protection, loading unpinned scripts from a CDN."""
+    pages = ("/docs", "/redoc", "/openapi.json")
+    async with client_for(create_app(settings_for(sqlite_url))) as c:
+        assert [(await c.get(p)).status_code for p in pages] == [404] * 3
+    async with client_for(create_app(settings_for(sqlite_url, api_docs=True))) as c:
+        assert [(await c.get(p)).status_code for p in pages] == [200] * 3
+
+
 def test_the_openapi_document_declares_problem_json_for_every_error(sqlite_url: str) -> None:
     doc = create_app(settings_for(sqlite_url)).openapi()
     errors = [
