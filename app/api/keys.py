@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from app.api.auth import Caller, TokenJsonRoute, require_operator, require_reader
 from app.api.context import ApiContext, get_ctx
-from app.api.models import TEXT_PATTERN, Text, utf8_text
+from app.api.models import OPERATOR_TEXT_PATTERN, Text, utf8_text
 from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
 from app.outbox import queries
 from app.outbox.repository import MAX_REASON, CannotSkip, SkipResult
@@ -60,11 +60,11 @@ class SkipRequest(BaseModel):
 
     reason: Annotated[
         str,
-        Field(min_length=1, max_length=MAX_REASON, pattern=TEXT_PATTERN),
+        Field(min_length=1, max_length=MAX_REASON, pattern=OPERATOR_TEXT_PATTERN),
         AfterValidator(utf8_text),
     ] = Field(
         description="Why this row will not be delivered (kept in the audit trail); one line of "
-        "text, no control characters."
+        "text, no control, line-separator or bidirectional-override characters."
     )
 
 

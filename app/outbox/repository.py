@@ -57,10 +57,16 @@ SQLITE_MAX_IDS = 10_000
 CONTROL_CHARACTERS = r"\x00-\x1f\x7f"
 MAX_ACTOR = 64
 MAX_REASON = 1000
-_CONTROL = re.compile(f"[{CONTROL_CHARACTERS}]")
+#: What an operator's text (an actor name, a reason: kept in the audit trail, logged, shown)
+#: may not hold: C0 and C1 controls (``\x85`` split a JSON log line), the line and paragraph
+#: separators U+2028/U+2029, and the bidirectional embeddings, overrides and isolates (a reason
+#: that reads otherwise than it is stored).
+OPERATOR_TEXT_FORBIDDEN = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[{OPERATOR_TEXT_FORBIDDEN}]")
 
 
 def has_control_characters(text: str) -> bool:
+    """An operator text holding a character of :data:`OPERATOR_TEXT_FORBIDDEN`."""
     return _CONTROL.search(text) is not None
 
 

@@ -396,6 +396,9 @@ def test_the_insecure_switch_obeys_one_rule_whichever_way_it_is_set(
         (["skip", "m-1", "--reason", "x", "--actor", "a" * 65], "must be 1 to 64 characters"),
         (["purge", "--actor", "\x1b[2Jforged"], "one line, without control"),
         (["republish", "--batch", "b", "--actor", "al\tice"], "one line, without control"),
+        (["skip", "m-1", "--reason", "NEL\x85split"], "one line, without control"),
+        (["skip", "m-1", "--reason", "line\u2028separator"], "one line, without control"),
+        (["purge", "--actor", "ecila\u202e"], "one line, without control"),
         # bytes that are not UTF-8 (Python hands them over as lone surrogates)
         (["republish", "--exchange", "a\udcffb", "--dry-run"], "is not valid UTF-8"),
         (["skip", "m-\udcff", "--reason", "x"], "is not valid UTF-8"),
