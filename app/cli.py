@@ -246,9 +246,10 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     # explicit: uvicorn's default trusts X-Forwarded-For from 127.0.0.1 (any local process,
     # or a forged header through a local proxy, would choose the audited and throttled address)
     proxies = args.forwarded_allow_ips or settings.api_forwarded_allow_ips or ""
+    # log_config=None: uvicorn's access and error lines go to our handler (text or JSON, redacted)
     uvicorn.run(app, host=host, port=port, log_level=args.log_level, ssl_certfile=cert,
-                ssl_keyfile=key, proxy_headers=bool(proxies),
-                forwarded_allow_ips=proxies)  # fmt: skip
+                ssl_keyfile=key, proxy_headers=bool(proxies), forwarded_allow_ips=proxies,
+                log_config=None)  # fmt: skip
     return EXIT_OK
 
 

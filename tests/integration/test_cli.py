@@ -283,10 +283,25 @@ class Served:
     def __exit__(self, *_exc: object) -> None:
         self.proc.terminate()
         try:
-            self.proc.communicate(timeout=15)
+            _, self.err = self.proc.communicate(timeout=15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.communicate(timeout=5)
+            _, self.err = self.proc.communicate(timeout=5)
+
+
+def test_serve_access_lines_go_through_the_redacting_log_handler(sqlite_url: str) -> None:
+    """Issue 29, Low: uvicorn's access and error lines were plain text and unredacted
+    (``?access_token=`` logged verbatim), whatever OUTBOX_LOG_FORMAT said."""
+    secret = "s3cret-in-a-query-0123456789"
+    served = Served(sqlite_url, OUTBOX_LOG_FORMAT="json")
+    served.args[served.args.index("--log-level") + 1] = "info"  # access lines are INFO
+    with served as srv:
+        r = httpx.get(f"{srv.base}/v1/stats?access_token={secret}", timeout=5)
+        assert r.status_code in (401, 422), r.text
+    assert secret not in srv.err
+    lines = [json.loads(line) for line in srv.err.splitlines() if line.strip()]
+    access = [d for d in lines if d["logger"] == "uvicorn.access" and "/v1/stats" in d["message"]]
+    assert access and "access_token=***" in access[0]["message"], srv.err
 
 
 def _audit_addresses(engine: Engine) -> list[str | None]:
