@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 from app.api import console, health, keys, metrics, operators, problems, v1
 from app.api.auth import check_auth_config
 from app.api.context import ApiContext
-from app.api.limits import AuthThrottle, BodyLimit
+from app.api.limits import AuthThrottle, BodyLimit, LoopbackHostOnly
 from app.api.strict import reject_unknown_query
 from app.db import head_revision, make_engine
 from app.outbox.repository import Clock, OutboxRepository, utcnow
@@ -58,6 +58,8 @@ def create_app(
     app.state.ctx = ctx
     # outermost: a body over the limit is refused before any parsing or token check
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_body_bytes)
+    if settings.api_insecure and not (settings.api_token or settings.operator_token):
+        app.add_middleware(LoopbackHostOnly)  # no tokens: no answer to a rebound DNS name
     app.include_router(health.router)
     app.include_router(v1.router)
     app.include_router(keys.router)

@@ -13,12 +13,14 @@ any token check), JSON strictly, and failed authentications per client.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
@@ -74,6 +76,43 @@ class BodyLimit:
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class LoopbackHostOnly:
+    """Insecure mode (no tokens, loopback only): a request must name a loopback host. A page on
+    another site that rebinds its DNS name to 127.0.0.1 reaches the port, but its requests say
+    ``Host: evil.example``: answered 421, never an operator session (DNS rebinding)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _loopback_host(scope):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps({
+            "type": "about:blank", "title": "Misdirected Request", "status": 421,
+            "detail": "insecure mode answers requests for a loopback host only "
+                      "(localhost, 127.0.0.1, [::1])",
+        }).encode()  # fmt: skip
+        headers = [(b"content-type", b"application/problem+json"),
+                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        await send({"type": "http.response.start", "status": 421, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _loopback_host(scope: Scope) -> bool:
+    host = next((v for k, v in scope.get("headers", []) if k == b"host"), b"")
+    try:
+        name = urlsplit("//" + host.decode("ascii")).hostname or ""
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _content_length(scope: Scope) -> int | None:

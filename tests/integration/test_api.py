@@ -570,13 +570,34 @@ async def test_insecure_mode_serves_without_tokens_and_audits_anonymous(sqlite_u
     try:
         seeded = seed_every_state(engine, Clock())
         settings = settings_for(sqlite_url, api_token=None, operator_token=None, api_insecure=True)
-        async with client_for(create_app(settings, engine=engine)) as c:
+        app = create_app(settings, engine=engine)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8080") as c:
             assert (await c.get("/v1/stats")).status_code == 200
             r = await c.post("/v1/republish", json={"request_id": "i", "statuses": ["failed"]})
             assert r.status_code == 200 and r.json()["count"] == len(seeded["failed"])
+            for host in ("localhost:8080", "[::1]:8080", "127.0.0.2"):
+                r = await c.get("/v1/stats", headers={"Host": host})
+                assert r.status_code == 200, host
         assert audit_rows(engine)[0]["actor"] == "anonymous (insecure mode)"
     finally:
         engine.dispose()
+
+
+async def test_insecure_mode_answers_no_request_for_another_host(sqlite_url: str) -> None:
+    """Issue 29, Low: insecure mode checked no Host header, so a page whose DNS name was rebound
+    to 127.0.0.1 got an operator session (its requests carry its own host name)."""
+    settings = settings_for(sqlite_url, api_token=None, operator_token=None, api_insecure=True)
+    async with client_for(create_app(settings)) as c:  # Host: outbox.test
+        for path in ("/v1/stats", "/ui", "/ui/login"):
+            r = await c.get(path)
+            assert r.status_code == 421 and "loopback" in r.json()["detail"], (path, r.text)
+        r = await c.post("/ui/login", data={"token": ""}, headers={"Origin": "http://outbox.test"})
+        assert r.status_code == 421 and "outbox_session" not in r.cookies
+        for host in ("evil.example:8080", "127.0.0.1.evil.example", "localhost.evil.example"):
+            assert (await c.get("/v1/stats", headers={"Host": host})).status_code == 421, host
+    async with client_for(create_app(settings_for(sqlite_url))) as c:  # with tokens: any host
+        assert (await c.get("/v1/stats", headers=R)).status_code == 200
 
 
 # ---------------------------------------------------------------------------- validation
