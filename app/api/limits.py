@@ -17,7 +17,7 @@ import ipaddress
 import json
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
@@ -222,33 +222,48 @@ class StrictJsonRoute(APIRoute):
 
 class AuthThrottle:
     """Failed authentications per client address, in a sliding window (in memory, per
-    process: behind several API replicas each counts its own)."""
+    process: behind several API replicas each counts its own). An IPv6 client counts by its
+    /64 (one host holds a whole /64: one address each try would otherwise never be throttled);
+    past ``max_clients`` the client that failed least recently is forgotten, in O(1)."""
 
     def __init__(self, *, max_failures: int = 20, window: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 max_clients: int = 10_000) -> None:  # fmt: skip
         self.max_failures = max_failures
         self.window = window
         self.clock = clock
-        self._failures: dict[str, deque[float]] = {}
+        self.max_clients = max_clients
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
 
     def check(self, client: str) -> None:
         """429 while ``client`` is over its budget of failures."""
-        times = self._recent(client)
+        times = self._recent(client_key(client))
         if len(times) >= self.max_failures:
             wait = max(1, math.ceil(times[0] + self.window - self.clock()))
             raise HTTPException(429, f"too many failed authentications from {client}; retry in "
                                      f"{wait}s", {"Retry-After": str(wait)})  # fmt: skip
 
     def failed(self, client: str) -> None:
-        self._recent(client).append(self.clock())
-        if len(self._failures) > 10_000:  # bounded memory under a spray of addresses
-            oldest = min(self._failures, key=lambda c: self._failures[c][-1] if self._failures[c]
-                         else 0.0)  # fmt: skip
-            del self._failures[oldest]
+        key = client_key(client)
+        self._recent(key).append(self.clock())
+        self._failures.move_to_end(key)
+        while len(self._failures) > self.max_clients:  # bounded under a spray of addresses
+            self._failures.popitem(last=False)
 
-    def _recent(self, client: str) -> deque[float]:
-        times = self._failures.setdefault(client, deque())
+    def _recent(self, key: str) -> deque[float]:
+        times = self._failures.setdefault(key, deque())
         horizon = self.clock() - self.window
         while times and times[0] < horizon:
             times.popleft()
         return times
+
+
+def client_key(client: str) -> str:
+    """What the throttle counts by: the address, or an IPv6 address's /64."""
+    try:
+        address = ipaddress.ip_address(client)
+    except ValueError:
+        return client
+    if address.version == 6 and address.ipv4_mapped is None:
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return client
