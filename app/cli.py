@@ -13,6 +13,7 @@ import getpass
 import ipaddress
 import math
 import os
+import re
 import socket
 import sys
 import uuid
@@ -1084,11 +1085,28 @@ def _config_problem(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _db_problem(exc: DBAPIError) -> str:
+def _db_problem(exc: DBAPIError, *, url: str) -> str:
     first = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+    first = _without_password(first, url=url)
     if isinstance(exc, ProgrammingError) or "no such table" in first:
         return f"database schema missing or outdated ({first}): run `outbox migrate`"
     return f"database unavailable: {first}"
+
+
+def _without_password(text: str, *, url: str) -> str:
+    """``text`` without any piece of the URL's password. A password holding an unescaped ``@``
+    is split by the URL parser, and the driver's error quotes its tail as a host name."""
+    _, _, rest = url.partition("://")
+    userinfo, at, _ = rest.rpartition("@")
+    _, colon, password = userinfo.partition(":")
+    if not (at and colon and password):
+        return text
+    for piece in sorted({password, *re.split(r"[:@]", password)}, key=len, reverse=True):
+        if len(piece) >= 3:
+            text = text.replace(piece, "***")
+    if "@" in password:
+        text += " (write an '@' in the database password as %40)"
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1130,7 +1148,8 @@ def _run(args: argparse.Namespace, settings: Settings, err: TextIO) -> int:
         print(f"outbox: {exc}", file=err)
         return EXIT_FAILURE
     except DBAPIError as exc:
-        print(f"outbox: {_db_problem(exc)}", file=err)
+        print(f"outbox: {_db_problem(exc, url=settings.database_url.get_secret_value())}",
+              file=err)  # fmt: skip
         return EXIT_FAILURE
     except (SchemaMismatch, OSError) as exc:
         print(f"outbox: {redact(str(exc))}", file=err)

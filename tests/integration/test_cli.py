@@ -190,6 +190,11 @@ def test_unreachable_database_exits_1_and_bad_config_exits_2_without_echoing_sec
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "mysql://u:pw-s3cret@db/x")
     rc, _, err = run(capsys, "status")
     assert rc == EXIT_USAGE and "OUTBOX_DATABASE_URL" in err and "s3cret" not in err
+    # issue 29, Low: an unescaped '@' splits the password; the driver quoted its tail as a host
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql+psycopg://u:pw@s3cret@127.0.0.1:1/x")
+    rc, _, err = run(capsys, "status")
+    assert rc == EXIT_FAILURE and "database unavailable" in err, err
+    assert "s3cret" not in err and "%40" in err, err
 
 
 def test_a_database_without_schema_exits_1_naming_migrate(
