@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import console, health, keys, metrics, operators, problems, v1
 from app.api.auth import check_auth_config
@@ -23,6 +24,30 @@ confirm), confirmed or failed, per batch and per message; safe, audited, idempot
 Read endpoints take `Authorization: Bearer $OUTBOX_API_TOKEN` (or the operator token);
 republish takes `Authorization: Bearer $OUTBOX_OPERATOR_TOKEN`. `/healthz` and `/readyz` are open.
 """
+
+
+#: Sent on every answer over HTTPS: browsers that saw it never fall back to plain HTTP here.
+HSTS = (b"strict-transport-security", b"max-age=31536000")
+
+
+class StrictTransport:
+    """Adds ``Strict-Transport-Security`` to every answer served over HTTPS (by uvicorn's TLS,
+    or by a trusted proxy's ``X-Forwarded-Proto``); nothing over plain HTTP, where it is void."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("scheme") != "https":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_hsts(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), HSTS]
+            await send(message)
+
+        await self.app(scope, receive, with_hsts)
 
 
 def create_app(
@@ -58,6 +83,7 @@ def create_app(
     app.state.ctx = ctx
     # outermost: a body over the limit is refused before any parsing or token check
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_body_bytes)
+    app.add_middleware(StrictTransport)
     if settings.api_insecure and not (settings.api_token or settings.operator_token):
         app.add_middleware(LoopbackHostOnly)  # no tokens: no answer to a rebound DNS name
     app.include_router(health.router)

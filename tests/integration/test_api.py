@@ -1004,6 +1004,18 @@ async def test_the_api_documentation_pages_are_off_unless_asked_for(sqlite_url: 
         assert [(await c.get(p)).status_code for p in pages] == [200] * 3
 
 
+async def test_answers_over_https_carry_hsts(sqlite_url: str) -> None:
+    """Issue 29, Low: no HSTS over HTTPS (a first plain-HTTP visit could be downgraded)."""
+    app = create_app(settings_for(sqlite_url))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="https://outbox.test") as c:
+        for path in ("/healthz", "/v1/stats", "/ui/login", "/v1/nope"):
+            r = await c.get(path)
+            assert r.headers["strict-transport-security"] == "max-age=31536000", path
+    async with client_for(app) as c:  # plain HTTP: void there, not sent
+        assert "strict-transport-security" not in (await c.get("/healthz")).headers
+
+
 def test_the_openapi_document_declares_problem_json_for_every_error(sqlite_url: str) -> None:
     doc = create_app(settings_for(sqlite_url)).openapi()
     errors = [

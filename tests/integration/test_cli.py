@@ -473,6 +473,7 @@ def test_serve_speaks_https_with_its_certificate(sqlite_url: str, tmp_path: Path
             except httpx.ConnectError:
                 time.sleep(0.2)
         assert stats is not None and stats.status_code == 200, proc.poll()
+        assert stats.headers["strict-transport-security"] == "max-age=31536000"
         with pytest.raises(httpx.TransportError):  # plain HTTP is not served on that port
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
     finally:
