@@ -13,6 +13,7 @@ import getpass
 import ipaddress
 import math
 import os
+import re
 import socket
 import sys
 import uuid
@@ -36,6 +37,7 @@ from app.outbox.repository import (
     OutboxRepository,
     RepositoryError,
     RepublishFilter,
+    RequestIdReused,
     has_control_characters,
     utcnow,
 )
@@ -242,8 +244,13 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         app = create_app(settings)
     except ApiConfigError as exc:
         raise UsageError(str(exc)) from None
+    # explicit: uvicorn's default trusts X-Forwarded-For from 127.0.0.1 (any local process,
+    # or a forged header through a local proxy, would choose the audited and throttled address)
+    proxies = args.forwarded_allow_ips or settings.api_forwarded_allow_ips or ""
+    # log_config=None: uvicorn's access and error lines go to our handler (text or JSON, redacted)
     uvicorn.run(app, host=host, port=port, log_level=args.log_level, ssl_certfile=cert,
-                ssl_keyfile=key)  # fmt: skip
+                ssl_keyfile=key, proxy_headers=bool(proxies), forwarded_allow_ips=proxies,
+                log_config=None)  # fmt: skip
     return EXIT_OK
 
 
@@ -475,12 +482,14 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
     try:
         if flt.batch_id is not None and not queries.batch_exists(engine, batch_id=flt.batch_id):
             raise Failure(f"no batch {flt.batch_id!r}")
-        _refuse_reused_request_id(engine, request_id, flt)
         repo = OutboxRepository(engine)
-        result = repo.republish(
-            actor=args.actor, filter=flt, limit=args.limit, dry_run=args.dry_run,
-            request_id=request_id,
-        )  # fmt: skip
+        try:
+            result = repo.republish(
+                actor=args.actor, filter=flt, limit=args.limit, dry_run=args.dry_run,
+                request_id=request_id,
+            )  # fmt: skip
+        except RequestIdReused as exc:
+            raise UsageError(str(exc)) from None
         moved, chunk = result.count, 1
         chunked = args.all and not args.dry_run and not result.replayed
         with progress("republish", result.matched if chunked else None) as bar:
@@ -708,14 +717,6 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     return demo_main(settings, rows=args.rows, files=args.files, workdir=args.workdir)
 
 
-def _refuse_reused_request_id(engine: Engine, request_id: str | None, flt: RepublishFilter) -> None:
-    seen = queries.audit_by_request_id(engine, request_id=request_id) if request_id else None
-    if seen is not None and (seen.action != "republish" or seen.filter != flt.as_json()):
-        raise UsageError(
-            f"request id {request_id} was already used (audit {seen.id}) with another filter"
-        )
-
-
 def _republish_filter(args: argparse.Namespace) -> RepublishFilter:
     statuses = frozenset(Status(s) for s in args.status) if args.status else TERMINAL_FAILURES
     if not (
@@ -869,6 +870,11 @@ def _add_serve(sub: Sub) -> None:
     )
     srv.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     srv.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    srv.add_argument(
+        "--forwarded-allow-ips", metavar="ADDRESSES",
+        help="trust X-Forwarded-For/-Proto from these proxies only (comma-separated IPs or "
+        "networks; default OUTBOX_API_FORWARDED_ALLOW_IPS, none)",
+    )  # fmt: skip
     srv.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -1105,11 +1111,28 @@ def _config_problem(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _db_problem(exc: DBAPIError) -> str:
+def _db_problem(exc: DBAPIError, *, url: str) -> str:
     first = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+    first = _without_password(first, url=url)
     if isinstance(exc, ProgrammingError) or "no such table" in first:
         return f"database schema missing or outdated ({first}): run `outbox migrate`"
     return f"database unavailable: {first}"
+
+
+def _without_password(text: str, *, url: str) -> str:
+    """``text`` without any piece of the URL's password. A password holding an unescaped ``@``
+    is split by the URL parser, and the driver's error quotes its tail as a host name."""
+    _, _, rest = url.partition("://")
+    userinfo, at, _ = rest.rpartition("@")
+    _, colon, password = userinfo.partition(":")
+    if not (at and colon and password):
+        return text
+    for piece in sorted({password, *re.split(r"[:@]", password)}, key=len, reverse=True):
+        if len(piece) >= 3:
+            text = text.replace(piece, "***")
+    if "@" in password:
+        text += " (write an '@' in the database password as %40)"
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1151,7 +1174,8 @@ def _run(args: argparse.Namespace, settings: Settings, err: TextIO) -> int:
         print(f"outbox: {exc}", file=err)
         return EXIT_FAILURE
     except DBAPIError as exc:
-        print(f"outbox: {_db_problem(exc)}", file=err)
+        print(f"outbox: {_db_problem(exc, url=settings.database_url.get_secret_value())}",
+              file=err)  # fmt: skip
         return EXIT_FAILURE
     except (SchemaMismatch, OSError) as exc:
         print(f"outbox: {redact(str(exc))}", file=err)

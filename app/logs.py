@@ -4,7 +4,8 @@
 carry an ISO timestamp, the level, the logger and the message; JSON lines carry the same as fields
 (plus any ``extra`` values a call passed, and the exception when there is one), one object per
 line, for log shippers. Every record's text goes through :func:`redact`, so a URL with a password
-that reaches a log line anyway (an exception text quoting it) loses the password.
+that reaches a log line anyway (an exception text quoting it) loses the password, and a token in
+a query string (uvicorn's access lines go through the same handler) loses its value.
 """
 
 from __future__ import annotations
@@ -23,12 +24,19 @@ _PASSWORD_IN_URL = re.compile(
     r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):\S*@(?=[^@/\s]*(?:[/\s?#]|$))",
     re.IGNORECASE,
 )
+#: A secret in a query string (``?access_token=…`` in an access log line): the value goes.
+_SECRET_IN_QUERY = re.compile(
+    r"(?P<name>[?&;](?:access_token|token|api_key|apikey|password|secret|session)=)[^&;#\s\"]*",
+    re.IGNORECASE,
+)
 _STANDARD = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 
 
 def redact(text: str) -> str:
-    """``scheme://user:password@host`` -> ``scheme://user:***@host``, anywhere in ``text``."""
-    return _PASSWORD_IN_URL.sub(r"\g<scheme>\g<user>:***@", text)
+    """``scheme://user:password@host`` -> ``scheme://user:***@host`` and ``?access_token=x`` ->
+    ``?access_token=***``, anywhere in ``text``."""
+    text = _PASSWORD_IN_URL.sub(r"\g<scheme>\g<user>:***@", text)
+    return _SECRET_IN_QUERY.sub(r"\g<name>***", text)
 
 
 def redact_url(url: str) -> str:

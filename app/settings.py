@@ -149,6 +149,16 @@ class Settings(BaseSettings):
         default=None, description="`outbox serve` speaks HTTPS with this certificate (PEM)."
     )
     api_tls_key: str | None = Field(default=None, description="The API certificate's key (PEM).")
+    api_forwarded_allow_ips: str | None = Field(
+        default=None, description="`outbox serve` trusts X-Forwarded-For/-Proto only from these "
+        "proxy addresses (comma-separated IPs or networks, as uvicorn's --forwarded-allow-ips); "
+        "default none: the peer address is the client, for the audit and the throttle.",
+    )  # fmt: skip
+    api_docs: bool = Field(
+        default=False, description="`outbox serve` also serves /docs, /redoc and /openapi.json "
+        "(off by default: the Swagger UI and ReDoc pages load scripts from a CDN on the "
+        "console's origin, without its Content-Security-Policy).",
+    )  # fmt: skip
     api_max_body_bytes: int = Field(
         default=64 * 1024, ge=1024, le=16 * 1024 * 1024,
         description="Largest request body the API reads (413 above it, before any parsing).",
@@ -160,7 +170,17 @@ class Settings(BaseSettings):
     ui_session_seconds: int = Field(
         default=8 * 3600, ge=60, le=7 * 24 * 3600,
         description="Lifetime of a web console session (/ui) after sign-in; rotating a token "
-        "ends every session signed with it.",
+        "or the session key ends every session signed with it, signing out ends one.",
+    )  # fmt: skip
+    session_secret: SecretStr | None = Field(
+        default=None, description="Key that signs web console sessions (/ui), at least 32 "
+        "characters (`openssl rand -hex 32`); default: a random key generated once and kept in "
+        "the database (outbox_secrets), shared by every API replica. Changing it ends every "
+        "session.",
+    )  # fmt: skip
+    session_secret_file: str | None = Field(
+        default=None, description="A file holding the session key (a mounted secret), read "
+        "when the API starts; instead of OUTBOX_SESSION_SECRET.",
     )  # fmt: skip
     api_probe_timeout: float = Field(
         default=3.0, gt=0, description="Most wait of /readyz for the database and the broker."

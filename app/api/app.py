@@ -7,11 +7,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import console, health, keys, metrics, operators, problems, v1
 from app.api.auth import check_auth_config
 from app.api.context import ApiContext
-from app.api.limits import AuthThrottle, BodyLimit
+from app.api.limits import AuthThrottle, BodyLimit, LoopbackHostOnly
 from app.api.strict import reject_unknown_query
 from app.db import head_revision, make_engine
 from app.outbox.repository import Clock, OutboxRepository, utcnow
@@ -23,6 +24,30 @@ confirm), confirmed or failed, per batch and per message; safe, audited, idempot
 Read endpoints take `Authorization: Bearer $OUTBOX_API_TOKEN` (or the operator token);
 republish takes `Authorization: Bearer $OUTBOX_OPERATOR_TOKEN`. `/healthz` and `/readyz` are open.
 """
+
+
+#: Sent on every answer over HTTPS: browsers that saw it never fall back to plain HTTP here.
+HSTS = (b"strict-transport-security", b"max-age=31536000")
+
+
+class StrictTransport:
+    """Adds ``Strict-Transport-Security`` to every answer served over HTTPS (by uvicorn's TLS,
+    or by a trusted proxy's ``X-Forwarded-Proto``); nothing over plain HTTP, where it is void."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("scheme") != "https":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_hsts(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), HSTS]
+            await send(message)
+
+        await self.app(scope, receive, with_hsts)
 
 
 def create_app(
@@ -51,10 +76,16 @@ def create_app(
         description=DESCRIPTION,
         lifespan=lifespan,
         dependencies=[Depends(reject_unknown_query)],
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url="/redoc" if settings.api_docs else None,
+        openapi_url="/openapi.json" if settings.api_docs else None,
     )
     app.state.ctx = ctx
     # outermost: a body over the limit is refused before any parsing or token check
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_body_bytes)
+    app.add_middleware(StrictTransport)
+    if settings.api_insecure and not (settings.api_token or settings.operator_token):
+        app.add_middleware(LoopbackHostOnly)  # no tokens: no answer to a rebound DNS name
     app.include_router(health.router)
     app.include_router(v1.router)
     app.include_router(keys.router)

@@ -16,10 +16,9 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from app.api.auth import Caller, require_operator, require_reader
+from app.api.auth import Caller, TokenJsonRoute, require_operator, require_reader
 from app.api.context import ApiContext, get_ctx
-from app.api.limits import StrictJsonRoute
-from app.api.models import TEXT_PATTERN, Text, utf8_text
+from app.api.models import OPERATOR_TEXT_PATTERN, Text, utf8_text
 from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
 from app.outbox import queries
 from app.outbox.repository import MAX_REASON, CannotSkip, SkipResult
@@ -30,7 +29,7 @@ Operator = Annotated[Caller, Depends(require_operator)]
 
 router = APIRouter(
     prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
-    route_class=StrictJsonRoute,
+    route_class=TokenJsonRoute,
 )  # fmt: skip
 
 
@@ -61,11 +60,11 @@ class SkipRequest(BaseModel):
 
     reason: Annotated[
         str,
-        Field(min_length=1, max_length=MAX_REASON, pattern=TEXT_PATTERN),
+        Field(min_length=1, max_length=MAX_REASON, pattern=OPERATOR_TEXT_PATTERN),
         AfterValidator(utf8_text),
     ] = Field(
         description="Why this row will not be delivered (kept in the audit trail); one line of "
-        "text, no control characters."
+        "text, no control, line-separator or bidirectional-override characters."
     )
 
 

@@ -13,12 +13,14 @@ any token check), JSON strictly, and failed authentications per client.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
@@ -76,6 +78,43 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class LoopbackHostOnly:
+    """Insecure mode (no tokens, loopback only): a request must name a loopback host. A page on
+    another site that rebinds its DNS name to 127.0.0.1 reaches the port, but its requests say
+    ``Host: evil.example``: answered 421, never an operator session (DNS rebinding)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _loopback_host(scope):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps({
+            "type": "about:blank", "title": "Misdirected Request", "status": 421,
+            "detail": "insecure mode answers requests for a loopback host only "
+                      "(localhost, 127.0.0.1, [::1])",
+        }).encode()  # fmt: skip
+        headers = [(b"content-type", b"application/problem+json"),
+                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        await send({"type": "http.response.start", "status": 421, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _loopback_host(scope: Scope) -> bool:
+    host = next((v for k, v in scope.get("headers", []) if k == b"host"), b"")
+    try:
+        name = urlsplit("//" + host.decode("ascii")).hostname or ""
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def _content_length(scope: Scope) -> int | None:
     for name, value in scope.get("headers", []):
         if name == b"content-length":
@@ -116,8 +155,12 @@ def strict_loads(raw: bytes) -> Any:
                            parse_float=_finite)  # fmt: skip
     except json.JSONDecodeError as exc:
         raise JsonError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:  # 60 KB of "[" was a 500 with a traceback
+        raise JsonError("nested too deeply") from None
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise JsonError("nested too deeply") from None
     except UnicodeEncodeError:
         raise JsonError(
             "a string holds a lone surrogate (\\ud800-\\udfff): not valid Unicode"
@@ -146,7 +189,12 @@ def _finite(text: str) -> float:
 
 
 class StrictJsonRoute(APIRoute):
-    """Parses a JSON body with :func:`strict_loads` before FastAPI does (a 400 otherwise)."""
+    """Parses a JSON body with :func:`strict_loads` before FastAPI does (a 400 otherwise), after
+    :meth:`before_body` (the token check of :class:`app.api.auth.TokenJsonRoute`): a body sent
+    without a valid token is never parsed, and counts as a failed authentication."""
+
+    def before_body(self, request: Request) -> None:
+        """Runs before a body is parsed (nothing here)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -155,6 +203,7 @@ class StrictJsonRoute(APIRoute):
             if request.method in ("POST", "PUT", "PATCH"):
                 raw = await request.body()
                 if raw:
+                    self.before_body(request)
                     ctype = request.headers.get("content-type", "").split(";")[0].strip()
                     if ctype != JSON_MEDIA:
                         raise HTTPException(415, f"send the body as {JSON_MEDIA}, not "
@@ -173,33 +222,48 @@ class StrictJsonRoute(APIRoute):
 
 class AuthThrottle:
     """Failed authentications per client address, in a sliding window (in memory, per
-    process: behind several API replicas each counts its own)."""
+    process: behind several API replicas each counts its own). An IPv6 client counts by its
+    /64 (one host holds a whole /64: one address each try would otherwise never be throttled);
+    past ``max_clients`` the client that failed least recently is forgotten, in O(1)."""
 
     def __init__(self, *, max_failures: int = 20, window: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 max_clients: int = 10_000) -> None:  # fmt: skip
         self.max_failures = max_failures
         self.window = window
         self.clock = clock
-        self._failures: dict[str, deque[float]] = {}
+        self.max_clients = max_clients
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
 
     def check(self, client: str) -> None:
         """429 while ``client`` is over its budget of failures."""
-        times = self._recent(client)
+        times = self._recent(client_key(client))
         if len(times) >= self.max_failures:
             wait = max(1, math.ceil(times[0] + self.window - self.clock()))
             raise HTTPException(429, f"too many failed authentications from {client}; retry in "
                                      f"{wait}s", {"Retry-After": str(wait)})  # fmt: skip
 
     def failed(self, client: str) -> None:
-        self._recent(client).append(self.clock())
-        if len(self._failures) > 10_000:  # bounded memory under a spray of addresses
-            oldest = min(self._failures, key=lambda c: self._failures[c][-1] if self._failures[c]
-                         else 0.0)  # fmt: skip
-            del self._failures[oldest]
+        key = client_key(client)
+        self._recent(key).append(self.clock())
+        self._failures.move_to_end(key)
+        while len(self._failures) > self.max_clients:  # bounded under a spray of addresses
+            self._failures.popitem(last=False)
 
-    def _recent(self, client: str) -> deque[float]:
-        times = self._failures.setdefault(client, deque())
+    def _recent(self, key: str) -> deque[float]:
+        times = self._failures.setdefault(key, deque())
         horizon = self.clock() - self.window
         while times and times[0] < horizon:
             times.popleft()
         return times
+
+
+def client_key(client: str) -> str:
+    """What the throttle counts by: the address, or an IPv6 address's /64."""
+    try:
+        address = ipaddress.ip_address(client)
+    except ValueError:
+        return client
+    if address.version == 6 and address.ipv4_mapped is None:
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return client

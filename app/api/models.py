@@ -27,6 +27,7 @@ from app.outbox.reports import PublisherReport
 from app.outbox.repository import (
     CONTROL_CHARACTERS,
     MAX_ACTOR,
+    OPERATOR_TEXT_FORBIDDEN,
     RepublishFilter,
     RepublishResult,
 )
@@ -34,6 +35,8 @@ from app.outbox.states import Status
 
 #: No control characters (PostgreSQL text refuses NUL), bounded length.
 TEXT_PATTERN = rf"^[^{CONTROL_CHARACTERS}]+$"
+#: An operator's text (a skip reason): no controls, C1 included, line separators or bidi controls.
+OPERATOR_TEXT_PATTERN = rf"^[^{OPERATOR_TEXT_FORBIDDEN}]+$"
 CURSOR_PATTERN = r"^[A-Za-z0-9_-]+$"
 #: An actor name or request id: printable ASCII, no leading space.
 TOKEN_PATTERN = r"^[!-~][ -~]*$"

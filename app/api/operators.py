@@ -11,9 +11,8 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 
-from app.api.auth import require_reader
+from app.api.auth import TokenJsonRoute, require_reader
 from app.api.context import ApiContext, get_ctx
-from app.api.limits import StrictJsonRoute
 from app.api.models import MessageOut, Text, UtcDatetime
 from app.api.v1 import ERRORS
 from app.outbox import queries
@@ -22,7 +21,7 @@ from app.outbox.states import Status
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
 router = APIRouter(
     prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
-    route_class=StrictJsonRoute,
+    route_class=TokenJsonRoute,
 )  # fmt: skip
 
 
@@ -117,6 +116,10 @@ def get_rejects(
 class MessagePage(BaseModel):
     items: list[MessageOut]
     next_after: int | None = Field(description="Pass as `after` for the next page.")
+    truncated: bool = Field(
+        default=False, description="The page stopped before `limit` rows at the byte budget "
+        "(about 4 MiB of headers, properties and reasons): the rest follows `next_after`.",
+    )  # fmt: skip
 
 
 def _search(
@@ -136,8 +139,10 @@ def _search(
         created_after=created_after, created_before=created_before,
     )  # fmt: skip
     found = queries.search_messages(ctx.engine, flt=flt, limit=limit, after=after)
-    nxt = found[-1].id if len(found) == limit else None
-    return MessagePage(items=[MessageOut.of(m) for m in found], next_after=nxt)
+    more = found.truncated or len(found.items) == limit
+    nxt = found.items[-1].id if more and found.items else None
+    return MessagePage(items=[MessageOut.of(m) for m in found.items], next_after=nxt,
+                       truncated=found.truncated)  # fmt: skip
 
 
 Statuses = Annotated[list[Status] | None, Query(alias="status", description="Repeatable.")]

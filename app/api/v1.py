@@ -8,9 +8,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
 from fastapi.exceptions import RequestValidationError
 
-from app.api.auth import Caller, require_operator, require_reader
+from app.api.auth import Caller, TokenJsonRoute, require_operator, require_reader
 from app.api.context import ApiContext, get_ctx
-from app.api.limits import StrictJsonRoute
 from app.api.models import (
     MAX_AGE_SECONDS,
     BatchOut,
@@ -27,7 +26,7 @@ from app.api.models import (
     Text,
 )
 from app.outbox import queries
-from app.outbox.repository import RepublishFilter
+from app.outbox.repository import RepublishFilter, RequestIdReused
 from app.outbox.states import Status
 
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
@@ -48,13 +47,16 @@ WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     },
     415: {"model": ErrorBody, "description": "The body is not application/json."},
     403: {"model": ErrorBody, "description": "A read token on an operator action."},
-    409: {"model": ErrorBody, "description": "request_id already used for another action."},
+    409: {
+        "model": ErrorBody,
+        "description": "request_id already used for another action, filter or limit.",
+    },
 }
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "Unknown."}}
 
 router = APIRouter(
     prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
-    route_class=StrictJsonRoute,
+    route_class=TokenJsonRoute,
 )  # fmt: skip
 
 
@@ -183,22 +185,11 @@ def _republish(
     flt: RepublishFilter,
     req: BatchRepublishRequest | RepublishRequest,
 ) -> RepublishOut:
-    if not req.dry_run:
-        _refuse_reused_request_id(ctx, request_id=req.request_id, flt=flt)
-    result = ctx.repo.republish(
-        actor=caller.actor, filter=flt, limit=req.limit, dry_run=req.dry_run,
-        request_id=None if req.dry_run else req.request_id, principal=caller.principal,
-        client_addr=caller.client,
-    )  # fmt: skip
+    try:
+        result = ctx.repo.republish(
+            actor=caller.actor, filter=flt, limit=req.limit, dry_run=req.dry_run,
+            request_id=req.request_id, principal=caller.principal, client_addr=caller.client,
+        )  # fmt: skip
+    except RequestIdReused as exc:
+        raise HTTPException(409, str(exc)) from None
     return RepublishOut.of(result, request_id=req.request_id, flt=flt)
-
-
-def _refuse_reused_request_id(ctx: ApiContext, *, request_id: str, flt: RepublishFilter) -> None:
-    """The same request_id with the same filter replays; with another filter it is a mistake."""
-    seen = queries.audit_by_request_id(ctx.engine, request_id=request_id)
-    if seen is not None and (seen.action != "republish" or seen.filter != flt.as_json()):
-        raise HTTPException(
-            409,
-            f"request_id {request_id!r} was already used (audit row {seen.id}) "
-            "with a different filter; choose a new request_id",
-        )

@@ -699,13 +699,49 @@ class MessageFilter:
     created_before: dt.datetime | None = None  # exclusive
 
 
+#: Most bytes of row text one page of messages carries (headers, properties, reasons): a page
+#: stops before the row that would pass it (always holding one row), and says so.
+MAX_PAGE_BYTES = 4 * 1024 * 1024
+#: What a row costs beyond its documents and reasons (ids, names, times, JSON keys).
+ROW_OVERHEAD_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class MessageSlice:
+    """A page of messages; ``truncated``: it stopped at the byte budget before ``limit`` rows."""
+
+    items: list[MessageRecord]
+    truncated: bool
+
+
+def _row_bytes() -> ColumnElement[int]:
+    """Characters of a row's variable-size text: what it weighs in a page."""
+    sized = [cast(outbox.c.headers, Text), cast(outbox.c.properties, Text), outbox.c.last_error,
+             outbox.c.reply_text, outbox.c.message_id, outbox.c.batch_id, outbox.c.exchange,
+             outbox.c.routing_key, outbox.c.ordering_key, outbox.c.lease_owner]  # fmt: skip
+    total: ColumnElement[int] = literal(ROW_OVERHEAD_BYTES)
+    for column in sized:
+        total = total + func.coalesce(func.length(column), 0)
+    return total
+
+
+def within_budget(sizes: Sequence[int], *, max_bytes: int) -> int:
+    """How many rows of these sizes a page holds: those within ``max_bytes``, at least one."""
+    used = 0
+    for taken, size in enumerate(sizes):
+        used += size
+        if used > max_bytes:
+            return max(1, taken)
+    return len(sizes)
+
+
 def search_messages(
-    engine: Engine, *, flt: MessageFilter, limit: int = 50, after: int | None = None
-) -> list[MessageRecord]:
+    engine: Engine, *, flt: MessageFilter, limit: int = 50, after: int | None = None,
+    max_bytes: int = MAX_PAGE_BYTES,
+) -> MessageSlice:  # fmt: skip
     """Messages matching ``flt`` in id order, without bodies (keyset pages: ``after`` the last
-    id of the previous page)."""
-    cols = [*_MESSAGE_COLUMNS, func.length(outbox.c.body).label("body_size")]
-    stmt = select(*cols).order_by(outbox.c.id).limit(limit)
+    id of the previous page), at most ``limit`` rows and about ``max_bytes`` of text: the rows'
+    sizes are read first, and only the rows within the budget are read in full."""
     conds: list[ColumnElement[bool]] = []
     if flt.statuses:
         conds.append(outbox.c.status.in_([st.value for st in flt.statuses]))
@@ -726,10 +762,17 @@ def search_messages(
         conds.append(outbox.c.created_at < flt.created_before)
     if after is not None:
         conds.append(outbox.c.id > after)
+    sizes = select(outbox.c.id, _row_bytes().label("size")).order_by(outbox.c.id).limit(limit)
     if conds:
-        stmt = stmt.where(and_(*conds))
+        sizes = sizes.where(and_(*conds))
     with engine.connect() as conn:
-        rows = conn.execute(stmt).mappings().all()
+        measured = conn.execute(sizes).all()
+        taken = within_budget([int(m.size) for m in measured], max_bytes=max_bytes)
+        ids = [m.id for m in measured[:taken]]
+        cols = [*_MESSAGE_COLUMNS, func.length(outbox.c.body).label("body_size")]
+        rows = conn.execute(
+            select(*cols).where(outbox.c.id.in_(ids)).order_by(outbox.c.id)
+        ).mappings().all() if ids else []  # fmt: skip
     out = []
     for row in rows:
         values = dict(row)
@@ -737,7 +780,7 @@ def search_messages(
                       headers=_as_dict(values["headers"]),
                       properties=_as_dict(values["properties"]))  # fmt: skip
         out.append(MessageRecord(**values))
-    return out
+    return MessageSlice(items=out, truncated=taken < len(measured))
 
 
 def _as_dict(value: Any) -> dict[str, Any] | None:

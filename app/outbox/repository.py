@@ -57,10 +57,16 @@ SQLITE_MAX_IDS = 10_000
 CONTROL_CHARACTERS = r"\x00-\x1f\x7f"
 MAX_ACTOR = 64
 MAX_REASON = 1000
-_CONTROL = re.compile(f"[{CONTROL_CHARACTERS}]")
+#: What an operator's text (an actor name, a reason: kept in the audit trail, logged, shown)
+#: may not hold: C0 and C1 controls (``\x85`` split a JSON log line), the line and paragraph
+#: separators U+2028/U+2029, and the bidirectional embeddings, overrides and isolates (a reason
+#: that reads otherwise than it is stored).
+OPERATOR_TEXT_FORBIDDEN = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[{OPERATOR_TEXT_FORBIDDEN}]")
 
 
 def has_control_characters(text: str) -> bool:
+    """An operator text holding a character of :data:`OPERATOR_TEXT_FORBIDDEN`."""
     return _CONTROL.search(text) is not None
 
 
@@ -244,6 +250,16 @@ class SkipResult:
 
 class CannotSkip(ValueError):
     """The row does not exist or is not a terminal failure (nothing changed)."""
+
+
+class RequestIdReused(ValueError):
+    """A republish request id already names another action, filter or limit (nothing moved):
+    repeating an id replays its first result only when the request is the same."""
+
+    def __init__(self, request_id: str, audit_id: int) -> None:
+        super().__init__(f"request_id {request_id!r} was already used (audit row {audit_id}) "
+                         "with a different filter or limit; choose a new request_id")  # fmt: skip
+        self.audit_id = audit_id
 
 
 PUBLISH_FACTS = ("channel_id", "delivery_tag", "published_at")
@@ -856,30 +872,38 @@ class OutboxRepository:
         """Move terminal-failure rows matching ``filter`` back to ``pending``, with an audit row.
 
         ``dry_run`` counts and samples, changes nothing. A ``request_id`` seen before returns that
-        run's result again and moves nothing (safe to retry an operator call).
+        run's result again and moves nothing (safe to retry an operator call) when the filter and
+        the limit are the same, and raises :class:`RequestIdReused` otherwise (a dry run too).
+        The id is read in the transaction that moves the rows, and its audit row is written
+        there under a unique constraint: of two concurrent calls with one id, the loser's moves
+        are rolled back and it is compared with the winner's row, never answered its result.
         """
         if limit < 1:
             raise ValueError("limit must be at least 1")
-        if request_id is not None and not dry_run:
-            previous = self._replay(request_id)
-            if previous is not None:
-                return previous
         try:
             return self._republish(actor=actor, flt=filter, limit=limit, dry_run=dry_run,
                                    request_id=request_id, who=(principal, client_addr))  # fmt: skip
         except IntegrityError:  # a concurrent call with the same request id won the race
-            previous = self._replay(request_id) if request_id else None
+            if request_id is None:
+                raise
+            with self.engine.connect() as conn:
+                previous = self._replay(conn, request_id, flt=filter, limit=limit)
             if previous is None:
                 raise
             return previous
 
-    def _replay(self, request_id: str) -> RepublishResult | None:
-        stmt = select(audit.c.id, audit.c.result).where(audit.c.request_id == request_id)
-        with self.engine.connect() as conn:
-            row = conn.execute(stmt).first()
+    def _replay(
+        self, conn: Connection, request_id: str, *, flt: RepublishFilter, limit: int
+    ) -> RepublishResult | None:
+        """The first result of ``request_id`` when this request is the same; None if unused."""
+        stmt = select(audit.c.id, audit.c.action, audit.c.filter, audit.c.result)
+        row = conn.execute(stmt.where(audit.c.request_id == request_id)).first()
         if row is None:
             return None
         res = row.result or {}
+        same_limit = res.get("limit", limit) == limit  # rows from before the limit was kept
+        if row.action != "republish" or row.filter != flt.as_json() or not same_limit:
+            raise RequestIdReused(request_id, int(row.id))
         return RepublishResult(dry_run=False, count=res.get("count", 0),
                                matched=res.get("matched", 0), sample=res.get("sample", []),
                                audit_id=row.id, replayed=True)  # fmt: skip
@@ -908,6 +932,10 @@ class OutboxRepository:
         if self.is_postgres and not dry_run:
             pick = pick.with_for_update(skip_locked=True)
         with self._begin() as conn:
+            previous = None if request_id is None else self._replay(conn, request_id, flt=flt,
+                                                                    limit=limit)  # fmt: skip
+            if previous is not None and not dry_run:
+                return previous
             matched = int(conn.execute(select(func.count()).where(cond)).scalar_one())
             rows = conn.execute(pick).all()
             sample = [r.message_id for r in rows[:20]]
@@ -924,7 +952,7 @@ class OutboxRepository:
                     .values(status=Status.PENDING, attempts=0, available_at=self.clock(),
                             last_error=None, reply_code=None, reply_text=None)
                 )  # fmt: skip
-            result = {"count": len(ids), "matched": matched, "sample": sample}
+            result = {"count": len(ids), "matched": matched, "sample": sample, "limit": limit}
             self._notify_new(conn)
             audit_id = conn.execute(
                 insert(audit)

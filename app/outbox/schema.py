@@ -244,3 +244,26 @@ publishers = Table(
     Column("stopped_at", UTCDateTime),
     Column("stats", JSON),
 )
+
+#: Server-side secrets generated once and shared by every API replica (``ui-session``: the key
+#: that signs web console sessions when ``OUTBOX_SESSION_SECRET`` is not set).
+api_secrets = Table(
+    "outbox_secrets",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("value", LargeBinary, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False, server_default=_now()),
+)
+
+#: Web console sessions, by the SHA-256 of the cookie's session id: a signed cookie is honoured
+#: only while its row lives and has not ended (sign-out ends it on the server).
+ui_sessions = Table(
+    "outbox_ui_sessions",
+    metadata,
+    Column("session_hash", Text, primary_key=True),
+    Column("principal", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False, server_default=_now()),
+    Column("expires_at", UTCDateTime, nullable=False),
+    Column("ended_at", UTCDateTime),
+    Index("ix_outbox_ui_sessions_expires", "expires_at"),
+)

@@ -6,6 +6,7 @@ as a publisher would move them; time is a settable clock shared by the repositor
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import os
@@ -23,6 +24,7 @@ from sqlalchemy import Engine, insert, select
 
 from app.api import ApiConfigError, create_app
 from app.db import make_engine, migrate
+from app.outbox import queries
 from app.outbox.repository import Backoff, OutboxRepository, ReturnedRow
 from app.outbox.schema import audit, batches, outbox, publishers
 from app.outbox.states import Status
@@ -453,6 +455,54 @@ async def test_reusing_a_request_id_for_another_filter_is_a_409(
     assert len(audit_rows(engine)) == 1
 
 
+async def test_a_request_id_with_another_limit_or_a_dry_run_with_another_filter_is_a_409(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    """Issue 29, Low: the same request_id with a different limit replayed silently, and dry
+    runs never checked the id."""
+    first = {"request_id": "r-2", "statuses": ["returned"], "limit": 1}
+    r = await client.post("/v1/republish", json=first, headers=OP)
+    assert r.status_code == 200 and r.json()["count"] == 1, r.text
+    for other in ({**first, "limit": 100}, {**first, "statuses": ["failed"], "dry_run": True}):
+        r = await client.post("/v1/republish", json=other, headers=OP)
+        assert r.status_code == 409 and "r-2" in r.json()["detail"], (other, r.text)
+    again = await client.post("/v1/republish", json=first, headers=OP)
+    assert again.json()["replayed"] is True
+    assert len(audit_rows(engine)) == 1
+
+
+async def test_concurrent_republishes_with_one_request_id_never_answer_a_false_replay(
+    pg_url: str,
+) -> None:
+    """Issue 29, Medium 5: two concurrent POST /v1/republish with one request_id and different
+    batch_ids: in 19 of 20 rounds the loser got ``200 replayed:true count:10`` for its own batch
+    while its rows stayed failed (the id was checked before the transaction, the replay path
+    compared no filter). 20 rounds, each two requests at once on PostgreSQL (the endpoint runs
+    in the server's worker threads): one moves its batch, the other is a 409 and moves nothing."""
+    engine = make_engine(pg_url)
+    app = create_app(settings_for(pg_url), engine=engine)
+    async with client_for(app) as c:
+        for round_ in range(20):
+            sides = {s: add_rows(engine, n=10, batch_id=f"race:{round_}:{s}", status="failed",
+                                 last_error="boom") for s in "ab"}  # fmt: skip
+            bodies = [{"request_id": f"race-{round_}", "batch_id": f"race:{round_}:{s}",
+                       "statuses": ["failed"]} for s in "ab"]  # fmt: skip
+            answers = await asyncio.gather(
+                *(c.post("/v1/republish", json=b, headers=OP) for b in bodies)
+            )
+            codes = sorted(r.status_code for r in answers)
+            assert codes == [200, 409], [(r.status_code, r.text) for r in answers]
+            [won] = [r.json() for r in answers if r.status_code == 200]
+            assert (won["replayed"], won["count"]) == (False, 10)
+            winner = won["filter"]["batch_id"][-1]
+            loser = "b" if winner == "a" else "a"
+            assert set(statuses_of(engine, sides[winner]).values()) == {"pending"}
+            assert set(statuses_of(engine, sides[loser]).values()) == {"failed"}, "loser moved"
+    rows = audit_rows(engine)
+    engine.dispose()
+    assert len(rows) == 20 and len({r["request_id"] for r in rows}) == 20
+
+
 async def test_republish_by_filter_honours_exchange_time_range_and_limit(
     client: httpx.AsyncClient, seeded: Seeded, engine: Engine
 ) -> None:
@@ -520,13 +570,34 @@ async def test_insecure_mode_serves_without_tokens_and_audits_anonymous(sqlite_u
     try:
         seeded = seed_every_state(engine, Clock())
         settings = settings_for(sqlite_url, api_token=None, operator_token=None, api_insecure=True)
-        async with client_for(create_app(settings, engine=engine)) as c:
+        app = create_app(settings, engine=engine)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8080") as c:
             assert (await c.get("/v1/stats")).status_code == 200
             r = await c.post("/v1/republish", json={"request_id": "i", "statuses": ["failed"]})
             assert r.status_code == 200 and r.json()["count"] == len(seeded["failed"])
+            for host in ("localhost:8080", "[::1]:8080", "127.0.0.2"):
+                r = await c.get("/v1/stats", headers={"Host": host})
+                assert r.status_code == 200, host
         assert audit_rows(engine)[0]["actor"] == "anonymous (insecure mode)"
     finally:
         engine.dispose()
+
+
+async def test_insecure_mode_answers_no_request_for_another_host(sqlite_url: str) -> None:
+    """Issue 29, Low: insecure mode checked no Host header, so a page whose DNS name was rebound
+    to 127.0.0.1 got an operator session (its requests carry its own host name)."""
+    settings = settings_for(sqlite_url, api_token=None, operator_token=None, api_insecure=True)
+    async with client_for(create_app(settings)) as c:  # Host: outbox.test
+        for path in ("/v1/stats", "/ui", "/ui/login"):
+            r = await c.get(path)
+            assert r.status_code == 421 and "loopback" in r.json()["detail"], (path, r.text)
+        r = await c.post("/ui/login", data={"token": ""}, headers={"Origin": "http://outbox.test"})
+        assert r.status_code == 421 and "outbox_session" not in r.cookies
+        for host in ("evil.example:8080", "127.0.0.1.evil.example", "localhost.evil.example"):
+            assert (await c.get("/v1/stats", headers={"Host": host})).status_code == 421, host
+    async with client_for(create_app(settings_for(sqlite_url))) as c:  # with tokens: any host
+        assert (await c.get("/v1/stats", headers=R)).status_code == 200
 
 
 # ---------------------------------------------------------------------------- validation
@@ -622,14 +693,51 @@ async def test_a_large_body_is_refused_before_parsing_and_before_auth(
     assert r.status_code == 413
 
 
+async def test_a_deeply_nested_body_is_a_4xx_and_without_a_token_counts_as_a_failure(
+    sqlite_url: str,
+) -> None:
+    """Issue 29, Low: 60 KB of nested ``[`` without a token answered 500 with a traceback
+    (``strict_loads`` missed RecursionError), and did not count in the throttle."""
+    nested = b"[" * 60_000
+    json_type = {"Content-Type": "application/json"}
+    app = create_app(settings_for(sqlite_url, api_auth_failures_per_minute=3))
+    async with client_for(app) as c:
+        r = await c.post("/v1/republish", content=nested, headers={**OP, **json_type})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["detail"], r.text
+        codes = [(await c.post("/v1/republish", content=nested, headers=json_type)).status_code
+                 for _ in range(5)]  # fmt: skip
+        assert codes == [401] * 3 + [429] * 2, "a body without a token is a failed sign-in"
+
+
 async def test_failed_authentications_are_rate_limited_per_client(sqlite_url: str) -> None:
     app = create_app(settings_for(sqlite_url, api_auth_failures_per_minute=5))
     async with client_for(app) as c:
         codes = [(await c.get("/v1/stats", headers={"Authorization": f"Bearer wrong-{i}"}))
                  .status_code for i in range(7)]  # fmt: skip
         assert codes == [401] * 5 + [429] * 2
-        r = await c.get("/v1/stats", headers=R)
+        r = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong-again"})
         assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0  # this client waits
+
+
+async def test_a_valid_token_is_never_refused_by_the_throttle(sqlite_url: str) -> None:
+    """Issue 29, Medium 3: the throttle ran before the token check, so 20 wrong tokens from an
+    operator's address (or any page they visit) locked the valid operator token out with 429."""
+    engine = make_engine(sqlite_url)
+    try:
+        seed_every_state(engine, Clock())
+        async with client_for(create_app(settings_for(sqlite_url), engine=engine)) as c:
+            for i in range(25):
+                await c.get("/v1/stats", headers={"Authorization": f"Bearer wrong-{i}"})
+            wrong = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
+            assert wrong.status_code == 429, "the guesser is throttled"
+            assert (await c.get("/v1/stats", headers=R)).status_code == 200
+            r = await c.post("/v1/republish", json={"request_id": "l-1", "statuses": ["failed"]},
+                             headers=OP)  # fmt: skip
+            assert r.status_code == 200 and r.json()["count"] == 2, r.text
+            wrong = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
+            assert wrong.status_code == 429, "a valid token does not reset the guesser's budget"
+    finally:
+        engine.dispose()
 
 
 async def test_the_audit_row_records_the_token_and_the_client_address(
@@ -812,6 +920,32 @@ async def test_messages_list_filters_by_created_range_and_refuses_an_empty_range
     assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["query", "created_after"]
 
 
+async def test_a_page_of_large_rows_stays_within_the_byte_budget_and_pages_on(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    """Issue 29, Medium 4: ``GET /v1/messages?batch_id=…&limit=500`` over 40 rows with 1 MB
+    header and property documents answered 80 MB (RSS 109 -> 407 MB). A page now stops at
+    about 4 MiB of row text, says so, and ``next_after`` reaches every row."""
+    big = add_rows(engine, n=12, batch_id="big:1", headers={"h": "x" * 900_000},
+                   properties={"correlation_id": "c", "type": "y" * 900_000})  # fmt: skip
+    small = add_rows(engine, n=3, batch_id="big:1")
+    seen: list[str] = []
+    after = None
+    for _ in range(20):
+        params = {"batch_id": "big:1", "limit": 500, **({"after": after} if after else {})}
+        r = await client.get("/v1/messages", params=params, headers=R)
+        assert r.status_code == 200, r.text[:200]
+        assert len(r.content) <= queries.MAX_PAGE_BYTES + 64 * 1024, len(r.content)
+        page = r.json()
+        seen += [m["message_id"] for m in page["items"]]
+        assert page["items"][0]["headers"]["h"] == "x" * 900_000, "rows come whole"
+        after = page["next_after"]
+        assert page["truncated"] == (after is not None)
+        if after is None:
+            break
+    assert seen == big + small, "paging reaches every row once, in order"
+
+
 # ------------------------------------------------------------------------------ problem details
 
 
@@ -858,6 +992,28 @@ async def test_an_unreachable_database_is_a_problem_too() -> None:
     async with client_for(app) as c:
         body = _is_problem(await c.get("/v1/batches", headers=R), 503, "/v1/batches")
     assert "database unavailable" in str(body["detail"])
+
+
+async def test_the_api_documentation_pages_are_off_unless_asked_for(sqlite_url: str) -> None:
+    """Issue 29, Low: /docs, /redoc and /openapi.json were open on the console's origin without
+    its CSP or frame protection, loading unpinned scripts from a CDN."""
+    pages = ("/docs", "/redoc", "/openapi.json")
+    async with client_for(create_app(settings_for(sqlite_url))) as c:
+        assert [(await c.get(p)).status_code for p in pages] == [404] * 3
+    async with client_for(create_app(settings_for(sqlite_url, api_docs=True))) as c:
+        assert [(await c.get(p)).status_code for p in pages] == [200] * 3
+
+
+async def test_answers_over_https_carry_hsts(sqlite_url: str) -> None:
+    """Issue 29, Low: no HSTS over HTTPS (a first plain-HTTP visit could be downgraded)."""
+    app = create_app(settings_for(sqlite_url))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="https://outbox.test") as c:
+        for path in ("/healthz", "/v1/stats", "/ui/login", "/v1/nope"):
+            r = await c.get(path)
+            assert r.headers["strict-transport-security"] == "max-age=31536000", path
+    async with client_for(app) as c:  # plain HTTP: void there, not sent
+        assert "strict-transport-security" not in (await c.get("/healthz")).headers
 
 
 def test_the_openapi_document_declares_problem_json_for_every_error(sqlite_url: str) -> None:

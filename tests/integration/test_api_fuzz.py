@@ -39,7 +39,9 @@ CHECKS = [
 #: Only its OpenAPI document is read (importing needs no database); calls go to ``app`` below.
 #: (schemathesis' lazy ``from_fixture`` loader does not work with pytest 9.2: it sets
 #: ``request.node._nodeid``, which pytest no longer has.)
-schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(settings_for("sqlite://")))
+schema = schemathesis.openapi.from_asgi(
+    "/openapi.json", create_app(settings_for("sqlite://", api_docs=True))
+)
 
 
 @pytest.fixture

@@ -190,6 +190,11 @@ def test_unreachable_database_exits_1_and_bad_config_exits_2_without_echoing_sec
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "mysql://u:pw-s3cret@db/x")
     rc, _, err = run(capsys, "status")
     assert rc == EXIT_USAGE and "OUTBOX_DATABASE_URL" in err and "s3cret" not in err
+    # issue 29, Low: an unescaped '@' splits the password; the driver quoted its tail as a host
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql+psycopg://u:pw@s3cret@127.0.0.1:1/x")
+    rc, _, err = run(capsys, "status")
+    assert rc == EXIT_FAILURE and "database unavailable" in err, err
+    assert "s3cret" not in err and "%40" in err, err
 
 
 def test_a_database_without_schema_exits_1_naming_migrate(
@@ -254,6 +259,84 @@ def test_serve_really_starts_under_uvicorn_and_answers(sqlite_url: str) -> None:
             proc.kill()
             _, err = proc.communicate(timeout=5)
     assert READ not in err and OPERATOR not in err
+
+
+class Served:
+    """``outbox serve`` as a real subprocess on a free loopback port."""
+
+    def __init__(self, db_url: str, *args: str, **env: str) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        self.env.update(OUTBOX_DATABASE_URL=db_url, OUTBOX_API_TOKEN=READ,
+                        OUTBOX_OPERATOR_TOKEN=OPERATOR, **env)  # fmt: skip
+        self.args = ["serve", "--port", str(self.port), "--log-level", "warning", *args]
+
+    def __enter__(self) -> Served:
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", *self.args], env=self.env,
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                httpx.get(f"{self.base}/healthz", timeout=1)
+                return self
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise AssertionError(f"outbox serve did not start ({self.proc.poll()})")
+
+    def __exit__(self, *_exc: object) -> None:
+        self.proc.terminate()
+        try:
+            _, self.err = self.proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, self.err = self.proc.communicate(timeout=5)
+
+
+def test_serve_access_lines_go_through_the_redacting_log_handler(sqlite_url: str) -> None:
+    """Issue 29, Low: uvicorn's access and error lines were plain text and unredacted
+    (``?access_token=`` logged verbatim), whatever OUTBOX_LOG_FORMAT said."""
+    secret = "s3cret-in-a-query-0123456789"
+    served = Served(sqlite_url, OUTBOX_LOG_FORMAT="json")
+    served.args[served.args.index("--log-level") + 1] = "info"  # access lines are INFO
+    with served as srv:
+        r = httpx.get(f"{srv.base}/v1/stats?access_token={secret}", timeout=5)
+        assert r.status_code in (401, 422), r.text
+    assert secret not in srv.err
+    lines = [json.loads(line) for line in srv.err.splitlines() if line.strip()]
+    access = [d for d in lines if d["logger"] == "uvicorn.access" and "/v1/stats" in d["message"]]
+    assert access and "access_token=***" in access[0]["message"], srv.err
+
+
+def _audit_addresses(engine: Engine) -> list[str | None]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(audit.c.client_addr).order_by(audit.c.id)).scalars())
+
+
+def test_serve_trusts_no_forwarded_header_unless_told(sqlite_url: str) -> None:
+    """Issue 29, Medium 2: uvicorn trusts X-Forwarded-For from 127.0.0.1 by default, so 200
+    wrong tokens with forged addresses got 200 x 401 and no 429, and the audit stored the
+    forged address. ``outbox serve`` now trusts no proxy unless ``--forwarded-allow-ips``."""
+    engine = make_engine(sqlite_url)
+    body = {"request_id": "fwd-1", "statuses": ["failed"], "dry_run": False}
+    try:
+        with Served(sqlite_url, OUTBOX_API_AUTH_FAILURES_PER_MINUTE="5") as srv:
+            forged = {"Authorization": f"Bearer {OPERATOR}", "X-Forwarded-For": "203.0.113.9"}
+            r = httpx.post(f"{srv.base}/v1/republish", json=body, headers=forged, timeout=5)
+            assert r.status_code == 200, r.text
+            codes = [httpx.get(f"{srv.base}/v1/stats", timeout=5, headers={
+                "Authorization": f"Bearer wrong-token-{i:04d}-xxxxxxxx",
+                "X-Forwarded-For": f"198.51.100.{i}"}).status_code for i in range(8)]  # fmt: skip
+            assert codes == [401] * 5 + [429] * 3, codes
+        assert _audit_addresses(engine) == ["127.0.0.1"]
+        with Served(sqlite_url, "--forwarded-allow-ips", "127.0.0.1") as srv:  # behind a proxy
+            r = httpx.post(f"{srv.base}/v1/republish", json={**body, "request_id": "fwd-2"},
+                           headers=forged, timeout=5)  # fmt: skip
+            assert r.status_code == 200, r.text
+        assert _audit_addresses(engine) == ["127.0.0.1", "203.0.113.9"]
+    finally:
+        engine.dispose()
 
 
 # ------------------------------------------------------------------------------ rendering
@@ -333,6 +416,9 @@ def test_the_insecure_switch_obeys_one_rule_whichever_way_it_is_set(
         (["skip", "m-1", "--reason", "x", "--actor", "a" * 65], "must be 1 to 64 characters"),
         (["purge", "--actor", "\x1b[2Jforged"], "one line, without control"),
         (["republish", "--batch", "b", "--actor", "al\tice"], "one line, without control"),
+        (["skip", "m-1", "--reason", "NEL\x85split"], "one line, without control"),
+        (["skip", "m-1", "--reason", "line\u2028separator"], "one line, without control"),
+        (["purge", "--actor", "ecila\u202e"], "one line, without control"),
         # bytes that are not UTF-8 (Python hands them over as lone surrogates)
         (["republish", "--exchange", "a\udcffb", "--dry-run"], "is not valid UTF-8"),
         (["skip", "m-\udcff", "--reason", "x"], "is not valid UTF-8"),
@@ -387,6 +473,7 @@ def test_serve_speaks_https_with_its_certificate(sqlite_url: str, tmp_path: Path
             except httpx.ConnectError:
                 time.sleep(0.2)
         assert stats is not None and stats.status_code == 200, proc.poll()
+        assert stats.headers["strict-transport-security"] == "max-age=31536000"
         with pytest.raises(httpx.TransportError):  # plain HTTP is not served on that port
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
     finally:

@@ -301,6 +301,15 @@ def test_bad_input_gets_a_clear_message_and_changes_nothing(
     submit(browser, By.ID, "go")
     assert "/ui/login" in browser.current_url
 
+    # a sign-in posted from another site (login CSRF): refused, no session set
+    browser.delete_all_cookies()
+    forged = (f"<form method=post action='{server.base}/ui/login'><input name=token "
+              f"value={OPERATOR}><button id=go>go</button></form>")  # fmt: skip
+    browser.get("data:text/html," + forged)
+    submit(browser, By.ID, "go")
+    assert "not sent from this console" in text(browser, "message")
+    assert browser.get_cookie("outbox_session") is None
+
     # an expired session: sent back to sign in, told why, then back where it was
     sign_in(browser, server, READ, "/ui/audit")
     clock.advance(dt.timedelta(hours=9).total_seconds())

@@ -355,6 +355,12 @@ async def test_parked_keys_and_skip_over_rest(db_url: str, engine: Engine) -> No
         for bad, status, why in ((r"bad\u0000payload", 422, "reason"),
                                  (r"line one\nline two", 422, "reason"),
                                  (r"\u001b[31mred", 422, "reason"),
+                                 # issue 29: C1 (NEL split a JSON log line), U+2028/9, bidi
+                                 (r"NEL\u0085split", 422, "reason"),
+                                 (r"csi\u009b2J", 422, "reason"),
+                                 (r"line\u2028separator", 422, "reason"),
+                                 (r"invoice\u202efdp.exe", 422, "reason"),
+                                 (r"isolate\u2067x\u2069", 422, "reason"),
                                  (r"\ud800", 400, "lone surrogate")):  # fmt: skip
             raw = f'{{"reason": "{bad}"}}'.encode()  # as a client may send it
             r = await c.post("/v1/messages/g-k1-0/skip", content=raw,

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
@@ -27,12 +27,17 @@ from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
 from starlette.concurrency import run_in_threadpool
 
 from app.api.auth import Role, _has_tokens, role_of
+from app.api.console import store
 from app.api.console.session import COOKIE, COOKIE_PATH, Session, SessionError, SessionSigner
 from app.api.context import client_address, get_ctx
 from app.api.models import RepublishRequest
-from app.api.v1 import _refuse_reused_request_id
 from app.outbox import health, queries
-from app.outbox.repository import MAX_ACTOR, RepublishFilter, has_control_characters
+from app.outbox.repository import (
+    MAX_ACTOR,
+    RepublishFilter,
+    RequestIdReused,
+    has_control_characters,
+)
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 log = logging.getLogger("app.api.console")
@@ -124,7 +129,8 @@ env.filters.update(age=_age, when=_when, query=lambda d: urlencode(d, doseq=True
 
 
 def install(app: FastAPI) -> None:
-    app.state.console_signer = SessionSigner(app.state.ctx.settings)
+    ctx = app.state.ctx
+    app.state.console_sessions = store.ConsoleSessions(ctx.settings, ctx.engine)
     app.include_router(router)
     app.add_exception_handler(LoginRequired, _to_login)
     app.add_exception_handler(ConsoleError, _console_error)
@@ -134,9 +140,15 @@ def install(app: FastAPI) -> None:
         return RedirectResponse("/ui", 307)
 
 
+def _sessions(request: Request) -> store.ConsoleSessions:
+    sessions: store.ConsoleSessions = request.app.state.console_sessions
+    return sessions
+
+
 def _signer(request: Request) -> SessionSigner:
-    signer: SessionSigner = request.app.state.console_signer
-    return signer
+    """The session signer (its secret read from the database on first use: call from a
+    worker thread)."""
+    return _sessions(request).signer(now=get_ctx(request).now())
 
 
 def _now(request: Request) -> float:
@@ -144,8 +156,14 @@ def _now(request: Request) -> float:
 
 
 def _session(request: Request) -> Session:
+    """The request's live session (its cookie checked, then its row: blocking I/O, call from a
+    worker thread); :class:`LoginRequired` otherwise."""
     try:
-        return _signer(request).read(request.cookies.get(COOKIE), now=_now(request))
+        session = _signer(request).read(request.cookies.get(COOKIE), now=_now(request))
+        if not store.session_live(_sessions(request).engine, session_id=session.nonce,
+                                  now=get_ctx(request).now()):  # fmt: skip
+            raise SessionError("the session ended (signed out on the server): sign in again")
+        return session
     except SessionError as exc:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         raise LoginRequired(target, str(exc), expired=exc.expired) from None
@@ -162,9 +180,13 @@ def render(
 
 
 def _error_page(request: Request, status: int, message: str) -> HTMLResponse:
+    """An error page, with the navigation of the cookie's session if it has one (read without
+    the database, which may be why the page is shown: any action checks the session in full)."""
+    signer = _sessions(request).loaded()
     try:
-        session: Session | None = _session(request)
-    except LoginRequired:
+        cookie = request.cookies.get(COOKIE)
+        session = signer.read(cookie, now=_now(request)) if signer and cookie else None
+    except SessionError:
         session = None
     return render(request, "error.html", session=session, code=status, message=message)
 
@@ -241,7 +263,7 @@ def _int_param(request: Request, name: str) -> int | None:
 
 async def _acting(request: Request) -> tuple[Session, dict[str, list[str]]]:
     """A state-changing form: a session, its CSRF token, and the operator role."""
-    session = _session(request)
+    session = await run_in_threadpool(_session, request)
     form = await _form(request)
     if not _signer(request).csrf_ok(session, _one(form, "csrf")):
         log.warning("console: form without a valid CSRF token from %s", client_address(request))
@@ -271,6 +293,21 @@ def login_page(request: Request) -> HTMLResponse:
                   message="Your session expired: sign in again." if expired else None)  # fmt: skip
 
 
+def _posted_here(request: Request) -> bool:
+    """A form posted from this console's own page. A browser names the page that posts (Origin
+    on every POST, ``null`` from a data: URL or a sandbox; Referer; Sec-Fetch-Site): another
+    site's page must not sign an operator in as someone else (login CSRF), nor spend their
+    address's budget of failures. A client that names no page is not a browser on another site."""
+    host = request.headers.get("host", "")
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return False
+    origin = request.headers.get("origin")
+    if origin is not None:
+        return origin != "null" and urlsplit(origin).netloc == host
+    referer = request.headers.get("referer")
+    return referer is None or urlsplit(referer).netloc == host
+
+
 @router.post("/login")
 async def login(request: Request) -> Response:
     ctx = get_ctx(request)
@@ -279,6 +316,11 @@ async def login(request: Request) -> Response:
     client = client_address(request)
     token = (form.get("token") or [""])[0]
     insecure = not _has_tokens(ctx.settings)
+    if not _posted_here(request):
+        log.warning("console: sign-in posted from another site refused, from %s", client)
+        return render(request, "login.html", session=None, code=403, insecure=insecure,
+                      next=target, message="This sign-in was not sent from this console's page: "
+                      "open the console and sign in there.")  # fmt: skip
     try:
         creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token)
         role = role_of(ctx.settings, creds if token else None, ctx=ctx, client=client)
@@ -291,7 +333,12 @@ async def login(request: Request) -> Response:
                       insecure=insecure, next=target, message=message)  # fmt: skip
     principal = ("anonymous (insecure mode)" if insecure else
                  "operator-token" if role >= Role.OPERATOR else "read-token")  # fmt: skip
-    cookie, session = _signer(request).issue(role, principal, now=_now(request))
+    signer = await run_in_threadpool(_signer, request)
+    cookie, session = signer.issue(role, principal, now=_now(request))
+    expires = dt.datetime.fromtimestamp(session.expires, dt.UTC)
+    await run_in_threadpool(store.open_session, _sessions(request).engine,
+                            session_id=session.nonce, principal=principal, expires=expires,
+                            now=ctx.now())  # fmt: skip
     log.info("console: %s signed in from %s", principal, client)
     response = RedirectResponse(target, 303, headers=SECURITY_HEADERS)
     response.set_cookie(COOKIE, cookie, max_age=session.expires - int(_now(request)),
@@ -302,10 +349,13 @@ async def login(request: Request) -> Response:
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
-    session = _session(request)
+    """Sign-out ends the session on the server: a copy of the cookie is refused from now on."""
+    session = await run_in_threadpool(_session, request)
     form = await _form(request)
     if not _signer(request).csrf_ok(session, _one(form, "csrf")):
         raise ConsoleError(403, "This form was not sent from this console session.")
+    await run_in_threadpool(store.end_session, _sessions(request).engine,
+                            session_id=session.nonce, now=get_ctx(request).now())  # fmt: skip
     response = RedirectResponse("/ui/login", 303, headers=SECURITY_HEADERS)
     response.delete_cookie(COOKIE, path=COOKIE_PATH, httponly=True, samesite="strict")
     return response
@@ -402,9 +452,11 @@ def messages(request: Request) -> HTMLResponse:
         ordering_key=fields["ordering_key"], reason=fields["reason"],
     )  # fmt: skip
     after = _int_param(request, "after")
-    found = queries.search_messages(get_ctx(request).engine, flt=flt, limit=PAGE, after=after)
+    page = queries.search_messages(get_ctx(request).engine, flt=flt, limit=PAGE, after=after)
+    found = page.items
     shown = {k: v for k, v in {**fields, "status": status.value if status else None}.items() if v}
-    nxt = {**shown, "after": found[-1].id} if len(found) == PAGE else None
+    more = page.truncated or len(found) == PAGE
+    nxt = {**shown, "after": found[-1].id} if more and found else None
     return render(request, "messages.html", session=session, found=found, shown=shown,
                   status=status, statuses=list(Status), fields=fields, next=nxt)  # fmt: skip
 
@@ -532,14 +584,13 @@ async def republish(request: Request) -> HTMLResponse:
     flt = req.to_filter()
     actor = _actor(form, session)
     try:
-        await run_in_threadpool(_refuse_reused_request_id, ctx, request_id=req.request_id, flt=flt)
-    except HTTPException as exc:
-        raise ConsoleError(exc.status_code, str(exc.detail)) from None
-    result = await run_in_threadpool(
-        ctx.repo.republish, actor=actor, filter=flt, limit=req.limit, dry_run=False,
-        request_id=req.request_id, principal=session.principal,
-        client_addr=client_address(request),
-    )  # fmt: skip
+        result = await run_in_threadpool(
+            ctx.repo.republish, actor=actor, filter=flt, limit=req.limit, dry_run=False,
+            request_id=req.request_id, principal=session.principal,
+            client_addr=client_address(request),
+        )  # fmt: skip
+    except RequestIdReused as exc:
+        raise ConsoleError(409, str(exc)) from None
     log.info("console: republish %s by %s (%s) moved %d rows, audit %s", req.request_id, actor,
              session.principal, result.count, result.audit_id)  # fmt: skip
     return render(request, "republish_done.html", session=session, result=result,

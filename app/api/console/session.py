@@ -1,12 +1,15 @@
-"""Web console sessions: a signed cookie, no server-side state, and CSRF tokens bound to it.
+"""Web console sessions: a signed cookie naming a session the server keeps, and CSRF tokens
+bound to it.
 
-The cookie holds the role, the principal (which token signed in), an expiry and a random nonce,
-signed with HMAC-SHA256 under a key derived from the API's tokens: every replica of the API
-accepts the sessions of the others, and rotating a token ends every session signed with it.
-In insecure mode (no tokens) the key is random per process. A state-changing form carries
-``csrf``, an HMAC of the session's nonce: a form posted from elsewhere, or from an older
-session, does not have it. The cookie is ``HttpOnly`` and ``SameSite=Strict`` (and ``Secure``
-when the console is served over HTTPS).
+The cookie holds the role, the principal (which token signed in), an expiry and a random session
+id, signed with HMAC-SHA256 under a key derived from a server-side secret and the API's tokens
+(:func:`signing_key`): without the secret (``OUTBOX_SESSION_SECRET``, or 32 random bytes kept in
+the database) a cookie says nothing about the tokens, so a reader cannot test guesses of the
+operator token against it offline. Rotating the secret or a token ends every session signed with
+it; signing out ends one (:mod:`app.api.console.store` keeps the live session ids). A
+state-changing form carries ``csrf``, an HMAC of the session id: a form posted from elsewhere, or
+from an older session, does not have it. The cookie is ``HttpOnly`` and ``SameSite=Strict`` (and
+``Secure`` when the console is served over HTTPS). This module does no I/O.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import secrets
 from dataclasses import dataclass
 
 from app.api.auth import Role
-from app.settings import Settings
 
 COOKIE = "outbox_session"
 COOKIE_PATH = "/ui"
@@ -53,15 +55,16 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def signing_key(secret: bytes, *, tokens: list[str]) -> bytes:
+    """The session key: the server's secret, bound to the tokens (rotating either ends sessions)."""
+    material = "\0".join(["outbox-ui-session", *tokens]).encode()
+    return hmac.new(secret, material, hashlib.sha256).digest()
+
+
 class SessionSigner:
-    def __init__(self, settings: Settings) -> None:
-        tokens = [t.get_secret_value() for t in (settings.operator_token, settings.api_token) if t]
-        if tokens:
-            material = "\0".join(["outbox-ui-session", *tokens]).encode()
-            self._key = hashlib.sha256(material).digest()
-        else:
-            self._key = secrets.token_bytes(32)
-        self.lifetime = settings.ui_session_seconds
+    def __init__(self, *, key: bytes, lifetime: int) -> None:
+        self._key = key
+        self.lifetime = lifetime
 
     def _mac(self, purpose: str, data: str) -> str:
         return _b64(hmac.new(self._key, f"{purpose}\0{data}".encode(), hashlib.sha256).digest())
@@ -76,6 +79,8 @@ class SessionSigner:
     def read(self, cookie: str | None, *, now: float) -> Session:
         if not cookie:
             raise SessionError("sign in to use the console")
+        if not cookie.isascii():  # compare_digest refuses a non-ASCII str (a 500 before)
+            raise SessionError("the session cookie is unreadable")
         payload, _, mac = cookie.partition(".")
         if not mac or not hmac.compare_digest(mac, self._mac("session", payload)):
             raise SessionError("the session is not valid here (signed with another token?)")
@@ -93,4 +98,6 @@ class SessionSigner:
         return self._mac("csrf", session.nonce)
 
     def csrf_ok(self, session: Session, given: str | None) -> bool:
-        return bool(given) and hmac.compare_digest(str(given), self.csrf(session))
+        expected = self.csrf(session).encode()
+        return bool(given) and hmac.compare_digest(str(given).encode("utf-8", "surrogateescape"),
+                                                   expected)  # fmt: skip
