@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
-from app.db import check_schema, make_engine
+from app.db import check_schema, make_engine, session_limits
 from app.outbox.repository import OutboxRepository
 from app.publisher.engine import Publisher
 from app.publisher.metrics import PublisherMetrics, PublisherStats
@@ -32,7 +33,17 @@ async def run_publisher(
     left. Builds its own engine and repository from ``settings``."""
     # One DB thread reuses one pooled connection all the time: a pre-ping per checkout would add
     # a round trip to every statement; a dead connection fails the call, which is retried.
-    engine = make_engine(settings.database_url.get_secret_value(), pool_pre_ping=False)
+    # A frozen publisher must cost only its own rows, for its lease: its sessions end when they
+    # sit in a transaction for a third of the lease (a keyed claim's head rows, a retry's
+    # FOR UPDATE), so the others' keys and the sweep move on within one lease.
+    url = settings.database_url.get_secret_value()
+    extra = {}
+    if url.startswith("postgresql"):
+        args = session_limits(idle_in_transaction=settings.lease_seconds / 3)
+        # pg_stat_activity names the process: an operator (or a test) finds a frozen one
+        args["application_name"] = f"outbox-publisher pid {os.getpid()}"
+        extra = {"connect_args": args}
+    engine = make_engine(url, pool_pre_ping=False, **extra)
     try:
         await asyncio.to_thread(check_schema, engine)  # never publish on a schema we don't know
         publisher = Publisher(settings=settings, repository=OutboxRepository(engine),

@@ -1,0 +1,155 @@
+"""A frozen publisher (SIGSTOP, a GC pause, a VM migration, a debugger) costs only its own rows,
+and only for its lease (issue 29, Medium 7). PostgreSQL: its sessions end when they sit in a
+transaction past a third of the lease, and the lease sweep steps past rows it has locked.
+
+The freeze is real: ``outbox publish`` stopped with SIGSTOP while a session of its holds a
+transaction is what these reproduce, at the database, where the cost was paid."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, select, text, update
+
+from app.db import make_engine, session_limits
+from app.outbox.repository import OutboxRepository
+from app.outbox.schema import outbox
+from tests.conftest import scrubbed_environ
+from tests.factories import add_rows
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def engine(pg_url: str) -> Iterator[Engine]:
+    eng = make_engine(pg_url)
+    yield eng
+    eng.dispose()
+
+
+def test_the_sweep_steps_past_rows_a_frozen_publisher_has_locked(engine: Engine) -> None:
+    """Before: release_expired was one UPDATE over every expired row; a publisher frozen inside
+    retry()'s SELECT ... FOR UPDATE blocked it, and a dead publisher's 185 rows stayed out 27 s
+    past their expiry. Now the sweep frees the rows nobody locks, at once."""
+    add_rows(engine, n=10)
+    repo = OutboxRepository(engine)
+    got = repo.claim(owner="frozen", limit=10, lease_seconds=60)
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+    with engine.begin() as conn:  # every lease expired: the publisher died, or is frozen
+        conn.execute(update(outbox).values(lease_until=past))
+    frozen = engine.connect()
+    tx = frozen.begin()
+    locked = [r.id for r in got[:3]]  # the frozen publisher's retry() holds these
+    frozen.execute(select(outbox.c.id).where(outbox.c.id.in_(locked)).with_for_update())
+    try:
+        done: list[int] = []
+        sweep = threading.Thread(target=lambda: done.append(repo.release_expired()), daemon=True)
+        started = time.monotonic()
+        sweep.start()
+        sweep.join(5)
+        assert done == [7], f"the sweep waited on the frozen publisher ({done})"
+        assert time.monotonic() - started < 2
+    finally:
+        tx.rollback()
+        frozen.close()
+    assert repo.release_expired() == 3  # once unlocked, the rest go too
+
+
+def test_a_session_idle_in_a_transaction_past_its_limit_is_ended(pg_url: str) -> None:
+    """The publisher's sessions carry idle_in_transaction_session_timeout (a third of the
+    lease): one frozen between its keyed claim and its COMMIT held each key's head row locked
+    for the whole stall (200, 73, 188 of 200 keys confirmed nothing for 21-22 s)."""
+    held = make_engine(pg_url, connect_args=session_limits(idle_in_transaction=1.0))
+    other = make_engine(pg_url)
+    try:
+        add_rows(other, n=1)
+        conn = held.connect()
+        conn.begin()
+        conn.execute(select(outbox.c.id).with_for_update())  # the head row, locked
+        time.sleep(2.5)  # the process is frozen: the session sits idle in its transaction
+        with other.begin() as free:  # the lock is gone: the server ended the session
+            free.exec_driver_sql("SET LOCAL lock_timeout = '1s'")
+            assert free.execute(select(outbox.c.id).with_for_update()).all()
+        with pytest.raises(Exception, match=r"idle-in-transaction|terminat|closed"):
+            conn.execute(text("SELECT 1"))
+        conn.invalidate()
+    finally:
+        held.dispose()
+        other.dispose()
+
+
+def test_a_publisher_frozen_past_its_lease_costs_only_its_rows(
+    pg_url: str, amqp_url: str, engine: Engine
+) -> None:
+    """Two real publishers on keyed rows; one is frozen with SIGSTOP, repeatedly, until a freeze
+    catches it inside a transaction; meanwhile the other keeps confirming keys, and the frozen
+    one's session is ended within a third of its lease."""
+    import asyncio
+
+    from tests.publisher_support import declare, delete
+
+    names = {"exchange": f"test-frozen-{os.getpid()}-{time.monotonic_ns() % 10**6}"}
+    asyncio.run(declare(amqp_url, exchange=names["exchange"], queue=names["exchange"] + "-q"))
+    lease = 6.0
+    env = scrubbed_environ(os.environ)
+    env.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_AMQP_URL=amqp_url, PYTHONPATH=str(REPO),
+               OUTBOX_LEASE_SECONDS=str(lease), OUTBOX_CLAIM_BATCH="20")  # fmt: skip
+    add_rows(engine, n=40_000, exchange=names["exchange"])
+    procs = [subprocess.Popen([sys.executable, "-m", "app.cli", "publish"], env=env, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for _ in range(2)]  # fmt: skip
+    frozen = procs[0]  # the other goes on
+    try:
+        caught = False
+        for _ in range(400):  # freeze until a freeze lands inside a transaction of it
+            time.sleep(0.01)
+            frozen.send_signal(signal.SIGSTOP)
+            time.sleep(0.02)
+            if _idle_in_transaction(engine, frozen.pid):
+                caught = True
+                break
+            frozen.send_signal(signal.SIGCONT)
+        if not caught:
+            pytest.skip("no freeze landed inside a transaction in 400 tries")
+        start = time.monotonic()
+        confirmed_at_freeze = _confirmed(engine)
+        assert confirmed_at_freeze < 39_000, "drained before a freeze landed: more rows"
+        while _idle_in_transaction(engine, frozen.pid) and time.monotonic() - start < lease:
+            time.sleep(0.1)
+        ended_after = time.monotonic() - start
+        time.sleep(1.0)
+        moved = _confirmed(engine) - confirmed_at_freeze
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=60)
+        asyncio.run(delete(amqp_url, exchanges=(names["exchange"],),
+                           queues=(names["exchange"] + "-q",)))  # fmt: skip
+    assert ended_after <= lease / 3 + 1.5, f"the frozen session lived {ended_after:.1f}s"
+    assert moved > 0, "the other publisher confirmed nothing while one was frozen"
+
+
+def _idle_in_transaction(engine: Engine, pid: int) -> bool:
+    """Does a session of process ``pid`` sit idle inside a transaction?"""
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE client_port IS NOT NULL "
+            "AND state = 'idle in transaction' AND application_name LIKE :p"
+        ), {"p": f"%{pid}%"}).scalar())  # fmt: skip
+
+
+def _confirmed(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM outbox WHERE status = 'confirmed'")).scalar_one())  # fmt: skip
