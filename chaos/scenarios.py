@@ -164,6 +164,47 @@ async def check_key_order(ctx: Ctx) -> None:
               f"{broken[:5]})", not broken and every)  # fmt: skip
 
 
+# ---------------------------------------------------------------- 16: a frozen publisher
+
+
+def _confirmed_count(ctx: Ctx) -> int:
+    return sum(1 for r in ob.final_rows(ctx.engine) if r.status == "confirmed")
+
+
+async def freeze_one_of_two(ctx: Ctx) -> None:
+    """16. Two publishers drain ordered keys; one is frozen with SIGSTOP (a GC pause, a VM
+    migration, a debugger) for two leases, then resumed. While it is frozen the other's keys
+    move, and the frozen one's rows come back within one lease (plus a sweep's interval)."""
+    victim = ctx.publishers[0]
+    deadline = time.monotonic() + 30
+    while len(await asyncio.to_thread(ctx.snapshot_in_flight, victim.name)) < 20:
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"{victim.name} never held 20 rows")
+        await asyncio.sleep(0.02)
+    await ctx.fault_now(f"SIGSTOP of one of two publishers for {2 * LEASE} s (lease {LEASE} s)")
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        await ctx.landed()
+        held = await asyncio.to_thread(ctx.snapshot_in_flight, victim.name)
+        before = await asyncio.to_thread(_confirmed_count, ctx)
+        back_by = time.monotonic() + LEASE + LEASE / 2 + 1.5  # its lease, the sweep's interval
+        still: set[str] = held
+        while time.monotonic() < back_by and still:
+            await asyncio.sleep(0.2)
+            still = await asyncio.to_thread(ctx.snapshot_in_flight, victim.name)
+        waited = LEASE + LEASE / 2 + 1.5 - (back_by - time.monotonic())
+        moved = await asyncio.to_thread(_confirmed_count, ctx) - before
+        ctx.note(f"{len(held)} rows in flight at the frozen publisher; {len(still)} still held "
+                 f"after {waited:.1f}s; {moved} rows confirmed by the other meanwhile")  # fmt: skip
+        ctx.check("the frozen publisher's rows came back within its lease and a sweep", not still)
+        ctx.check("the other publisher's keys moved while one was frozen", moved > 0)
+        ctx.dup_scope = held
+        ctx.result.allowed = min(ctx.result.allowed, len(held))
+        await asyncio.sleep(max(0.0, 2 * LEASE - waited))
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+
+
 # ---------------------------------------------------------------- 15: the receiving end
 
 
@@ -852,6 +893,19 @@ SCENARIOS: list[Scenario] = [
         verify=check_key_order,
         flow=0,
         # small claims and windows: the two publishers share the 400 heads (one would take all)
+        env={**KILL_ENV, **_env(flush_interval=0.5, claim_batch=50, window=150)},
+        timeout=300,
+    ),
+    Scenario(
+        "16",
+        "ordered keys: one of two publishers frozen (SIGSTOP) for two leases, then resumed",
+        "a frozen publisher costs only its own rows, for its lease: the other's keys move, the "
+        "frozen one's rows come back within a lease, per-key order holds, nothing lost",
+        freeze_one_of_two,
+        publishers=2,
+        plan=ordered_plan,
+        verify=check_key_order,
+        flow=0,
         env={**KILL_ENV, **_env(flush_interval=0.5, claim_batch=50, window=150)},
         timeout=300,
     ),
