@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -105,3 +106,129 @@ def test_deploy_commands_exist_in_the_cli() -> None:
         used |= set(re.findall(r"bin/outbox (\w+)", path.read_text()))
     assert {"migrate", "publish", "serve"} <= used
     assert used <= commands, f"deploy files run commands the CLI lacks: {sorted(used - commands)}"
+
+
+# ---------------------------------------------------------------- Kubernetes pods
+
+K8S_DOCS: list[Any] = [d for p in sorted(DEPLOY.glob("k8s/*.yaml")) for d in _docs(p)]
+IMAGE_UID = 10001  # the Dockerfile's `useradd --uid` and `USER` (checked below)
+
+
+def _workloads() -> dict[str, Any]:
+    """Pod template of every Deployment, Job and CronJob, by workload name."""
+    found = {}
+    for doc in K8S_DOCS:
+        kind, name = doc["kind"], doc["metadata"]["name"]
+        if kind in ("Deployment", "Job"):
+            found[name] = doc["spec"]["template"]
+        elif kind == "CronJob":
+            found[name] = doc["spec"]["jobTemplate"]["spec"]["template"]
+    return found
+
+
+WORKLOADS = _workloads()
+#: The secrets each process reads; a pod mounts these keys of outbox-secrets and no other.
+SECRETS_NEEDED = {
+    "outbox-api": {"DATABASE_URL", "AMQP_URL", "API_TOKEN", "OPERATOR_TOKEN"},
+    "outbox-publisher": {"DATABASE_URL", "AMQP_URL"},
+    "outbox-migrate": {"DATABASE_URL"},
+    "outbox-purge": {"DATABASE_URL"},
+}
+
+
+def test_the_workloads_are_the_known_four() -> None:
+    assert set(WORKLOADS) == set(SECRETS_NEEDED)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_container_runs_unprivileged_on_a_read_only_root(name: str) -> None:
+    spec = WORKLOADS[name]["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    pod = spec["securityContext"]
+    assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for container in [*spec["containers"], *spec.get("initContainers", [])]:
+        effective = {**pod, **container.get("securityContext", {})}  # the container's wins
+        assert effective["runAsNonRoot"] is True
+        assert effective["runAsUser"] == effective["runAsGroup"] == IMAGE_UID
+        assert effective["allowPrivilegeEscalation"] is False
+        assert effective.get("privileged", False) is False
+        assert effective["readOnlyRootFilesystem"] is True
+        assert effective["capabilities"] == {"drop": ["ALL"]}
+        tmp = next(m for m in container["volumeMounts"] if m["mountPath"] == "/tmp")
+        assert "emptyDir" in volumes[tmp["name"]]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_secrets_reach_pods_as_files_and_only_those_they_need(name: str) -> None:
+    (container,) = WORKLOADS[name]["spec"]["containers"]
+    assert not [s for s in container.get("envFrom", []) if "secretRef" in s]
+    assert not [e for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+    volumes = {v["name"]: v for v in WORKLOADS[name]["spec"]["volumes"]}
+    files = {}  # path in the container -> key of outbox-secrets
+    for mount in container["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret", {})
+        if secret.get("secretName") == "outbox-secrets":
+            assert mount["readOnly"] is True
+            assert secret["defaultMode"] == 0o440  # group (fsGroup 10001) only
+            files |= {f"{mount['mountPath']}/{i['path']}": i["key"] for i in secret["items"]}
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    wanted = {f"OUTBOX_{s}_FILE" for s in SECRETS_NEEDED[name]}
+    assert {n for n in env if n.endswith("_FILE")} == wanted
+    for variable in wanted:
+        assert files[env[variable]] == variable.removesuffix("_FILE")
+    assert set(files.values()) == {f"OUTBOX_{s}" for s in SECRETS_NEEDED[name]}
+    (secret,) = [d for d in K8S_DOCS if d["kind"] == "Secret"]
+    assert set(files.values()) <= set(secret["stringData"])
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def _policies_for(name: str) -> list[dict[str, Any]]:
+    labels = WORKLOADS[name]["metadata"]["labels"]
+    return [
+        d["spec"]
+        for d in K8S_DOCS
+        if d["kind"] == "NetworkPolicy" and _selects(d["spec"]["podSelector"], labels)
+    ]
+
+
+def _ports(policies: list[dict[str, Any]], direction: str) -> set[tuple[str, int]]:
+    peers = "from" if direction == "ingress" else "to"
+    found = set()
+    for policy in policies:
+        for rule in policy.get(direction, []):
+            assert rule.get(peers), f"a {direction} rule open to every peer: {rule}"
+            assert rule.get("ports"), f"a {direction} rule open on every port: {rule}"
+            found |= {(p["protocol"], p["port"]) for p in rule["ports"]}
+    return found
+
+
+#: What each workload talks to: ingress (who reaches it) and egress (what it reaches).
+DNS, POSTGRES, AMQP = {("UDP", 53), ("TCP", 53)}, {("TCP", 5432)}, {("TCP", 5672), ("TCP", 5671)}
+TRAFFIC = {
+    "outbox-api": ({("TCP", 8443)}, DNS | POSTGRES | AMQP),
+    "outbox-publisher": ({("TCP", 9600)}, DNS | POSTGRES | AMQP),
+    "outbox-migrate": (set(), DNS | POSTGRES),
+    "outbox-purge": (set(), DNS | POSTGRES),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_network_policies_isolate_each_pod_to_what_it_talks_to(name: str) -> None:
+    policies = _policies_for(name)
+    types = {t for p in policies for t in p["policyTypes"]}
+    assert types == {"Ingress", "Egress"}, "isolated both ways"
+    ingress, egress = TRAFFIC[name]
+    assert _ports(policies, "ingress") == ingress
+    assert _ports(policies, "egress") == egress
+    (container,) = WORKLOADS[name]["spec"]["containers"]
+    assert {("TCP", p["containerPort"]) for p in container.get("ports", [])} == ingress
