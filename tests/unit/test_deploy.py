@@ -232,3 +232,40 @@ def test_network_policies_isolate_each_pod_to_what_it_talks_to(name: str) -> Non
     assert _ports(policies, "egress") == egress
     (container,) = WORKLOADS[name]["spec"]["containers"]
     assert {("TCP", p["containerPort"]) for p in container.get("ports", [])} == ingress
+
+
+# ---------------------------------------------------------------- the image
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) of deploy/Dockerfile, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines()]
+    return [
+        (word.upper(), rest.strip())
+        for word, _, rest in (line.partition(" ") for line in lines if line and line[0] != "#")
+    ]
+
+
+def test_the_image_installs_the_locked_versions() -> None:
+    steps = _dockerfile()
+    copied = " ".join(args for op, args in steps if op == "COPY").split()
+    assert "requirements-dev.lock" in copied
+    installs = [c for op, args in steps if op == "RUN" for c in args.split("&&") if "pip" in c]
+    package = [c.split() for c in installs if c.split()[-1] == "."]
+    assert package, installs
+    for words in package:  # the package and its dependencies, pinned by the lock
+        assert words[words.index("-c") + 1] == "requirements-dev.lock", words
+    assert any({"--upgrade", "setuptools"} <= set(c.split()) for c in installs), installs
+
+
+def test_the_image_runs_as_a_numeric_non_root_user() -> None:
+    """Numeric, so Kubernetes' runAsNonRoot can verify it; the uid the manifests run as."""
+    steps = _dockerfile()
+    users = [args for op, args in steps if op == "USER"]
+    assert users, "no USER: the image runs as root"
+    uid, _, gid = users[-1].partition(":")
+    assert uid == str(IMAGE_UID) and gid in ("", str(IMAGE_UID)), users[-1]
+    run = " ".join(args for op, args in steps if op == "RUN")
+    assert re.search(rf"useradd [^&]*--uid {IMAGE_UID}\b", run)
+    assert re.search(rf"groupadd [^&]*--gid {IMAGE_UID}\b", run)
