@@ -269,3 +269,54 @@ def test_the_image_runs_as_a_numeric_non_root_user() -> None:
     run = " ".join(args for op, args in steps if op == "RUN")
     assert re.search(rf"useradd [^&]*--uid {IMAGE_UID}\b", run)
     assert re.search(rf"groupadd [^&]*--gid {IMAGE_UID}\b", run)
+
+
+# ---------------------------------------------------------------- docker compose
+
+COMPOSE = DEPLOY / "docker-compose.yml"
+SECRET_NAME = re.compile(r"PASS|TOKEN|SECRET|_URL$|KEY$")
+
+
+def test_compose_has_no_default_for_any_variable() -> None:
+    """`${VAR:-outbox}` started a broker and a database with a guessable password when the
+    variable was unset; every substitution now requires its variable."""
+    uses = re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:?[-?+]?)([^}]*)\}", COMPOSE.read_text())
+    assert uses, "no variable at all: the RabbitMQ password has to come from somewhere"
+    for name, op, message in uses:
+        assert op == ":?" and message.strip(), f"${{{name}{op}{message}}} must be ${{{name}:?…}}"
+
+
+def test_compose_passes_secrets_as_files_to_the_images_that_read_them() -> None:
+    (doc,) = _docs(COMPOSE)
+    compose: dict[str, Any] = doc
+    declared = compose["secrets"]
+    for name, source in declared.items():  # host files under deploy/secrets/ (git-ignored)
+        assert set(source) == {"file"} and source["file"].startswith("./secrets/"), name
+    for service, spec in compose["services"].items():
+        env = spec.get("environment", {})
+        mounted = set(spec.get("secrets", []))
+        assert mounted <= set(declared), service
+        for variable, value in env.items():
+            if variable.endswith("_FILE"):
+                assert value.startswith("/run/secrets/"), (service, variable)
+                assert value.removeprefix("/run/secrets/") in mounted, (service, variable)
+            elif SECRET_NAME.search(variable) and variable != "OUTBOX_API_TLS_KEY":
+                # only a password the image cannot read from a file, and only from a variable
+                assert (service, variable) == ("rabbitmq", "RABBITMQ_DEFAULT_PASS"), variable
+                assert str(value).startswith("${RABBITMQ_PASSWORD:?"), value
+        wanted = {v.removeprefix("/run/secrets/") for k, v in env.items() if k.endswith("_FILE")}
+        assert mounted == wanted, f"{service} mounts secrets it does not read"
+    outbox = {
+        n: s["environment"]
+        for n, s in compose["services"].items()
+        if "outbox" in s.get("image", "")
+    }
+    assert {"OUTBOX_DATABASE_URL_FILE"} <= set(outbox["migrate"])
+    assert {"OUTBOX_DATABASE_URL_FILE", "OUTBOX_AMQP_URL_FILE"} <= set(outbox["publisher"])
+    assert {f"OUTBOX_{s}_FILE" for s in SECRETS_NEEDED["outbox-api"]} <= set(outbox["api"])
+    assert compose["services"]["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"]
+
+
+def test_secret_directories_are_git_ignored() -> None:
+    ignored = (DEPLOY.parent / ".gitignore").read_text().split()
+    assert {"deploy/secrets/", "deploy/tls/"} <= set(ignored)
