@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -320,3 +322,99 @@ def test_compose_passes_secrets_as_files_to_the_images_that_read_them() -> None:
 def test_secret_directories_are_git_ignored() -> None:
     ignored = (DEPLOY.parent / ".gitignore").read_text().split()
     assert {"deploy/secrets/", "deploy/tls/"} <= set(ignored)
+
+
+# ---------------------------------------------------------------- systemd
+
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+#: The sandbox every unit runs in (values as written; `CapabilityBoundingSet=` empty: none).
+SANDBOX = {
+    "NoNewPrivileges": "yes",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "PrivateDevices": "yes",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
+    "LockPersonality": "yes",
+    "MemoryDenyWriteExecute": "yes",  # CPython without a JIT: no W+X mapping (see the docs)
+    "CapabilityBoundingSet": "",
+    "AmbientCapabilities": "",
+    "SystemCallFilter": "@system-service",
+    "RestrictSUIDSGID": "yes",
+}
+#: The secrets each command reads, as in the Kubernetes pods.
+COMMAND_SECRETS = {
+    "serve": SECRETS_NEEDED["outbox-api"],
+    "publish": SECRETS_NEEDED["outbox-publisher"],
+    "migrate": SECRETS_NEEDED["outbox-migrate"],
+    "purge": SECRETS_NEEDED["outbox-purge"],
+}
+
+
+def _directives(path: Path) -> list[tuple[str, str]]:
+    """(key, value) of the [Service] section, in order (keys may repeat)."""
+    found, section = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]":
+            key, _, value = line.partition("=")
+            found.append((key, value))
+    return found
+
+
+@pytest.mark.parametrize("path", UNITS, ids=lambda p: p.name)
+def test_every_unit_runs_sandboxed_as_the_outbox_user(path: Path) -> None:
+    service = dict(_directives(path))  # the last of a repeated key wins, as in systemd
+    assert service["User"] == service["Group"] == "outbox"
+    assert {key: service.get(key) for key in SANDBOX} == SANDBOX
+
+
+@pytest.mark.parametrize("path", UNITS, ids=lambda p: p.name)
+def test_every_unit_gets_its_secrets_as_credentials(path: Path) -> None:
+    directives = _directives(path)
+    (command,) = re.findall(r"bin/outbox (\w+)", dict(directives)["ExecStart"])
+    credentials = dict(v.split(":", 1) for k, v in directives if k == "LoadCredential")
+    env = dict(v.split("=", 1) for k, v in directives if k == "Environment")
+    files = {name: value for name, value in env.items() if name.endswith("_FILE")}
+    assert set(files) == {f"OUTBOX_{s}_FILE" for s in COMMAND_SECRETS[command]}
+    for value in files.values():  # %d: the unit's $CREDENTIALS_DIRECTORY
+        name = value.removeprefix("%d/")
+        assert credentials[name] == f"/etc/outbox/credentials/{name}"
+    assert len(credentials) == len(files), "a credential the command does not read"
+    secrets = {f"OUTBOX_{s}" for s in COMMAND_SECRETS["serve"]}
+    assert not secrets & set(env), "a secret in the unit itself"
+    assert dict(directives)["EnvironmentFile"] == "/etc/outbox/outbox.env"
+
+
+def test_the_environment_file_holds_no_secret() -> None:
+    """Settings only: a secret both in outbox.env and as a credential is refused at start."""
+    text = (DEPLOY / "systemd" / "outbox.env.example").read_text()
+    assigned = set(re.findall(r"^(OUTBOX_[A-Z_]+)=", text, flags=re.M))
+    assert assigned, "the example sets nothing"
+    assert not assigned & {f"OUTBOX_{s}" for s in COMMAND_SECRETS["serve"]}
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_knows_every_directive(tmp_path: Path) -> None:
+    """`systemd-analyze verify` on copies whose ExecStart is /bin/true (no install here)."""
+    names = []
+    for path in [*UNITS, *(DEPLOY / "systemd").glob("*.timer")]:
+        name = path.name.replace("@.service", "@1.service")
+        text = path.read_text().replace("/opt/outbox/.venv/bin/outbox", "/bin/true")
+        (tmp_path / name).write_text(text)
+        names.append(name)
+    if "outbox-publisher@1.service" in names:  # verify loads the template of an instance
+        (tmp_path / "outbox-publisher@.service").write_text(
+            (tmp_path / "outbox-publisher@1.service").read_text()
+        )
+    done = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", *(f"./{n}" for n in names)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr.strip()) == (0, "")
