@@ -236,6 +236,23 @@ def test_network_policies_isolate_each_pod_to_what_it_talks_to(name: str) -> Non
     assert {("TCP", p["containerPort"]) for p in container.get("ports", [])} == ingress
 
 
+PROMETHEUS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
+
+
+@pytest.mark.parametrize("name", ["outbox-api", "outbox-publisher"])
+def test_prometheus_reaches_every_metrics_endpoint(name: str) -> None:
+    """The API's /metrics (what the database knows) and each publisher's own (what it did)."""
+    (port,) = TRAFFIC[name][0]
+    rules = [r for p in _policies_for(name) for r in p.get("ingress", [])]
+    assert any(
+        PROMETHEUS in r["from"] and {"protocol": port[0], "port": port[1]} in r["ports"]
+        for r in rules
+    ), rules
+
+
 # ---------------------------------------------------------------- the image
 
 
