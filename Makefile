@@ -19,7 +19,7 @@ LOCK = requirements-dev.lock
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (3.11+)"; exit 1; }
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip setuptools
 	$(PY) -m pip install -q -c $(LOCK) -e '.[dev]'
 	@touch $@
 
@@ -30,7 +30,7 @@ SPARK_OLDEST ?= 3.5.9
 VENV_OLDEST  := .venv-spark35
 $(VENV_OLDEST)/.installed: pyproject.toml $(LOCK)
 	@[ -x $(VENV_OLDEST)/bin/python ] || $(PYTHON) -m venv $(VENV_OLDEST)
-	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip setuptools
 	grep -v '^pyspark==' $(LOCK) > $(VENV_OLDEST)/constraints.txt
 	$(VENV_OLDEST)/bin/python -m pip install -q -c $(VENV_OLDEST)/constraints.txt -e '.[dev]' 'pyspark==$(SPARK_OLDEST)'
 	@touch $@

@@ -3,6 +3,8 @@
 - After ``confirm.select`` each publish on the channel gets the next delivery tag: 1, 2, 3, ...
 - ``basic.ack`` / ``basic.nack`` settle one tag, or with ``multiple=True`` every outstanding tag
   up to and including it. Acks may arrive out of order; no publish is both acked and nacked.
+- Tag 0 with ``multiple=True`` means "all outstanding" (AMQP 0-9-1, ``basic.ack``): it settles
+  every outstanding tag, or nothing when none is. Tag 0 alone names no publish: an error.
 - A mandatory, unroutable publish gets ``basic.return`` (no tag: matched by ``message_id``, which
   must be unique among the channel's in-flight publishes) *before* its ack. That ack settles it
   as ``Returned``, never ``Confirmed``.
@@ -245,6 +247,10 @@ class ChannelLedger:
     def _settle(
         self, tag: int, multiple: bool, group: Callable[[tuple[int, ...]], Event]
     ) -> list[Event]:
+        if multiple and tag == 0:  # "all outstanding": through the last tag published
+            if not self._entries:
+                return []
+            tag = self._next_tag - 1
         if not self._settleable(tag, multiple):
             self._protocol_errors += 1
             raise UnknownDeliveryTag(channel_id=self.channel_id, tag=tag, multiple=multiple)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Secrets that may come from a file instead: ``OUTBOX_<NAME>_FILE`` (a Kubernetes or Docker
+#: secret, a systemd credential) holds the value, trailing newlines dropped.
+SECRET_FILES = ("database_url", "amqp_url", "api_token", "operator_token")
 
 
 class Settings(BaseSettings):
@@ -31,6 +36,20 @@ class Settings(BaseSettings):
     )
     operator_token: SecretStr | None = Field(
         default=None, description="Bearer token for write (operator) endpoints."
+    )
+    database_url_file: str | None = Field(
+        default=None, description="A file holding the database URL (a mounted secret, "
+        "a systemd credential); instead of OUTBOX_DATABASE_URL.",
+    )  # fmt: skip
+    amqp_url_file: str | None = Field(
+        default=None, description="A file holding the AMQP URL; instead of OUTBOX_AMQP_URL."
+    )
+    api_token_file: str | None = Field(
+        default=None, description="A file holding the read token; instead of OUTBOX_API_TOKEN."
+    )
+    operator_token_file: str | None = Field(
+        default=None,
+        description="A file holding the operator token; instead of OUTBOX_OPERATOR_TOKEN.",
     )
     api_insecure: bool = Field(
         default=False, description="Allow the API to start with no tokens (local use only)."
@@ -213,6 +232,36 @@ class Settings(BaseSettings):
         parse_url(value.get_secret_value())
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets_from_files(cls, data: Any) -> Any:
+        """``OUTBOX_<NAME>_FILE`` fills ``<name>`` from the file (then checked like the
+        variable); both set is an error, so a forgotten variable cannot win unseen."""
+        if not isinstance(data, dict):
+            return data
+        for name in SECRET_FILES:
+            path = data.get(f"{name}_file")
+            if path is None:
+                continue
+            if data.get(name) is not None:
+                raise ValueError(
+                    f"set OUTBOX_{name.upper()} or OUTBOX_{name.upper()}_FILE, not both"
+                )
+            data = {**data, name: _read_secret(str(path), f"OUTBOX_{name.upper()}_FILE")}
+        return data
+
     @property
     def is_sqlite(self) -> bool:
         return self.database_url.get_secret_value().startswith("sqlite")
+
+
+def _read_secret(path: str, variable: str) -> str:
+    """A secret file's content without its trailing newline; errors name the file, never the
+    content."""
+    try:
+        value = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{variable}: cannot read {path}: {type(exc).__name__}") from None
+    if not value:
+        raise ValueError(f"{variable}: {path} is empty")
+    return value

@@ -199,6 +199,40 @@ def test_channel_lost_with_nothing_outstanding() -> None:
     assert ledger.channel_lost(reason="closed") == []
 
 
+def test_tag_zero_multiple_acks_every_outstanding_tag() -> None:
+    """AMQP 0-9-1 basic.ack: "If the multiple field is 1, and the delivery tag is zero, this
+    indicates acknowledgement of all outstanding messages"; a returned one settles as Returned."""
+    ledger = ledger_with(6)
+    ledger.ack(2)
+    ledger.nack(5)
+    ret(ledger, 4)
+    assert ledger.ack(0, multiple=True) == [Confirmed(row_ids=rows(1, 3, 6)), returned_event(4)]
+    assert (ledger.outstanding, ledger.oldest_outstanding_at(), ledger.protocol_errors) == (
+        0, None, 0)  # fmt: skip
+    assert ledger.published(row_id=row(7), message_id=mid(7)) == 7
+    assert ledger.ack(7) == [Confirmed(row_ids=rows(7))]
+
+
+def test_tag_zero_multiple_nacks_every_outstanding_tag() -> None:
+    ledger = ledger_with(4)
+    ledger.ack(3)
+    assert ledger.nack(0, multiple=True) == [Nacked(row_ids=rows(1, 2, 4))]
+    assert (ledger.outstanding, ledger.protocol_errors) == (0, 0)
+
+
+@pytest.mark.parametrize("nack", [False, True], ids=["ack", "nack"])
+def test_tag_zero_multiple_with_nothing_outstanding_settles_nothing(nack: bool) -> None:
+    """All outstanding of none is no publish, and no error: before any publish, after every
+    one settled, and after the channel was lost."""
+    fresh, settled, lost = ChannelLedger(channel_id=1), ledger_with(2), ledger_with(2)
+    settled.ack(2, multiple=True)
+    lost.channel_lost(reason="gone")
+    for ledger in (fresh, settled, lost):
+        before = state(ledger)
+        assert (ledger.nack if nack else ledger.ack)(0, multiple=True) == []
+        assert (state(ledger), ledger.protocol_errors) == (before, 0)
+
+
 def test_ack_after_channel_lost_is_unknown_tag() -> None:
     ledger = ledger_with(2)
     ledger.channel_lost(reason="gone")
@@ -213,7 +247,7 @@ def test_ack_after_channel_lost_is_unknown_tag() -> None:
 ILLEGAL = [
     pytest.param(lambda lg: lg.ack(99), id="unknown-tag"),
     pytest.param(lambda lg: lg.ack(0), id="tag-zero"),
-    pytest.param(lambda lg: lg.ack(0, multiple=True), id="tag-zero-multiple"),
+    pytest.param(lambda lg: lg.nack(0), id="nack-tag-zero"),
     pytest.param(lambda lg: lg.ack(2), id="double-ack"),
     pytest.param(lambda lg: lg.nack(2), id="nack-after-ack"),
     pytest.param(lambda lg: lg.ack(2, multiple=True), id="multiple-nothing-below"),
@@ -348,11 +382,16 @@ class Model:
             self.returned.add(tag)
 
     def frame(self, tag: int, to_return: set[int]) -> None:
+        if tag == 0:  # with multiple: every outstanding tag, none when none is
+            self.answer(0, True, set(self.outstanding), to_return)
+            return
         below = {t for t in self.outstanding if t <= tag}
         if not below:
             return
         multiple = tag not in self.outstanding or self.data.draw(st.booleans(), label="multiple")
-        settled = below if multiple else {tag}
+        self.answer(tag, multiple, below if multiple else {tag}, to_return)
+
+    def answer(self, tag: int, multiple: bool, settled: set[int], to_return: set[int]) -> None:
         self.return_some(settled & to_return)  # the broker sends basic.return before the ack
         nack = self.data.draw(st.booleans(), label="nack")
         events = (self.ledger.nack if nack else self.ledger.ack)(tag, multiple=multiple)
@@ -387,9 +426,11 @@ class Model:
 def schedules(draw: st.DrawFn) -> tuple[int, set[int], list[int], int | None]:
     n = draw(st.integers(min_value=1, max_value=40))
     to_return = draw(st.sets(st.integers(min_value=1, max_value=n)))
-    order = draw(st.permutations(range(1, n + 1)))
+    order = list(draw(st.permutations(range(1, n + 1))))
+    for at in draw(st.lists(st.integers(min_value=0, max_value=n), max_size=2)):
+        order.insert(at, 0)  # tag 0, multiple: "all outstanding" (AMQP 0-9-1)
     lose_at = draw(st.none() | st.integers(min_value=0, max_value=n))
-    return n, to_return, list(order), lose_at
+    return n, to_return, order, lose_at
 
 
 def run_schedule(model: Model, plan: tuple[int, set[int], list[int], int | None]) -> None:

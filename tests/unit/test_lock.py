@@ -8,6 +8,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -46,3 +47,15 @@ def test_every_dependency_is_pinned_within_its_specifier() -> None:
 def test_the_makefile_installs_from_the_lock() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"pip install -q -c \$\(LOCK\) -e '\.\[dev\]'", makefile)
+
+
+@pytest.mark.parametrize("target", ["$(VENV)/.installed", "$(VENV_OLDEST)/.installed"])
+def test_every_virtualenv_upgrades_setuptools(target: str) -> None:
+    """`python -m venv` seeds the setuptools bundled with its Python (65.5 on 3.11, known CVEs);
+    the lock cannot pin it (pip freeze leaves it out), so each venv recipe upgrades it first."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile[makefile.index(f"\n{target}:") :].split("\n\n")[0]
+    lines = [line.strip() for line in recipe.splitlines()]
+    upgrade = next(i for i, line in enumerate(lines) if "--upgrade pip setuptools" in line)
+    install = next(i for i, line in enumerate(lines) if "-e '.[dev]'" in line)
+    assert upgrade < install, recipe
