@@ -1029,7 +1029,7 @@ def _add_consume(sub: Sub) -> None:
     con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
     con.add_argument(
         "--prefetch", type=_bounded_int(1, 65535), default=None,
-        help="unacked deliveries held at once (default OUTBOX_CONSUMER_PREFETCH, 100)",
+        help="unacked deliveries held at once (default OUTBOX_CONSUMER_PREFETCH, 400)",
     )  # fmt: skip
     con.add_argument(
         "--mode", choices=("batch", "message"), default=None,
@@ -1043,7 +1043,7 @@ def _add_consume(sub: Sub) -> None:
     con.add_argument(
         "--batch-size", type=_bounded_int(1, 10000), default=None,
         help="batch mode: deliveries per transaction at most (default "
-        "OUTBOX_CONSUMER_BATCH_SIZE, 50)",
+        "OUTBOX_CONSUMER_BATCH_SIZE, 200)",
     )  # fmt: skip
     con.add_argument("--delivery-limit", type=_bounded_int(1, 1000), default=None,
                      help="attempts (failures, timeouts, crashes) before a message is "

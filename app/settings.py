@@ -105,14 +105,14 @@ class Settings(BaseSettings):
         "outside it). See docs/consumer.md.",
     )  # fmt: skip
     consumer_prefetch: int = Field(
-        default=200, ge=1, le=65535, description="`outbox consume`: the consumer's prefetch."
+        default=400, ge=1, le=65535, description="`outbox consume`: the consumer's prefetch."
     )
     consumer_concurrency: int = Field(
         default=8, ge=1, le=256,
         description="`outbox consume`: handler threads (windows or messages at once).",
     )  # fmt: skip
     consumer_batch_size: int = Field(
-        default=50, ge=1, le=10000,
+        default=200, ge=1, le=10000,
         description="`outbox consume`, batched mode: deliveries per transaction at most (and "
         "at most half the prefetch).",
     )  # fmt: skip

@@ -78,6 +78,10 @@ def consumer_engine(url: str, *, concurrency: int, **kwargs: Any) -> Engine:
     connection that broke fails its job, which the kit retries as a database outage."""
     kwargs.setdefault("pool_size", max(5, concurrency + 1))
     kwargs.setdefault("pool_pre_ping", False)
+    # every job ends its transaction itself (commit, or rollback on any error), and closing a
+    # connection rolls back one left open: the pool's own ROLLBACK on return is a round trip
+    # per transaction for nothing
+    kwargs.setdefault("pool_reset_on_return", None)
     return make_engine(url, **kwargs)
 
 
@@ -103,6 +107,9 @@ LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 #: A window whose running handler has taken this long gives the deliveries it has not started
 #: to another window.
 CUT_AFTER = 0.25
+#: A window holds about this much handler time at most: slow handlers get smaller windows,
+#: spread over the handler threads (fast ones fill ``batch_size``).
+WINDOW_SECONDS = 0.2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,10 +119,10 @@ class ConsumerConfig:
     #: ``batch``: windows of first deliveries in one transaction each; ``message``: a
     #: transaction per message (for handlers whose effect is outside the database)
     mode: Literal["batch", "message"] = "batch"
-    prefetch: int = 200
+    prefetch: int = 400
     concurrency: int = 8
     #: deliveries per window at most (and at most half the prefetch)
-    batch_size: int = 50
+    batch_size: int = 200
     delivery_limit: int = 5
     #: a handler running longer fails its message's attempt (None: no limit)
     handler_timeout: float | None = 60.0
@@ -266,6 +273,8 @@ class Consumer:
         #: windows whose handler ran past its timeout and whose thread has not returned
         self.abandoned: set[Window] = set()
         self._runs: list[_Run] = []
+        #: a moving average of a handler's time in batched windows (sizes the windows)
+        self.seconds_per_message = 0.0
         kept = pool_size(engine)
         if kept is not None and kept < config.concurrency:
             log.warning(
@@ -507,11 +516,15 @@ class _Run:
                 break  # a window is under way: let the next one fill (fewer, larger commits)
             busy += 1
 
-    @functools.cached_property
+    @property
     def _window_size(self) -> int:
-        """``batch_size``, but at most half the prefetch: a window held up by a slow handler
-        must leave the broker room to send the others more deliveries."""
-        return max(1, min(self.cfg.batch_size, self.cfg.prefetch // 2))
+        """``batch_size``, but at most half the prefetch (a window held up by a slow handler
+        must leave the broker room to send the others more deliveries), and no more than the
+        handlers get through in about :data:`WINDOW_SECONDS` (slow handlers: smaller windows,
+        spread over the threads)."""
+        most = max(1, min(self.cfg.batch_size, self.cfg.prefetch // 2))
+        per = self.c.seconds_per_message
+        return most if per <= 0 else max(1, min(most, int(WINDOW_SECONDS / per)))
 
     def _windows_moving(self) -> bool:
         """A window is running whose handler is not slow (it will be done soon)."""
@@ -564,7 +577,12 @@ class _Run:
             m.add("transactions")
         done = len(out.handled) + len(out.deduplicated)
         if done:
-            m.handler_seconds.observe_many(now - window.created, done)
+            took = now - window.created
+            m.handler_seconds.observe_many(took, done)
+            if out.handled and out.handler_seconds:  # a handler's time sizes the next windows
+                per = out.handler_seconds / len(out.handled)
+                c.seconds_per_message = per if c.seconds_per_message <= 0 else (
+                    0.8 * c.seconds_per_message + 0.2 * per)  # fmt: skip
         for held in out.handled:
             self._finish(held, "handled")
         for held in out.deduplicated:  # a commit whose reply was lost did commit

@@ -147,6 +147,8 @@ class Outcome:
     #: the database failed: the error, and every undecided delivery is in ``again``
     outage: BaseException | None = None
     abandoned: bool = False
+    #: time spent in handlers that returned (sizes the next windows)
+    handler_seconds: float = 0.0
 
 
 class DatabaseFailed(Exception):
@@ -202,12 +204,14 @@ def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handle
             if held.message_id in new:  # the same message twice in one window
                 out.deduplicated.append(held)
                 continue
+            started = time.perf_counter()
             try:
                 handler(held.message, conn)
             except Exception as exc:  # the handler's, classified below
                 window.done_running()
                 out.deduplicated.clear()
                 return _window_failed(conn, window, out, taken, held, exc)
+            out.handler_seconds += time.perf_counter() - started
             new[held.message_id] = held
         window.done_running()
         rest = window.untaken()
