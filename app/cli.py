@@ -652,8 +652,9 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        given = {"batch_handler" if args.batches else "handler": handler}
         consumer = Consumer(config=config, amqp_url=settings.amqp_url.get_secret_value(),
-                            engine=engine, handler=handler)  # fmt: skip
+                            engine=engine, **given)  # fmt: skip
         probes = None
         if args.metrics_port is not None:  # /metrics, /healthz, /readyz of this process
             from app.consumer import registry_for
@@ -1026,6 +1027,10 @@ def _add_consume(sub: Sub) -> None:
     con.add_argument("queue", help="the queue to consume (it must exist)")
     con.add_argument("--handler", required=True,
                      help="MODULE:FUNCTION taking (message, connection)")  # fmt: skip
+    con.add_argument(
+        "--batches", action="store_true",
+        help="the handler takes (messages, connection): a window's messages at once",
+    )  # fmt: skip
     con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
     con.add_argument(
         "--prefetch", type=_bounded_int(1, 65535), default=None,

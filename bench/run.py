@@ -53,6 +53,8 @@ TARGETS = [
      "consume_aio_pika_manual_ack", 0.6),
     ("ratio_consume_kit_batched_vs_inbox_loop", "consume_kit_batched",
      "consume_inbox_loop_per_message", 4.0),
+    ("ratio_consume_kit_batch_handler_vs_aio_pika_manual_ack", "consume_kit_batch_handler",
+     "consume_aio_pika_manual_ack", 0.6),
 ]  # fmt: skip
 RSS_GROWTH_LIMIT_PCT = 10.0
 #: Confirm latency at 50 % of the drain rate: (key, at most)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 from sqlalchemy import Connection, Engine, text
 
@@ -12,6 +13,9 @@ from app.consumer import Message
 
 EFFECTS = """CREATE TABLE IF NOT EXISTS consumer_effects (
     n SERIAL PRIMARY KEY, message_id TEXT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT now())"""
+
+
+INSERT = text("INSERT INTO consumer_effects (message_id) VALUES (:m)")
 
 
 def create_effects(engine: Engine) -> None:
@@ -41,3 +45,11 @@ def crash_or_record(message: Message, conn: Connection) -> None:
     if message.headers.get("crash"):
         os._exit(137)
     record(message, conn)
+
+
+def record_all(messages: Sequence[Message], conn: Connection) -> None:
+    """A batch handler: the window's effects in one ``executemany``; any ``poison`` fails it."""
+    for message in messages:
+        if message.headers.get("poison"):
+            raise ValueError(f"cannot process {message.message_id}")
+    conn.execute(INSERT, [{"m": m.message_id} for m in messages])

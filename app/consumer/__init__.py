@@ -7,7 +7,7 @@ connection; its writes and the inbox row commit together, then the delivery is a
 """
 
 from app.consumer.acks import Ack, AckTracker
-from app.consumer.inbox import Handler, Message, handle_once, purge_inbox
+from app.consumer.inbox import BatchHandler, Handler, Message, handle_once, purge_inbox
 from app.consumer.kit import (
     Consumer,
     ConsumerConfig,
@@ -19,6 +19,7 @@ from app.consumer.kit import (
 __all__ = [
     "Ack",
     "AckTracker",
+    "BatchHandler",
     "Consumer",
     "ConsumerConfig",
     "ConsumerMetrics",

@@ -15,7 +15,7 @@ Every function here runs in a handler thread, on a connection of its own.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,11 @@ class Message:
 #: A handler: does the message's effect with ``conn`` (the kit's transaction). Raising rolls the
 #: transaction back (the inbox row too) and the delivery goes to the failure policy.
 Handler = Callable[[Message, Connection], None]
+
+#: A batch handler: does the effects of a window's messages at once with ``conn`` (one
+#: ``executemany``, say). Raising rolls the window back; its messages then run one by one
+#: (``[message]``) so that only the one that fails is charged.
+BatchHandler = Callable[[Sequence[Message], Connection], None]
 
 
 def _dialect(conn: Connection | Engine) -> Any:

@@ -53,10 +53,10 @@ from pamqp.commands import Basic as spec_basic
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from app.consumer.acks import AckTracker
-from app.consumer.inbox import ERROR_CHARS, Handler, Message
+from app.consumer.inbox import ERROR_CHARS, BatchHandler, Handler, Message
 from app.consumer.work import Held, Outcome, Window, run_single, run_window
 from app.db import make_engine
 from app.logs import redact_url
@@ -256,12 +256,16 @@ class Consumer:
     """Consumes one queue into ``handler`` with an inbox; :meth:`run` until ``stop`` is set."""
 
     def __init__(self, *, config: ConsumerConfig, amqp_url: str, engine: Engine,
-                 handler: Handler, metrics: ConsumerMetrics | None = None,
+                 handler: Handler | None = None, batch_handler: BatchHandler | None = None,
+                 metrics: ConsumerMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        if (handler is None) == (batch_handler is None):
+            raise ValueError("give the consumer a handler or a batch_handler (one of them)")
         self.config = config
         self.amqp_url = amqp_url
         self.engine = engine
-        self.handler = handler
+        self.batch_handler = batch_handler
+        self.handler: Handler = handler or _one_at_a_time(batch_handler)
         self.metrics = metrics or ConsumerMetrics()
         self.metrics.prefetch = config.prefetch
         self.metrics.oldest_handler_started = self._oldest_handler_started
@@ -540,7 +544,7 @@ class _Run:
         window = Window(items, clock=c.clock)
         if lane == "window":
             job = functools.partial(run_window, c.engine, consumer=self.cfg.name, window=window,
-                                    handler=c.handler)  # fmt: skip
+                                    handler=c.handler, batch_handler=c.batch_handler)  # fmt: skip
         else:
             job = functools.partial(run_single, c.engine, consumer=self.cfg.name, window=window,
                                     handler=c.handler, limit=self.cfg.delivery_limit,
@@ -757,7 +761,10 @@ class _Run:
                 continue
             held, started = running
             if limit is not None and now - started > limit and window.abandon():
-                self._timed_out(window, held, now - started)
+                if lane == "window" and self.c.batch_handler is not None:
+                    self._batch_timed_out(window, now - started)
+                else:
+                    self._timed_out(window, held, now - started)
                 # a statement the hung handler waits on is cancelled (psycopg sends the cancel
                 # request on a connection of its own: not on the event loop)
                 self._loop.run_in_executor(None, window.cancel_statement)
@@ -789,6 +796,22 @@ class _Run:
             self._route(held, front=True)
         self._after()
 
+    def _batch_timed_out(self, window: Window, took: float) -> None:
+        """A batch handler ran past the timeout: which message hangs is unknown, so none is
+        charged; they run again one at a time, where the one that hangs fails alone."""
+        c, m = self.c, self.c.metrics
+        self.jobs.pop(window, None)
+        c.abandoned.add(window)
+        m.abandoned_handlers = len(c.abandoned)
+        log.warning("consumer %s: a batch handler ran past %.0fs over %d messages: they run "
+                    "again one at a time", self.cfg.name, took, len(window.items))  # fmt: skip
+        c.pool.shutdown(wait=False)
+        c.pool = c._new_pool()
+        for held in window.items:
+            if held.tag in self.held:
+                self.singles.append(held)
+        self._after()
+
     # ------------------------------------------------------------ end
 
     async def drain(self, *, timeout: float) -> None:
@@ -813,6 +836,16 @@ class _Run:
         self.fresh.clear()
         self.singles.clear()
         self.suspects.clear()
+
+
+def _one_at_a_time(batch_handler: BatchHandler | None) -> Handler:
+    """A batch handler as a handler of one message (for messages that run alone)."""
+    assert batch_handler is not None
+
+    def handle(message: Message, conn: Connection) -> None:
+        batch_handler([message], conn)
+
+    return handle
 
 
 def _first_line(exc: BaseException) -> str:

@@ -5,9 +5,10 @@ that says, delivery by delivery, what happened (the event loop then acks, requeu
 queues it again):
 
 - :func:`run_window` (batched mode, first deliveries): one transaction for up to ``batch_size``
-  deliveries: which ids the inbox has (one ``SELECT``), the handler once per new id, their inbox
-  rows in one ``INSERT`` (ids sorted), one ``COMMIT``. A handler that raises costs only its own
-  message: the transaction is rolled back and the others are handed back to run again without it.
+  deliveries: the handler once per message (or a batch handler once for them all), their inbox
+  rows in one ``INSERT … ON CONFLICT DO NOTHING`` (ids sorted), one ``COMMIT``. A handler that
+  raises costs only its own message: the transaction is rolled back and the others are handed
+  back to run again without it (a batch handler's window runs again one message at a time).
 - :func:`run_single` (a message alone: the per-message mode, a redelivered message, a failure to
   record): the inbox row first, then the handler, one ``COMMIT``. A redelivered message is
   *charged* first (its attempt counted and committed before its handler runs), so a message
@@ -31,7 +32,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from app.consumer import inbox
-from app.consumer.inbox import Handler, Message
+from app.consumer.inbox import BatchHandler, Handler, Message
 
 log = logging.getLogger("app.consumer")
 
@@ -73,6 +74,16 @@ class Window:
         #: the delivery whose handler runs now, and since when
         self.running: tuple[Held, float] | None = None
         self.dbapi_connection: Any = None
+
+    def take_all(self) -> list[Held]:
+        """Every delivery at once (a batch handler's window): running from now, as one."""
+        with self._lock:
+            if self._cut or self._abandoned or self._next >= len(self.items):
+                return []
+            taken = self.items[self._next :]
+            self._next = len(self.items)
+            self.running = (taken[0], self.clock())
+            return taken
 
     def take(self) -> Held | None:
         with self._lock:
@@ -178,7 +189,8 @@ def _describe(exc: BaseException) -> str:
 # ---------------------------------------------------------------- a window, one transaction
 
 
-def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handler) -> Outcome:
+def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handler,
+               batch_handler: BatchHandler | None = None) -> Outcome:  # fmt: skip
     """Handlers first, then the inbox rows of the window in one ``INSERT … ON CONFLICT DO
     NOTHING``: an id it did not insert had its effect already (a duplicate publish; redeliveries
     run alone and ask the inbox first), so the window is rolled back and run again without it.
@@ -199,6 +211,22 @@ def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handle
         except Exception as exc:
             out.outage, out.again = exc, list(window.items)
             return out
+        if batch_handler is not None:
+            taken = window.take_all()
+            for item in taken:
+                if item.message_id in new:
+                    out.deduplicated.append(item)
+                else:
+                    new[item.message_id] = item
+            started = time.perf_counter()
+            try:
+                if new:
+                    batch_handler([h.message for h in new.values()], conn)
+            except Exception as exc:  # one message of them: find it one by one
+                window.done_running()
+                out.deduplicated.clear()
+                return _window_failed(conn, window, out, taken, None, exc)
+            out.handler_seconds += time.perf_counter() - started
         while (held := window.take()) is not None:
             taken.append(held)
             if held.message_id in new:  # the same message twice in one window

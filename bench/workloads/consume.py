@@ -9,7 +9,10 @@ row in the same transaction, on the same PostgreSQL:
   100, and per message BEGIN, the inbox ``INSERT … ON CONFLICT DO NOTHING``, the effect, COMMIT,
   then the ack (psycopg's async connection, one message at a time);
 - ``consume_kit_batched_*``: the kit in its default mode (windows of deliveries per transaction);
-- ``consume_kit_per_message_*``: the kit with a transaction per message (``mode="message"``).
+- ``consume_kit_per_message_*``: the kit with a transaction per message (``mode="message"``);
+- ``consume_kit_batched_no_effect``: the kit's own work alone (a handler that does nothing);
+- ``consume_kit_batch_handler``: a batch handler writing a window's effects in one
+  ``executemany``.
 
 Each run fills a fresh queue with ``n`` persistent messages, then times the consumer from its
 start to the last message acknowledged. CPU per message is counted for the client process, the
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aio_pika
@@ -102,17 +105,23 @@ async def _inbox_loop(services: Services, url: str, queue: str, n: int) -> float
 
 
 async def _kit(services: Services, url: str, queue: str, n: int, *, mode: str, prefetch: int,
-               concurrency: int, handler_ms: float = 0.0) -> float:  # fmt: skip
+               concurrency: int, handler_ms: float = 0.0, batches: bool = False,
+               effect: bool = True) -> float:  # fmt: skip
     engine = consumer_engine(url, concurrency=concurrency)  # as `outbox consume` makes it
 
     def handler(message: Message, conn: Connection) -> None:
         if handler_ms:
             time.sleep(handler_ms / 1000)
-        conn.execute(INSERT_EFFECT, {"m": message.message_id, "b": message.body})
+        if effect:
+            conn.execute(INSERT_EFFECT, {"m": message.message_id, "b": message.body})
+
+    def batch_handler(messages: Sequence[Message], conn: Connection) -> None:
+        conn.execute(INSERT_EFFECT, [{"m": m.message_id, "b": m.body} for m in messages])
 
     cfg = ConsumerConfig(name=f"bench-{queue}", queue=queue, prefetch=prefetch, mode=mode,  # type: ignore[arg-type]
                          concurrency=concurrency)  # fmt: skip
-    consumer = Consumer(config=cfg, amqp_url=services.amqp_url, engine=engine, handler=handler)
+    given: dict[str, Any] = {"batch_handler": batch_handler} if batches else {"handler": handler}
+    consumer = Consumer(config=cfg, amqp_url=services.amqp_url, engine=engine, **given)
     stop = asyncio.Event()
     start = time.perf_counter()
     task = asyncio.create_task(consumer.run(stop))
@@ -167,6 +176,10 @@ def run(services: Services, sizes: Sizes) -> list[Measured]:
         base = {"prefetch": defaults.prefetch, "concurrency": defaults.concurrency}
         kits: list[tuple[str, dict[str, Any]]] = [
             ("consume_kit_batched", {**base, "mode": "batch"}),
+            # the floor under it: the kit's own work, a handler that does nothing
+            ("consume_kit_batched_no_effect", {**base, "mode": "batch", "effect": False}),
+            # the lever: the window's effects in one executemany (a batch handler)
+            ("consume_kit_batch_handler", {**base, "mode": "batch", "batches": True}),
             ("consume_kit_per_message", {**base, "mode": "message"}),
             ("consume_kit_batched_handler_5ms", {**base, "mode": "batch", "handler_ms": 5}),
             ("consume_kit_per_message_handler_5ms", {**base, "mode": "message",

@@ -356,3 +356,37 @@ async def test_kill_9_a_database_outage_and_a_broker_close_in_one_run(
     assert all("aiormq" in lines[i - 1] for i, line in enumerate(lines)
                if line.startswith("Traceback")), err[-3000:]  # fmt: skip
     assert b"dead-letters" not in err, err[-2000:]
+
+
+# ---------------------------------------------------------------- a batch handler
+
+
+async def test_a_batch_handler_handles_windows_and_a_poison_fails_alone(
+    amqp_url: str, engine: Engine
+) -> None:
+    """A batch handler gets a window's messages at once; a window it fails runs again one
+    message at a time, so only the poison is charged and dead-lettered."""
+    from tests.consumer_support import record_all
+
+    good = [f"w-{i}" for i in range(2000)]
+    async with queue_named(amqp_url) as queue:
+        await publish(amqp_url, queue, good[:1000])
+        await publish(amqp_url, queue, ["poison-1"], poison=True)
+        await publish(amqp_url, queue, good[1000:])
+        await publish(amqp_url, queue, good[:100])  # duplicates: deduplicated
+        cfg = ConsumerConfig(name="batches", queue=queue, delivery_limit=2)
+        consumer = Consumer(config=cfg, amqp_url=amqp_url, engine=engine, batch_handler=record_all)
+        stop = asyncio.Event()
+        task = asyncio.create_task(consumer.run(stop))
+        try:
+            counts = consumer.metrics.counts
+            await until(lambda: counts["acked"] + counts["dead_lettered"] == 2101,
+                        what="all settled")  # fmt: skip
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+        assert [m.message_id for m in await dead_letters(amqp_url, queue)] == ["poison-1"]
+    exactly_once(engine, good)
+    c = consumer.metrics.counts
+    assert (c["handled"], c["deduplicated"], c["dead_lettered"]) == (2000, 100, 1)
+    assert c["transactions"] < 1000  # windows, not a transaction per message
