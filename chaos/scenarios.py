@@ -910,6 +910,16 @@ SCENARIOS: list[Scenario] = [
         timeout=300,
     ),
     Scenario(
+        "16b",
+        "unordered rows: one of two publishers frozen (SIGSTOP) for two leases, then resumed",
+        "a frozen publisher costs only its own rows, for its lease: the other drains on, the "
+        "frozen one's rows come back within a lease, nothing lost",
+        freeze_one_of_two,
+        publishers=2,
+        flow=0,
+        env={**KILL_ENV, **_env(flush_interval=0.5, claim_batch=50, window=150)},
+    ),
+    Scenario(
         "15",
         "consumer kit kill -9 mid-batch, restart",
         "each message's effect happens once at the receiving end: the kit's inbox absorbs the "
