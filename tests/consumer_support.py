@@ -1,12 +1,18 @@
-"""A handler for the consumer kit's tests: one row per message in ``consumer_effects`` (no
-unique key, so a second effect would show), written in the kit's transaction."""
+"""The consumer kit's tests' parts: handlers writing one row per message in ``consumer_effects``
+(no unique key, so a second effect would show) in the kit's transaction, and queues, publishes
+and waits on the real broker."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
+import aio_pika
 from sqlalchemy import Connection, Engine, text
 
 from app.consumer import Message
@@ -53,3 +59,51 @@ def record_all(messages: Sequence[Message], conn: Connection) -> None:
         if message.headers.get("poison"):
             raise ValueError(f"cannot process {message.message_id}")
     conn.execute(INSERT, [{"m": m.message_id} for m in messages])
+
+
+@contextlib.asynccontextmanager
+async def declared_queue(amqp_url: str, *, prefix: str, quorum: bool = False,
+                         ) -> AsyncIterator[str]:  # fmt: skip
+    """A durable queue dead-lettering into ``<name>.dlq`` (a quorum queue with ``quorum``, with
+    no x-delivery-limit: docs/consumer.md); both deleted afterwards."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    conn = await aio_pika.connect(amqp_url)
+    async with conn:
+        ch = await conn.channel()
+        await ch.declare_queue(f"{name}.dlq", durable=True)
+        args: dict[str, Any] = {"x-dead-letter-exchange": "",
+                                "x-dead-letter-routing-key": f"{name}.dlq"}  # fmt: skip
+        if quorum:
+            args["x-queue-type"] = "quorum"
+        await ch.declare_queue(name, durable=True, arguments=args)
+    try:
+        yield name
+    finally:
+        conn = await aio_pika.connect(amqp_url)
+        async with conn:
+            for q in (name, f"{name}.dlq"):
+                ch = await conn.channel()
+                with contextlib.suppress(Exception):
+                    await ch.queue_delete(q)
+
+
+async def publish(amqp_url: str, queue: str, ids: list[str], **headers: Any) -> None:
+    """Persistent messages with these ids (and headers), confirmed, by the default exchange."""
+    conn = await aio_pika.connect(amqp_url)
+    async with conn:
+        ch = await conn.channel(publisher_confirms=True)
+        for mid in ids:
+            await ch.default_exchange.publish(
+                aio_pika.Message(mid.encode(), message_id=mid, headers=headers,
+                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                routing_key=queue,
+            )  # fmt: skip
+
+
+async def until(predicate: Any, *, timeout: float = 60.0, what: str = "condition") -> None:
+    """Wait for ``predicate()`` (run in a thread: it may query the database)."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)

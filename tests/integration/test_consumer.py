@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,7 +23,14 @@ from sqlalchemy import Engine
 from app.consumer import Consumer, ConsumerConfig
 from app.db import make_engine
 from tests.conftest import close_broker_connections, scrubbed_environ
-from tests.consumer_support import create_effects, effects, record
+from tests.consumer_support import (
+    create_effects,
+    declared_queue,
+    effects,
+    publish,
+    record,
+    until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,32 +46,8 @@ def engine(pg_url: str) -> Iterator[Engine]:
 @pytest.fixture
 async def queue(amqp_url: str) -> AsyncIterator[str]:
     """A durable queue dead-lettering into ``<name>.dlq``; both deleted afterwards."""
-    name = f"test-consumer-{uuid.uuid4().hex[:8]}"
-    conn = await aio_pika.connect(amqp_url)
-    async with conn:
-        ch = await conn.channel()
-        await ch.declare_queue(f"{name}.dlq", durable=True)
-        await ch.declare_queue(name, durable=True, arguments={
-            "x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{name}.dlq"})  # fmt: skip
-    yield name
-    conn = await aio_pika.connect(amqp_url)
-    async with conn:
-        for q in (name, f"{name}.dlq"):
-            ch = await conn.channel()
-            with contextlib.suppress(Exception):
-                await ch.queue_delete(q)
-
-
-async def publish(amqp_url: str, queue: str, ids: list[str], **headers: Any) -> None:
-    conn = await aio_pika.connect(amqp_url)
-    async with conn:
-        ch = await conn.channel(publisher_confirms=True)
-        for mid in ids:
-            await ch.default_exchange.publish(
-                aio_pika.Message(mid.encode(), message_id=mid, headers=headers,
-                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                routing_key=queue,
-            )  # fmt: skip
+    async with declared_queue(amqp_url, prefix="test-consumer") as name:
+        yield name
 
 
 async def depth(amqp_url: str, queue: str) -> int:
@@ -74,14 +56,6 @@ async def depth(amqp_url: str, queue: str) -> int:
         ch = await conn.channel()
         q = await ch.declare_queue(queue, passive=True)
         return int(q.declaration_result.message_count or 0)
-
-
-async def until(predicate: Any, *, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(predicate):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager

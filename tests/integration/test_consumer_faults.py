@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,14 @@ from app.consumer import Consumer, ConsumerConfig, consumer_engine
 from app.db import make_engine
 from chaos.proxy import TcpProxy
 from tests.conftest import close_broker_connections, scrubbed_environ
-from tests.consumer_support import create_effects, effects, record
+from tests.consumer_support import (
+    create_effects,
+    declared_queue,
+    effects,
+    publish,
+    record,
+    until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,43 +48,8 @@ def engine(pg_url: str) -> Iterator[Engine]:
     eng.dispose()
 
 
-async def _declare(amqp_url: str, name: str, *, quorum: bool = False) -> None:
-    conn = await aio_pika.connect(amqp_url)
-    async with conn:
-        ch = await conn.channel()
-        await ch.declare_queue(f"{name}.dlq", durable=True)
-        args: dict[str, Any] = {"x-dead-letter-exchange": "",
-                                "x-dead-letter-routing-key": f"{name}.dlq"}  # fmt: skip
-        if quorum:  # no x-delivery-limit: a crash returns every held delivery (docs/consumer.md)
-            args["x-queue-type"] = "quorum"
-        await ch.declare_queue(name, durable=True, arguments=args)
-
-
-@contextlib.asynccontextmanager
-async def queue_named(amqp_url: str, *, quorum: bool = False) -> AsyncIterator[str]:
-    name = f"test-faults-{uuid.uuid4().hex[:8]}"
-    await _declare(amqp_url, name, quorum=quorum)
-    try:
-        yield name
-    finally:
-        conn = await aio_pika.connect(amqp_url)
-        async with conn:
-            for q in (name, f"{name}.dlq"):
-                ch = await conn.channel()
-                with contextlib.suppress(Exception):
-                    await ch.queue_delete(q)
-
-
-async def publish(amqp_url: str, queue: str, ids: list[str], **headers: Any) -> None:
-    conn = await aio_pika.connect(amqp_url)
-    async with conn:
-        ch = await conn.channel(publisher_confirms=True)
-        for mid in ids:
-            await ch.default_exchange.publish(
-                aio_pika.Message(mid.encode(), message_id=mid, headers=headers,
-                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                routing_key=queue,
-            )  # fmt: skip
+def queue_named(amqp_url: str, *, quorum: bool = False) -> Any:
+    return declared_queue(amqp_url, prefix="test-faults", quorum=quorum)
 
 
 async def dead_letters(amqp_url: str, queue: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
@@ -91,14 +62,6 @@ async def dead_letters(amqp_url: str, queue: str) -> list[aio_pika.abc.AbstractI
         while (got := await q.get(no_ack=True, fail=False)) is not None:
             out.append(got)
     return out
-
-
-async def until(predicate: Any, *, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(predicate):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def exactly_once(engine: Engine, ids: list[str]) -> None:
