@@ -102,27 +102,28 @@ def test_a_publisher_frozen_past_its_lease_costs_only_its_rows(
     lease = 6.0
     env = scrubbed_environ(os.environ)
     env.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_AMQP_URL=amqp_url, PYTHONPATH=str(REPO),
-               OUTBOX_LEASE_SECONDS=str(lease), OUTBOX_CLAIM_BATCH="20")  # fmt: skip
-    add_rows(engine, n=40_000, exchange=names["exchange"])
+               OUTBOX_LEASE_SECONDS=str(lease), OUTBOX_CLAIM_BATCH="5")  # fmt: skip
+    # small claims: many short transactions, and rows left to drain while the freezes are tried
+    add_rows(engine, n=60_000, exchange=names["exchange"])
     procs = [subprocess.Popen([sys.executable, "-m", "app.cli", "publish"], env=env, cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for _ in range(2)]  # fmt: skip
     frozen = procs[0]  # the other goes on
     try:
         caught = False
-        for _ in range(400):  # freeze until a freeze lands inside a transaction of it
-            time.sleep(0.01)
+        for _ in range(1000):  # freeze until a freeze lands inside a transaction of it
+            time.sleep(0.005)
             frozen.send_signal(signal.SIGSTOP)
-            time.sleep(0.02)
+            time.sleep(0.005)
             if _idle_in_transaction(engine, frozen.pid):
                 caught = True
                 break
             frozen.send_signal(signal.SIGCONT)
         if not caught:
-            pytest.skip("no freeze landed inside a transaction in 400 tries")
+            pytest.skip("no freeze landed inside a transaction in 1,000 tries")
         start = time.monotonic()
         confirmed_at_freeze = _confirmed(engine)
-        assert confirmed_at_freeze < 39_000, "drained before a freeze landed: more rows"
+        assert confirmed_at_freeze < 59_000, "drained before a freeze landed: more rows"
         while _idle_in_transaction(engine, frozen.pid) and time.monotonic() - start < lease:
             time.sleep(0.1)
         ended_after = time.monotonic() - start
