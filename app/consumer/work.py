@@ -162,10 +162,6 @@ class Outcome:
     handler_seconds: float = 0.0
 
 
-class DatabaseFailed(Exception):
-    """A statement of the kit's own failed, or the database stopped answering a handler."""
-
-
 def _is_disconnect(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
