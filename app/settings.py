@@ -78,7 +78,6 @@ class Settings(BaseSettings):
         description="Write-backs of outcomes wait for the disk (claims always do); off, a "
         "database crash can undo the last ones: those rows are published again, counted.",
     )
-    max_attempts: int = Field(default=10, ge=1, description="Default publish attempts per row.")
     backoff_base: float = Field(default=0.5, gt=0, description="First retry delay, seconds.")
     backoff_max: float = Field(default=60.0, gt=0, description="Largest retry delay, seconds.")
     destination_retry_budget: int = Field(
