@@ -9,7 +9,7 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop migrate test test-spark-oldest test-fast demo bench chaos lint serve publish clean tools lock audit
+.PHONY: help venv services services-stop migrate test test-spark-oldest test-unit test-fast demo bench chaos lint serve publish clean tools lock audit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -67,6 +67,9 @@ test: venv services tools  ## run the whole test suite against the local service
 
 test-spark-oldest: $(VENV_OLDEST)/.installed services tools  ## the Spark tests on the oldest supported PySpark (3.5)
 	@$(VENV_OLDEST)/bin/pytest -m spark tests/spark $(PYTEST_ARGS)
+
+test-unit: venv  ## the pure tests: no service started, no Spark, seconds
+	@$(VENV)/bin/pytest tests/unit -m "not spark and not slow and not chaos" $(PYTEST_ARGS)
 
 test-fast: venv services tools  ## the suite without Spark, slow scenarios and the fault matrix
 	@$(VENV)/bin/pytest -m "not spark and not slow and not chaos" $(PYTEST_ARGS)
