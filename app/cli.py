@@ -61,7 +61,6 @@ class Failure(Exception):
 # -------------------------------------------------------------------------- rendering
 
 
-table = plain_table  # kept: the name scripts and tests know
 _cell = cell
 
 
@@ -92,7 +91,7 @@ def render_stats(s: queries.OutboxStats) -> str:
     lines = [
         f"outbox at {_cell(s.at)} UTC",
         "",
-        table(["status", "rows"], [*counts, ("total", sum(s.counts.values()))]),
+        plain_table(["status", "rows"], [*counts, ("total", sum(s.counts.values()))]),
         "",
         *(
             ["confirmed is PostgreSQL's estimate (a large outbox is not counted row by row)"]
@@ -116,7 +115,7 @@ def render_stats(s: queries.OutboxStats) -> str:
         lines.append(f"BROKER BLOCKED: it blocks publishing ({why}) for "
                      f"{', '.join(s.blocked_publishers)}")  # fmt: skip
     if pubs:
-        lines.append(table(["publisher", "host", "pid", "heartbeat", "state"], pubs))
+        lines.append(plain_table(["publisher", "host", "pid", "heartbeat", "state"], pubs))
     return "\n".join(lines)
 
 
@@ -165,7 +164,7 @@ def _batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
 
 def render_batches(items: Sequence[queries.BatchSummary]) -> str:
     rows = [_batch_row(b) for b in items]
-    return table(BATCH_HEADERS, rows) if rows else "no batches"
+    return plain_table(BATCH_HEADERS, rows) if rows else "no batches"
 
 
 def render_republish(r: Any, *, flt: RepublishFilter, request_id: str | None) -> str:
@@ -203,7 +202,7 @@ def _cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_publish(settings: Settings, args: argparse.Namespace) -> int:
-    from app.publisher import main as run_publisher_main  # lazy: the CLI imports without it
+    from app.publisher.service import main as run_publisher_main  # lazy: the CLI imports without it
 
     try:
         rc = run_publisher_main(settings)

@@ -215,7 +215,7 @@ def outbox_counts(engine: Engine, sink: str) -> dict[str, int]:
 def run_publisher_until_drained(settings: Settings, engine: Engine, sink: str, rows: int,
                                 bar: Progress) -> None:  # fmt: skip
     """The publisher in this process until the outbox is drained, with a progress bar."""
-    from app.publisher import run_publisher
+    from app.publisher.service import run_publisher
 
     task = bar.add_task("publish + confirm", total=rows)
 

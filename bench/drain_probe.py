@@ -36,17 +36,13 @@ sys.path.insert(0, str(REPO))
 import aio_pika  # noqa: E402
 from sqlalchemy import insert, make_url, text  # noqa: E402
 
-from app.amqp import (  # noqa: E402
-    AMQPConnection,
-    CloseReason,
-    OutgoingMessage,
-    ReturnedMessage,
-    marshal_properties,
-)
+from app.amqp.codec import OutgoingMessage, ReturnedMessage, marshal_properties  # noqa: E402
+from app.amqp.connection import AMQPConnection  # noqa: E402
+from app.amqp.errors import CloseReason  # noqa: E402
 from app.db import make_engine, migrate  # noqa: E402
 from app.outbox.repository import OutboxRepository  # noqa: E402
 from app.outbox.schema import outbox  # noqa: E402
-from app.publisher import Publisher  # noqa: E402
+from app.publisher.engine import Publisher  # noqa: E402
 from app.settings import Settings  # noqa: E402
 
 BODY = b"x" * 256

@@ -16,7 +16,8 @@ from sqlalchemy import Engine, select
 
 from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox
-from app.publisher import Publisher, PublisherStats
+from app.publisher.engine import Publisher
+from app.publisher.metrics import PublisherStats
 from app.settings import Settings
 
 FAST = {

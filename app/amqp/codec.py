@@ -21,8 +21,6 @@ from pamqp.exceptions import PAMQPException
 PROTOCOL_HEADER = header.ProtocolHeader().marshal()
 HEARTBEAT_FRAME = heartbeat.Heartbeat.marshal()
 DEFAULT_FRAME_MAX = 131_072
-#: The smallest frame_max a broker may negotiate (AMQP 0-9-1 ``frame-min-size``).
-FRAME_MIN_SIZE = 4096
 FRAME_OVERHEAD = 8  # type (1) + channel (2) + size (4) + frame-end (1)
 _FRAME_HEADER = struct.Struct(">BHI")
 _CONTENT_HEADER = struct.Struct(">HxxQ")

@@ -250,10 +250,6 @@ class AMQPConnection(asyncio.Protocol):
     def is_open(self) -> bool:
         return self._closed is None and self._handshake_done
 
-    @property
-    def close_reason(self) -> CloseReason | None:
-        return self._closed
-
     async def wait_closed(self) -> CloseReason:
         return await asyncio.shield(self._lost)
 
@@ -361,11 +357,6 @@ class AMQPConnection(asyncio.Protocol):
             if channel_id not in self._channels and channel_id not in self._waiters:
                 return channel_id
         raise ChannelLimitError(f"all {self.channel_max} channels the broker allows are in use")
-
-    @property
-    def channels_open(self) -> int:
-        """Channels open now (confirm channels and the scratch channel)."""
-        return len(self._channels)
 
     async def open_channel(self, *, confirm: bool = True) -> int:
         """Open a channel (in confirm mode by default); its closes go to the listener."""

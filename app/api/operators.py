@@ -1,6 +1,6 @@
 """``/v1/failures`` (terminal failures grouped by cause), ``/v1/audit`` (operator actions),
 ``/v1/rejects`` (rows the Spark writer refused) and
-``/v1/search/messages`` (messages by status, batch, exchange, routing key, ordering key, reason)."""
+``/v1/messages`` (messages by status, batch, exchange, routing key, ordering key, reason)."""
 
 from __future__ import annotations
 
@@ -177,22 +177,3 @@ def list_messages(
         created_before=created_before, limit=limit, after=after,
     )  # fmt: skip
 
-
-@router.get(
-    "/search/messages",
-    response_model=MessagePage,
-    summary="The same search as GET /v1/messages (kept for earlier clients)",
-)
-def search_messages(
-    ctx: Ctx, status: Statuses = None, batch_id: Annotated[Text | None, Query()] = None,
-    exchange: Annotated[Text | None, Query()] = None,
-    routing_key: Annotated[Text | None, Query()] = None,
-    ordering_key: Annotated[Text | None, Query()] = None, reason: Reason = None,
-    created_after: CreatedAfter = None, created_before: CreatedBefore = None, limit: Limit = 50,
-    after: After = None,
-) -> MessagePage:  # fmt: skip
-    return _search(
-        ctx, statuses=status, batch_id=batch_id, exchange=exchange, routing_key=routing_key,
-        ordering_key=ordering_key, reason=reason, created_after=created_after,
-        created_before=created_before, limit=limit, after=after,
-    )  # fmt: skip

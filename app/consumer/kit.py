@@ -59,8 +59,8 @@ from app.consumer.acks import AckTracker
 from app.consumer.inbox import ERROR_CHARS, BatchHandler, Handler, Message
 from app.consumer.work import Held, Outcome, Window, run_single, run_window
 from app.db import make_engine
+from app.histogram import Histogram
 from app.logs import redact_url
-from app.publisher.metrics import Histogram
 
 log = logging.getLogger("app.consumer")
 

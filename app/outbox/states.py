@@ -67,8 +67,3 @@ def check_transition(source: Status | str, target: Status | str) -> str:
         return TRANSITIONS[edge]
     except KeyError:
         raise IllegalTransition(*edge) from None
-
-
-def sources_of(target: Status) -> frozenset[Status]:
-    """Every state from which ``target`` may legally be reached."""
-    return frozenset(src for (src, dst) in TRANSITIONS if dst == target)

@@ -1,70 +1,9 @@
 """The publisher service (``outbox publish``): drains the outbox into RabbitMQ with confirms.
 
-``run_publisher`` is the async entry point (the CLI, the demo and the benchmark use it); ``main``
-runs it with SIGTERM/SIGINT mapped to a graceful stop.
+- :mod:`app.publisher.service`: ``run_publisher`` (the async entry point of the CLI, the demo and
+  the benchmark) and ``main`` (SIGTERM/SIGINT mapped to a graceful stop);
+- :mod:`app.publisher.engine`: the :class:`~app.publisher.engine.Publisher` and its parts.
+
+The package itself imports nothing: the pure parts (settlement, holdings, envelopes,
+destinations, outcomes) load without the I/O stacks.
 """
-
-from __future__ import annotations
-
-import asyncio
-import logging
-import os
-import signal
-
-from app.db import check_schema, make_engine, session_limits
-from app.outbox.repository import OutboxRepository
-from app.publisher.engine import Publisher
-from app.publisher.metrics import PublisherMetrics, PublisherStats
-from app.settings import Settings
-
-__all__ = ["Publisher", "PublisherMetrics", "PublisherStats", "main", "run_publisher"]
-
-log = logging.getLogger(__name__)
-
-
-async def run_publisher(
-    settings: Settings,
-    *,
-    stop: asyncio.Event | None = None,
-    until_empty: bool = False,
-    metrics: PublisherMetrics | None = None,
-) -> PublisherStats:
-    """Publish until ``stop`` is set, or with ``until_empty`` until no pending/in_flight row is
-    left. Builds its own engine and repository from ``settings``."""
-    # One DB thread reuses one pooled connection all the time: a pre-ping per checkout would add
-    # a round trip to every statement; a dead connection fails the call, which is retried.
-    # A frozen publisher must cost only its own rows, for its lease: its sessions end when they
-    # sit in a transaction for a third of the lease (a keyed claim's head rows, a retry's
-    # FOR UPDATE), so the others' keys and the sweep move on within one lease.
-    url = settings.database_url.get_secret_value()
-    extra = {}
-    if url.startswith("postgresql"):
-        args = session_limits(idle_in_transaction=settings.lease_seconds / 3)
-        # pg_stat_activity names the process: an operator (or a test) finds a frozen one
-        args["application_name"] = f"outbox-publisher pid {os.getpid()}"
-        extra = {"connect_args": args}
-    engine = make_engine(url, pool_pre_ping=False, **extra)
-    try:
-        await asyncio.to_thread(check_schema, engine)  # never publish on a schema we don't know
-        publisher = Publisher(settings=settings, repository=OutboxRepository(engine),
-                              metrics=metrics)  # fmt: skip
-        return await publisher.run(stop=stop, until_empty=until_empty)
-    finally:
-        engine.dispose()
-
-
-def main(settings: Settings, *, until_empty: bool = False) -> PublisherStats:
-    """Run the publisher in this thread; SIGTERM or SIGINT stop it gracefully."""
-
-    async def _main() -> PublisherStats:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            return await run_publisher(settings, stop=stop, until_empty=until_empty)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-
-    return asyncio.run(_main())

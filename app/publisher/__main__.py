@@ -6,7 +6,7 @@ import sys
 
 from app.db import SchemaMismatch
 from app.logs import configure
-from app.publisher import main
+from app.publisher.service import main
 from app.settings import Settings
 
 

@@ -20,7 +20,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from app.outbox.repository import ClaimedRow, OutboxRepository
+from app.outbox.records import ClaimedRow
+from app.outbox.repository import OutboxRepository
 from app.publisher.dbthread import DbThread
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics

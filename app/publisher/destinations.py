@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from app.outbox.repository import Backoff
+from app.outbox.records import Backoff
 
 DEFAULT_EXCHANGE = ""
 

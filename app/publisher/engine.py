@@ -37,8 +37,9 @@ from typing import Any
 from app.confirms import Confirmed, Event
 from app.logs import redact_url
 from app.outbox.content import Limits
+from app.outbox.records import Backoff
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.repository import Backoff, OutboxRepository
+from app.outbox.repository import OutboxRepository
 from app.probes import ProbeServer, check_route, metrics_route
 from app.publisher.claimer import Claimer, ClaimerParts
 from app.publisher.dbthread import DbThread

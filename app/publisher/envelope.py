@@ -7,15 +7,10 @@ and refuses with an :class:`EnvelopeError` (the row ends ``failed`` with that re
 
 from __future__ import annotations
 
-import struct
-
-from pamqp import commands, header
-
 from app.amqp.codec import ENCODE_ERRORS, OutgoingMessage, marshal_properties
 from app.outbox.content import ContentError, Limits, check_row
-from app.outbox.repository import ClaimedRow
+from app.outbox.records import ClaimedRow
 
-_CONTENT_PREFIX = struct.pack(">HHQ", commands.Basic.frame_id, 0, 0)
 OUTBOX_ID_HEADER = "x-outbox-id"
 OUTBOX_ATTEMPT_HEADER = "x-outbox-attempt"
 DEFAULT_LIMITS = Limits()
@@ -49,11 +44,3 @@ def to_message(row: ClaimedRow, *, limits: Limits = DEFAULT_LIMITS) -> OutgoingM
         raise EnvelopeError(f"invalid message properties: {exc}") from exc
     return OutgoingMessage(checked.exchange, checked.routing_key, row.body, props, row.mandatory)
 
-
-def properties_of(message: OutgoingMessage) -> commands.Basic.Properties:
-    """The properties of a message as a pamqp object (decoding them if marshalled)."""
-    if isinstance(message.properties, commands.Basic.Properties):
-        return message.properties
-    content = header.ContentHeader()
-    content.unmarshal(_CONTENT_PREFIX + message.properties)
-    return content.properties

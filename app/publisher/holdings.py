@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
-from app.outbox.repository import ClaimedRow
+from app.outbox.records import ClaimedRow
 
 #: (channel id, delivery tag, wall-clock publish time, monotonic publish time)
 Sent = tuple[int, int, dt.datetime, float]

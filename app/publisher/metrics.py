@@ -10,11 +10,9 @@ published in one write is one call, and the histogram's count is still the numbe
 
 from __future__ import annotations
 
-import bisect
-import math
 import platform
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -28,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 import app
+from app.histogram import Histogram
 from app.outbox.reports import COUNTERS, PublisherReport
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -35,46 +34,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
-class Histogram:
-    """Cumulative-bucket histogram with bulk observations (no lock: one event loop)."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, +Inf last (not cumulative)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe_many(self, value: float, n: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += n
-        self.sum += value * n
-        self.count += n
-
-    observe = observe_many
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        out, running = [], 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
-            running += count
-            out.append(("+Inf" if math.isinf(bound) else repr(bound), running))
-        return out
-
-    def quantile(self, q: float) -> float | None:
-        """Upper bound of the bucket holding quantile ``q`` (None without observations)."""
-        if not self.count:
-            return None
-        rank, running = q * self.count, 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
-            running += count
-            if running >= rank:
-                return bound if not math.isinf(bound) else self.bounds[-1]
-        return self.bounds[-1]
-
-
 @dataclass(frozen=True, slots=True)
 class PublisherStats:
-    """What a publisher run did, as returned by :func:`app.publisher.run_publisher`."""
+    """What a publisher run did, as returned by :func:`app.publisher.service.run_publisher`."""
 
     published: int
     confirmed: int
@@ -89,10 +51,6 @@ class PublisherStats:
     reconnects: int
     lease_lost: int
     elapsed_seconds: float
-
-    @property
-    def confirmed_per_second(self) -> float:
-        return self.confirmed / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
 
 
 class PublisherMetrics:

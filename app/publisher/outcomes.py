@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from app.outbox.repository import ReturnedRow
+from app.outbox.records import ReturnedRow
 
 #: Where and when a row went out: (channel id, delivery tag, wall-clock publish time).
 SentFacts = tuple[int, int, dt.datetime]
@@ -161,6 +161,3 @@ class TagNotes:
         if not self._runs:
             return None
         return max(0.0, self._runs[0].at + self.after - now)
-
-    def oldest_at(self) -> float | None:
-        return self._runs[0].at if self._runs else None

@@ -12,9 +12,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.amqp import OutgoingMessage, WireError
+from app.amqp.codec import OutgoingMessage
+from app.amqp.errors import WireError
 from app.outbox.content import Limits
-from app.outbox.repository import ClaimedRow
+from app.outbox.records import ClaimedRow
 from app.publisher.destinations import Destinations, DestinationState
 from app.publisher.envelope import EnvelopeError, to_message
 from app.publisher.holdings import Holdings

@@ -22,17 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.amqp import (
-    AMQPConnection,
-    ChannelLimitError,
-    CloseReason,
-    OutgoingMessage,
-    ReturnedMessage,
-    WireError,
-)
+from app.amqp.codec import OutgoingMessage, ReturnedMessage
+from app.amqp.connection import AMQPConnection
+from app.amqp.errors import ChannelLimitError, CloseReason, WireError
 from app.confirms import ChannelLedger, Event, LocalProtocolError, Lost, RemoteProtocolError
 from app.logs import redact_url
-from app.outbox.repository import ClaimedRow
+from app.outbox.records import ClaimedRow
 from app.publisher.metrics import PublisherMetrics
 from app.publisher.settlement import (
     PLAIN,

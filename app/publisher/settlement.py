@@ -48,7 +48,7 @@ from app.amqp.errors import (
     CloseReason,
 )
 from app.confirms import Confirmed, Event, Lost, Nacked, Returned
-from app.outbox.repository import ReturnedRow
+from app.outbox.records import ReturnedRow
 from app.publisher.outcomes import Outcomes
 
 #: A row that alone closed its channel or connection this many times ends ``failed``.

@@ -22,7 +22,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from app.outbox.repository import Backoff, OutboxRepository, Published
+from app.outbox.records import Backoff, Published
+from app.outbox.repository import OutboxRepository
 from app.outbox.states import Status
 from app.publisher.dbthread import DbThread
 from app.publisher.holdings import Holdings

@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import time
 
-from app.amqp import AMQPConnection, CloseReason, OutgoingMessage, ReturnedMessage
-from app.amqp import marshal_properties as marshal
+from app.amqp.codec import OutgoingMessage, ReturnedMessage
+from app.amqp.codec import marshal_properties as marshal
+from app.amqp.connection import AMQPConnection
+from app.amqp.errors import CloseReason
 from bench.common import BODY, Measured, Services, Sizes, rate, repeat, topology
 from bench.proccpu import RunCpu, describe, median_by_process
 

@@ -25,7 +25,8 @@ from sqlalchemy import Engine, insert, select
 from app.api import ApiConfigError, create_app
 from app.db import make_engine, migrate
 from app.outbox import queries
-from app.outbox.repository import Backoff, OutboxRepository, ReturnedRow
+from app.outbox.records import Backoff, ReturnedRow
+from app.outbox.repository import OutboxRepository
 from app.outbox.schema import audit, batches, outbox, publishers
 from app.outbox.states import Status
 from app.settings import Settings
@@ -878,7 +879,7 @@ async def test_failures_are_grouped_by_cause_and_audit_is_listed(
 async def test_messages_are_searchable_by_status_exchange_and_reason_in_pages(
     client: httpx.AsyncClient, seeded: Seeded
 ) -> None:
-    url = "/v1/search/messages"
+    url = "/v1/messages"
     r = await client.get(url, params={"status": ["returned", "nacked"]}, headers=R)
     assert r.status_code == 200, r.text
     got = {m["message_id"] for m in r.json()["items"]}

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from app.amqp import AMQPConnection, BrokerUnreachableError, HandshakeError, TLSError
-from app.amqp.connection import WireListener
+from app.amqp.connection import AMQPConnection, WireListener
+from app.amqp.errors import BrokerUnreachableError, HandshakeError, TLSError
 from app.db import make_engine
 from app.settings import Settings
 from tests.conftest import SERVICES, scrubbed_environ

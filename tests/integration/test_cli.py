@@ -21,7 +21,8 @@ import httpx
 import pytest
 from sqlalchemy import Engine, func, inspect, select, update
 
-from app.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, duration, main, table
+from app.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, duration, main
+from app.cli_output import plain_table
 from app.db import make_engine
 from app.outbox.repository import OutboxRepository
 from app.outbox.schema import audit, inbox, outbox
@@ -343,7 +344,7 @@ def test_serve_trusts_no_forwarded_header_unless_told(sqlite_url: str) -> None:
 
 
 def test_table_and_duration_render_for_people() -> None:
-    assert table(["a", "n"], [("x", 1), ("long", 22)]).splitlines() == [
+    assert plain_table(["a", "n"], [("x", 1), ("long", 22)]).splitlines() == [
         "a      n", "x      1", "long  22",
     ]  # fmt: skip
     assert [duration(s) for s in (None, 0.25, 59, 3600 + 61, 90000)] == [

@@ -8,13 +8,9 @@ from collections.abc import AsyncIterator
 import pytest
 from pamqp import commands
 
-from app.amqp import (
-    AMQPConnection,
-    CloseReason,
-    ConnectionClosedError,
-    OutgoingMessage,
-    ReturnedMessage,
-)
+from app.amqp.codec import OutgoingMessage, ReturnedMessage
+from app.amqp.connection import AMQPConnection
+from app.amqp.errors import CloseReason, ConnectionClosedError
 from tests.fakebroker import FakeBroker
 
 

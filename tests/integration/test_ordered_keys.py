@@ -152,7 +152,7 @@ class TestKeyHeads:
         self, engine: Engine, repo: OutboxRepository
     ) -> None:
         """A nacked head goes back to pending with a delay: its key waits, others go on."""
-        from app.outbox.repository import Backoff
+        from app.outbox.records import Backoff
         from app.outbox.states import Status
 
         keyed = add_keyed(engine, keys=2, per_key=2, prefix="e")

@@ -18,9 +18,10 @@ from sqlalchemy import Engine, make_url, select, update
 from sqlalchemy.exc import OperationalError
 
 from app.db import make_engine
-from app.outbox.repository import ClaimedRow, OutboxRepository
+from app.outbox.records import ClaimedRow
+from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox, publishers
-from app.publisher import Publisher
+from app.publisher.engine import Publisher
 from tests.conftest import services_env
 from tests.factories import add_rows
 from tests.publisher_support import (

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from app.db import make_engine
 from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox
-from app.publisher import Publisher
+from app.publisher.engine import Publisher
 from app.publisher.metrics import registry_for
 from tests.factories import add_rows
 from tests.publisher_support import all_in, running_publisher, settings_for, wait_rows

@@ -25,7 +25,7 @@ from sqlalchemy import Engine
 from app.api import create_app
 from app.db import make_engine
 from app.outbox.repository import OutboxRepository
-from app.publisher import Publisher
+from app.publisher.engine import Publisher
 from app.settings import Settings
 from tests.conftest import REPO
 from tests.factories import add_rows

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from app.amqp import AMQPConnection, PublishEncoder
-from app.amqp.codec import FrameSizeError
+from app.amqp.codec import FrameSizeError, PublishEncoder
+from app.amqp.connection import AMQPConnection
 from tests.factories import add_rows
 from tests.publisher_support import (
     consume_ids,
@@ -107,8 +107,7 @@ async def test_a_connection_closed_by_the_broker_is_blamed_on_one_row(
 
 
 def test_the_encoder_refuses_what_one_frame_cannot_carry() -> None:
-    from app.amqp import OutgoingMessage
-    from app.amqp.codec import marshal_properties
+    from app.amqp.codec import OutgoingMessage, marshal_properties
 
     props = marshal_properties({"headers": json.loads(BIG_HEADERS)})
     with pytest.raises(FrameSizeError, match="frame_max"):

@@ -20,7 +20,8 @@ import pytest
 from sqlalchemy import Engine
 
 from app.db import make_engine
-from app.outbox.repository import Backoff, OutboxRepository
+from app.outbox.records import Backoff
+from app.outbox.repository import OutboxRepository
 from app.outbox.states import Status
 from tests.factories import add_rows
 

@@ -13,14 +13,8 @@ import pytest
 from sqlalchemy import Engine, func, select, update
 
 from app.db import make_engine
-from app.outbox.repository import (
-    Backoff,
-    OutboxRepository,
-    Published,
-    PublisherLocked,
-    RepublishFilter,
-    ReturnedRow,
-)
+from app.outbox.records import Backoff, Published, ReturnedRow
+from app.outbox.repository import OutboxRepository, PublisherLocked, RepublishFilter
 from app.outbox.schema import audit, outbox, publishers
 from app.outbox.states import TRANSITIONS, IllegalTransition, Status
 from tests.factories import add_rows

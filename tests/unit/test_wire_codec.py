@@ -3,21 +3,30 @@ close classification, destination states. No loop, no sockets."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
-from app.amqp import (
-    OutgoingMessage,
-    PublishEncoder,
-    marshal_properties,
-    parse_url,
-)
-from app.outbox.repository import Backoff, ClaimedRow
+from app.amqp.codec import OutgoingMessage, PublishEncoder, marshal_properties
+from app.amqp.params import parse_url
+from app.outbox.records import Backoff, ClaimedRow
 from app.publisher.destinations import Destinations, DestinationState
-from app.publisher.envelope import EnvelopeError, properties_of, to_message
+from app.publisher.envelope import EnvelopeError, to_message
+
+_CONTENT_PREFIX = struct.pack(">HHQ", commands.Basic.frame_id, 0, 0)
+
+
+def properties_of(message: OutgoingMessage) -> commands.Basic.Properties:
+    """The properties of a message as a pamqp object (decoding them if marshalled)."""
+    if isinstance(message.properties, commands.Basic.Properties):
+        return message.properties
+    content = header.ContentHeader()
+    content.unmarshal(_CONTENT_PREFIX + message.properties)
+    return content.properties
 
 
 def decode_all(data: bytes) -> list[tuple[int, object]]:

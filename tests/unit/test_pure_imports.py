@@ -1,0 +1,49 @@
+"""The pure modules stay pure: importing one loads no database stack, no driver and no event loop.
+
+They hold the publisher's decisions (confirm tracking, settlement, holdings, envelopes,
+destinations), the row rules every writer shares and the consumer's ack order; they are tested
+without services and run in Spark executors. One import of ``repository.py`` or of a heavy package
+``__init__`` used to pull in 700 modules, SQLAlchemy and asyncio among them, for a named tuple.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PURE = [
+    "app.confirms",
+    "app.histogram",
+    "app.outbox.content",
+    "app.outbox.records",
+    "app.outbox.states",
+    "app.amqp.codec",
+    "app.amqp.errors",
+    "app.publisher.destinations",
+    "app.publisher.envelope",
+    "app.publisher.holdings",
+    "app.publisher.outcomes",
+    "app.publisher.settlement",
+    "app.consumer.acks",
+]
+#: What a pure module must not load (pamqp is a frame codec without I/O: allowed).
+HEAVY = ("sqlalchemy", "psycopg", "asyncio", "aio_pika", "aiormq", "fastapi", "pydantic")
+
+
+def loaded_by(module: str) -> set[str]:
+    code = f"import sys, json, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout))
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_a_pure_module_loads_no_io_stack(module: str) -> None:
+    heavy = sorted(m for m in loaded_by(module) if m.split(".")[0] in HEAVY)
+    assert not {m.split(".")[0] for m in heavy}, f"{module} loads {heavy[:8]}"
+
+
+def test_the_check_sees_a_heavy_import() -> None:
+    assert "sqlalchemy" in loaded_by("app.outbox.repository")
