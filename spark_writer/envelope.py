@@ -111,8 +111,14 @@ def content_message_id(*, sink: str, spark_batch_id: int, digest: str, occurrenc
     """The id of a row with no key column, from what it holds: ``sink:batch:digest:n``, the
     first 128 bits of the SHA-256 of the row's content and its occurrence among identical rows
     of the batch. A replay of the batch (the same multiset of rows, whatever its partitioning,
-    order or parallelism) gives every row the same id again."""
-    return f"{sink}:{spark_batch_id}:{digest[:DIGEST_CHARS]}:{occurrence}"
+    order or parallelism) gives every row the same id again. The mapper builds the same text
+    column-wise from :func:`content_id_prefix` (a test holds the two equal)."""
+    return f"{content_id_prefix(sink, spark_batch_id)}{digest[:DIGEST_CHARS]}:{occurrence}"
+
+
+def content_id_prefix(sink: str, spark_batch_id: int) -> str:
+    """What every content id of one batch of one sink starts with."""
+    return f"{sink}:{spark_batch_id}:"
 
 
 #: ``available_at`` of a parked row: written, never due until its batch commits
@@ -182,7 +188,7 @@ class ArrowMapper:
         self._prefix = derive_message_id(
             sink=batch.sink, spark_batch_id=batch.spark_batch_id, partition=partition, position=0
         )[:-1]
-        self._content_prefix = f"{batch.sink}:{batch.spark_batch_id}:"
+        self._content_prefix = content_id_prefix(batch.sink, batch.spark_batch_id)
         self._occurrences: dict[str, int] = {}
 
     def map(self, rb: pa.RecordBatch, start: int) -> Chunk:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from app.outbox.content import HEADER_NAME_MAX, RESERVED_HEADERS
 from spark_writer.errors import OutboxConfigError
@@ -159,29 +159,32 @@ def _one_of(name: str, literal: str | None, column: str | None) -> list[str]:
     return []
 
 
+def options_of(options: OutboxOptions | None, keywords: Mapping[str, Any]) -> OutboxOptions:
+    """The writers' one way in: an ``OutboxOptions``, or its fields as keywords (not both)."""
+    if options is not None:
+        if keywords:
+            raise OutboxConfigError(f"give OutboxOptions or keyword options, not both: "
+                                    f"{sorted(keywords)}")  # fmt: skip
+        if not isinstance(options, OutboxOptions):
+            kind = type(options).__name__
+            raise OutboxConfigError(f"options must be an OutboxOptions, not {kind}")
+        return options
+    known = {f.name for f in fields(OutboxOptions)}
+    unknown = sorted(set(keywords) - known)
+    if unknown:
+        raise OutboxConfigError(f"unknown outbox options {unknown}; known are {sorted(known)}")
+    for required in ("url", "sink"):
+        if required not in keywords:
+            raise OutboxConfigError(f"option {required!r} is required")
+    return OutboxOptions(**keywords)
+
+
 # --- Spark data source options (strings, case-insensitive) ------------------------------------
 
+#: Data source option (lower case, no underscores: ``routingKey``, ``routing_key``) -> field.
+#: ``max_connections`` is not one: ``format("outbox")`` writes one connection per partition.
 _SPARK_KEYS = {
-    "url": "url",
-    "sink": "sink",
-    "exchange": "exchange",
-    "exchangecolumn": "exchange_column",
-    "routingkey": "routing_key",
-    "routingkeycolumn": "routing_key_column",
-    "bodycolumn": "body_column",
-    "contenttype": "content_type",
-    "headercolumns": "header_columns",
-    "messageidcolumn": "message_id_column",
-    "orderingkeycolumn": "ordering_key_column",
-    "sequencecolumn": "sequence_column",
-    "mandatory": "mandatory",
-    "maxbodybytes": "max_body_bytes",
-    "oninvalid": "on_invalid",
-    "passwordfile": "password_file",
-    "headerscolumn": "headers_column",
-    "contenttypecolumn": "content_type_column",
-    "propertycolumns": "property_columns",
-    "persistent": "persistent",
+    f.name.replace("_", ""): f.name for f in fields(OutboxOptions) if f.name != "max_connections"
 }
 #: Options Spark itself passes along with the user's; the writer does not use them.
 _SPARK_OWN = {"checkpointlocation", "path", "queryname"}

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import pyarrow as pa
 from pyspark import TaskContext
@@ -25,7 +26,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.window import Window
 
 from spark_writer.envelope import DIGEST, OCCURRENCE, BatchRef
-from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OnInvalid, OutboxOptions
+from spark_writer.options import OutboxOptions, options_of
 from spark_writer.validate import check_schema
 from spark_writer.writer import (
     BatchResult,
@@ -54,62 +55,23 @@ class OutboxSink:
     ``df.writeStream.foreachBatch(OutboxSink(url=..., sink="orders", exchange="orders",
     routing_key_column="region")).start()``. ``batch_id`` of the outbox rows is
     ``f"{sink}:{spark_batch_id}"``; a batch id already in ``outbox_batches`` is skipped.
-    The options are those of :class:`~spark_writer.options.OutboxOptions` (where each is
-    described), among them the message per row (``headers_column``, ``content_type_column``,
-    ``property_columns``, ``persistent``), ``max_connections`` and ``password_file``.
+    The options are one :class:`~spark_writer.options.OutboxOptions` (where each is
+    described), or its fields as keywords, among them the message per row
+    (``headers_column``, ``content_type_column``, ``property_columns``, ``persistent``),
+    ``max_connections`` and ``password_file``.
     ``on_partition_committed`` runs in the executor after each partition's commit (for metrics
     or fault injection).
     """
 
     def __init__(
         self,
+        options: OutboxOptions | None = None,
+        /,
         *,
-        url: str,
-        sink: str,
-        exchange: str | None = None,
-        exchange_column: str | None = None,
-        routing_key: str | None = None,
-        routing_key_column: str | None = None,
-        body_column: str | None = None,
-        content_type: str | None = None,
-        header_columns: Sequence[str] = (),
-        message_id_column: str | None = None,
-        ordering_key_column: str | None = None,
-        sequence_column: str | None = None,
-        mandatory: bool = True,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        on_invalid: OnInvalid = "fail",
-        max_connections: int | None = None,
-        password_file: str | None = None,
-        headers_column: str | None = None,
-        content_type_column: str | None = None,
-        property_columns: Mapping[str, str] | None = None,
-        persistent: bool = True,
         on_partition_committed: OnCommitted | None = None,
+        **fields: Any,
     ) -> None:
-        self.options = OutboxOptions(
-            url=url,
-            sink=sink,
-            exchange=exchange,
-            exchange_column=exchange_column,
-            routing_key=routing_key,
-            routing_key_column=routing_key_column,
-            body_column=body_column,
-            content_type=content_type,
-            header_columns=tuple(header_columns),
-            message_id_column=message_id_column,
-            ordering_key_column=ordering_key_column,
-            sequence_column=sequence_column,
-            mandatory=mandatory,
-            max_body_bytes=max_body_bytes,
-            on_invalid=on_invalid,
-            max_connections=max_connections,
-            password_file=password_file,
-            headers_column=headers_column,
-            content_type_column=content_type_column,
-            property_columns=property_columns or {},
-            persistent=persistent,
-        )
+        self.options = options_of(options, fields)
         self.on_partition_committed = on_partition_committed
         #: what the last batch did, and the sums over every batch this sink object wrote
         #: (Spark's progress cannot carry them: see ``SinkTotals``)
@@ -158,30 +120,12 @@ class SinkTotals:
 
 def write_outbox(
     df: DataFrame,
+    options: OutboxOptions | None = None,
+    /,
     *,
-    url: str,
-    sink: str,
     batch_id: int | None = None,
-    exchange: str | None = None,
-    exchange_column: str | None = None,
-    routing_key: str | None = None,
-    routing_key_column: str | None = None,
-    body_column: str | None = None,
-    content_type: str | None = None,
-    header_columns: Sequence[str] = (),
-    message_id_column: str | None = None,
-    ordering_key_column: str | None = None,
-    sequence_column: str | None = None,
-    mandatory: bool = True,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    on_invalid: OnInvalid = "fail",
-    max_connections: int | None = None,
-    password_file: str | None = None,
-    headers_column: str | None = None,
-    content_type_column: str | None = None,
-    property_columns: Mapping[str, str] | None = None,
-    persistent: bool = True,
     on_partition_committed: OnCommitted | None = None,
+    **fields: Any,
 ) -> BatchResult:
     """Write a batch DataFrame into the outbox; the options are those of ``OutboxSink``.
 
@@ -190,29 +134,8 @@ def write_outbox(
     Spark job), so re-running a job over the same input is recognised as a replay and adds
     nothing. Pass ``batch_id`` to skip that job or to send the same rows again on purpose.
     """
-    options = OutboxOptions(
-        url=url,
-        sink=sink,
-        exchange=exchange,
-        exchange_column=exchange_column,
-        routing_key=routing_key,
-        routing_key_column=routing_key_column,
-        body_column=body_column,
-        content_type=content_type,
-        header_columns=tuple(header_columns),
-        message_id_column=message_id_column,
-        ordering_key_column=ordering_key_column,
-        sequence_column=sequence_column,
-        mandatory=mandatory,
-        max_body_bytes=max_body_bytes,
-        on_invalid=on_invalid,
-        max_connections=max_connections,
-        password_file=password_file,
-        headers_column=headers_column,
-        content_type_column=content_type_column,
-        property_columns=property_columns or {},
-        persistent=persistent,
-    )
+    options = options_of(options, fields)
+    sink = options.sink
     check_schema(df.schema, options)
     passes = (batch_id is None) + 1
     with persisted(df, passes=passes) as source:

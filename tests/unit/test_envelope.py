@@ -25,7 +25,7 @@ from pyspark.sql.types import (
 )
 
 from spark_writer import OutboxConfigError, OutboxOptions, OutboxSchemaError
-from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, jsonable
+from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, content_message_id, jsonable
 from spark_writer.options import from_spark_options
 from spark_writer.pgcopy import Const, encode
 from spark_writer.rules import checks
@@ -223,8 +223,12 @@ def test_row_without_body_column_becomes_json_with_derived_id() -> None:
     assert out["content_type"] == "application/json"
     assert (out["routing_key"], out["exchange"], out["mandatory"]) == ("eu", "ex", True)
     assert out["batch_id"] == "orders:7"
-    digest = hashlib.sha256(out["body"]).hexdigest()[:32]  # the row's JSON is the body here
-    assert out["message_id"] == f"orders:7:{digest}:0"
+    digest = hashlib.sha256(out["body"]).hexdigest()  # the row's JSON is the body here
+    assert out["message_id"] == f"orders:7:{digest[:32]}:0"
+    # the mapper's column-wise ids are the documented formula's
+    assert out["message_id"] == content_message_id(
+        sink="orders", spark_batch_id=7, digest=digest, occurrence=0
+    )
 
 
 def test_ids_without_a_key_come_from_content_not_position() -> None:
