@@ -56,8 +56,8 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 def _binary_lists(dbapi_conn: Any, _record: Any) -> None:
     """Send Python lists (the repository's array parameters: a write-back's ids, delivery
     tags and publish times) in PostgreSQL's binary array format. psycopg's default for ``%s``
-    is its text format, built in Python with a regular expression per element: 0.78 ms for the
-    four arrays of a 170-row write-back, against 0.15 ms in binary."""
+    is its text format, built in Python with a regular expression per element, on the
+    write-back's path; the binary format is a copy of the values."""
     dbapi_conn.adapters.register_dumper(list, ListBinaryDumper)
 
 

@@ -43,8 +43,8 @@ from spark_writer.writer import (
 )
 
 #: Persist a DataFrame read twice (``write_outbox`` deriving the batch id from the content,
-#: then the write) unless it is cached. Off: measured on 200k-row batches (a JSON file source,
-#: a generated plan), building the cache cost more than reading the batch again. Persist an
+#: then the write) unless it is cached. Off: for the plans the benchmark writes (a file source,
+#: a generated plan), building the cache costs more than reading the batch again. Persist an
 #: expensive plan yourself before the call, or pass ``batch_id``.
 PERSIST_BETWEEN_PASSES = False
 

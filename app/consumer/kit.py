@@ -371,9 +371,9 @@ class Consumer:
             run = _Run(self, channel, underlay, dead_letters)
             self._runs.append(run)
             try:
-                # aiormq's delivery as it is: aio-pika's IncomingMessage (and the task it adds per
-                # delivery) cost about 90 us of the event loop per message, as much as the rest
-                # of the kit's work on it
+                # aiormq's delivery as it is: aio-pika's IncomingMessage adds an object and a
+                # task per delivery on the event loop, which is the kit's bottleneck (the
+                # consume figures in docs/consumer.md)
                 tag = (await underlay.basic_consume(queue.name, run.on_delivery)).consumer_tag or ""
 
                 self.metrics.connected = True
