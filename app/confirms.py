@@ -11,6 +11,11 @@
 - Channel loss: every outstanding publish is of unknown outcome (``Lost``); one already returned
   settles as ``Returned``.
 
+The ledger is the one record of a publish: where (channel, tag) and when (monotonic and wall
+clock) each row went out. ``Confirmed`` and ``Returned`` carry those facts with the rows they
+settle (the publisher writes them to the rows), and :meth:`ChannelLedger.due_notes` answers
+which publishes are still unconfirmed past a deadline (an operator sees them as outstanding).
+
 No I/O: feed it publishes and broker frames, act on the events it returns. Errors are split by
 blame (h11 style)::
 
@@ -23,19 +28,28 @@ blame (h11 style)::
 
 from __future__ import annotations
 
+import datetime as dt
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
+
+#: Where and when a row went out: (channel id, delivery tag, wall-clock time, monotonic time).
+Sent: TypeAlias = tuple[int, int, "dt.datetime | None", float]
+#: Publishes still unconfirmed past their deadline: (channel id, wall-clock publish time) ->
+#: [(row id, delivery tag)], what the publisher writes on those rows.
+TagNoteMap: TypeAlias = dict[tuple[int, "dt.datetime | None"], list[tuple[int, int]]]
 
 # ---------------------------------------------------------------- events
 
 
 @dataclass(frozen=True, slots=True)
 class Confirmed:
-    """The broker acked these rows and did not return them (tag order)."""
+    """The broker acked these rows and did not return them (tag order); ``sent`` holds each
+    row's publish facts, in the same order."""
 
     row_ids: tuple[int, ...]
+    sent: tuple[Sent, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,7 @@ class Returned:
     message_id: str
     reply_code: int
     reply_text: str
+    sent: Sent | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +118,8 @@ class UnknownReturn(RemoteProtocolError):
 
 # ---------------------------------------------------------------- ledger
 
-_Entry: TypeAlias = tuple[int, str]  # (row_id, message_id)
+_Run: TypeAlias = tuple[float, "dt.datetime | None"]  # (monotonic, wall-clock) of one publish write
+_Entry: TypeAlias = tuple[int, str, _Run]  # (row_id, message_id, its publish write)
 _Taken: TypeAlias = list[tuple[int, _Entry]]  # settled (tag, entry) pairs, tag order
 
 
@@ -122,6 +138,7 @@ class ChannelLedger:
         "_entries",
         "_low",
         "_next_tag",
+        "_noted",
         "_protocol_errors",
         "_returns",
         "channel_id",
@@ -134,7 +151,9 @@ class ChannelLedger:
         self._entries: dict[int, _Entry] = {}  # outstanding tag -> entry, in tag order
         self._by_message: dict[str, int] = {}  # outstanding message_id -> tag
         self._returns: dict[int, tuple[int, str]] = {}  # returned tag -> (reply code, text)
-        self._at_runs: deque[tuple[int, float]] = deque()  # (first tag, at) of publish runs
+        # (first tag, at, wall) of publish writes, from the one holding the lowest outstanding tag
+        self._at_runs: deque[tuple[int, float, dt.datetime | None]] = deque()
+        self._noted = 1  # the first tag :meth:`due_notes` has not looked at yet
         self._protocol_errors = 0
         self._closed = False
 
@@ -160,20 +179,26 @@ class ChannelLedger:
 
     # ------------------------------------------------------------ publishes
 
-    def published(self, *, row_id: int, message_id: str, at: float = 0.0) -> int:
-        """Register one publish; return its delivery tag."""
+    def published(
+        self, *, row_id: int, message_id: str, at: float = 0.0, wall: dt.datetime | None = None
+    ) -> int:
+        """Register one publish written at monotonic ``at`` (wall clock ``wall``); return its
+        delivery tag."""
         self._check_open()
         if message_id in self._by_message:
             raise LocalProtocolError(f"message_id {message_id!r} is already in flight")
         tag = self._next_tag
-        self._entries[tag] = (row_id, message_id)
+        self._entries[tag] = (row_id, message_id, (at, wall))
         self._by_message[message_id] = tag
-        self._note_at(tag, at)
+        self._note_at(tag, at, wall)
         self._next_tag = tag + 1
         return tag
 
-    def published_many(self, rows: Sequence[tuple[int, str]], *, at: float = 0.0) -> range:
-        """Register ``(row_id, message_id)`` publishes in order; return their (contiguous) tags.
+    def published_many(
+        self, rows: Sequence[tuple[int, str]], *, at: float = 0.0, wall: dt.datetime | None = None
+    ) -> range:
+        """Register ``(row_id, message_id)`` publishes of one write, in order; return their
+        (contiguous) tags.
 
         All or nothing: a duplicate message_id raises LocalProtocolError and registers none.
         """
@@ -181,10 +206,11 @@ class ChannelLedger:
         message_ids = [message_id for _, message_id in rows]
         self._check_fresh(message_ids)
         tags = range(self._next_tag, self._next_tag + len(rows))
-        self._entries.update(zip(tags, rows, strict=True))
+        run = (at, wall)
+        self._entries.update(zip(tags, [(r, m, run) for r, m in rows], strict=True))
         self._by_message.update(zip(message_ids, tags, strict=True))
         if tags:
-            self._note_at(tags.start, at)
+            self._note_at(tags.start, at, wall)
         self._next_tag = tags.stop
         return tags
 
@@ -199,15 +225,15 @@ class ChannelLedger:
         taken = sorted(fresh & self._by_message.keys()) or "repeated within the batch"
         raise LocalProtocolError(f"message_id already in flight: {taken}")
 
-    def _note_at(self, tag: int, at: float) -> None:
+    def _note_at(self, tag: int, at: float, wall: dt.datetime | None) -> None:
         if not self._at_runs or self._at_runs[-1][1] != at:
-            self._at_runs.append((tag, at))
+            self._at_runs.append((tag, at, wall))
 
     # ------------------------------------------------------------ broker frames
 
     def ack(self, tag: int, *, multiple: bool = False) -> list[Event]:
         """basic.ack: one Confirmed for the plain rows, one Returned per returned row."""
-        return self._settle(tag, multiple, lambda rows: Confirmed(row_ids=rows))
+        return self._settle(tag, multiple, lambda rows, sent: Confirmed(row_ids=rows, sent=sent))
 
     def nack(self, tag: int, *, multiple: bool = False) -> list[Event]:
         """basic.nack: one Nacked for the plain rows, one Returned per returned row.
@@ -215,7 +241,7 @@ class ChannelLedger:
         A returned row settles as Returned even when nacked: the broker already said it routes
         nowhere, so retrying it as a nack would only return it again.
         """
-        return self._settle(tag, multiple, lambda rows: Nacked(row_ids=rows))
+        return self._settle(tag, multiple, lambda rows, _: Nacked(row_ids=rows))
 
     def returned(self, *, message_id: str, reply_code: int, reply_text: str) -> list[Event]:
         """basic.return: remember it; the ack or nack that follows settles the row as Returned.
@@ -238,14 +264,14 @@ class ChannelLedger:
         if self._closed:
             return []
         self._closed = True
-        plain, returned = self._split(list(self._entries.items()))
+        plain, _, returned = self._split(list(self._entries.items()))
         self._entries.clear()
         self._at_runs.clear()
-        self._low = self._next_tag
+        self._low = self._noted = self._next_tag
         return [Lost(row_ids=plain, reason=reason), *returned] if plain else returned
 
     def _settle(
-        self, tag: int, multiple: bool, group: Callable[[tuple[int, ...]], Event]
+        self, tag: int, multiple: bool, group: Callable[[tuple[int, ...], tuple[Sent, ...]], Event]
     ) -> list[Event]:
         if multiple and tag == 0:  # "all outstanding": through the last tag published
             if not self._entries:
@@ -256,8 +282,8 @@ class ChannelLedger:
             raise UnknownDeliveryTag(channel_id=self.channel_id, tag=tag, multiple=multiple)
         taken = self._take_through(tag) if multiple else [(tag, self._entries.pop(tag))]
         self._advance_low()
-        plain, returned = self._split(taken)
-        return [group(plain), *returned] if plain else returned
+        plain, sent, returned = self._split(taken)
+        return [group(plain, sent), *returned] if plain else returned
 
     def _settleable(self, tag: int, multiple: bool) -> bool:
         if multiple:  # some outstanding tag <= tag, and tag was published
@@ -280,19 +306,23 @@ class ChannelLedger:
         while len(runs) > 1 and runs[1][0] <= self._low:
             runs.popleft()
 
-    def _split(self, taken: _Taken) -> tuple[tuple[int, ...], list[Event]]:
-        """Forget settled entries; return plain row ids and Returned events, in tag order."""
-        by_message, returns = self._by_message, self._returns
+    def _split(self, taken: _Taken) -> tuple[tuple[int, ...], tuple[Sent, ...], list[Event]]:
+        """Forget settled entries; return plain row ids, their publish facts and the Returned
+        events, in tag order."""
+        by_message, returns, channel = self._by_message, self._returns, self.channel_id
         plain: list[int] = []
+        sent: list[Sent] = []
         returned: list[Event] = []
-        for tag, (row_id, message_id) in taken:
+        for tag, (row_id, message_id, (at, wall)) in taken:
             del by_message[message_id]
             reply = returns.pop(tag, None) if returns else None
             if reply is None:
                 plain.append(row_id)
+                sent.append((channel, tag, wall, at))
             else:
-                returned.append(Returned(row_id, message_id, reply[0], reply[1]))
-        return tuple(plain), returned
+                returned.append(Returned(row_id, message_id, reply[0], reply[1],
+                                         (channel, tag, wall, at)))  # fmt: skip
+        return tuple(plain), tuple(sent), returned
 
     # ------------------------------------------------------------ queries
 
@@ -307,3 +337,43 @@ class ChannelLedger:
         """The row id of an outstanding tag, or None."""
         entry = self._entries.get(tag)
         return None if entry is None else entry[0]
+
+    def due_notes(self, cutoff: float, into: TagNoteMap) -> int:
+        """Add to ``into`` every publish written at or before ``cutoff`` (monotonic) that is
+        still unconfirmed and was not reported by an earlier call; return how many.
+
+        Each publish is looked at once: a later call starts where this one stopped, so the
+        cost is the publishes that became due since, not all that are outstanding."""
+        first_at = self.next_note_at()
+        if first_at is None or first_at > cutoff:  # the usual case: nothing new is due
+            return 0
+        start = max(self._noted, self._low)
+        runs, entries, channel = list(self._at_runs), self._entries, self.channel_id
+        noted = 0
+        for i, (first, at, wall) in enumerate(runs):
+            if at > cutoff:
+                break
+            end = runs[i + 1][0] if i + 1 < len(runs) else self._next_tag
+            if end <= start:
+                continue
+            found = [(e[0], t) for t in range(max(first, start), end)
+                     if (e := entries.get(t)) is not None]  # fmt: skip
+            if found:
+                into.setdefault((channel, wall), []).extend(found)
+                noted += len(found)
+            start = end
+        self._noted = start
+        return noted
+
+    def next_note_at(self) -> float | None:
+        """When (monotonic ``at`` of its write) the first publish not yet looked at by
+        :meth:`due_notes` was written; None when there is none."""
+        start = max(self._noted, self._low)
+        if start >= self._next_tag or not self._at_runs:
+            return None
+        found = None
+        for first, at, _ in self._at_runs:
+            if first > start:
+                break
+            found = at
+        return found

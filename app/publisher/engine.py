@@ -48,7 +48,6 @@ from app.publisher.holdings import Holdings
 from app.publisher.housekeeping import Housekeeping, HousekeepingParts
 from app.publisher.listener import Listener
 from app.publisher.metrics import PublisherMetrics, PublisherStats, registry_for
-from app.publisher.outcomes import PublishRun, TagNotes
 from app.publisher.sender import Sender, SenderParts
 from app.publisher.session import Session
 from app.publisher.settlement import CloseCause, Quarantine, lose, settle
@@ -89,20 +88,20 @@ class Publisher:
         self.holdings = Holdings()
         self.quarantine = Quarantine()
         self.destinations = Destinations(backoff=self.backoff, ok_ttl=EXCHANGE_OK_TTL)
-        self.notes = TagNotes(after=settings.outstanding_after)
         self.db = DbThread(claims_apart=repository.is_postgres, clock=clock)
         self.session = Session(settings=settings, metrics=self.metrics, events=self,
                                name=f"outbox-publisher {self.publisher_id}", clock=clock,
                                rng=self.backoff.rng)  # fmt: skip
         self.writeback = Writeback(WritebackParts(
             settings=settings, repo=repository, db=self.db, owner=self.publisher_id,
-            holdings=self.holdings, notes=self.notes, still_out=self._still_out,
-            metrics=self.metrics, backoff=self.backoff, freed=self._freed, clock=clock,
+            holdings=self.holdings, due_notes=self.session.due_notes,
+            next_note_at=self.session.next_note_at, metrics=self.metrics, backoff=self.backoff,
+            freed=self._freed, clock=clock,
             made_due=self._made_due,
         ))  # fmt: skip
         self.sender = Sender(SenderParts(
             holdings=self.holdings, session=self.session, destinations=self.destinations,
-            quarantine=self.quarantine, notes=self.notes, metrics=self.metrics,
+            quarantine=self.quarantine, metrics=self.metrics,
             outcomes=self.writeback.buffer, written=self.writeback.wake.set,
             wall_clock=repository.clock, clock=clock,
         ), batch=settings.claim_batch, limits=self.limits)  # fmt: skip
@@ -337,15 +336,13 @@ class Publisher:
 
     def _observe_latency(self, events: list[Event], now: float) -> None:
         """Confirmed rows, grouped by their publish write: one observation per group."""
-        sent = self.holdings.sent
         hist = self.metrics.confirm_latency
         for event in events:
             if not isinstance(event, Confirmed):
                 continue
             last_at, run = -1.0, 0
-            for row_id in event.row_ids:
-                facts = sent.get(row_id)
-                at = facts[3] if facts is not None else now
+            for facts in event.sent:
+                at = facts[3]
                 if at != last_at and run:
                     hist.observe_many(max(0.0, now - last_at), run)
                     run = 0
@@ -354,9 +351,6 @@ class Publisher:
                 hist.observe_many(max(0.0, now - last_at), run)
 
     # ------------------------------------------------------------ small callbacks
-
-    def _still_out(self, run: PublishRun, tag: int) -> int | None:
-        return self.session.row_for(run.channel_id, run.ledger, tag)
 
     def _freed(self) -> None:
         self.claimer.room.set()

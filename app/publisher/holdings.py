@@ -2,34 +2,29 @@
 
 A row is *held* from the claim that returned it until the write-back that settles it in the
 database: in the send ``queue`` (claimed, not yet published), ``parked`` behind an exchange check,
-in the quarantine (:mod:`app.publisher.settlement`), or published and awaiting the broker (its
-latest publish facts in ``sent``). A row settled by a write-back is forgotten before a later
-claim of it is accepted: on one database thread because results reach the loop in order; with
-claims on their own lane because the claimer waits for the write-back that settles a row it
-claimed again (:mod:`app.publisher.dbthread`).
+in the quarantine (:mod:`app.publisher.settlement`), or published and awaiting the broker (where
+and when it went out is the confirm ledger's record, :mod:`app.confirms`). A row settled by a
+write-back is forgotten before a later claim of it is accepted: on one database thread because
+results reach the loop in order; with claims on their own lane because the claimer waits for the
+write-back that settles a row it claimed again (:mod:`app.publisher.dbthread`).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
 from app.outbox.records import ClaimedRow
 
-#: (channel id, delivery tag, wall-clock publish time, monotonic publish time)
-Sent = tuple[int, int, dt.datetime, float]
-
 
 class Holdings:
-    """Held rows by id, the send queue, rows parked per exchange, and publish facts."""
+    """Held rows by id, the send queue and rows parked per exchange."""
 
     def __init__(self) -> None:
         self.held: dict[int, ClaimedRow] = {}
         self.queue: deque[ClaimedRow] = deque()
         self.parked: dict[str, list[ClaimedRow]] = {}
-        self.sent: dict[int, Sent] = {}
         self.since: dict[int, float] = {}  # row -> monotonic time of the claim that took it
 
     def __len__(self) -> int:
@@ -58,15 +53,6 @@ class Holdings:
         """The rows waiting for ``exchange``, taken out of the parking."""
         return self.parked.pop(exchange, [])
 
-    def note_sent(self, ids: Sequence[int], *, channel_id: int, tags: range, wall: dt.datetime,
-                  at: float) -> None:  # fmt: skip
-        self.sent.update(zip(ids, zip(repeat(channel_id), tags, repeat(wall), repeat(at)),
-                             strict=True))  # fmt: skip
-
-    def facts(self, row_id: int) -> tuple[int, int, dt.datetime] | None:
-        sent = self.sent.get(row_id)
-        return None if sent is None else (sent[0], sent[1], sent[2])
-
     def rows(self, ids: Iterable[int]) -> list[ClaimedRow]:
         held = self.held
         return [row for i in ids if (row := held.get(i)) is not None]
@@ -81,10 +67,9 @@ class Holdings:
 
     def forget(self, ids: Iterable[int]) -> None:
         """Rows the database no longer has this publisher hold."""
-        held, sent, since = self.held, self.sent, self.since
+        held, since = self.held, self.since
         for row_id in ids:
             held.pop(row_id, None)
-            sent.pop(row_id, None)
             since.pop(row_id, None)
 
     def unsent(self) -> list[ClaimedRow]:

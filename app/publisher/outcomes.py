@@ -4,25 +4,19 @@ The broker's answers are settled on the event loop (see :mod:`app.publisher.sett
 :class:`Outcomes` buffer; the write-back (:mod:`app.publisher.writeback`) swaps the buffer out and
 writes it in one transaction, one repository call per outcome kind.
 
-:class:`TagNotes` remembers each publish write (channel, first tag, rows, time) until its rows
-settle. A publish still unconfirmed ``outstanding_after`` seconds after it was written is *due*:
-its channel, delivery tag and publish time are written to its row, which is what operators see as
-an outstanding confirm. Most publishes are confirmed sooner and never cost that write.
+A publish still unconfirmed ``outstanding_after`` seconds after it was written is *due* (the
+confirm ledger says which: :meth:`app.confirms.ChannelLedger.due_notes`): its channel, delivery
+tag and publish time go into ``published`` and are written to its row, which is what operators
+see as an outstanding confirm. Most publishes are confirmed sooner and never cost that write.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from app.confirms import Sent, TagNoteMap
 from app.outbox.records import ReturnedRow
-
-#: Where and when a row went out: (channel id, delivery tag, wall-clock publish time).
-SentFacts = tuple[int, int, dt.datetime]
-#: Late tag notes: (channel id, publish time) -> [(row id, delivery tag)].
-TagNoteMap = dict[tuple[int, dt.datetime], list[tuple[int, int]]]
 
 
 def _add(group: dict[str, list[int]], key: str, ids: Iterable[int]) -> None:
@@ -37,6 +31,7 @@ class Outcomes:
     ``released``: never published: back to pending as they were.
     ``resent``: published, confirm never came, kept held for an isolated publish (quarantine):
     the row's attempt and ``lost_confirms`` go up, it stays ``in_flight``.
+    ``sent``: where and when the confirmed and returned rows went out (the ledger's facts).
     """
 
     published: TagNoteMap = field(default_factory=dict)
@@ -48,6 +43,7 @@ class Outcomes:
     failed: dict[str, list[int]] = field(default_factory=dict)
     destination: dict[str, list[int]] = field(default_factory=dict)
     resent: dict[str, list[int]] = field(default_factory=dict)
+    sent: dict[int, Sent] = field(default_factory=dict)
 
     def empty(self) -> bool:
         return not (self.published or self.confirmed or self.returned or self.nacked
@@ -87,6 +83,7 @@ class Outcomes:
         for batch, tags in older.published.items():
             self.published[batch] = tags + self.published.get(batch, [])
         self.confirmed[:0] = older.confirmed
+        self.sent.update(older.sent)
         self.returned[:0] = older.returned
         self.nacked[:0] = older.nacked
         self.released[:0] = older.released
@@ -110,54 +107,3 @@ class Written:
     failed: int
     lost: int
     released: int
-
-
-@dataclass(frozen=True, slots=True)
-class PublishRun:
-    """One publish write: rows ``ids`` got the contiguous tags from ``first_tag`` on
-    ``channel_id`` (ledger generation ``ledger``) at monotonic ``at`` / wall-clock ``wall``."""
-
-    at: float
-    channel_id: int
-    ledger: object
-    first_tag: int
-    ids: list[int]
-    wall: dt.datetime
-
-
-#: ``still_out(run, tag) -> row id`` of an unsettled publish of that run, or None.
-StillOut = Callable[[PublishRun, int], int | None]
-
-
-class TagNotes:
-    """Publish runs waiting to become due for a tag note, oldest first."""
-
-    def __init__(self, *, after: float) -> None:
-        self.after = after
-        self._runs: deque[PublishRun] = deque()
-
-    def add(self, run: PublishRun) -> None:
-        self._runs.append(run)
-
-    def __len__(self) -> int:
-        return len(self._runs)
-
-    def due(self, now: float, still_out: StillOut, into: TagNoteMap) -> int:
-        """Move the unsettled publishes of every run older than ``after`` into ``into``;
-        return how many publishes were noted."""
-        runs = self._runs
-        noted = 0
-        while runs and runs[0].at <= now - self.after:
-            run = runs.popleft()
-            still = [(row, tag) for tag in range(run.first_tag, run.first_tag + len(run.ids))
-                     if (row := still_out(run, tag)) is not None]  # fmt: skip
-            if still:
-                into.setdefault((run.channel_id, run.wall), []).extend(still)
-                noted += len(still)
-        return noted
-
-    def next_due_in(self, now: float) -> float | None:
-        """Seconds until the oldest run is due (0 when it is), None when there is none."""
-        if not self._runs:
-            return None
-        return max(0.0, self._runs[0].at + self.after - now)

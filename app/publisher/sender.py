@@ -1,5 +1,5 @@
 """The sender: claimed rows -> publishes. Route (destination state), encode (the envelope),
-write (one socket write per batch and channel), remember (ledger tags, publish facts, tag notes).
+write (one socket write per batch and channel); the confirm ledger records each publish.
 
 Also runs the quarantine's turns: a suspect group goes out alone, once nothing else is
 outstanding on the connection, and normal publishing waits meanwhile.
@@ -8,6 +8,7 @@ outstanding on the connection, and normal publishing waits meanwhile.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from app.publisher.destinations import Destinations, DestinationState
 from app.publisher.envelope import EnvelopeError, to_message
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
-from app.publisher.outcomes import Outcomes, PublishRun, TagNotes
+from app.publisher.outcomes import Outcomes
 from app.publisher.session import Session
 from app.publisher.settlement import Quarantine, destination_reason, oversized_reason
 from app.publisher.wakeup import Signal
@@ -36,11 +37,10 @@ class SenderParts:
     session: Session
     destinations: Destinations
     quarantine: Quarantine
-    notes: TagNotes
     metrics: PublisherMetrics
     outcomes: Callable[[], Outcomes]  # the write-back's current buffer
     written: Callable[[], None]  # wake the write-back: outcomes were added
-    wall_clock: Callable[[], object]  # the repository's clock (publish facts)
+    wall_clock: Callable[[], dt.datetime]  # the repository's clock (publish facts)
     clock: Callable[[], float]
 
 
@@ -175,21 +175,11 @@ class Sender:
             p.written()
         if not good:
             return True
-        result = p.session.send(good, messages, at=now)
+        result = p.session.send(good, messages, at=now, wall=p.wall_clock())
         if result is None:
             return False
         for row, error in result.refused:
             out.fail(f"cannot encode the message: {error}", [row.id])
             p.written()
-        if result.rows:
-            self._remember(result.rows, result.channel.id, result.channel.ledger, result.tags, now)
+        p.metrics.published += len(result.rows)
         return True
-
-    def _remember(self, rows: list[ClaimedRow], channel_id: int, ledger: object, tags: range,
-                  now: float) -> None:  # fmt: skip
-        p = self.p
-        ids = [r.id for r in rows]
-        wall = p.wall_clock()
-        p.holdings.note_sent(ids, channel_id=channel_id, tags=tags, wall=wall, at=now)  # type: ignore[arg-type]
-        p.notes.add(PublishRun(now, channel_id, ledger, tags.start, ids, wall))  # type: ignore[arg-type]
-        p.metrics.published += len(ids)

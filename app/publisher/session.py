@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import random
 from collections.abc import Callable
@@ -25,7 +26,14 @@ from typing import Any, Protocol
 from app.amqp.codec import OutgoingMessage, ReturnedMessage
 from app.amqp.connection import AMQPConnection
 from app.amqp.errors import ChannelLimitError, CloseReason, WireError
-from app.confirms import ChannelLedger, Event, LocalProtocolError, Lost, RemoteProtocolError
+from app.confirms import (
+    ChannelLedger,
+    Event,
+    LocalProtocolError,
+    Lost,
+    RemoteProtocolError,
+    TagNoteMap,
+)
 from app.logs import redact_url
 from app.outbox.records import ClaimedRow
 from app.publisher.metrics import PublisherMetrics
@@ -170,12 +178,16 @@ class Session:
                   if (at := ch.ledger.oldest_outstanding_at()) is not None]  # fmt: skip
         return min(oldest, default=None)
 
-    def row_for(self, channel_id: int, ledger: object, tag: int) -> int | None:
-        """The row of an unsettled publish ``tag`` of that channel's ledger (same generation)."""
-        ch = self.channels.get(channel_id)
-        if ch is None or ch.ledger is not ledger:
-            return None
-        return ch.ledger.row_for_tag(tag)
+    def due_notes(self, cutoff: float, into: TagNoteMap) -> int:
+        """Publishes written at or before ``cutoff`` and still unconfirmed, on every channel,
+        each reported once (:meth:`~app.confirms.ChannelLedger.due_notes`)."""
+        return sum(ch.ledger.due_notes(cutoff, into) for ch in self.channels.values())
+
+    def next_note_at(self) -> float | None:
+        """The write time of the oldest publish no note has looked at yet, on any channel."""
+        times = [at for ch in self.channels.values()
+                 if (at := ch.ledger.next_note_at()) is not None]  # fmt: skip
+        return min(times, default=None)
 
     # ------------------------------------------------------------ connecting
 
@@ -259,7 +271,8 @@ class Session:
         return min(channels.values(), key=lambda ch: ch.ledger.outstanding)
 
     def send(
-        self, rows: list[ClaimedRow], messages: list[OutgoingMessage], *, at: float
+        self, rows: list[ClaimedRow], messages: list[OutgoingMessage], *, at: float,
+        wall: dt.datetime | None = None,
     ) -> SendResult | None:
         """Encode ``messages`` (one per row) into one buffer and write it on one channel; None
         when no channel can take it now (nothing was registered or sent)."""
@@ -276,7 +289,7 @@ class Session:
         if not good:
             return SendResult(ch, [], range(0), refused)
         try:
-            tags = ch.ledger.published_many([(r.id, r.message_id) for r in good], at=at)
+            tags = ch.ledger.published_many([(r.id, r.message_id) for r in good], at=at, wall=wall)
         except LocalProtocolError:
             log.exception("the confirm ledger refused a batch; it goes back unpublished")
             return None

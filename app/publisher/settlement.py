@@ -213,6 +213,8 @@ def settle(events: Sequence[Event], out: Outcomes, quarantine: Quarantine) -> Ta
     for event in events:
         if isinstance(event, Confirmed):
             out.confirmed.extend(event.row_ids)
+            if event.sent:
+                out.sent.update(zip(event.row_ids, event.sent, strict=True))
             tally.confirmed += len(event.row_ids)
             quarantine.settled(event.row_ids)
         elif isinstance(event, Returned):
@@ -226,6 +228,8 @@ def settle(events: Sequence[Event], out: Outcomes, quarantine: Quarantine) -> Ta
 
 def _returned(event: Returned, out: Outcomes, tally: Tally, quarantine: Quarantine) -> None:
     out.returned.append(ReturnedRow(event.row_id, event.reply_code, event.reply_text))
+    if event.sent is not None:
+        out.sent[event.row_id] = event.sent
     tally.returned += 1
     quarantine.settled((event.row_id,))
 

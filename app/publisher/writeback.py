@@ -22,13 +22,14 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from app.confirms import Sent, TagNoteMap
 from app.outbox.records import Backoff, Published
 from app.outbox.repository import OutboxRepository
 from app.outbox.states import Status
 from app.publisher.dbthread import DbThread
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
-from app.publisher.outcomes import Outcomes, StillOut, TagNotes, Written
+from app.publisher.outcomes import Outcomes, Written
 from app.publisher.wakeup import Signal
 from app.settings import Settings
 
@@ -41,7 +42,6 @@ IDLE_CHECK = 0.25
 #: ``wal_writer_delay`` (PostgreSQL's default: 600 ms), or by any durable commit before that.
 UNDO_HORIZON = 2.0
 RETRY_PAUSE = 1.0
-_Facts = list[tuple[int, tuple[int, int, object] | None]]
 
 
 @dataclass
@@ -51,8 +51,10 @@ class WritebackParts:
     db: DbThread
     owner: str
     holdings: Holdings
-    notes: TagNotes
-    still_out: StillOut
+    #: the confirm ledgers' record (the session): publishes unconfirmed past a cutoff, each
+    #: once, and when the next one was written
+    due_notes: Callable[[float, TagNoteMap], int]
+    next_note_at: Callable[[], float | None]
     metrics: PublisherMetrics
     backoff: Backoff
     freed: Callable[[], None]  # rows left the window: wake the claimer
@@ -76,7 +78,7 @@ class Writeback:
 
     def note_due(self) -> None:
         p = self.p
-        p.notes.due(p.clock(), p.still_out, self.out.published)
+        p.due_notes(p.clock() - p.settings.outstanding_after, self.out.published)
 
     async def run(self) -> None:
         interval = self.p.settings.flush_interval
@@ -93,8 +95,11 @@ class Writeback:
             await self.flush()
 
     def _idle_wait(self) -> float:
-        due = self.p.notes.next_due_in(self.p.clock())
-        return IDLE_CHECK if due is None else min(due, IDLE_CHECK)
+        p = self.p
+        at = p.next_note_at()
+        if at is None:
+            return IDLE_CHECK
+        return min(max(0.0, at + p.settings.outstanding_after - p.clock()), IDLE_CHECK)
 
     async def flush(self) -> bool:
         """Write what is waiting in one transaction; False when it failed (kept for later)."""
@@ -103,12 +108,10 @@ class Writeback:
         out, self.out = self.out, Outcomes()
         if out.empty():
             return True
-        facts = [(row_id, p.holdings.facts(row_id)) for row_id in out.confirmed]
-        returned = [(r.id, p.holdings.facts(r.id)) for r in out.returned]
         started = time.perf_counter()
         self.settling = frozenset(out.settled_ids())
         try:
-            written = await p.db.call(self._write, out=out, facts=facts, returned=returned)
+            written = await p.db.call(self._write, out=out)
         except Exception:
             self._finished()
             p.metrics.db_errors += 1  # the outage is logged once, by the database lane
@@ -186,12 +189,12 @@ class Writeback:
 
     # ------------------------------------------------------------ on the DB thread
 
-    def _write(self, *, out: Outcomes, facts: _Facts, returned: _Facts) -> Written:
+    def _write(self, *, out: Outcomes) -> Written:
         """The whole write-back in one transaction (one commit)."""
         with self.p.repo.unit_of_work(durable=self.p.settings.synchronous_commit):
-            return self._write_all(out, facts, returned)
+            return self._write_all(out)
 
-    def _write_all(self, out: Outcomes, facts: _Facts, returned_facts: _Facts) -> Written:
+    def _write_all(self, out: Outcomes) -> Written:
         """One repository call per outcome kind (and reason)."""
         p = self.p
         repo, owner = p.repo, p.owner
@@ -203,10 +206,10 @@ class Writeback:
             if still_out:
                 repo.record_published(owner=owner, channel_id=channel_id, tags=still_out,
                                       published_at=at)  # fmt: skip
-        confirmed = self._confirm(facts) if facts else 0
+        confirmed = self._confirm(out.confirmed, out.sent) if out.confirmed else 0
         returned = repo.mark_returned(
             owner=owner, returns=out.returned,
-            published=[Published(row_id, *f) for row_id, f in returned_facts if f is not None],  # type: ignore[arg-type]
+            published=_published((r.id for r in out.returned), out.sent)[0],
         ) if out.returned else 0  # fmt: skip
         retried = final = failed = lost = released = 0
         if out.nacked:
@@ -228,7 +231,20 @@ class Writeback:
         return Written(len(settled), moved, confirmed, returned, retried, final, failed, lost,
                        released)  # fmt: skip
 
-    def _confirm(self, facts: _Facts) -> int:
-        published = [Published(row_id, *f) for row_id, f in facts if f is not None]  # type: ignore[arg-type]
-        bare = [row_id for row_id, f in facts if f is None]
+    def _confirm(self, ids: list[int], sent: dict[int, Sent]) -> int:
+        published, bare = _published(ids, sent)
         return self.p.repo.mark_confirmed(owner=self.p.owner, ids=bare, published=published)
+
+
+def _published(ids: Iterable[int], sent: dict[int, Sent]) -> tuple[list[Published], list[int]]:
+    """The rows with their publish facts, and the rows without (settled with no record of a
+    publish, say by a hand-built event: confirmed all the same, no facts written)."""
+    published: list[Published] = []
+    bare: list[int] = []
+    for row_id in ids:
+        facts = sent.get(row_id)
+        if facts is None or facts[2] is None:
+            bare.append(row_id)
+        else:
+            published.append(Published(row_id, facts[0], facts[1], facts[2]))
+    return published, bare

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime as dt
 from collections import Counter
 from typing import Any
 
@@ -482,3 +483,41 @@ def test_an_impossible_frame_is_refused_and_the_schedule_still_settles(
     for tag in order[split:]:
         model.frame(tag, to_return)
     model.check_each_row_settled_once(n)
+
+
+# ---------------------------------------------------------------- the record of a publish
+
+
+def test_settled_rows_carry_where_and_when_they_went_out() -> None:
+    ledger = ChannelLedger(channel_id=3)
+    t0, t1 = dt.datetime(2026, 1, 1, 12), dt.datetime(2026, 1, 1, 12, 0, 1)
+    ledger.published_many([(row(1), mid(1)), (row(2), mid(2))], at=10.0, wall=t0)
+    ledger.published(row_id=row(3), message_id=mid(3), at=11.0, wall=t1)
+    ret(ledger, 2)
+    (confirmed, returned) = ledger.ack(3, multiple=True)
+    assert isinstance(confirmed, Confirmed) and isinstance(returned, Returned)
+    assert confirmed.row_ids == (row(1), row(3))
+    assert confirmed.sent == ((3, 1, t0, 10.0), (3, 3, t1, 11.0))
+    assert returned.sent == (3, 2, t0, 10.0)
+
+
+def test_due_notes_report_each_unconfirmed_publish_once_after_its_deadline() -> None:
+    ledger = ChannelLedger(channel_id=1)
+    t0, t1 = dt.datetime(2026, 1, 1, 12), dt.datetime(2026, 1, 1, 12, 0, 5)
+    ledger.published_many([(row(t), mid(t)) for t in (1, 2, 3)], at=10.0, wall=t0)
+    ledger.published_many([(row(t), mid(t)) for t in (4, 5)], at=15.0, wall=t1)
+    ledger.ack(2)
+    notes: dict[Any, list[tuple[int, int]]] = {}
+    assert ledger.next_note_at() == 10.0
+    assert ledger.due_notes(9.9, notes) == 0 and notes == {}  # nothing written that early
+    assert ledger.due_notes(12.0, notes) == 2
+    assert notes == {(1, t0): [(row(1), 1), (row(3), 3)]}  # tag 2 was acked: no note
+    assert ledger.next_note_at() == 15.0
+    assert ledger.due_notes(12.0, notes) == 0  # reported once
+    ledger.ack(5)
+    assert ledger.due_notes(100.0, notes) == 1
+    assert notes[(1, t1)] == [(row(4), 4)]
+    assert ledger.next_note_at() is None and ledger.due_notes(200.0, notes) == 0
+    ledger.published(row_id=row(6), message_id=mid(6), at=300.0, wall=t1)
+    ledger.channel_lost(reason="gone")
+    assert ledger.next_note_at() is None and ledger.due_notes(400.0, notes) == 0
