@@ -243,8 +243,7 @@ class Publisher:
             with contextlib.suppress(Exception):
                 await self.claimer.release_orphans()
         await self.session.cancel_helpers()
-        self.sender.stopped = True
-        self.sender.work.set()
+        self.sender.stop()
         await _finish(tasks["sender"])
         self._release_unpublished()
         await self._settle_window(self.settings.shutdown_timeout)
@@ -253,11 +252,9 @@ class Publisher:
         await self.session.close(min(5.0, self.settings.shutdown_timeout + 1))
         await _finish(tasks["session"])
         assert self.housekeeping is not None
-        self.housekeeping.stopped = True
-        self.housekeeping.beat_now.set()
+        self.housekeeping.stop()
         await _finish(tasks["housekeeping"])
-        self.writeback.stopped = True
-        self.writeback.wake.set()
+        self.writeback.stop()
         await _finish(tasks["writeback"])
         for _ in range(3):
             if self.writeback.out.empty() or await self.writeback.flush():

@@ -43,6 +43,11 @@ class Housekeeping:
         self.beat_now = Signal()
         self.stopped = False
 
+    def stop(self) -> None:
+        """Return from :meth:`run` after the beat or sweep in hand."""
+        self.stopped = True
+        self.beat_now.set()
+
     @property
     def beat_every(self) -> float:
         s = self.p.settings

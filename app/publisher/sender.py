@@ -54,6 +54,11 @@ class Sender:
         self.work = Signal()
         self.stopped = False
 
+    def stop(self) -> None:
+        """Finish the write in hand, then return from :meth:`run` (queued rows stay held)."""
+        self.stopped = True
+        self.work.set()
+
     # ------------------------------------------------------------ the loop
 
     async def run(self) -> None:

@@ -73,6 +73,11 @@ class Writeback:
         self.settling: frozenset[int] = frozenset()  # rows the running write-back settles
         self._done = Signal()  # a write-back finished (settling emptied)
 
+    def stop(self) -> None:
+        """Write what is waiting, then return from :meth:`run`."""
+        self.stopped = True
+        self.wake.set()
+
     def buffer(self) -> Outcomes:
         return self.out
 
