@@ -9,7 +9,7 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop migrate test test-spark-oldest test-unit test-fast demo bench chaos lint serve publish clean tools lock audit
+.PHONY: help venv services services-stop migrate test test-spark-oldest test-unit test-fast demo bench soak chaos lint serve publish clean tools lock audit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -77,6 +77,9 @@ test-fast: venv services tools  ## the suite without Spark, slow scenarios and t
 bench: venv services tools  ## measure the product against bare publishing loops (BENCH_SCALE=4 for bigger)
 	@bench/ensure-jdbc.sh
 	@$(LOCAL_ENV) $(PY) -m bench.run
+
+soak: venv services tools  ## steady load for 30 min: latency per window, RSS, sizes, charts (SOAK_ARGS="--minutes 5")
+	@$(LOCAL_ENV) $(PY) -m bench.soak $(SOAK_ARGS)
 
 # The matrix starts (and stops) a RabbitMQ and a PostgreSQL of its own with $(SERVICES) on ports
 # 5683/5443, data in .local/chaos: it stops and kills them, so it never touches the shared ones.

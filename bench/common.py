@@ -196,6 +196,8 @@ class Topology:
     exchange: str = ""
     queue: str = ""
     routing_key: str = "bench"
+    #: ``x-max-length``: the queue keeps the newest messages (a long run's memory stays flat)
+    max_length: int | None = None
 
     def __post_init__(self) -> None:
         suffix = uuid.uuid4().hex[:8]
@@ -210,7 +212,10 @@ class Topology:
         conn, ch = self._channel()
         try:
             ch.exchange_declare(self.exchange, exchange_type="direct", durable=True)
-            ch.queue_declare(self.queue, durable=True, arguments={"x-queue-type": "classic"})
+            arguments: dict[str, Any] = {"x-queue-type": "classic"}
+            if self.max_length is not None:
+                arguments["x-max-length"] = self.max_length
+            ch.queue_declare(self.queue, durable=True, arguments=arguments)
             ch.queue_bind(self.queue, self.exchange, routing_key=self.routing_key)
         finally:
             conn.close()
@@ -233,8 +238,8 @@ class Topology:
 
 
 @contextlib.contextmanager
-def topology(services: Services, tag: str) -> Iterator[Topology]:
-    topo = Topology(services=services, tag=tag)
+def topology(services: Services, tag: str, *, max_length: int | None = None) -> Iterator[Topology]:
+    topo = Topology(services=services, tag=tag, max_length=max_length)
     topo.declare()
     try:
         yield topo

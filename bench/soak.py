@@ -1,0 +1,644 @@
+"""``make soak``: the product under a steady load for a long time, as its users run it.
+
+A producer commits rows at half the measured drain rate (or ``--rate``) for ``--minutes``;
+several publisher processes drain them; ``outbox purge`` runs every ``--purge-every`` seconds
+with a short retention (as a cron job would), autovacuum runs as the server is configured; the
+REST API answers an operator who reads the status, the outstanding confirms and the failures
+every few seconds. The queue keeps at most ``QUEUE_MAX_LENGTH`` messages (RabbitMQ drops the
+oldest), so the broker's memory stays flat however long the run.
+
+Every ``SAMPLE_SECONDS`` it samples each publisher's RSS, the outbox's table and index sizes,
+its dead tuples and autovacuum runs, the claims' mean time (the publishers' own
+``claim_seconds`` histograms) and the API's answer times. Every ``--window`` minutes it takes the
+confirm latency (``created_at`` -> ``confirmed_at``) of the rows created in that window.
+
+It prints a table, writes ``bench/results/soak.json`` and draws PNG charts into ``--charts``
+(default ``docs/soak``), then checks the targets: the p99 of every window within 1.5 x the
+first window's, publisher RSS growth under 10 %, and the table bounded by retention (once
+purging runs, the outbox's total size stops growing). Exits 1 when a target is missed, 2 when
+the run itself broke (a row lost, a publisher crashed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from bench.common import Services, libpq_url, temp_postgres, topology
+from bench.workloads.drain import REPO_ROOT, Proc, drain_once, start_publisher
+
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or REPO_ROOT / "bench" / "results")
+SAMPLE_SECONDS = 10.0
+QUEUE_MAX_LENGTH = 200_000
+#: how long after a window's end its rows are taken as settled (its latency is then read)
+WINDOW_SETTLE_SECONDS = 30.0
+P99_GROWTH_LIMIT = 1.5
+RSS_GROWTH_LIMIT_PCT = 10.0
+SIZE_GROWTH_LIMIT = 1.25
+OPERATOR_PATHS = ("/v1/stats", "/v1/confirms/outstanding?limit=50", "/v1/failures")
+
+
+@dataclasses.dataclass
+class Sample:
+    t: float  # seconds since the producer started
+    rss_mb: list[float]
+    table_mb: float
+    indexes_mb: float
+    total_mb: float
+    live_tuples: int
+    dead_tuples: int
+    autovacuums: int
+    backlog: int
+    claim_ms: float | None  # mean claim time since the previous sample, all publishers
+    api_ms: float | None  # median answer time of the operator's requests since the last sample
+    api_errors: int
+
+
+@dataclasses.dataclass
+class Window:
+    index: int
+    start: float
+    end: float
+    rows: int = 0
+    p50_ms: float = float("nan")
+    p99_ms: float = float("nan")
+    max_ms: float = float("nan")
+
+
+# ------------------------------------------------------------------------------ the load
+
+
+class Producer(threading.Thread):
+    """Commits rows at a steady rate (one small INSERT every 20 ms) for ``seconds``."""
+
+    def __init__(
+        self, db_url: str, *, rate: float, seconds: float, exchange: str, key: str
+    ) -> None:
+        super().__init__(name="producer", daemon=True)
+        self.db_url, self.rate, self.exchange, self.key = db_url, rate, exchange, key
+        self.seconds = seconds
+        self.stopping = threading.Event()
+        self.produced = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        insert = (
+            "INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body) "
+            "SELECT 'soak-' || g, 'soak:' || (g / 100000), %(ex)s, %(rk)s, %(body)s "
+            "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) g"
+        )
+        body = bytes(range(256))
+        start = time.monotonic()
+        try:
+            with psycopg.connect(libpq_url(self.db_url), autocommit=True) as conn:
+                while not self.stopping.is_set():
+                    elapsed = min(time.monotonic() - start, self.seconds)
+                    due = int(elapsed * self.rate) - self.produced
+                    if due > 0:
+                        conn.execute(
+                            insert,
+                            {
+                                "ex": self.exchange,
+                                "rk": self.key,
+                                "body": body,
+                                "lo": self.produced,
+                                "hi": self.produced + due - 1,
+                            },
+                        )
+                        self.produced += due
+                    if elapsed >= self.seconds:
+                        return
+                    time.sleep(0.02)
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+
+
+class Operator(threading.Thread):
+    """An operator at the API: the status, the outstanding confirms and the failures, in turn."""
+
+    def __init__(self, base: str, token: str, *, every: float = 2.0) -> None:
+        super().__init__(name="operator", daemon=True)
+        self.base, self.token, self.every = base, token, every
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.times_ms: list[float] = []
+        self.errors = 0
+
+    def run(self) -> None:
+        i = 0
+        while not self.stopping.wait(self.every):
+            path = OPERATOR_PATHS[i % len(OPERATOR_PATHS)]
+            i += 1
+            request = urllib.request.Request(
+                self.base + path, headers={"Authorization": f"Bearer {self.token}"}
+            )
+            started = time.perf_counter()
+            try:
+                with urllib.request.urlopen(request, timeout=30) as answer:
+                    answer.read()
+                    ok = answer.status == 200
+            except OSError:
+                ok = False
+            with self.lock:
+                if ok:
+                    self.times_ms.append((time.perf_counter() - started) * 1000)
+                else:
+                    self.errors += 1
+
+    def take(self) -> tuple[float | None, int]:
+        with self.lock:
+            times, errors = self.times_ms, self.errors
+            self.times_ms, self.errors = [], 0
+        return (statistics.median(times) if times else None), errors
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_api(db_url: str, token: str, logdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    env = dict(os.environ, OUTBOX_DATABASE_URL=db_url, OUTBOX_API_TOKEN=token)
+    log = (logdir / "api.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/healthz", timeout=2):
+                return proc, base
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the API did not start: {(logdir / 'api.log').read_text()[-2000:]}")
+
+
+def purge(db_url: str, *, retention_days: float, logdir: Path) -> None:
+    env = dict(os.environ, OUTBOX_DATABASE_URL=db_url)
+    with (logdir / "purge.log").open("ab") as log:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "purge",
+                "--older-than-days",
+                repr(retention_days),
+                "--chunk",
+                "5000",
+                "--actor",
+                "soak",
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
+
+
+# ----------------------------------------------------------------------------- samples
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _claim_totals(conn: psycopg.Connection[Any]) -> tuple[float, float]:
+    """Sum and count of every publisher's claim_seconds histogram (from their /metrics)."""
+    urls = [
+        r[0]
+        for r in conn.execute("SELECT stats->>'metrics_url' FROM outbox_publishers").fetchall()
+        if r[0]
+    ]
+    total = count = 0.0
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                text = answer.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("outbox_publisher_claim_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("outbox_publisher_claim_seconds_count"):
+                count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+_SIZES = """
+SELECT pg_relation_size('outbox'), pg_indexes_size('outbox'), pg_total_relation_size('outbox'),
+       n_live_tup, n_dead_tup, autovacuum_count
+FROM pg_stat_user_tables WHERE relname = 'outbox'
+"""
+_BACKLOG = "SELECT count(*) FROM outbox WHERE status IN ('pending', 'in_flight')"
+
+
+def _latency(conn: psycopg.Connection[Any], since: dt.datetime, until: dt.datetime) -> Window:
+    seconds = "extract(epoch FROM confirmed_at - created_at)"
+    row = conn.execute(
+        f"SELECT count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY {seconds}), "
+        f"percentile_cont(0.99) WITHIN GROUP (ORDER BY {seconds}), max({seconds}) "
+        "FROM outbox WHERE status = 'confirmed' AND created_at >= %s AND created_at < %s",
+        (since, until),
+    ).fetchone()
+    assert row is not None
+    w = Window(index=0, start=0, end=0, rows=int(row[0]))
+    if w.rows:
+        w.p50_ms, w.p99_ms, w.max_ms = (float(v) * 1000 for v in row[1:4])
+    return w
+
+
+# ------------------------------------------------------------------------------- a run
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    services = Services.from_env()
+    rate = args.rate
+    if rate is None:
+        print("measuring the drain rate (20,000 rows, one publisher) ...", flush=True)
+        rate = 0.5 * drain_once(services, backend="postgresql", n=20_000).rows_per_s
+    retention_days = args.retention_minutes / 1440
+    duration = args.minutes * 60
+    window = args.window * 60
+    print(
+        f"soak: {args.minutes:g} min at {rate:,.0f} rows/s, {args.publishers} publishers, "
+        f"retention {args.retention_minutes:g} min (purge every {args.purge_every:g} s), "
+        f"windows of {args.window:g} min",
+        flush=True,
+    )
+    samples: list[Sample] = []
+    windows: list[Window] = []
+    token = secrets.token_urlsafe(16)
+    with (
+        temp_postgres(services) as db_url,
+        topology(services, "soak", max_length=QUEUE_MAX_LENGTH) as topo,
+        tempfile.TemporaryDirectory(prefix="outbox-soak-") as tmp,
+    ):
+        logdir = Path(tmp)
+        procs: list[Proc] = [
+            start_publisher(services, db_url, logdir, until_empty=False, name=f"soak{i}")
+            for i in range(args.publishers)
+        ]
+        api, base = start_api(db_url, token, logdir)
+        operator = Operator(base, token)
+        producer = Producer(
+            db_url, rate=rate, seconds=duration, exchange=topo.exchange, key=topo.routing_key
+        )
+        time.sleep(2.0)  # publishers connected before rows arrive
+        started_wall = dt.datetime.now(dt.UTC)
+        started = time.monotonic()
+        producer.start()
+        operator.start()
+        next_purge = args.purge_every
+        last_claims: tuple[float, float] | None = None
+        try:
+            with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+                while True:
+                    t = time.monotonic() - started
+                    producing = t < duration
+                    if not producing and not producer.stopping.is_set():
+                        producer.stopping.set()
+                        producer.join()
+                    if producer.error is not None:
+                        raise RuntimeError(f"the producer failed: {producer.error!r}")
+                    for p in procs:
+                        if p.popen.poll() is not None:
+                            raise RuntimeError(f"publisher exited: {p.log.read_text()[-3000:]}")
+                    if t >= next_purge:
+                        purge(db_url, retention_days=retention_days, logdir=logdir)
+                        next_purge += args.purge_every
+                    claims = _claim_totals(conn)
+                    claim_ms = None
+                    if last_claims is not None and claims[1] > last_claims[1]:
+                        claim_ms = (
+                            (claims[0] - last_claims[0]) / (claims[1] - last_claims[1]) * 1000
+                        )
+                    last_claims = claims
+                    sizes = conn.execute(_SIZES).fetchone()
+                    backlog = conn.execute(_BACKLOG).fetchone()
+                    assert sizes is not None and backlog is not None
+                    api_ms, api_errors = operator.take()
+                    samples.append(
+                        Sample(
+                            t=round(t, 1),
+                            rss_mb=[round(_rss_mb(p.popen.pid), 1) for p in procs],
+                            table_mb=sizes[0] / 2**20,
+                            indexes_mb=sizes[1] / 2**20,
+                            total_mb=sizes[2] / 2**20,
+                            live_tuples=int(sizes[3]),
+                            dead_tuples=int(sizes[4]),
+                            autovacuums=int(sizes[5]),
+                            backlog=int(backlog[0]),
+                            claim_ms=claim_ms,
+                            api_ms=api_ms,
+                            api_errors=api_errors,
+                        )
+                    )
+                    s = samples[-1]
+                    print(
+                        f"  t={t:6.0f}s backlog {s.backlog:6d} RSS "
+                        f"{'/'.join(f'{r:.0f}' for r in s.rss_mb)} MB, outbox {s.total_mb:.0f} MB "
+                        f"(dead {s.dead_tuples:,}), claim {claim_ms or 0:.2f} ms, "
+                        f"API {api_ms or 0:.0f} ms",
+                        flush=True,
+                    )
+                    # the latency of every window whose rows have had time to settle
+                    # (every window once the producer stopped and the backlog is empty)
+                    if not producing and s.backlog == 0:
+                        ready_until = duration
+                    else:
+                        ready_until = min(t - WINDOW_SETTLE_SECONDS, duration)
+                    while (len(windows) + 1) * window <= ready_until + 1e-6:
+                        i = len(windows)
+                        lo = started_wall + dt.timedelta(seconds=i * window)
+                        # the last window takes every row committed after it began
+                        last = (i + 1) * window >= duration - 1e-6
+                        hi = lo + dt.timedelta(days=1 if last else 0, seconds=window)
+                        w = _latency(conn, lo, hi)
+                        w.index, w.start, w.end = i, i * window, (i + 1) * window
+                        windows.append(w)
+                        print(
+                            f"  window {i + 1}: {w.rows:,} rows, p50 {w.p50_ms:.1f} ms, "
+                            f"p99 {w.p99_ms:.1f} ms, max {w.max_ms:.0f} ms",
+                            flush=True,
+                        )
+                    if not producing and s.backlog == 0 and len(windows) * window >= duration:
+                        break
+                    if t > duration + 600:
+                        raise RuntimeError(f"the backlog did not drain: {s.backlog} rows left")
+                    time.sleep(SAMPLE_SECONDS)
+                produced = producer.produced
+                lost = conn.execute(
+                    "SELECT count(*) FROM outbox WHERE status NOT IN ('confirmed')"
+                ).fetchone()
+                audit = conn.execute(
+                    "SELECT coalesce(sum(count), 0) FROM outbox_audit WHERE action = 'purge'"
+                ).fetchone()
+        finally:
+            producer.stopping.set()
+            operator.stopping.set()
+            for p in procs:
+                if p.popen.poll() is None:
+                    p.stop()
+            api.terminate()
+            api.wait(30)
+        for p in procs:
+            p.check()
+    assert lost is not None
+    return {
+        "started": started_wall.isoformat(timespec="seconds"),
+        "rate_rows_per_s": rate,
+        "minutes": args.minutes,
+        "publishers": args.publishers,
+        "retention_minutes": args.retention_minutes,
+        "purge_every_s": args.purge_every,
+        "window_minutes": args.window,
+        "produced": produced,
+        "not_confirmed": int(lost[0]),
+        "purged": int(audit[0]) if audit is not None else None,
+        "load_average": os.getloadavg(),
+        "windows": [dataclasses.asdict(w) for w in windows],
+        "samples": [dataclasses.asdict(s) for s in samples],
+    }
+
+
+# ------------------------------------------------------------------------------ verdicts
+
+
+def verdicts(result: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    windows = [w for w in result["windows"] if w["rows"]]
+    samples = result["samples"]
+    out: list[tuple[str, bool, str]] = []
+    if windows:
+        first = windows[0]["p99_ms"]
+        worst = max(w["p99_ms"] for w in windows)
+        out.append(
+            (
+                "p99 of every window within 1.5 x the first's",
+                worst <= P99_GROWTH_LIMIT * first,
+                f"first {first:.1f} ms, worst {worst:.1f} ms ({worst / first:.2f} x)",
+            )
+        )
+    per_window = _by_window(samples, result["window_minutes"] * 60)
+    if len(per_window) >= 2:
+        rss = [statistics.median(max(s["rss_mb"]) for s in group) for group in per_window]
+        growth = (rss[-1] / rss[0] - 1) * 100
+        out.append(
+            (
+                "publisher RSS growth under 10 %",
+                growth < RSS_GROWTH_LIMIT_PCT,
+                f"{rss[0]:.0f} MB in the first window, {rss[-1]:.0f} MB in the last "
+                f"({growth:+.1f} %)",
+            )
+        )
+    purging_from = result["retention_minutes"] * 60 + result["purge_every_s"]
+    # from the first purge that could delete anything, while rows still arrive
+    steady = [s for s in samples if purging_from <= s["t"] <= result["minutes"] * 60]
+    if len(steady) < 2:
+        out.append(
+            (
+                "table size bounded by retention",
+                True,
+                "not judged: the run is shorter than the retention plus a purge interval",
+            )
+        )
+    else:
+        grew = steady[-1]["total_mb"] / steady[0]["total_mb"]
+        out.append(
+            (
+                "table size bounded by retention",
+                grew <= SIZE_GROWTH_LIMIT,
+                f"{steady[0]['total_mb']:.0f} MB when purging began, "
+                f"{steady[-1]['total_mb']:.0f} MB at the end ({grew:.2f} x)",
+            )
+        )
+    out.append(
+        (
+            "every row confirmed",
+            result["not_confirmed"] == 0,
+            f"{result['produced']:,} produced, {result['not_confirmed']} not confirmed",
+        )
+    )
+    return out
+
+
+def _by_window(samples: list[dict[str, Any]], window: float) -> list[list[dict[str, Any]]]:
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for s in samples:
+        groups.setdefault(int(s["t"] // window), []).append(s)
+    return [groups[k] for k in sorted(groups)]
+
+
+def table(result: dict[str, Any]) -> str:
+    window = result["window_minutes"] * 60
+    lines = [
+        "| window | rows | p50 ms | p99 ms | max ms | publisher RSS MB "
+        "| outbox MB (table + indexes) | dead tuples | claim ms | API ms |",
+        "|" + "---|" * 10,
+    ]
+    groups = _by_window(result["samples"], window)
+    for i, w in enumerate(result["windows"]):
+        group = groups[i] if i < len(groups) else []
+        claims = [s["claim_ms"] for s in group if s["claim_ms"] is not None]
+        apis = [s["api_ms"] for s in group if s["api_ms"] is not None]
+        last = group[-1] if group else None
+        rss = "/".join(f"{r:.0f}" for r in last["rss_mb"]) if last else "-"
+        dead = f"{last['dead_tuples']:,}" if last else "-"
+        size = (
+            f"{last['total_mb']:.0f} ({last['table_mb']:.0f} + {last['indexes_mb']:.0f})"
+            if last
+            else "-"
+        )
+        lines.append(
+            f"| {w['start'] / 60:.0f}-{w['end'] / 60:.0f} min | {w['rows']:,} | {w['p50_ms']:.1f} "
+            f"| {w['p99_ms']:.1f} | {w['max_ms']:.0f} | {rss} | {size} "
+            f"| {dead} "
+            f"| {statistics.median(claims) if claims else float('nan'):.2f} "
+            f"| {statistics.median(apis) if apis else float('nan'):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def charts(result: dict[str, Any], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    samples = result["samples"]
+    minutes = [s["t"] / 60 for s in samples]
+    title = (
+        f"{result['minutes']:g} min at {result['rate_rows_per_s']:,.0f} rows/s, "
+        f"{result['publishers']} publishers, retention {result['retention_minutes']:g} min"
+    )
+    made = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        path = folder / name
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    mids = [(w["start"] + w["end"]) / 120 for w in result["windows"]]
+    ax.plot(mids, [w["p50_ms"] for w in result["windows"]], "o-", label="p50")
+    ax.plot(mids, [w["p99_ms"] for w in result["windows"]], "s-", label="p99")
+    ax.set(xlabel="minutes", ylabel="confirm latency, ms", ylim=(0, None))
+    ax.legend()
+    save(fig, "latency.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for i in range(len(samples[0]["rss_mb"]) if samples else 0):
+        ax.plot(minutes, [s["rss_mb"][i] for s in samples], label=f"publisher {i + 1}")
+    ax.set(xlabel="minutes", ylabel="RSS, MB", ylim=(0, None))
+    ax.legend()
+    save(fig, "rss.png")
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax.plot(minutes, [s["table_mb"] for s in samples], label="table")
+    ax.plot(minutes, [s["indexes_mb"] for s in samples], label="indexes")
+    ax.set(xlabel="minutes", ylabel="MB", ylim=(0, None), title="outbox size")
+    ax.legend()
+    ax2.plot(minutes, [s["dead_tuples"] for s in samples], color="tab:red")
+    ax2.set(xlabel="minutes", ylabel="dead tuples", ylim=(0, None), title="dead tuples")
+    save(fig, "sizes.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot(
+        minutes,
+        [s["claim_ms"] if s["claim_ms"] is not None else float("nan") for s in samples],
+        label="claim (mean per sample)",
+    )
+    ax.plot(
+        minutes,
+        [s["api_ms"] if s["api_ms"] is not None else float("nan") for s in samples],
+        label="operator API (median)",
+    )
+    ax.set(xlabel="minutes", ylabel="ms", ylim=(0, None))
+    ax.legend()
+    save(fig, "claim-and-api.png")
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.soak", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--minutes", type=float, default=30.0, help="how long the producer runs")
+    parser.add_argument("--window", type=float, default=5.0, help="latency window, minutes")
+    parser.add_argument("--publishers", type=int, default=2)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="rows/s (default: half of a 20,000-row drain measured first)",
+    )
+    parser.add_argument(
+        "--retention-minutes",
+        type=float,
+        default=10.0,
+        help="confirmed rows older than this are purged",
+    )
+    parser.add_argument("--purge-every", type=float, default=60.0, help="seconds between purges")
+    parser.add_argument("--charts", type=Path, default=REPO_ROOT / "docs" / "soak")
+    args = parser.parse_args(argv)
+    if args.window * 60 > args.retention_minutes * 60 - WINDOW_SETTLE_SECONDS - args.purge_every:
+        parser.error(
+            "--retention-minutes must exceed a window plus the settle and purge delays "
+            "(rows of a window must still be there when its latency is read)"
+        )
+    try:
+        result = soak(args)
+    except RuntimeError as exc:
+        print(f"soak broke: {exc}", file=sys.stderr)
+        return 2
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    checks = verdicts(result)
+    result["verdicts"] = [{"target": n, "met": ok, "detail": d} for n, ok, d in checks]
+    (RESULTS / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    print()
+    print(table(result))
+    print()
+    for name, ok, detail in checks:
+        print(f"{'met    ' if ok else 'MISSED '} {name}: {detail}")
+    for path in charts(result, args.charts):
+        print(f"chart: {path}")
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""``make soak`` on short settings: the whole run as ``make soak`` does it (producer, two
+publishers, purges, the operator's API), its table, JSON and charts, and the verdicts computed
+from what it measured. The 30-minute default runs with ``make soak``; this keeps it working."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import scrubbed_environ
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
+    service_urls: dict[str, str], tmp_path: Path
+) -> None:
+    env = scrubbed_environ(os.environ) | {
+        "OUTBOX_AMQP_URL": service_urls["amqp"],
+        "OUTBOX_DATABASE_URL": service_urls["pg"],
+        "BENCH_RESULTS": str(tmp_path / "results"),
+    }
+    args = [
+        "--minutes",
+        "1.5",
+        "--window",
+        "0.25",
+        "--retention-minutes",
+        "1",
+        "--purge-every",
+        "10",
+        "--rate",
+        "300",
+        "--charts",
+        str(tmp_path / "charts"),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.soak", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]  # 1: a target missed
+    result = json.loads((tmp_path / "results" / "soak.json").read_text())
+    assert result["not_confirmed"] == 0 and result["produced"] >= 300 * 90 * 0.95
+    windows = result["windows"]
+    assert len(windows) == 6 and all(w["rows"] > 0 for w in windows)
+    assert sum(w["rows"] for w in windows) == result["produced"]
+    assert all(0 < w["p50_ms"] <= w["p99_ms"] <= w["max_ms"] for w in windows)
+    samples = result["samples"]
+    assert all(len(s["rss_mb"]) == 2 and min(s["rss_mb"]) > 10 for s in samples)
+    assert any(s["claim_ms"] for s in samples) and any(s["api_ms"] for s in samples)
+    assert sum(s["api_errors"] for s in samples) == 0
+    assert result["purged"] > 0  # the retention purge ran and deleted confirmed rows
+    names = {v["target"] for v in result["verdicts"]}
+    assert names == {
+        "p99 of every window within 1.5 x the first's",
+        "publisher RSS growth under 10 %",
+        "table size bounded by retention",
+        "every row confirmed",
+    }
+    assert "| window | rows | p50 ms" in run.stdout
+    charts = sorted(p.name for p in (tmp_path / "charts").iterdir())
+    assert charts == ["claim-and-api.png", "latency.png", "rss.png", "sizes.png"]
+    assert all((tmp_path / "charts" / c).read_bytes()[:4] == b"\x89PNG" for c in charts)
