@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +35,6 @@ import pyarrow as pa
 
 from bench.common import Services, libpq_url, temp_postgres
 from bench.workloads import spark as sw
-from spark_writer.pgcopy import SIGNATURE, Const, encode
 
 STATS = "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables"
 
@@ -88,7 +85,7 @@ def main() -> int:
             sw._write_jdbc(warm, url)
             sw._write_jdbc_keys(warm, url, 0)
             sw._write_outbox(warm, url, batch=0)
-            floor = _copy_data(n)
+            floor = sw.copy_data(n)
             print(f"{n:,} rows, Spark local[2], PostgreSQL:")
             for i in range(args.repeats):
                 sw._reset(url)
@@ -100,9 +97,9 @@ def main() -> int:
                 write = functools.partial(sw._write_outbox, df, url, batch=i + 1)
                 _measure("write_outbox", conn, write, n)
                 sw._reset(url)
-                _measure("copy floor (outbox)", conn, lambda: _copy(url, "outbox", floor), n)
+                _measure("copy floor (outbox)", conn, lambda: sw.copy_rows(url, "outbox", floor), n)
                 sw._reset(url)
-                same = functools.partial(_copy, url, sw.JDBC_KEYS_TABLE, floor)
+                same = functools.partial(sw.copy_rows, url, sw.JDBC_KEYS_TABLE, floor)
                 _measure("copy floor (same keys)", conn, same, n)
                 _measure("arrow transfer (count)", conn, lambda: _arrow_count(df), n)
                 _measure("rdd transfer (count)", conn, lambda: _rdd_count(df), n)
@@ -113,55 +110,7 @@ def main() -> int:
     return 0
 
 
-COPY_COLUMNS = "message_id, body, batch_id, exchange, routing_key"
-
-
-def _copy_data(n: int) -> list[list[bytes]]:
-    """The benchmark's rows (``sw._frame``: ``key-<id>``, a 256-character payload) as binary
-    COPY data in blocks of 10,000 rows, split in two halves as the two partitions are."""
-    halves: list[list[bytes]] = []
-    for part in (range(0, n // 2), range(n // 2, n)):
-        ids = [f"key-{i}" for i in part]
-        bodies = [hashlib.sha256(str(i).encode()).hexdigest().ljust(256, "x") for i in part]
-        constants = [Const.of("bench:floor"), Const.of("bench.spark"), Const.of("bench")]
-        blocks = []
-        for start in range(0, len(ids), 10_000):
-            fields = [pa.array(ids[start : start + 10_000]),
-                      pa.array(bodies[start : start + 10_000]), *constants]  # fmt: skip
-            blocks.append(encode(fields).to_pybytes())
-        halves.append(blocks)
-    return halves
-
-
-def _copy(url: str, table: str, halves: list[list[bytes]]) -> None:
-    """COPY each half on its own connection, both at once; each one transaction."""
-    conns = [psycopg.connect(libpq_url(url)) for _ in halves]
-
-    def one(conn: psycopg.Connection[Any], blocks: list[bytes]) -> None:
-        with (
-            conn.cursor() as cur,
-            cur.copy(f"COPY {table} ({COPY_COLUMNS}) FROM STDIN (FORMAT BINARY)") as copy,
-        ):
-            copy.write(SIGNATURE)
-            for block in blocks:
-                copy.write(block)
-        conn.commit()
-
-    try:
-        threads = [
-            threading.Thread(target=one, args=pair) for pair in zip(conns, halves, strict=True)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        for conn in conns:
-            conn.close()
-
-
 def _arrow_count(df: Any) -> None:
-    import pyarrow as pa
 
     def count(batches: Any) -> Any:
         total = sum(b.num_rows for b in batches)

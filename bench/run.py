@@ -41,6 +41,8 @@ TARGETS = [
      1.5),
     ("ratio_spark_outbox_reject_vs_jdbc_same_keys", "spark_outbox_rows_reject",
      "spark_jdbc_rows_same_keys", 1.5),
+    # the writer against PostgreSQL's own COPY of the same rows into the outbox (#30)
+    ("ratio_spark_outbox_vs_copy_floor", "spark_outbox_rows", "spark_copy_floor_rows", 0.95),
     # the speed issue's targets: a drain near what the broker takes from the wire layer alone
     ("ratio_drain_postgres_vs_ceiling", "drain_postgres", "diag_broker_ceiling_wire_only", 0.8),
     ("ratio_drain_sqlite_vs_ceiling", "drain_sqlite", "diag_broker_ceiling_wire_only", 0.8),
@@ -81,6 +83,7 @@ def _spark(services: Services, sizes: Sizes) -> list[Measured]:
         "jdbc": "spark_jdbc_rows",
         "jdbc_keys": "spark_jdbc_rows_same_keys",
         "derived": "spark_outbox_rows_derived_ids",
+        "copy_floor": "spark_copy_floor_rows",
     }
     return [
         Measured(key=key, unit="rows/s", runs=runs[name],

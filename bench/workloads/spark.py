@@ -5,21 +5,24 @@ Runs in its own process (the JVM stays out of the driver): ``python -m bench.wor
 --rows N --url URL --repeats R`` prints one JSON line ``{"outbox": [...], "jdbc": [...], ...}``
 (rows/s per run: fail mode, the batch held while its tasks check and write it, the input
 read once), ``reject`` (``write_outbox`` in reject mode: no hold), ``jdbc_keys`` (JDBC into a
-table with the outbox's primary key and unique ``message_id``: like for like) and ``derived``
-(``write_outbox`` without a key column: ids from each row's content, one shuffle more). The
-DataFrame (``id``, ``key``, a 256-character
-``payload``) is cached and counted before any write, so every writer is timed on the write
-alone; each run goes through the writers in turn, each into emptied tables, after one small
-untimed warm-up each. Per writer and run: CPU microseconds per row of the Spark process tree
-(driver, JVM, Python workers) and of PostgreSQL (its postmaster and backends), from the
-processes' own counters, and the peak of the executors' temporary disk (``TMPDIR`` of the
-Python workers and ``spark.local.dir``, sampled every 10 ms).
+table with the outbox's primary key and unique ``message_id``: like for like), ``derived``
+(``write_outbox`` without a key column: ids from each row's content, one shuffle more) and
+``copy_floor`` (the same rows, encoded beforehand, COPYed into the emptied outbox by two
+connections at once, as the two tasks write: PostgreSQL's part alone, no Spark). The
+DataFrame (``id``, ``key``, a 256-character ``payload``) is cached and counted before any
+write, so every writer is timed on the write alone; each run goes through the writers in turn,
+each into emptied tables, after one small untimed warm-up each. Per writer and run: CPU
+microseconds per row of the Spark process tree (driver, JVM, Python workers) and of PostgreSQL
+(its postmaster and backends), from the processes' own counters, and the peak of the
+executors' temporary disk (``TMPDIR`` of the Python workers and ``spark.local.dir``, sampled
+every 10 ms).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -31,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 
 from bench.proccpu import ServiceCpu, subtree_cpu_seconds
+from spark_writer.pgcopy import SIGNATURE, Const, encode
 
 JDBC_JAR = Path(os.environ.get("BENCH_JDBC_JAR", "/usr/share/java/postgresql.jar"))
 JDBC_TABLE = "bench_jdbc_plain"
@@ -124,6 +129,57 @@ def _write_outbox(
         raise RuntimeError(f"write_outbox wrote {result.written} of {result.rows} rows")
 
 
+COPY_COLUMNS = "message_id, body, batch_id, exchange, routing_key"
+
+
+def copy_data(n: int) -> list[list[bytes]]:
+    """The benchmark's rows (``_frame``: ``key-<id>``, a 256-character payload) as binary
+    COPY data in blocks of 10,000 rows, split in two halves as the two partitions are."""
+    halves: list[list[bytes]] = []
+    for part in (range(0, n // 2), range(n // 2, n)):
+        ids = [f"key-{i}" for i in part]
+        bodies = [hashlib.sha256(str(i).encode()).hexdigest().ljust(256, "x") for i in part]
+        constants = [Const.of("bench:floor"), Const.of("bench.spark"), Const.of("bench")]
+        blocks = []
+        for start in range(0, len(ids), 10_000):
+            fields = [pa.array(ids[start : start + 10_000]),
+                      pa.array(bodies[start : start + 10_000]), *constants]  # fmt: skip
+            blocks.append(encode(fields).to_pybytes())
+        halves.append(blocks)
+    return halves
+
+
+def copy_rows(url: str, table: str, halves: list[list[bytes]]) -> None:
+    """COPY each half on its own connection, both at once; each one transaction."""
+    conns = [psycopg.connect(_conninfo(url)) for _ in halves]
+
+    def one(conn: psycopg.Connection[Any], blocks: list[bytes]) -> None:
+        with (
+            conn.cursor() as cur,
+            cur.copy(f"COPY {table} ({COPY_COLUMNS}) FROM STDIN (FORMAT BINARY)") as copy,
+        ):
+            copy.write(SIGNATURE)
+            for block in blocks:
+                copy.write(block)
+        conn.commit()
+
+    try:
+        threads = [
+            threading.Thread(target=one, args=pair) for pair in zip(conns, halves, strict=True)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def _conninfo(url: str) -> str:
+    return "postgresql://" + url.split("://", 1)[1]
+
+
 def _timed(fn: Any) -> float:
     start = time.perf_counter()
     fn()
@@ -181,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     spark = _spark(tmp)
     spark.sparkContext.setLogLevel("ERROR")
     postgres = ServiceCpu(postgres=int(_jdbc_props(args.url)[0].rsplit(":", 1)[1].split("/")[0]))
-    names = ("outbox", "reject", "jdbc", "jdbc_keys", "derived")
+    names = ("outbox", "reject", "jdbc", "jdbc_keys", "derived", "copy_floor")
     out: dict[str, Any] = {name: [] for name in names}
     out["cpu_us_per_row"] = {name: [] for name in names}
     out["peak_tmp_mb"] = {name: [] for name in names}
@@ -196,12 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         _write_outbox(warm, args.url, batch=0, derived=True)
         df = _frame(spark, args.rows).cache()
         df.count()
+        floor = copy_data(args.rows)  # encoded before the clock starts: PostgreSQL's part alone
         writers = {
             "outbox": lambda i: _write_outbox(df, args.url, batch=i + 1),
             "reject": lambda i: _write_outbox(df, args.url, batch=i + 1, reject=True),
             "jdbc": lambda i: _write_jdbc(df, args.url),
             "jdbc_keys": lambda i: _write_jdbc_keys(df, args.url, i + 1),
             "derived": lambda i: _write_outbox(df, args.url, batch=i + 1, derived=True),
+            # the floor: the same rows COPYed into the emptied outbox by as many connections
+            # as the tasks hold (two), no Spark
+            "copy_floor": lambda i: copy_rows(args.url, "outbox", floor),
         }
         for i in range(args.repeats):
             for name, write in writers.items():
