@@ -9,7 +9,7 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop migrate test test-spark-oldest test-unit test-fast demo bench soak chaos lint serve publish clean tools lock audit
+.PHONY: help venv services services-stop cluster cluster-stop migrate test test-spark-oldest test-unit test-fast demo bench soak chaos lint serve publish clean tools lock audit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -58,6 +58,13 @@ services:  ## start RabbitMQ and PostgreSQL on 127.0.0.1 (idempotent)
 
 services-stop:  ## stop the services that `make services` started
 	@$(SERVICES) stop
+
+cluster:  ## start a three-node RabbitMQ cluster on 127.0.0.1:5691-5693 (quorum queues; see deploy/local/cluster.sh)
+	@deploy/local/cluster.sh start
+	@deploy/local/cluster.sh env
+
+cluster-stop:  ## stop the three-node cluster that `make cluster` started
+	@deploy/local/cluster.sh stop
 
 migrate: venv services  ## create or upgrade the outbox schema (OUTBOX_DATABASE_URL, default local PostgreSQL)
 	@$(LOCAL_ENV) $(VENV)/bin/outbox migrate
