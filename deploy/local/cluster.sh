@@ -15,6 +15,8 @@
 # Node N listens for AMQP on $OUTBOX_CLUSTER_PORT + N - 1 (default 5691-5693), its Erlang
 # distribution port is that + 20000, its name outbox-cN-<port>@localhost. Data, logs, pid files
 # and each node's HOME (one shared Erlang cookie) live under $OUTBOX_LOCAL_DIR/cluster.
+# OUTBOX_CLUSTER_PARTITION_HANDLING (ignore, RabbitMQ's default; or pause_minority) is written
+# into each node's configuration on its first start.
 # RabbitMQ 3.10 does not show a node's name on its command line: the pid files are the record
 # of what this script started, and only those processes are ever signalled.
 set -euo pipefail
@@ -79,9 +81,10 @@ start_node() {
     [ -f "$DIR/n$n/rabbitmq.conf" ] || cat >"$DIR/n$n/rabbitmq.conf" <<CONF
 listeners.tcp.default = 127.0.0.1:$(port_of "$n")
 loopback_users.guest = true
-# a node that loses its peers pauses instead of serving a split view (quorum queues decide by
-# majority anyway; this keeps classic queues and the node's own view honest too)
-cluster_partition_handling = pause_minority
+# RabbitMQ's default is ignore: a node cut off from its peers keeps serving clients, and a
+# quorum queue without a majority takes publishes it cannot confirm (the hard case for a
+# publisher). pause_minority makes such a node close its connections instead.
+cluster_partition_handling = ${OUTBOX_CLUSTER_PARTITION_HANDLING:-ignore}
 CONF
     [ -f "$RABBITMQ_ENABLED_PLUGINS_FILE" ] || echo '[].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"
     log "starting node $n ($(name_of "$n")) on 127.0.0.1:$(port_of "$n")"
