@@ -27,8 +27,8 @@ TRACESTATE = "tracestate"
 #: The spec's limit for ``tracestate`` (32 list members of at most 256 characters, but
 #: implementations may cut at 512 characters).
 TRACESTATE_MAX = 512
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
-_TRACESTATE = re.compile(r"^[\x20-\x7e]*$")
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_TRACESTATE = re.compile(r"[\x20-\x7e]*")
 
 #: ``{"traceparent": ..., "tracestate": ...}`` (tracestate only when there is one)
 TraceContext = dict[str, str]
@@ -38,7 +38,7 @@ def checked_headers(traceparent: object, tracestate: object = None) -> TraceCont
     """A trace context given by a caller, checked; raises :class:`ContentError`."""
     if not isinstance(traceparent, str):
         raise ContentError(f"traceparent must be a string, got {type(traceparent).__name__}")
-    match = _TRACEPARENT.match(traceparent)
+    match = _TRACEPARENT.fullmatch(traceparent)
     if match is None:
         raise ContentError(
             f"traceparent {traceparent[:80]!r} is not W3C trace context "
@@ -51,7 +51,7 @@ def checked_headers(traceparent: object, tracestate: object = None) -> TraceCont
     if tracestate is not None:
         if not isinstance(tracestate, str):
             raise ContentError(f"tracestate must be a string, got {type(tracestate).__name__}")
-        if len(tracestate) > TRACESTATE_MAX or not _TRACESTATE.match(tracestate):
+        if len(tracestate) > TRACESTATE_MAX or not _TRACESTATE.fullmatch(tracestate):
             raise ContentError(
                 f"tracestate must be printable ASCII of at most {TRACESTATE_MAX} characters"
             )
@@ -62,7 +62,7 @@ def checked_headers(traceparent: object, tracestate: object = None) -> TraceCont
 
 def trace_id_of(traceparent: str) -> str | None:
     """The 32-hex trace id of a well-formed ``traceparent``, else None."""
-    match = _TRACEPARENT.match(traceparent)
+    match = _TRACEPARENT.fullmatch(traceparent)
     return match.group(2) if match else None
 
 
@@ -100,14 +100,14 @@ def consumer_span(
     """Run the body inside a CONSUMER span continuing the trace of ``headers``; a no-op without
     OpenTelemetry or without a (valid) ``traceparent``."""
     otel = _otel()
-    parent = headers.get(TRACEPARENT) if otel is not None else None
-    if otel is None or not isinstance(parent, str):
+    parent = _text(headers.get(TRACEPARENT)) if otel is not None else None
+    if otel is None or parent is None:
         yield
         return
     propagate, trace = otel
     carrier = {TRACEPARENT: parent}
-    state = headers.get(TRACESTATE)
-    if isinstance(state, str):
+    state = _text(headers.get(TRACESTATE))
+    if state is not None:
         carrier[TRACESTATE] = state
     ctx = propagate.extract(carrier)
     tracer = trace.get_tracer("outbox-sink.consumer")
@@ -115,3 +115,13 @@ def consumer_span(
         name, context=ctx, kind=trace.SpanKind.CONSUMER, attributes=dict(attributes)
     ):
         yield
+
+
+def _text(value: object) -> str | None:
+    """A header value as text (AMQP long strings may arrive as bytes)."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return None
+    return value if isinstance(value, str) else None

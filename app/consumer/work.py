@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from app import tracing
 from app.consumer import inbox
 from app.consumer.inbox import BatchHandler, Handler, Message
 
@@ -185,6 +186,19 @@ def _describe(exc: BaseException) -> str:
 # ---------------------------------------------------------------- a window, one transaction
 
 
+def handle(handler: Handler, message: Message, conn: Connection) -> None:
+    """Run ``handler`` on one message, inside a span that continues the message's trace (its
+    ``traceparent`` header) when OpenTelemetry is installed; just the call without it."""
+    with tracing.consumer_span(message.headers, name=f"{message.exchange or '(default)'} process",
+                               attributes={"messaging.system": "rabbitmq",
+                                           "messaging.operation.type": "process",
+                                           "messaging.message.id": message.message_id,
+                                           "messaging.destination.name": message.exchange,
+                                           "messaging.rabbitmq.destination.routing_key":
+                                               message.routing_key}):  # fmt: skip
+        handler(message, conn)
+
+
 def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handler,
                batch_handler: BatchHandler | None = None) -> Outcome:  # fmt: skip
     """Handlers first, then the inbox rows of the window in one ``INSERT … ON CONFLICT DO
@@ -230,7 +244,7 @@ def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handle
                 continue
             started = time.perf_counter()
             try:
-                handler(held.message, conn)
+                handle(handler, held.message, conn)
             except Exception as exc:  # the handler's, classified below
                 window.done_running()
                 out.deduplicated.clear()
@@ -386,7 +400,7 @@ def _run_alone(conn: Connection, *, consumer: str, window: Window, handler: Hand
         out.outage, out.again = exc, [held]
         return out
     try:
-        handler(held.message, conn)
+        handle(handler, held.message, conn)
     except Exception as exc:  # the handler's, classified below
         window.done_running()
         if window.abandoned:
