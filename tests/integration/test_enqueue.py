@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import threading
 import time
 from typing import Any
 
@@ -276,3 +277,35 @@ async def test_a_commit_wakes_the_publisher_and_the_message_reaches_the_broker(
     assert took < 1.0, f"{took:.2f}s: the commit did not wake the publisher"
     seen = await consume_ids(amqp_url, topology["queue"], expect=3, idle=0.3)
     assert seen == {"m-0": 1, "m-1": 1, "m-2": 1}
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_an_id_committed_by_another_transaction_meanwhile_is_a_race_to_roll_back(
+    engine: Engine,
+) -> None:
+    """T1 holds m-1 uncommitted; T2's lookup cannot see it, its insert waits on T1's row and,
+    once T1 commits, violates the unique index: T2 learns it raced and rolls back."""
+    first = Session(engine)
+    first.begin()
+    enqueue(first, [msg(1)])
+    raced: list[BaseException] = []
+
+    def second() -> None:
+        with Session(engine) as session:
+            session.begin()
+            try:
+                enqueue(session, [msg(2), msg(1)])
+            except api.EnqueueRaced as exc:
+                raced.append(exc)
+                session.rollback()
+            else:
+                session.commit()
+
+    worker = threading.Thread(target=second)
+    worker.start()
+    time.sleep(0.5)  # the second insert now waits on m-1's row lock
+    first.commit()
+    first.close()
+    worker.join(10)
+    assert len(raced) == 1 and "one of these 2 message ids" in str(raced[0])
+    assert list(stored(engine)) == ["m-1"]  # the second transaction rolled back
