@@ -247,9 +247,9 @@ def _row(
 ) -> dict[str, Any]:
     if not isinstance(message, Message):
         raise ContentError(f"expected an outbox Message, got {type(message).__name__}")
-    headers = dict(message.headers) if message.headers is not None else {}
+    headers = _mapping(message.headers, what="headers") or {}
     headers.update(_trace_headers(message, context))
-    properties = dict(message.properties) if message.properties is not None else None
+    properties = _mapping(message.properties, what="properties")
     checked = check_row(
         exchange=message.exchange, routing_key=message.routing_key,
         message_id=message.message_id, body=message.body, content_type=message.content_type,
@@ -263,6 +263,14 @@ def _row(
         "ordering_key": _ordering_key(message.ordering_key),
         "not_before": _not_before(message.not_before),
     }  # fmt: skip
+
+
+def _mapping(value: object, *, what: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ContentError(f"{what} must be a mapping, got {type(value).__name__}")
+    return dict(value)
 
 
 def _trace_headers(message: Message, context: tracing.TraceContext | None) -> dict[str, str]:

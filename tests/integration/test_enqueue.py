@@ -118,6 +118,9 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
      "value of type date"),
     ("headers nested too deep", {"headers": {"a": {"a": {"a": {"a": {"a": {"a": {"a": {"a": {
         "a": 1}}}}}}}}}}, "nests deeper than 8 levels"),
+    ("headers not a mapping", {"headers": [("a", 1)]}, "headers must be a mapping, got list"),
+    ("properties as JSON text", {"properties": '{"type": "x"}'}, "properties must be a mapping, "
+     "got str"),
     ("unknown property", {"properties": {"colour": "red"}}, "unknown properties ['colour']"),
     ("bad priority", {"properties": {"priority": 300}}, "property priority must be one of 0..255"),
     ("bad expiration", {"properties": {"expiration": "soon"}}, "expiration must be milliseconds"),
