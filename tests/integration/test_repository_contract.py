@@ -13,6 +13,8 @@ import pytest
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
+from app.api.models import StatsOut
+from app.cli import render_stats
 from app.db import make_engine
 from app.outbox.enqueue import Message, enqueue
 from app.outbox.health import verdict
@@ -481,6 +483,10 @@ class TestDelayedDelivery:
         assert stats.oldest_pending_age_seconds is not None
         assert 19 < stats.oldest_pending_age_seconds < 30  # "due", not the delayed row
         assert verdict(stats).reasons[0] == "1 rows waiting and no publisher alive"
+        # what `outbox status` prints and GET /v1/stats returns, from these figures
+        assert "delayed (not due yet) 1, next due in 59m" in render_stats(stats)
+        shown = StatsOut.of(stats)
+        assert shown.delayed == 1 and shown.next_delayed_at == stats.next_delayed_at
         repo = OutboxRepository(engine, clock=now_clock)
         due = repo.claim(owner="p1", limit=10, lease_seconds=30)
         repo.mark_confirmed(owner="p1", ids=[r.id for r in due])
