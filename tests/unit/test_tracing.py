@@ -56,3 +56,16 @@ def test_importing_the_api_the_publisher_or_the_consumer_loads_no_opentelemetry(
         "assert not [m for m in sys.modules if m.startswith('opentelemetry')]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_the_trace_context_checks_are_pure() -> None:
+    """app.tracing is importable alone: no SQLAlchemy, no driver, no asyncio, no OpenTelemetry
+    until a function needs it."""
+    code = (
+        "import sys\n"
+        "import app.tracing\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in"
+        " ('sqlalchemy', 'psycopg', 'asyncio', 'opentelemetry', 'pamqp')]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
