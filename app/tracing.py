@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from app.outbox.content import ContentError
@@ -114,6 +114,32 @@ def consumer_span(
     with tracer.start_as_current_span(
         name, context=ctx, kind=trace.SpanKind.CONSUMER, attributes=dict(attributes)
     ):
+        yield
+
+
+@contextlib.contextmanager
+def linked_span(
+    many: Sequence[Mapping[str, Any]], *, name: str, attributes: Mapping[str, Any]
+) -> Iterator[None]:
+    """Run the body inside one CONSUMER span linked to the trace of each of ``many`` headers
+    that carries a ``traceparent`` (a batch has many parents: OpenTelemetry's answer is links);
+    a no-op without OpenTelemetry or without any traceparent."""
+    otel = _otel()
+    parents = [p for p in (_text(h.get(TRACEPARENT)) for h in many) if p] if otel else []
+    if otel is None or not parents:
+        yield
+        return
+    propagate, trace = otel
+    links = []
+    for parent in parents:
+        ctx = trace.get_current_span(propagate.extract({TRACEPARENT: parent})).get_span_context()
+        if ctx.is_valid:
+            links.append(trace.Link(ctx))
+    tracer = trace.get_tracer("outbox-sink.consumer")
+    with tracer.start_as_current_span(
+        name, kind=trace.SpanKind.CONSUMER, links=links,
+        attributes={**attributes, "messaging.batch.message_count": len(many)},
+    ):  # fmt: skip
         yield
 
 

@@ -199,6 +199,15 @@ def handle(handler: Handler, message: Message, conn: Connection) -> None:
         handler(message, conn)
 
 
+def handle_batch(handler: BatchHandler, messages: list[Message], conn: Connection) -> None:
+    """Run a batch handler inside one span linked to each message's trace (with
+    OpenTelemetry and at least one ``traceparent``; just the call without)."""
+    with tracing.linked_span([m.headers for m in messages], name="outbox batch process",
+                             attributes={"messaging.system": "rabbitmq",
+                                         "messaging.operation.type": "process"}):  # fmt: skip
+        handler(messages, conn)
+
+
 def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handler,
                batch_handler: BatchHandler | None = None) -> Outcome:  # fmt: skip
     """Handlers first, then the inbox rows of the window in one ``INSERT … ON CONFLICT DO
@@ -231,7 +240,7 @@ def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handle
             started = time.perf_counter()
             try:
                 if new:
-                    batch_handler([h.message for h in new.values()], conn)
+                    handle_batch(batch_handler, [h.message for h in new.values()], conn)
             except Exception as exc:  # one message of them: find it one by one
                 window.done_running()
                 out.deduplicated.clear()

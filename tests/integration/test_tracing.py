@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 from opentelemetry import trace
@@ -96,3 +96,41 @@ async def test_one_trace_from_enqueue_to_the_consumers_handler(
     mine = next(s for s in consumed if s.attributes["messaging.message.id"] == "traced")
     assert mine.parent is not None and f"{mine.parent.span_id:016x}" == span_id
     assert hex_ids(mine)[0] == trace_id
+
+
+async def test_a_batch_handler_runs_in_a_span_linked_to_each_messages_trace(
+    pg_url: str, amqp_url: str, spans: InMemorySpanExporter
+) -> None:
+    engine = make_engine(pg_url)
+    traces = {"b-1": "1" * 32, "b-2": "2" * 32}
+    handled: list[str] = []
+
+    def batch_handler(messages: Sequence[Delivered], _conn: Connection) -> None:
+        assert trace.get_current_span().is_recording()
+        handled.extend(m.message_id for m in messages)
+
+    try:
+        async with declared_queue(amqp_url, prefix="test-tracing") as queue:
+            with Session(engine) as session, session.begin():
+                enqueue(session, [
+                    Message(exchange="", routing_key=queue, body=b"{}", message_id=mid,
+                            traceparent=f"00-{tid}-{'3' * 16}-01")
+                    for mid, tid in traces.items()
+                ])  # fmt: skip
+            await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
+            consumer = Consumer(config=ConsumerConfig(name="batched", queue=queue),
+                                amqp_url=amqp_url, engine=engine,
+                                batch_handler=batch_handler)  # fmt: skip
+            stop = asyncio.Event()
+            task = asyncio.create_task(consumer.run(stop))
+            try:
+                await until(lambda: len(handled) == 2, timeout=30, what="both handled")
+            finally:
+                stop.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(task, 30)
+    finally:
+        engine.dispose()
+    batches = [s for s in spans.get_finished_spans() if s.name == "outbox batch process"]
+    linked = {f"{link.context.trace_id:032x}" for s in batches for link in s.links}
+    assert batches and linked == set(traces.values())
