@@ -248,7 +248,8 @@ def _row(
     if not isinstance(message, Message):
         raise ContentError(f"expected an outbox Message, got {type(message).__name__}")
     headers = _mapping(message.headers, what="headers") or {}
-    headers.update(_trace_headers(message, context))
+    if message.traceparent is not None or tracing.TRACEPARENT not in headers:
+        headers.update(_trace_headers(message, context))  # a traceparent header of its own stays
     properties = _mapping(message.properties, what="properties")
     checked = check_row(
         exchange=message.exchange, routing_key=message.routing_key,
@@ -312,15 +313,22 @@ def differing(stored: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
 
 
 def _content(column: str, value: Any) -> Any:
+    """A column's value as compared. A stored JSON column that is not an object (a row someone
+    wrote by hand) compares as itself: it differs from any message, never crashes the call."""
     if column == "body" and value is not None:
         return bytes(value)
     if column in ("headers", "properties"):
         if isinstance(value, str | bytes):
-            value = json.loads(value)
-        value = dict(value or {})
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return ("unreadable", value)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            return ("not an object", value)
         if column == "headers":
-            value = {k: v for k, v in value.items() if k not in TRACE_HEADERS}
-        return value
+            return {k: v for k, v in value.items() if k not in TRACE_HEADERS}
     return value
 
 

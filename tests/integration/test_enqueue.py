@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, func, make_url, select
+from sqlalchemy import Engine, func, make_url, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -312,3 +312,16 @@ def test_an_id_committed_by_another_transaction_meanwhile_is_a_race_to_roll_back
     worker.join(10)
     assert len(raced) == 1 and "one of these 2 message ids" in str(raced[0])
     assert list(stored(engine)) == ["m-1"]  # the second transaction rolled back
+
+
+def test_a_hand_written_row_with_odd_json_is_a_conflict_not_a_crash(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body,"
+                          " headers) VALUES ('m-1', 'by-hand', 'orders', 'order.created',"
+                          " :body, '[1, 2]')"), {"body": b'{"n": "1"}'})  # fmt: skip
+    with (
+        Session(engine) as session,
+        session.begin(),
+        pytest.raises(MessageConflict, match="another headers"),
+    ):
+        enqueue(session, [msg(1)])

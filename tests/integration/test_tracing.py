@@ -69,6 +69,8 @@ async def test_one_trace_from_enqueue_to_the_consumers_handler(
                     Message(exchange="", routing_key=queue, body=b"{}", message_id="given",
                             traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
                             tracestate="vendor=x"),
+                    Message(exchange="", routing_key=queue, body=b"{}", message_id="header",
+                            headers={"traceparent": "00-" + "4" * 32 + "-" + "5" * 16 + "-01"}),
                 ])  # fmt: skip
             trace_id, span_id = hex_ids(request)  # type: ignore[arg-type]
             with engine.connect() as conn:
@@ -76,23 +78,24 @@ async def test_one_trace_from_enqueue_to_the_consumers_handler(
             assert list(headers["traced"]) == ["traceparent"]  # flags: the SDK's (01 or 03)
             assert headers["traced"]["traceparent"].startswith(f"00-{trace_id}-{span_id}-")
             assert headers["given"]["tracestate"] == "vendor=x"
+            assert headers["header"] == {"traceparent": "00-" + "4" * 32 + "-" + "5" * 16 + "-01"}
             await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
             consumer = Consumer(config=ConsumerConfig(name="traced", queue=queue),
                                 amqp_url=amqp_url, engine=engine, handler=handler)  # fmt: skip
             stop = asyncio.Event()
             task = asyncio.create_task(consumer.run(stop))
             try:
-                await until(lambda: len(seen) == 2, timeout=30, what="both deliveries handled")
+                await until(lambda: len(seen) == 3, timeout=30, what="every delivery handled")
             finally:
                 stop.set()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(task, 30)
     finally:
         engine.dispose()
-    assert dict(seen) == {"traced": trace_id, "given": "1" * 32}
+    assert dict(seen) == {"traced": trace_id, "given": "1" * 32, "header": "4" * 32}
     finished = {s.name: s for s in spans.get_finished_spans()}
     consumed = [s for s in spans.get_finished_spans() if s.kind == trace.SpanKind.CONSUMER]
-    assert len(consumed) == 2 and "POST /orders" in finished
+    assert len(consumed) == 3 and "POST /orders" in finished
     mine = next(s for s in consumed if s.attributes["messaging.message.id"] == "traced")
     assert mine.parent is not None and f"{mine.parent.span_id:016x}" == span_id
     assert hex_ids(mine)[0] == trace_id
