@@ -76,6 +76,20 @@ from app.outbox.content import (
 )
 from app.outbox.schema import outbox
 
+__all__ = [
+    "EnqueueError",
+    "EnqueueRaced",
+    "Enqueued",
+    "InvalidMessage",
+    "Limits",
+    "Message",
+    "MessageConflict",
+    "enqueue",
+    "enqueue_async",
+    "enqueue_collector",
+    "enqueue_psycopg",
+]
+
 log = logging.getLogger(__name__)
 
 #: The default ``batch_id`` of application messages (the Spark writer's are ``sink:batch``).
