@@ -106,6 +106,7 @@ def render_stats(s: queries.OutboxStats) -> str:
         f"operator republished  {s.operator_republished}",
         f"parked (uncommitted)  {s.parked}"
         + (f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else ""),
+        f"delayed (not due yet) {s.delayed}" + _next_delayed(s),
         "",
         f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known",
     ]
@@ -117,6 +118,12 @@ def render_stats(s: queries.OutboxStats) -> str:
     if pubs:
         lines.append(plain_table(["publisher", "host", "pid", "heartbeat", "state"], pubs))
     return "\n".join(lines)
+
+
+def _next_delayed(s: queries.OutboxStats) -> str:
+    if not s.delayed or s.next_delayed_at is None:
+        return ""
+    return f", next due in {duration((s.next_delayed_at - s.at).total_seconds())}"
 
 
 def show_stats(s: queries.OutboxStats) -> None:
@@ -135,6 +142,7 @@ def show_stats(s: queries.OutboxStats) -> None:
         ("operator republished", str(s.operator_republished)),
         ("parked (uncommitted Spark batches)", str(s.parked) + (
             f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else "")),
+        ("delayed (not due yet)", str(s.delayed) + _next_delayed(s)),
     ])  # fmt: skip
     if s.blocked_publishers:
         say(f"BROKER BLOCKED for {', '.join(s.blocked_publishers)}", level="CRITICAL")

@@ -57,6 +57,12 @@ TARGETS = [
      "consume_inbox_loop_per_message", 4.0),
     ("ratio_consume_kit_batch_handler_vs_aio_pika_manual_ack", "consume_kit_batch_handler",
      "consume_aio_pika_manual_ack", 0.6),
+    # the application API: 10,000 messages in one transaction at most 1.2 x the hand-written
+    # executemany (times in ms, so the ratio is raw / API >= 1 / 1.2)
+    ("ratio_enqueue_raw_executemany_vs_api", "enqueue_raw_executemany_10k_ms",
+     "enqueue_api_10k_ms", 0.83),
+    ("ratio_enqueue_raw_psycopg_vs_api_psycopg", "enqueue_raw_psycopg_executemany_10k_ms",
+     "enqueue_psycopg_10k_ms", 0.83),
 ]  # fmt: skip
 RSS_GROWTH_LIMIT_PCT = 10.0
 #: Confirm latency at 50 % of the drain rate: (key, at most)
@@ -119,7 +125,7 @@ class Bench:
         )
 
     def run(self) -> None:
-        from bench.workloads import baselines, ceiling, consume, drain, operate
+        from bench.workloads import baselines, ceiling, consume, drain, enqueue, operate
 
         s, z = self.services, self.sizes
         self.group("baselines", lambda: baselines.run(s, z))
@@ -130,6 +136,7 @@ class Bench:
         self.group("spark", lambda: _spark(s, z))
         self.group("consume", lambda: consume.run(s, z))
         self.group("operate", lambda: operate.run(s, z))
+        self.group("enqueue", lambda: enqueue.run(s, z))
 
     def _latency(self) -> list[Measured]:
         """The product's confirm latency at half the drain rate, and the broker's own at the same

@@ -76,6 +76,11 @@ class SnapshotCollector(Collector):
             value=snap.parked,
         )
         yield GaugeMetricFamily(
+            "outbox_delayed_rows",
+            "Pending rows whose delivery time (not_before) is still ahead: delayed, not late.",
+            value=snap.delayed,
+        )
+        yield GaugeMetricFamily(
             "outbox_oldest_parked_age_seconds",
             "Age of the oldest parked row (0 when none): a driver died before its commit.",
             value=snap.oldest_parked_age_seconds or 0.0,

@@ -143,7 +143,8 @@ class StatsOut(BaseModel):
         "200,000 rows is not counted row by row; every other count is exact."
     )
     oldest_pending_age_seconds: float | None = Field(
-        description="Seconds since the oldest pending row was written."
+        description="Seconds since the oldest pending row was due: written, or its not_before "
+        "when later. Delayed rows (not due yet) are not counted here."
     )
     oldest_in_flight_age_seconds: float | None = Field(
         description="Seconds since the oldest unconfirmed publish was sent."
@@ -161,6 +162,14 @@ class StatsOut(BaseModel):
     )
     oldest_parked_age_seconds: float | None = Field(
         default=None, description="Seconds since the oldest parked row was written."
+    )
+    delayed: int = Field(
+        default=0,
+        description="Pending rows whose delivery time (not_before) is still ahead: delayed "
+        "delivery, not late. Counted in counts.pending.",
+    )
+    next_delayed_at: dt.datetime | None = Field(
+        default=None, description="The earliest delivery time of the delayed rows."
     )
     publishers_alive: int
     broker_blocked: bool = Field(
@@ -183,6 +192,7 @@ class StatsOut(BaseModel):
             possible_duplicates=s.possible_duplicates,
             operator_republished=s.operator_republished, publishers_alive=s.publishers_alive,
             parked=s.parked, oldest_parked_age_seconds=s.oldest_parked_age_seconds,
+            delayed=s.delayed, next_delayed_at=s.next_delayed_at,
             broker_blocked=bool(s.blocked_publishers),
             publishers=[
                 PublisherOut(
@@ -279,6 +289,9 @@ class MessageOut(BaseModel):
     max_attempts: int
     lost_confirms: int
     available_at: dt.datetime
+    not_before: dt.datetime | None = Field(
+        default=None, description="Delayed delivery: not published before this time."
+    )
     lease_owner: str | None
     lease_until: dt.datetime | None
     claimed_at: dt.datetime | None

@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from app import tracing
 from app.consumer import inbox
 from app.consumer.inbox import BatchHandler, Handler, Message
 
@@ -185,6 +186,28 @@ def _describe(exc: BaseException) -> str:
 # ---------------------------------------------------------------- a window, one transaction
 
 
+def handle(handler: Handler, message: Message, conn: Connection) -> None:
+    """Run ``handler`` on one message, inside a span that continues the message's trace (its
+    ``traceparent`` header) when OpenTelemetry is installed; just the call without it."""
+    with tracing.consumer_span(message.headers, name=f"{message.exchange or '(default)'} process",
+                               attributes={"messaging.system": "rabbitmq",
+                                           "messaging.operation.type": "process",
+                                           "messaging.message.id": message.message_id,
+                                           "messaging.destination.name": message.exchange,
+                                           "messaging.rabbitmq.destination.routing_key":
+                                               message.routing_key}):  # fmt: skip
+        handler(message, conn)
+
+
+def handle_batch(handler: BatchHandler, messages: list[Message], conn: Connection) -> None:
+    """Run a batch handler inside one span linked to each message's trace (with
+    OpenTelemetry and at least one ``traceparent``; just the call without)."""
+    with tracing.linked_span([m.headers for m in messages], name="outbox batch process",
+                             attributes={"messaging.system": "rabbitmq",
+                                         "messaging.operation.type": "process"}):  # fmt: skip
+        handler(messages, conn)
+
+
 def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handler,
                batch_handler: BatchHandler | None = None) -> Outcome:  # fmt: skip
     """Handlers first, then the inbox rows of the window in one ``INSERT … ON CONFLICT DO
@@ -217,7 +240,7 @@ def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handle
             started = time.perf_counter()
             try:
                 if new:
-                    batch_handler([h.message for h in new.values()], conn)
+                    handle_batch(batch_handler, [h.message for h in new.values()], conn)
             except Exception as exc:  # one message of them: find it one by one
                 window.done_running()
                 out.deduplicated.clear()
@@ -230,7 +253,7 @@ def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handle
                 continue
             started = time.perf_counter()
             try:
-                handler(held.message, conn)
+                handle(handler, held.message, conn)
             except Exception as exc:  # the handler's, classified below
                 window.done_running()
                 out.deduplicated.clear()
@@ -386,7 +409,7 @@ def _run_alone(conn: Connection, *, consumer: str, window: Window, handler: Hand
         out.outage, out.again = exc, [held]
         return out
     try:
-        handler(held.message, conn)
+        handle(handler, held.message, conn)
     except Exception as exc:  # the handler's, classified below
         window.done_running()
         if window.abandoned:

@@ -40,7 +40,7 @@ class Verdict:
 def verdict(stats: OutboxStats, limits: Thresholds = Thresholds()) -> Verdict:
     crit: list[str] = []
     warn: list[str] = []
-    open_rows = (stats.counts.get(Status.PENDING, 0) - stats.parked
+    open_rows = (stats.counts.get(Status.PENDING, 0) - stats.parked - stats.delayed
                  + stats.counts.get(Status.IN_FLIGHT, 0))  # fmt: skip
     if open_rows and stats.publishers_alive == 0:
         crit.append(f"{open_rows} rows waiting and no publisher alive")

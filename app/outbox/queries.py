@@ -148,6 +148,10 @@ class OutboxStats:
     #: recorded, removed when it fails; left by a driver that died in between
     parked: int = 0
     oldest_parked_age_seconds: float | None = None
+    #: pending rows whose delivery time (``not_before``) is still ahead: not late, not counted
+    #: in the oldest pending age; and the earliest of those times
+    delayed: int = 0
+    next_delayed_at: dt.datetime | None = None
 
     @property
     def publishers_alive(self) -> int:
@@ -249,14 +253,38 @@ def parked_rows(conn: Connection, *, now: dt.datetime) -> tuple[int, float | Non
     return count, age_seconds(oldest, now)
 
 
+def delayed_rows(conn: Connection, *, now: dt.datetime) -> tuple[int, dt.datetime | None]:
+    """(pending rows whose ``not_before`` is still ahead, the earliest such time): delayed
+    delivery, not late. Reads only ``ix_outbox_delayed``."""
+    count, first = conn.execute(
+        select(func.count(), func.min(outbox.c.not_before)).where(
+            outbox.c.status == Status.PENDING,
+            outbox.c.not_before.is_not(None),
+            outbox.c.not_before > now,
+        )
+    ).one()
+    return int(count), first
+
+
+def _due_since() -> ColumnElement[dt.datetime]:
+    """Since when a pending row could have been published: its creation, or its ``not_before``
+    when that came later (a delayed row is late only from its delivery time on)."""
+    return case(
+        (outbox.c.not_before > outbox.c.created_at, outbox.c.not_before),
+        else_=outbox.c.created_at,
+    )
+
+
 def oldest_ages(conn: Connection, *, now: dt.datetime) -> tuple[float | None, float | None]:
-    """(age of the oldest pending row since it was created, age of the oldest in-flight row
-    since it was sent, or claimed when not sent yet), in seconds. Parked rows and rows of held
-    batches are not waiting for a publisher: they have their own figure (:func:`parked_rows`)."""
-    pending = select(func.min(outbox.c.created_at)).where(
+    """(age of the oldest pending row since it was due (created, or its ``not_before`` when
+    later), age of the oldest in-flight row since it was sent, or claimed when not sent yet), in
+    seconds. Parked rows and rows of held batches are not waiting for a publisher: they have
+    their own figure (:func:`parked_rows`); nor are delayed rows (:func:`delayed_rows`)."""
+    pending = select(func.min(_due_since())).where(
         outbox.c.status == Status.PENDING,
         outbox.c.available_at < PARKED_FROM,
         outbox.c.batch_id.not_in(select(held.c.batch_id)),  # see OutboxRepository._due
+        or_(outbox.c.not_before.is_(None), outbox.c.not_before <= now),
     )
     in_flight = select(func.min(_held_since())).where(outbox.c.status == Status.IN_FLIGHT)
     return (
@@ -335,12 +363,15 @@ def read_stats(
         lat = confirm_latencies(conn, now=now, window=latency_window, max_rows=latency_rows)
         counts, lost, estimated = status_counts(conn)
         parked, parked_age = parked_rows(conn, now=now)
+        delayed, next_delayed = delayed_rows(conn, now=now)
         return OutboxStats(
             at=now,
             counts=counts,
             confirmed_estimated=estimated,
             parked=parked,
             oldest_parked_age_seconds=parked_age,
+            delayed=delayed,
+            next_delayed_at=next_delayed,
             oldest_pending_age_seconds=pending_age,
             oldest_in_flight_age_seconds=in_flight_age,
             confirm_latency=summarize_latency(lat, window=latency_window),
@@ -643,6 +674,7 @@ class MessageRecord:
     max_attempts: int
     lost_confirms: int
     available_at: dt.datetime
+    not_before: dt.datetime | None
     lease_owner: str | None
     lease_until: dt.datetime | None
     claimed_at: dt.datetime | None
@@ -1001,6 +1033,7 @@ class MetricsSnapshot:
     publishers_known: int
     parked: int = 0
     oldest_parked_age_seconds: float | None = None
+    delayed: int = 0
 
 
 def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) -> MetricsSnapshot:
@@ -1014,9 +1047,11 @@ def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) ->
         )  # fmt: skip
         counts, lost, _estimated = status_counts(conn)
         parked, parked_age = parked_rows(conn, now=now)
+        delayed, _next = delayed_rows(conn, now=now)
         return MetricsSnapshot(
             counts=counts, oldest_pending_age_seconds=pending_age,
             oldest_in_flight_age_seconds=in_flight_age, possible_duplicates=lost,
             operator_republished=operator_republished(conn), publishers_alive=alive,
             publishers_known=len(pubs), parked=parked, oldest_parked_age_seconds=parked_age,
+            delayed=delayed,
         )  # fmt: skip

@@ -38,6 +38,8 @@ STATUS_VALUES = ", ".join(f"'{s.value}'" for s in Status)
 KEY_OPEN = "ordering_key IS NOT NULL AND status NOT IN ('confirmed', 'skipped')"
 #: Rows set aside: terminal failures and operator skips (few next to confirmed rows).
 SETTLED_ASIDE = "status IN ('returned', 'nacked', 'failed', 'skipped')"
+#: Pending rows with a delivery time of their own (delayed delivery; few next to the outbox).
+DELAYED = "status = 'pending' AND not_before IS NOT NULL"
 #: Rows whose confirm was lost at least once (possible duplicates).
 LOST = "lost_confirms > 0"
 #: ``BIGINT`` identity on PostgreSQL, ``INTEGER PRIMARY KEY`` (the rowid) on SQLite.
@@ -90,6 +92,9 @@ outbox = Table(
     Column("max_attempts", Integer, nullable=False, server_default=text("10")),
     Column("lost_confirms", Integer, nullable=False, server_default=text("0")),
     Column("available_at", UTCDateTime, nullable=False, server_default=_now()),
+    # delayed delivery: never published before this time (the writer also sets available_at to
+    # it, so the claim's walk of ix_outbox_due never reads a row that is not due yet)
+    Column("not_before", UTCDateTime),
     Column("lease_owner", Text),
     Column("lease_until", UTCDateTime),
     # when the current attempt was claimed: a row claimed and not yet published (the broker
@@ -120,6 +125,14 @@ outbox = Table(
         "id",
         postgresql_where=text("status = 'pending'"),
         sqlite_where=text("status = 'pending'"),
+    ),
+    # Delayed rows still pending, by delivery time: operators count the rows not due yet apart
+    # from late ones without reading the table. A row leaves it when it is claimed.
+    Index(
+        "ix_outbox_delayed",
+        "not_before",
+        postgresql_where=text(DELAYED),
+        sqlite_where=text(DELAYED),
     ),
     Index(
         "ix_outbox_lease",

@@ -11,8 +11,14 @@ import threading
 
 import pytest
 from sqlalchemy import Engine, func, select, update
+from sqlalchemy.orm import Session
 
+from app.api.models import StatsOut
+from app.cli import render_stats
 from app.db import make_engine
+from app.outbox.enqueue import Message, enqueue
+from app.outbox.health import verdict
+from app.outbox.queries import metrics_snapshot, read_stats
 from app.outbox.records import Backoff, Published, ReturnedRow
 from app.outbox.repository import OutboxRepository, PublisherLocked, RepublishFilter
 from app.outbox.schema import audit, outbox, publishers
@@ -406,3 +412,83 @@ class TestRepositoryContract:
             "returned", 312, 7, sent)  # fmt: skip
         assert (rb["reply_text"], rb["published_at"]) == ("NO_CONSUMERS", None)
         assert rb["last_error"] == "returned by broker: 313 NO_CONSUMERS"
+
+
+class TestDelayedDelivery:
+    """Rows with a delivery time (``not_before``), written by the application API as production
+    writes them; the repository's clock set from the real time, since the API takes the
+    database's clock for rows without a delay."""
+
+    @pytest.fixture
+    def now_clock(self) -> Clock:
+        clock = Clock()
+        clock.now = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+        return clock
+
+    def enqueue(self, engine: Engine, *messages: tuple[str, float | None, str | None]) -> None:
+        """(message_id, delay in seconds or None, ordering key) each."""
+        now = dt.datetime.now(dt.UTC)
+        with Session(engine) as session, session.begin():
+            enqueue(session, [
+                Message(exchange="ex", routing_key="rk", body=b"x", message_id=mid,
+                        ordering_key=key,
+                        not_before=None if delay is None else now + dt.timedelta(seconds=delay))
+                for mid, delay, key in messages
+            ])  # fmt: skip
+
+    @staticmethod
+    def claimed(repo: OutboxRepository) -> list[str]:
+        return [r.message_id for r in repo.claim(owner="p1", limit=10, lease_seconds=30)]
+
+    def test_the_claim_skips_rows_not_due_and_takes_them_at_their_time(
+        self, engine: Engine, now_clock: Clock
+    ) -> None:
+        repo = OutboxRepository(engine, clock=now_clock)
+        self.enqueue(engine, ("d60", 60, None), ("now", None, None), ("d120", 120, None))
+        assert self.claimed(repo) == ["now"]
+        assert self.claimed(repo) == []
+        now_clock.advance(61)
+        assert self.claimed(repo) == ["d60"]
+        now_clock.advance(60)
+        assert self.claimed(repo) == ["d120"]
+
+    def test_a_delayed_row_holds_the_later_rows_of_its_key(
+        self, engine: Engine, now_clock: Clock
+    ) -> None:
+        repo = OutboxRepository(engine, clock=now_clock)
+        self.enqueue(engine, ("k1-delayed", 60, "k"), ("k2", None, "k"), ("j1", None, "j"))
+        assert self.claimed(repo) == ["j1"]  # k2 waits behind its key's delayed head
+        now_clock.advance(61)
+        head = repo.claim(owner="p1", limit=10, lease_seconds=30)
+        assert [r.message_id for r in head] == ["k1-delayed"]
+        assert self.claimed(repo) == []
+        repo.mark_confirmed(owner="p1", ids=[head[0].id])
+        assert self.claimed(repo) == ["k2"]
+
+    def test_operators_see_delayed_rows_apart_from_late_ones(
+        self, engine: Engine, now_clock: Clock
+    ) -> None:
+        self.enqueue(engine, ("later", 3600, None), ("due", None, None))
+        stats = read_stats(engine, now=now_clock.now + dt.timedelta(seconds=20), alive_after=30,
+                           latency_window=dt.timedelta(minutes=5), latency_rows=100)  # fmt: skip
+        assert stats.counts[Status.PENDING] == 2 and stats.delayed == 1
+        assert stats.next_delayed_at is not None
+        assert 3500 < (stats.next_delayed_at - stats.at).total_seconds() < 3600
+        assert stats.oldest_pending_age_seconds is not None
+        assert 19 < stats.oldest_pending_age_seconds < 30  # "due", not the delayed row
+        assert verdict(stats).reasons[0] == "1 rows waiting and no publisher alive"
+        # what `outbox status` prints and GET /v1/stats returns, from these figures
+        assert "delayed (not due yet) 1, next due in 59m" in render_stats(stats)
+        shown = StatsOut.of(stats)
+        assert shown.delayed == 1 and shown.next_delayed_at == stats.next_delayed_at
+        repo = OutboxRepository(engine, clock=now_clock)
+        due = repo.claim(owner="p1", limit=10, lease_seconds=30)
+        repo.mark_confirmed(owner="p1", ids=[r.id for r in due])
+        # an hour and a minute on, the delayed row is late by a minute, not by its whole life
+        late = read_stats(engine, now=now_clock.now + dt.timedelta(seconds=3660), alive_after=30,
+                          latency_window=dt.timedelta(minutes=5), latency_rows=100)  # fmt: skip
+        assert late.delayed == 0 and late.next_delayed_at is None
+        assert late.oldest_pending_age_seconds is not None
+        assert 55 < late.oldest_pending_age_seconds < 70, late.oldest_pending_age_seconds
+        snap = metrics_snapshot(engine, now=now_clock.now, alive_after=30)
+        assert snap.delayed == 1

@@ -1,0 +1,89 @@
+"""The FastAPI example of docs/examples/orders_service.py, run as documented: an order and its
+event commit together (the real publisher delivers the event to a real broker), an order the
+database refuses leaves no message, and a retried request leaves one message."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from types import ModuleType
+
+import aio_pika
+import httpx
+import pytest
+from sqlalchemy import select
+
+from app.db import make_engine
+from app.outbox.schema import outbox
+from tests.conftest import REPO
+from tests.publisher_support import declare, delete, run_until_empty, settings_for
+
+EXAMPLE = REPO / "docs" / "examples" / "orders_service.py"
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("orders_service_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+async def orders_topology(amqp_url: str) -> AsyncIterator[dict[str, str]]:
+    names = {"exchange": f"test-orders-{uuid.uuid4().hex[:8]}"}
+    names["queue"] = names["exchange"] + "-q"
+    await declare(amqp_url, exchange=names["exchange"], queue=names["queue"],
+                  routing_key="order.created")  # fmt: skip
+    yield names
+    await delete(amqp_url, exchanges=(names["exchange"],), queues=(names["queue"],))
+
+
+async def test_an_order_and_its_event_commit_together_or_not_at_all(
+    pg_url: str, amqp_url: str, orders_topology: dict[str, str]
+) -> None:
+    service = load_example()
+    app = service.create_app(database_url=pg_url, exchange=orders_topology["exchange"])
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://orders.test") as client:
+
+        async def post(order_id: str, quantity: int) -> tuple[int, dict[str, object]]:
+            r = await client.post("/orders", json={"order_id": order_id, "item": "book",
+                                                   "quantity": quantity})  # fmt: skip
+            return r.status_code, r.json()
+
+        created = await post("o-1", 2)
+        refused = await post("o-2", 0)  # the table's CHECK refuses it
+        retried = await post("o-1", 2)  # a client retry after a timeout
+        changed = await post("o-1", 5)  # the same order id, other content
+    assert created == (201, {"order_id": "o-1", "event_message_id": "order-o-1-created",
+                             "duplicate": False})  # fmt: skip
+    assert refused[0] == 422
+    assert retried[0] == 201 and retried[1]["duplicate"] is True
+    assert changed[0] == 409 and "order-o-1-created" in str(changed[1]["detail"])
+    engine = make_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            ids = conn.execute(select(outbox.c.message_id)).scalars().all()
+            orders = conn.execute(select(service.orders.c.order_id)).scalars().all()
+        assert ids == ["order-o-1-created"] and orders == ["o-1"]
+        settings = settings_for(db_url=pg_url, amqp_url=amqp_url)
+        stats = await run_until_empty(settings, engine)
+        assert stats.confirmed == 1
+    finally:
+        engine.dispose()
+        app.state.engine.dispose()
+    conn = await aio_pika.connect(amqp_url)
+    async with conn:
+        queue = await (await conn.channel()).get_queue(orders_topology["queue"], ensure=False)
+        got = await queue.get(timeout=10)
+        await got.ack()
+        assert got.message_id == "order-o-1-created" and got.type == "order.created"
+        assert json.loads(got.body) == {"order_id": "o-1", "item": "book", "quantity": 2}
+        await asyncio.sleep(0.5)
+        assert await queue.get(fail=False) is None  # one message: no refused, no retried one

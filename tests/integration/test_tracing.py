@@ -1,0 +1,139 @@
+"""One trace from the application's enqueue to the consumer's handler: the ``traceparent`` of
+the span current at enqueue is written into the row, published as an AMQP header by the real
+publisher, and the consumer kit runs the handler in a span of the same trace (OpenTelemetry's
+SDK with its in-memory exporter)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import Connection, select
+from sqlalchemy.orm import Session
+
+from app.consumer import Consumer, ConsumerConfig
+from app.consumer.inbox import Message as Delivered
+from app.db import make_engine
+from app.outbox.enqueue import Message, enqueue
+from app.outbox.schema import outbox
+from tests.consumer_support import declared_queue, until
+from tests.publisher_support import run_until_empty, settings_for
+
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """The process's tracer provider (set once: OpenTelemetry refuses to replace it)."""
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        trace.set_tracer_provider(provider)
+    _EXPORTER.clear()
+    yield _EXPORTER
+    _EXPORTER.clear()
+
+
+def hex_ids(span: ReadableSpan) -> tuple[str, str]:
+    ctx = span.get_span_context()
+    assert ctx is not None
+    return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+
+
+async def test_one_trace_from_enqueue_to_the_consumers_handler(
+    pg_url: str, amqp_url: str, spans: InMemorySpanExporter
+) -> None:
+    engine = make_engine(pg_url)
+    seen: list[tuple[str, str]] = []
+
+    def handler(message: Delivered, _conn: Connection) -> None:
+        current = trace.get_current_span().get_span_context()
+        seen.append((message.message_id, f"{current.trace_id:032x}"))
+
+    tracer = trace.get_tracer("test.orders")
+    try:
+        async with declared_queue(amqp_url, prefix="test-tracing") as queue:
+            with (
+                tracer.start_as_current_span("POST /orders") as request,
+                Session(engine) as session,
+                session.begin(),
+            ):
+                enqueue(session, [
+                    Message(exchange="", routing_key=queue, body=b"{}", message_id="traced"),
+                    Message(exchange="", routing_key=queue, body=b"{}", message_id="given",
+                            traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+                            tracestate="vendor=x"),
+                    Message(exchange="", routing_key=queue, body=b"{}", message_id="header",
+                            headers={"traceparent": "00-" + "4" * 32 + "-" + "5" * 16 + "-01"}),
+                ])  # fmt: skip
+            trace_id, span_id = hex_ids(request)  # type: ignore[arg-type]
+            with engine.connect() as conn:
+                headers = dict(conn.execute(select(outbox.c.message_id, outbox.c.headers)).all())
+            assert list(headers["traced"]) == ["traceparent"]  # flags: the SDK's (01 or 03)
+            assert headers["traced"]["traceparent"].startswith(f"00-{trace_id}-{span_id}-")
+            assert headers["given"]["tracestate"] == "vendor=x"
+            assert headers["header"] == {"traceparent": "00-" + "4" * 32 + "-" + "5" * 16 + "-01"}
+            await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
+            consumer = Consumer(config=ConsumerConfig(name="traced", queue=queue),
+                                amqp_url=amqp_url, engine=engine, handler=handler)  # fmt: skip
+            stop = asyncio.Event()
+            task = asyncio.create_task(consumer.run(stop))
+            try:
+                await until(lambda: len(seen) == 3, timeout=30, what="every delivery handled")
+            finally:
+                stop.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(task, 30)
+    finally:
+        engine.dispose()
+    assert dict(seen) == {"traced": trace_id, "given": "1" * 32, "header": "4" * 32}
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    consumed = [s for s in spans.get_finished_spans() if s.kind == trace.SpanKind.CONSUMER]
+    assert len(consumed) == 3 and "POST /orders" in finished
+    mine = next(s for s in consumed if s.attributes["messaging.message.id"] == "traced")
+    assert mine.parent is not None and f"{mine.parent.span_id:016x}" == span_id
+    assert hex_ids(mine)[0] == trace_id
+
+
+async def test_a_batch_handler_runs_in_a_span_linked_to_each_messages_trace(
+    pg_url: str, amqp_url: str, spans: InMemorySpanExporter
+) -> None:
+    engine = make_engine(pg_url)
+    traces = {"b-1": "1" * 32, "b-2": "2" * 32}
+    handled: list[str] = []
+
+    def batch_handler(messages: Sequence[Delivered], _conn: Connection) -> None:
+        assert trace.get_current_span().is_recording()
+        handled.extend(m.message_id for m in messages)
+
+    try:
+        async with declared_queue(amqp_url, prefix="test-tracing") as queue:
+            with Session(engine) as session, session.begin():
+                enqueue(session, [
+                    Message(exchange="", routing_key=queue, body=b"{}", message_id=mid,
+                            traceparent=f"00-{tid}-{'3' * 16}-01")
+                    for mid, tid in traces.items()
+                ])  # fmt: skip
+            await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
+            consumer = Consumer(config=ConsumerConfig(name="batched", queue=queue),
+                                amqp_url=amqp_url, engine=engine,
+                                batch_handler=batch_handler)  # fmt: skip
+            stop = asyncio.Event()
+            task = asyncio.create_task(consumer.run(stop))
+            try:
+                await until(lambda: len(handled) == 2, timeout=30, what="both handled")
+            finally:
+                stop.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(task, 30)
+    finally:
+        engine.dispose()
+    batches = [s for s in spans.get_finished_spans() if s.name == "outbox batch process"]
+    linked = {f"{link.context.trace_id:032x}" for s in batches for link in s.links}
+    assert batches and linked == set(traces.values())
