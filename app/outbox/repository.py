@@ -40,6 +40,7 @@ from sqlalchemy import (
     literal,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.exc import IntegrityError
@@ -88,6 +89,14 @@ class RepositoryError(Exception):
 class PublisherLocked(RepositoryError):
     """A second publisher tried to start on a SQLite outbox that another live publisher holds."""
 
+
+#: The unkeyed claim walks ix_outbox_due from the last row it claimed (PostgreSQL), not from
+#: the index's first entry: the entries of every row claimed since the last VACUUM stay in the
+#: index until it runs, and a walk from the start steps over all of them, a cost that grows with
+#: the traffic. Rows that land behind that floor (committed by a transaction older than the
+#: floor's row, a held batch released, a claim of another publisher rolled back, a row inserted
+#: with an old ``available_at``) wait for the next walk from the start: one every this long.
+CLAIM_REWALK = dt.timedelta(seconds=1)
 
 #: Before the unkeyed claim: walk ix_outbox_due in order, never a bitmap scan, a sequential
 #: scan or a sort, whatever the statistics say (see ``OutboxRepository.claim``).
@@ -237,7 +246,12 @@ class OutboxRepository:
         self.clock = clock
         self.dialect = engine.dialect.name
         self._local = threading.local()
-        self._claims: dict[bool, Any] = {}  # the claim statements, keyed and not, built once
+        # the claim statements (keyed, from a floor), built once
+        self._claims: dict[tuple[bool, bool], Any] = {}
+        #: the unkeyed claim's floor: (available_at, id) of the last row it took, and when it
+        #: last walked from the start (PostgreSQL; see CLAIM_REWALK)
+        self._floor: tuple[dt.datetime, int] | None = None
+        self._walked_at: dt.datetime | None = None
         self._updates: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}  # write-backs
 
     @contextmanager
@@ -428,11 +442,14 @@ class OutboxRepository:
 
     # ---------------------------------------------------------------- hot path
 
-    def _due(self, now: Any, limit: Any, *, keyed: bool) -> Select[tuple[int]]:
+    def _due(
+        self, now: Any, limit: Any, *, keyed: bool, floor: tuple[Any, Any] | None = None
+    ) -> Select[tuple[int]]:
         """Due pending rows, oldest first: rows without an ordering key, or (``keyed``) only the
         head of each ordering key, the first of its rows not yet confirmed or skipped. Never a
         row of a held batch (``outbox_held``: a Spark batch written but not yet recorded); a
-        held head holds its key back."""
+        held head holds its key back. ``floor``: only rows at or after this ``(available_at,
+        id)``, in the index's order (a range condition on ix_outbox_due)."""
         due = (
             select(outbox.c.id)
             .where(outbox.c.status == self._pending(keyed), outbox.c.available_at <= now)
@@ -448,6 +465,8 @@ class OutboxRepository:
             due = due.where(outbox.c.id.in_(select(_KEY_HEADS.c.id)))
         else:
             due = due.where(outbox.c.ordering_key.is_(None))
+        if floor is not None:
+            due = due.where(tuple_(outbox.c.available_at, outbox.c.id) >= tuple_(*floor))
         return due.with_for_update(skip_locked=True) if self.is_postgres else due
 
     @staticmethod
@@ -507,6 +526,9 @@ class OutboxRepository:
                     # is the only plan without a penalty, custom or generic. The keyed claim
                     # before it keeps the planner's choice.
                     conn.execute(_WALK_DUE_INDEX)
+                if not keyed and self.is_postgres:
+                    rows += self._claim_from_floor(conn, {**params, "claim_limit": left}, now)
+                    continue
                 stmt = self._claim_statement(keyed)
                 rows += conn.execute(stmt, {**params, "claim_limit": left}).all()
         claimed = [ClaimedRow._make(row) for row in rows]
@@ -520,14 +542,39 @@ class OutboxRepository:
             return conn.execute(_ANY_KEY_OPEN).first() is not None
         return conn.execute(_ANY_KEY_OPEN_ELSE_WALK).scalar() is not None
 
-    def _claim_statement(self, keyed: bool) -> Any:
+    def _claim_from_floor(
+        self, conn: Connection, params: dict[str, Any], now: dt.datetime
+    ) -> list[Any]:
+        """The unkeyed claim on PostgreSQL: from the floor, or from the start once per
+        :data:`CLAIM_REWALK` (and when there is no floor yet); the floor moves to the last row
+        taken. Rows come back with their ``available_at`` last, which is cut off here."""
+        floor, walked = self._floor, self._walked_at
+        floored = floor is not None and walked is not None and now - walked < CLAIM_REWALK
+        if floored:
+            assert floor is not None
+            params = {**params, "floor_at": floor[0], "floor_id": floor[1]}
+        else:
+            self._walked_at = now
+        got = conn.execute(self._claim_statement(False, floored=floored), params).all()
+        if got:
+            # the walk took every row it could up to this one (it skipped only rows locked by
+            # another claim or in a held batch): the next walk goes on from here
+            self._floor = max((row[-1], row[0]) for row in got)
+        return [row[:-1] for row in got]
+
+    def _claim_statement(self, keyed: bool, *, floored: bool = False) -> Any:
         """The claim, built once per repository and kind, its values bound: building it and
-        its cache key for every claim cost about 0.4 ms of Python, on the claim's path."""
-        stmt = self._claims.get(keyed)
+        its cache key for every claim is Python work on the claim's path. The unkeyed claim on
+        PostgreSQL also returns each row's ``available_at`` (for the floor)."""
+        stmt = self._claims.get((keyed, floored))
         if stmt is not None:
             return stmt
         now = bindparam("claim_now", type_=outbox.c.available_at.type)
-        due = self._due(now, bindparam("claim_limit", type_=Integer), keyed=keyed)
+        floor = None
+        if floored:
+            floor = (bindparam("floor_at", type_=outbox.c.available_at.type),
+                     bindparam("floor_id", type_=BigInteger))  # fmt: skip
+        due = self._due(now, bindparam("claim_limit", type_=Integer), keyed=keyed, floor=floor)
         if self.is_postgres:
             cte = due.cte("due")
             stmt = update(outbox).where(outbox.c.id == cte.c.id)
@@ -541,8 +588,10 @@ class OutboxRepository:
             channel_id=None,
             delivery_tag=None,
             claimed_at=now,
-        ).returning(*CLAIM_COLUMNS)
-        self._claims[keyed] = stmt
+        )
+        extra = (outbox.c.available_at,) if self.is_postgres and not keyed else ()
+        stmt = stmt.returning(*CLAIM_COLUMNS, *extra)
+        self._claims[(keyed, floored)] = stmt
         return stmt
 
     # -------------------------------------------- per-row values, one statement
