@@ -475,9 +475,8 @@ class OutboxRepository:
         prepared claim's generic plan (psycopg prepares it on its fifth run; PostgreSQL may keep
         that plan until the next ANALYZE) can prove ix_outbox_due's predicate and walk it.
         Keyed: bound. Written in, it let the keyed claim's generic plan walk ix_outbox_due and
-        join every row to the materialised key heads (5.5 million comparisons for 2,000 rows,
-        400-780 ms per claim: 2,450-4,859 rows/s in 5 of 11 runs with 10,000 keys). Bound, the
-        plan starts from the key heads (8,707-9,399 rows/s in 8 of 8 runs)."""
+        join every row to the materialised key heads (a comparison per due row and key head);
+        bound, the plan starts from the key heads."""
         if keyed:
             return Status.PENDING
         return literal(Status.PENDING.value, literal_execute=True)
@@ -509,22 +508,21 @@ class OutboxRepository:
                 if keyed and not self._any_key_open(conn):
                     # No open keyed row (a tiny partial index says so): skip the keyed claim.
                     # Without keys PostgreSQL's plan for it, once ANALYZE has seen the outbox,
-                    # walked every due row looking for a key head: 50-330 ms per claim.
+                    # walked every due row looking for a key head.
                     walking = self.is_postgres
                     continue
                 if not keyed and self.is_postgres and not walking:
                     # This claim must walk ix_outbox_due in order and stop after ``left`` rows.
                     # An outbox's statistics always lag its content (a queue: every row passes
                     # through in seconds). With a backlog written since the last ANALYZE,
-                    # PostgreSQL guessed ~200 due rows and chose a bitmap scan of every due row
-                    # and a sort (an external merge on disk): 25-50 ms per 500-row claim
-                    # instead of 10. The prepared claim's generic plan (kept by PostgreSQL once
-                    # chosen, until the next ANALYZE) was a sequential scan of the whole table
-                    # and a sort: 28 ms per claim at 7,300 rows/s, the confirm latency's p50 at
-                    # 64-124 ms instead of 23-34 (docs/performance.md). With 'pending' written
+                    # PostgreSQL guessed few due rows and chose a bitmap scan of every due row
+                    # and a sort; the prepared claim's generic plan (kept once chosen, until the
+                    # next ANALYZE) was a sequential scan of the whole table and a sort. Both
+                    # cost in proportion to the backlog, on every claim. With 'pending' written
                     # into the statement (``_due``) and these settings, the walk of the index
-                    # is the only plan without a penalty, custom or generic. The keyed claim
-                    # before it keeps the planner's choice.
+                    # is the only plan without a penalty, custom or generic
+                    # (tests/integration/test_claim_plan.py). The keyed claim before it keeps
+                    # the planner's choice.
                     conn.execute(_WALK_DUE_INDEX)
                 if not keyed and self.is_postgres:
                     rows += self._claim_from_floor(conn, {**params, "claim_limit": left}, now)
@@ -826,7 +824,7 @@ class OutboxRepository:
         if self.is_postgres:
             # step past rows a live (or frozen) publisher has locked: one UPDATE over all of
             # them waited on a frozen publisher's retry() for as long as it stayed frozen, and
-            # a dead publisher's rows waited with it (185 rows 27 s past their expiry)
+            # a dead publisher's rows waited with it
             pick = select(outbox.c.id).where(*expired).with_for_update(skip_locked=True)
             where = (outbox.c.id.in_(pick.scalar_subquery()),)
         stmt = (
