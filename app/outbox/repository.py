@@ -44,8 +44,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
+from app.outbox.queries import scope_conditions
 from app.outbox.records import Backoff, ClaimedRow, Published, RetryOutcome, ReturnedRow
 from app.outbox.schema import KEY_OPEN, audit, held, outbox, publishers
+from app.outbox.scope import RepublishFilter as RepublishFilter  # re-exported
 from app.outbox.states import TERMINAL_FAILURES, Status, check_transition
 
 Clock = Callable[[], dt.datetime]
@@ -132,39 +134,6 @@ FROM keys WHERE keys.k IS NOT NULL
     .columns(column("id", BigInteger))
     .subquery("key_heads")
 )
-
-
-@dataclass(frozen=True, slots=True)
-class RepublishFilter:
-    """Which terminal rows an operator moves back to ``pending``."""
-
-    batch_id: str | None = None
-    statuses: frozenset[Status] = TERMINAL_FAILURES
-    exchange: str | None = None
-    created_after: dt.datetime | None = None
-    created_before: dt.datetime | None = None
-    #: the rows of one ordering key (its blocking row: the key resumes behind it)
-    ordering_key: str | None = None
-
-    def __post_init__(self) -> None:
-        wrong = set(self.statuses) - TERMINAL_FAILURES
-        if wrong or not self.statuses:
-            names = ", ".join(sorted(s.value for s in TERMINAL_FAILURES))
-            raise ValueError(
-                f"republish takes statuses among {names}; got {sorted(wrong) or 'none'}"
-            )
-
-    def as_json(self) -> dict[str, Any]:
-        """As stored in the audit row (``ordering_key`` only when set: audit rows written before
-        it existed still compare equal, so their request ids still replay)."""
-        key = {} if self.ordering_key is None else {"ordering_key": self.ordering_key}
-        return key | {
-            "batch_id": self.batch_id,
-            "statuses": sorted(s.value for s in self.statuses),
-            "exchange": self.exchange,
-            "created_after": self.created_after.isoformat() if self.created_after else None,
-            "created_before": self.created_before.isoformat() if self.created_before else None,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -853,18 +822,7 @@ class OutboxRepository:
                                audit_id=row.id, replayed=True)  # fmt: skip
 
     def _filter_cond(self, flt: RepublishFilter) -> ColumnElement[bool]:
-        cond: ColumnElement[bool] = outbox.c.status.in_([s.value for s in flt.statuses])
-        if flt.batch_id is not None:
-            cond = and_(cond, outbox.c.batch_id == flt.batch_id)
-        if flt.exchange is not None:
-            cond = and_(cond, outbox.c.exchange == flt.exchange)
-        if flt.created_after is not None:
-            cond = and_(cond, outbox.c.created_at >= flt.created_after)
-        if flt.created_before is not None:
-            cond = and_(cond, outbox.c.created_at < flt.created_before)
-        if flt.ordering_key is not None:
-            cond = and_(cond, outbox.c.ordering_key == flt.ordering_key)
-        return cond
+        return and_(*scope_conditions(flt))
 
     def _republish(
         self, *, actor: str, flt: RepublishFilter, limit: int, dry_run: bool,
