@@ -32,12 +32,8 @@ from app.api.console.session import COOKIE, COOKIE_PATH, Session, SessionError, 
 from app.api.context import client_address, get_ctx
 from app.api.models import RepublishRequest
 from app.outbox import health, queries
-from app.outbox.repository import (
-    MAX_ACTOR,
-    RepublishFilter,
-    RequestIdReused,
-    has_control_characters,
-)
+from app.outbox.repository import MAX_ACTOR, RequestIdReused, has_control_characters
+from app.outbox.scope import CAUSE_LENGTH, CRITERIA, Scope, ScopeError
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 log = logging.getLogger("app.api.console")
@@ -396,6 +392,7 @@ def batches(request: Request) -> HTMLResponse:
 @router.get("/batches/{batch_id}")
 def batch(request: Request, batch_id: str) -> HTMLResponse:
     session = _session(request)
+    _path_id(batch_id, "batch id")
     found = queries.batch_summary(get_ctx(request).engine, batch_id=batch_id[:MAX_FIELD])
     if found is None:
         raise ConsoleError(404, f"There is no batch {batch_id!r}.")
@@ -419,12 +416,27 @@ def outstanding(request: Request) -> HTMLResponse:
     return render(request, "outstanding.html", session=session, page=page)
 
 
+#: Causes on one page of the failures view.
+CAUSES_PAGE = 50
+
+
 @router.get("/failures")
 def failures(request: Request) -> HTMLResponse:
     session = _session(request)
-    groups = queries.failures_by_cause(get_ctx(request).engine, limit=200)
-    return render(request, "failures.html", session=session, groups=groups,
-                  rows=sum(g.rows for g in groups))  # fmt: skip
+    number = _int_param(request, "page") or 1
+    found = queries.failures_page(get_ctx(request).engine, limit=CAUSES_PAGE,
+                                  offset=(number - 1) * CAUSES_PAGE)  # fmt: skip
+    last = max(1, -(-found.total_groups // CAUSES_PAGE))
+    if number > last:
+        raise ConsoleError(404, f"There is no page {number} of the failures: there are {last}.")
+    return render(request, "failures.html", session=session, found=found, number=number,
+                  last=last, statuses=REPUBLISH_STATUSES)  # fmt: skip
+
+
+def _path_id(value: str, what: str) -> None:
+    """An id from the path that no row can hold (a NUL: PostgreSQL's text refuses it)."""
+    if "\x00" in value:
+        raise ConsoleError(400, f"A {what} cannot hold a NUL character: check the link.")
 
 
 def _status_param(request: Request) -> Status | None:
@@ -439,32 +451,91 @@ def _status_param(request: Request) -> Status | None:
 
 
 SEARCH_FIELDS = ("batch_id", "exchange", "routing_key", "ordering_key", "reason")
+TIME_FIELDS = ("created_after", "created_before")
+
+
+def _time_param(request: Request, name: str) -> dt.datetime | None:
+    value = _param(request, name)
+    if value is None:
+        return None
+    try:
+        stamp = dt.datetime.fromisoformat(value)
+    except ValueError:
+        stamp = None
+    if stamp is None or stamp.tzinfo is None:
+        raise ConsoleError(400, f"The parameter {name!r} must be an ISO 8601 time with a zone "
+                           "(2026-11-24T10:00:00Z).")  # fmt: skip
+    return stamp.astimezone(dt.UTC)
+
+
+def _cause_param(request: Request) -> str | None:
+    """A failure group's cause, exactly as the failures view links it ("" is a cause)."""
+    if "cause" not in request.query_params:
+        return None
+    value = request.query_params["cause"]
+    if len(value) > CAUSE_LENGTH or "\x00" in value:
+        raise ConsoleError(400, f"The parameter 'cause' must be at most {CAUSE_LENGTH} "
+                           "characters, without a NUL.")  # fmt: skip
+    return value
+
+
+def _search_scope(request: Request) -> tuple[Scope, dict[str, Any]]:
+    """The search's scope, and its parameters as given (for links and the form)."""
+    status = _status_param(request)
+    fields: dict[str, Any] = {name: _param(request, name) for name in SEARCH_FIELDS}
+    times = {name: _time_param(request, name) for name in TIME_FIELDS}
+    cause = _cause_param(request)
+    try:
+        scope = Scope(statuses=frozenset({status}) if status else frozenset(), cause=cause,
+                      created_after=times["created_after"],
+                      created_before=times["created_before"], **fields)  # fmt: skip
+    except ScopeError as exc:
+        raise ConsoleError(400, f"The search is not valid: {exc}.") from None
+    shown = {k: v for k, v in fields.items() if v}
+    shown |= {k: v.isoformat() for k, v in times.items() if v}
+    if status:
+        shown["status"] = status.value
+    if cause is not None:
+        shown["cause"] = cause
+    return scope, shown
 
 
 @router.get("/messages")
 def messages(request: Request) -> HTMLResponse:
     session = _session(request)
-    status = _status_param(request)
-    fields = {name: _param(request, name) for name in SEARCH_FIELDS}
-    flt = queries.MessageFilter(
-        statuses=(status,) if status else (), batch_id=fields["batch_id"],
-        exchange=fields["exchange"], routing_key=fields["routing_key"],
-        ordering_key=fields["ordering_key"], reason=fields["reason"],
-    )  # fmt: skip
+    scope, shown = _search_scope(request)
+    engine = get_ctx(request).engine
     after = _int_param(request, "after")
-    page = queries.search_messages(get_ctx(request).engine, flt=flt, limit=PAGE, after=after)
+    page = queries.search_messages(engine, flt=scope, limit=PAGE, after=after)
+    total, more_than = queries.count_scope(engine, flt=scope)
     found = page.items
-    shown = {k: v for k, v in {**fields, "status": status.value if status else None}.items() if v}
     more = page.truncated or len(found) == PAGE
     nxt = {**shown, "after": found[-1].id} if more and found else None
     return render(request, "messages.html", session=session, found=found, shown=shown,
-                  status=status, statuses=list(Status), fields=fields, next=nxt)  # fmt: skip
+                  status=next(iter(scope.statuses), None), statuses=list(Status),
+                  fields=shown, next=nxt, total=total, more_than=more_than,
+                  described=scope.describe(), republish=_search_republish(scope))  # fmt: skip
+
+
+def _search_republish(scope: Scope) -> dict[str, Any] | None:
+    """The republish form fields of a search's terminal failures (None: it can hold none)."""
+    statuses = [s.value for s in scope.statuses] or list(REPUBLISH_STATUSES)
+    if not set(statuses) <= set(REPUBLISH_STATUSES):
+        return None
+    return {"statuses": sorted(statuses), **_as_fields(scope)}
+
+
+def _as_fields(scope: Scope) -> dict[str, Any]:
+    """A scope's conditions as form fields (times in ISO 8601)."""
+    return {name: value.isoformat() if isinstance(value, dt.datetime) else value
+            for name, value in scope.criteria().items()}  # fmt: skip
 
 
 @router.get("/messages/{message_id}")
 def message(request: Request, message_id: str) -> HTMLResponse:
     session = _session(request)
     ctx = get_ctx(request)
+    _path_id(message_id, "message id")
     found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD])
     if found is None:
         raise ConsoleError(404, f"There is no message {message_id!r}.")
@@ -511,7 +582,8 @@ def audit(request: Request) -> HTMLResponse:
 # ------------------------------------------------------------------------------ republish
 
 
-FILTER_FIELDS = ("batch_id", "exchange", "ordering_key", "created_after", "created_before")
+#: The conditions a republish form may carry (``cause`` is read as sent, spaces included).
+FILTER_FIELDS = tuple(name for name in CRITERIA if name != "cause")
 
 
 def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_run: bool
@@ -522,6 +594,8 @@ def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_ru
         value = _one(form, name)
         if value is not None:
             doc[name] = value
+    if "cause" in form:
+        doc["cause"] = form["cause"][0]
     statuses = [s for s in form.get("statuses", []) if s]
     unknown = [s for s in statuses if s not in REPUBLISH_STATUSES]
     if unknown:
@@ -534,17 +608,21 @@ def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_ru
     try:
         return RepublishRequest.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        problems = "; ".join(_problem(e) for e in exc.errors())
         raise ConsoleError(422, f"The republish filter is not valid: {problems}.") from None
 
 
+def _problem(error: Mapping[str, Any]) -> str:
+    where = ".".join(str(p) for p in error.get("loc", ()) if p != "__root__")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
 def _filter_fields(req: RepublishRequest) -> dict[str, Any]:
-    """The filter as form fields again (for the confirmation form)."""
-    fields: dict[str, Any] = {"statuses": list(req.statuses)}
-    for name in FILTER_FIELDS:
-        value = getattr(req, name)
-        if value is not None:
-            fields[name] = value.isoformat() if isinstance(value, dt.datetime) else value
+    """The filter as form fields again (for the confirmation form): every condition."""
+    flt = req.to_filter()
+    fields: dict[str, Any] = {"statuses": sorted(s.value for s in flt.statuses),
+                              **_as_fields(flt)}  # fmt: skip
     if req.all_failures:
         fields["all"] = "yes"
     return fields
@@ -570,7 +648,7 @@ async def republish_preview(request: Request) -> HTMLResponse:
     )  # fmt: skip
     return render(request, "republish_preview.html", session=session, result=result,
                   fields=_filter_fields(req), request_id=req.request_id,
-                  described=_describe(flt))  # fmt: skip
+                  described=flt.describe())  # fmt: skip
 
 
 @router.post("/republish")
@@ -591,22 +669,21 @@ async def republish(request: Request) -> HTMLResponse:
         )  # fmt: skip
     except RequestIdReused as exc:
         raise ConsoleError(409, str(exc)) from None
-    log.info("console: republish %s by %s (%s) moved %d rows, audit %s", req.request_id, actor,
-             session.principal, result.count, result.audit_id)  # fmt: skip
+    log.info("console: republish %s by %s (%s) moved %d of %d matching rows, audit %s, "
+             "filter %r", req.request_id, actor, session.principal, result.count,
+             result.matched, result.audit_id, flt.as_json())  # fmt: skip
     return render(request, "republish_done.html", session=session, result=result,
-                  request_id=req.request_id, described=_describe(flt),
+                  request_id=req.request_id, described=flt.describe(),
                   left=max(0, result.matched - result.count),
                   fields=_filter_fields(req))  # fmt: skip
 
 
-def _describe(flt: RepublishFilter) -> str:
-    parts = [f"status {' or '.join(sorted(s.value for s in flt.statuses))}"]
-    for label, value in (("batch", flt.batch_id), ("exchange", flt.exchange),
-                         ("ordering key", flt.ordering_key)):  # fmt: skip
-        if value is not None:
-            parts.append(f"{label} {value!r}")
-    if flt.created_after:
-        parts.append(f"created from {_when(flt.created_after)}")
-    if flt.created_before:
-        parts.append(f"created before {_when(flt.created_before)}")
-    return ", ".join(parts)
+# ------------------------------------------------------------------------------ the rest
+
+
+@router.api_route("/{rest:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"])
+def not_found(request: Request, rest: str) -> Response:
+    """Any other ``/ui`` path: a console page saying so (registered last: it matches all)."""
+    if rest == "":
+        return RedirectResponse("/ui", 307)
+    raise ConsoleError(404, "There is no such console page: start from the overview.")
