@@ -37,7 +37,7 @@ from sqlalchemy import (
 
 from app.outbox.content import ContentError, load_document
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.schema import audit, batches, held, outbox, publishers, rejects
+from app.outbox.schema import audit, batches, events, held, outbox, publishers, rejects
 from app.outbox.scope import CAUSE_LENGTH, Scope
 from app.outbox.states import TERMINAL_FAILURES, Status
 
@@ -685,6 +685,30 @@ def message(engine: Engine, *, message_id: str, include_body: bool = False) -> M
     values["headers"] = _as_dict(values["headers"])
     values["properties"] = _as_dict(values["properties"])
     return MessageRecord(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class MessageEvent:
+    """A rare fact of a message's life (``outbox_events``), as recorded when it happened."""
+
+    id: int
+    at: dt.datetime
+    kind: str
+    from_status: str | None
+    attempt: int
+    reply_code: int | None
+    detail: str | None
+    actor: str | None
+    audit_id: int | None
+
+
+def message_events(engine: Engine, *, outbox_id: int, limit: int = 200) -> list[MessageEvent]:
+    """The message's recorded events, oldest first (the last ``limit`` of them)."""
+    cols = [events.c[name] for name in MessageEvent.__slots__]
+    stmt = select(*cols).where(events.c.outbox_id == outbox_id).order_by(events.c.id.desc())
+    with engine.connect() as conn:
+        rows = conn.execute(stmt.limit(limit)).mappings().all()
+    return [MessageEvent(**row) for row in reversed(rows)]
 
 
 #: What an operator searches messages by (all given conditions hold): the same value a

@@ -46,7 +46,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app.outbox.queries import scope_conditions
 from app.outbox.records import Backoff, ClaimedRow, Published, RetryOutcome, ReturnedRow
-from app.outbox.schema import KEY_OPEN, audit, held, outbox, publishers
+from app.outbox.schema import KEY_OPEN, audit, events, held, outbox, publishers
 from app.outbox.scope import RepublishFilter as RepublishFilter  # re-exported
 from app.outbox.states import TERMINAL_FAILURES, Status, check_transition
 
@@ -629,7 +629,8 @@ class OutboxRepository:
         ``published`` also get their channel, tag and publish time, in the same statement."""
         check_transition(Status.IN_FLIGHT, Status.RETURNED)
         facts = {p.id: (p.channel_id, p.delivery_tag, p.published_at) for p in published}
-        values = {"status": Status.RETURNED, "confirmed_at": self.clock(), "lease_owner": None,
+        now = self.clock()
+        values = {"status": Status.RETURNED, "confirmed_at": now, "lease_owner": None,
                   "lease_until": None}  # fmt: skip
         reply = ["reply_code", "reply_text", "last_error"]
         with_facts, without = [], []
@@ -641,16 +642,25 @@ class OutboxRepository:
             else:
                 without.append(row)
         with self.unit_of_work():
-            return self._update_rows(owner, with_facts, [*reply, *PUBLISH_FACTS], values) + (
+            moved = self._update_rows(owner, with_facts, [*reply, *PUBLISH_FACTS], values) + (
                 self._update_rows(owner, without, reply, values)
             )
+            self._record(kind="returned", ids=[r.id for r in returns], at=now,
+                         where=[outbox.c.status == Status.RETURNED,
+                                outbox.c.confirmed_at == now])  # fmt: skip
+            return moved
 
     def mark_failed(self, *, owner: str, ids: Sequence[int], reason: str) -> int:
         """A permanent error (oversized body, destination gone past its budget): keep the reason."""
         values = {"last_error": storable(reason), "lease_owner": None, "lease_until": None}
-        return self.transition(
-            ids=ids, source=Status.IN_FLIGHT, target=Status.FAILED, owner=owner, values=values
-        )
+        with self.unit_of_work():
+            moved = self.transition(
+                ids=ids, source=Status.IN_FLIGHT, target=Status.FAILED, owner=owner, values=values
+            )
+            self._record(kind="failed", ids=ids, at=self.clock(),
+                         where=[outbox.c.status == Status.FAILED,
+                                outbox.c.last_error == values["last_error"]])  # fmt: skip
+            return moved
 
     def retry(
         self,
@@ -689,6 +699,10 @@ class OutboxRepository:
                 )
             if again:
                 self._reschedule(owner, again, now=now, error=error, backoff=backoff)
+            self._record(kind=exhausted.value, ids=spent, at=now,
+                         where=[outbox.c.status == exhausted])  # fmt: skip
+            self._record(kind="retry", ids=[r.id for r in again], at=now,
+                         where=[outbox.c.status == Status.PENDING])  # fmt: skip
         return RetryOutcome(retried=len(again), exhausted=len(spent))
 
     def _reschedule(
@@ -714,9 +728,35 @@ class OutboxRepository:
         }  # fmt: skip
         if error is not None:
             values["last_error"] = storable(error)
-        return self.transition(
-            ids=ids, source=Status.IN_FLIGHT, target=Status.PENDING, owner=owner, values=values
-        )
+        with self.unit_of_work():
+            moved = self.transition(
+                ids=ids, source=Status.IN_FLIGHT, target=Status.PENDING, owner=owner,
+                values=values,
+            )  # fmt: skip
+            if lost:
+                self._record(kind="lost", ids=ids, at=values["available_at"],
+                             where=[outbox.c.status == Status.PENDING,
+                                    outbox.c.available_at == values["available_at"]])  # fmt: skip
+            return moved
+
+    def _record(
+        self, *, kind: str, ids: Sequence[int], at: dt.datetime,
+        where: Sequence[ColumnElement[bool]],
+    ) -> None:  # fmt: skip
+        """Append a rare event for each of ``ids`` still matching ``where`` (the rows the
+        change just moved), with its attempt, reply code and reason, in the change's
+        transaction. The confirm path never calls this."""
+        if not ids:
+            return
+        names = ["outbox_id", "message_id", "at", "kind", "attempt", "reply_code", "detail"]
+        with self._begin() as conn:
+            for chunk in self._chunks(ids):
+                rows = select(
+                    outbox.c.id, outbox.c.message_id, literal(at, events.c.at.type),
+                    literal(kind, Text), outbox.c.attempts, outbox.c.reply_code,
+                    outbox.c.last_error,
+                ).where(self._ids_in(chunk), *where)  # fmt: skip
+                conn.execute(insert(events).from_select(names, rows))
 
     def resend(self, *, owner: str, ids: Sequence[int], error: str) -> int:
         """Held rows published again without a new claim (a quarantine's isolated publish): a
@@ -829,7 +869,15 @@ class OutboxRepository:
         request_id: str | None, who: tuple[str | None, str | None] = (None, None),
     ) -> RepublishResult:  # fmt: skip
         cond = self._filter_cond(flt)
-        pick = select(outbox.c.id, outbox.c.message_id, outbox.c.status).where(cond)
+        pick = select(
+            outbox.c.id,
+            outbox.c.message_id,
+            outbox.c.status,
+            outbox.c.attempts,
+            outbox.c.reply_code,
+            outbox.c.last_error,
+            outbox.c.reply_text,
+        ).where(cond)
         pick = pick.order_by(outbox.c.id).limit(limit)
         if self.is_postgres and not dry_run:
             pick = pick.with_for_update(skip_locked=True)
@@ -863,8 +911,25 @@ class OutboxRepository:
                         principal=who[0], client_addr=who[1])
                 .returning(audit.c.id)
             ).scalar_one()  # fmt: skip
+            self._operator_events(conn, rows, kind="republished", actor=actor,
+                                  audit_id=int(audit_id))  # fmt: skip
         return RepublishResult(dry_run=False, count=len(ids), matched=matched, sample=sample,
                                audit_id=int(audit_id))  # fmt: skip
+
+    def _operator_events(
+        self, conn: Connection, rows: Sequence[Any], *, kind: str, actor: str, audit_id: int,
+        detail: str | None = None,
+    ) -> None:  # fmt: skip
+        """An operator's republish or skip, one event per row, as the row was before it."""
+        at = self.clock()
+        if rows:
+            conn.execute(insert(events), [
+                {"outbox_id": r.id, "message_id": r.message_id, "at": at, "kind": kind,
+                 "from_status": r.status, "attempt": r.attempts, "reply_code": r.reply_code,
+                 "detail": detail if detail is not None else (r.last_error or r.reply_text),
+                 "actor": actor, "audit_id": audit_id}
+                for r in rows
+            ])  # fmt: skip
 
     def _notify_new(self, conn: Connection) -> None:
         """Rows became due: wake listening publishers at commit (PostgreSQL; polled otherwise)."""
@@ -884,9 +949,11 @@ class OutboxRepository:
         for source in TERMINAL_FAILURES:
             check_transition(source, Status.SKIPPED)
         with self._begin() as conn:
-            pick = select(outbox.c.id, outbox.c.status, outbox.c.ordering_key).where(
+            pick = select(outbox.c.id, outbox.c.message_id, outbox.c.status,
+                          outbox.c.ordering_key, outbox.c.attempts, outbox.c.reply_code,
+                          outbox.c.last_error, outbox.c.reply_text).where(
                 outbox.c.message_id == message_id
-            )
+            )  # fmt: skip
             found = conn.execute(
                 pick.with_for_update() if self.is_postgres else pick
             ).first()  # fmt: skip
@@ -919,6 +986,8 @@ class OutboxRepository:
                         result=result, principal=principal, client_addr=client_addr)
                 .returning(audit.c.id)
             ).scalar_one()  # fmt: skip
+            self._operator_events(conn, [found], kind="skipped", actor=actor,
+                                  audit_id=int(audit_id), detail=reason)  # fmt: skip
         return SkipResult(message_id=message_id, previous=Status(found.status),
                           ordering_key=found.ordering_key, released=released,
                           audit_id=int(audit_id))  # fmt: skip
@@ -974,6 +1043,8 @@ class OutboxRepository:
                             outbox.c.confirmed_at < cutoff,
                         )
                     ).rowcount  # fmt: skip
+                    gone = ~select(outbox.c.id).where(outbox.c.id == events.c.outbox_id).exists()
+                    conn.execute(delete(events).where(events.c.outbox_id.in_(doomed), gone))
             total += deleted
             if on_chunk is not None:
                 on_chunk(deleted)

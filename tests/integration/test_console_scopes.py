@@ -268,3 +268,43 @@ def test_an_unknown_console_path_is_a_404_console_page(
         ), path
     r = httpx.get(server.base + "/ui/nope", timeout=15)
     assert r.status_code == 404 and r.headers["content-type"].startswith("text/html")
+
+
+def test_the_history_of_a_message_keeps_every_fact_in_the_broker_s_words(
+    browser: webdriver.Chrome, server: Server, incident: Incident, engine: Engine, clock: Clock
+) -> None:
+    """Failed twice (404), republished from its page, then published and confirmed: all of it
+    shows, in order; a returned row says the broker returned it, then acked."""
+    repo = OutboxRepository(engine, clock=clock)
+    (mid,) = add_rows(engine, n=1, exchange="gone", created_at=clock.now, available_at=clock.now)
+    retry = {"owner": "p1", "error": "exchange 'gone' not found (404)", "max_attempts": 2,
+             "backoff": Backoff(base=0.01, cap=0.01), "exhausted": Status.FAILED}  # fmt: skip
+    for _ in range(2):
+        clock.advance(1)
+        (row,) = repo.claim(owner="p1", limit=1, lease_seconds=60)
+        repo.retry(ids=[row.id], **retry)  # type: ignore[arg-type]
+    sign_in(browser, server, OPERATOR, "/ui/messages/" + quote(mid))
+    confirm(browser, browser.find_element(By.CSS_SELECTOR, "button.go"))
+    clock.advance(1)
+    (row,) = repo.claim(owner="p1", limit=1, lease_seconds=60)
+    repo.record_published(owner="p1", channel_id=4, tags=[(row.id, 9)])
+    clock.advance(1)
+    repo.mark_confirmed(owner="p1", ids=[row.id])
+    browser.get(server.base + "/ui/messages/" + quote(mid))
+    steps = [r.find_elements(By.TAG_NAME, "td")[1].text
+             for r in browser.find_elements(By.CSS_SELECTOR, "#history tr")]  # fmt: skip
+    assert steps == [
+        "written to the outbox",
+        "attempt 1 failed: exchange 'gone' not found (404); retried after a backoff",
+        "attempt 2 failed for good: exchange 'gone' not found (404)",
+        "republished by operator-token (audit #1): it was failed (exchange 'gone' not found "
+        "(404)); back to pending, attempts from 0",
+        "claimed by a publisher (attempt 1 of 10)",
+        "published to 'gone' on channel 4, delivery tag 9",
+        "confirmed by the broker (ack)",
+    ], steps
+
+    browser.get(server.base + "/ui/messages/" + quote(incident.apac[0]))
+    history = text(browser, "history")
+    assert "attempt 1: the broker returned it as unroutable (312 NO_ROUTE), then acked" in history
+    assert "confirmed by the broker" not in history

@@ -545,12 +545,21 @@ def message(request: Request, message_id: str) -> HTMLResponse:
         and e.filter.get("exchange") in (None, found.exchange)
         and e.filter.get("ordering_key") in (None, found.ordering_key)
     ]  # fmt: skip
-    return render(request, "message.html", session=session, m=found, history=_history(found),
+    events = queries.message_events(ctx.engine, outbox_id=found.id)
+    return render(request, "message.html", session=session, m=found,
+                  history=_history(found, events),
                   actions=actions[:20], failed=found.status in TERMINAL_FAILURES)  # fmt: skip
 
 
-def _history(m: queries.MessageRecord) -> list[tuple[dt.datetime | None, str]]:
-    steps: list[tuple[dt.datetime | None, str]] = [(m.created_at, "written to the outbox")]
+Step = tuple[dt.datetime | None, str]
+
+
+def _history(m: queries.MessageRecord, events: list[queries.MessageEvent]) -> list[Step]:
+    """Every recorded fact in time order: the rare events as kept (``outbox_events``), then
+    the current attempt's claim, publish and answer from the row itself."""
+    kinds = {e.kind for e in events}
+    steps: list[Step] = [(m.created_at, "written to the outbox")]
+    steps += [(e.at, _event_words(e)) for e in events]
     if m.claimed_at:
         steps.append((m.claimed_at, f"claimed by {m.lease_owner or 'a publisher'} "
                                     f"(attempt {m.attempts} of {m.max_attempts})"))  # fmt: skip
@@ -558,16 +567,44 @@ def _history(m: queries.MessageRecord) -> list[tuple[dt.datetime | None, str]]:
         where = (f" on channel {m.channel_id}, delivery tag {m.delivery_tag}"
                  if m.delivery_tag is not None else "")  # fmt: skip
         steps.append((m.published_at, f"published to {m.exchange!r}{where}"))
-    if m.confirmed_at:
-        steps.append((m.confirmed_at, "confirmed by the broker (ack)"))
-    if m.status in TERMINAL_FAILURES or m.last_error:
-        reason = m.last_error or m.reply_text or "no reason recorded"
-        code = f" (reply {m.reply_code})" if m.reply_code else ""
-        steps.append((None, f"now {m.status.value}: {reason}{code}"))
-    if m.lost_confirms:
+    steps += _current(m, kinds)
+    if m.lost_confirms and "lost" not in kinds:
         steps.append((None, f"{m.lost_confirms} confirm(s) lost to a closed channel: the "
                             "broker may hold a duplicate"))  # fmt: skip
-    return steps
+    return sorted(steps, key=lambda s: (s[0] is None, s[0] or m.created_at))
+
+
+def _current(m: queries.MessageRecord, kinds: set[str]) -> list[Step]:
+    """The row's own answer, unless an event already tells it (rows from before events)."""
+    if m.status is Status.CONFIRMED and m.confirmed_at:
+        return [(m.confirmed_at, "confirmed by the broker (ack)")]
+    if m.status is Status.RETURNED and "returned" not in kinds:
+        reply = f"{m.reply_code or ''} {m.reply_text or ''}".strip() or "no reply recorded"
+        return [(m.confirmed_at, f"the broker returned it as unroutable ({reply}), then acked")]
+    if m.status.value not in kinds and (m.status in TERMINAL_FAILURES or
+                                        m.status is Status.SKIPPED):  # fmt: skip
+        reason = m.last_error or m.reply_text or "no reason recorded"
+        return [(None, f"now {m.status.value}: {reason}")]
+    return []
+
+
+def _event_words(e: queries.MessageEvent) -> str:
+    """What happened, in the words of what the broker or the operator did."""
+    detail = e.detail or "no reason recorded"
+    by = f"{e.actor} (audit #{e.audit_id})"
+    words = {
+        "retry": f"attempt {e.attempt} failed: {detail}; retried after a backoff",
+        "lost": f"attempt {e.attempt}: its confirm was lost ({detail}); back to pending, the "
+        "broker may hold a duplicate",
+        "returned": f"attempt {e.attempt}: the broker returned it as unroutable "
+        f"({detail.removeprefix('returned by broker: ')}), then acked",
+        "nacked": f"attempt {e.attempt} nacked by the broker ({detail}): no attempts left",
+        "failed": f"attempt {e.attempt} failed for good: {detail}",
+        "republished": f"republished by {by}: it was {e.from_status} ({detail}); back to "
+        "pending, attempts from 0",
+        "skipped": f"skipped by {by}: {detail}; it will not be delivered",
+    }
+    return words.get(e.kind, f"{e.kind}: {detail}")
 
 
 @router.get("/audit")
