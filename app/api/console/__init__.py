@@ -32,7 +32,13 @@ from app.api.console.session import COOKIE, COOKIE_PATH, Session, SessionError, 
 from app.api.context import client_address, get_ctx
 from app.api.models import RepublishRequest
 from app.outbox import health, queries
-from app.outbox.repository import MAX_ACTOR, RequestIdReused, has_control_characters
+from app.outbox.repository import (
+    MAX_ACTOR,
+    MAX_REASON,
+    CannotSkip,
+    RequestIdReused,
+    has_control_characters,
+)
 from app.outbox.scope import CAUSE_LENGTH, CRITERIA, Scope, ScopeError
 from app.outbox.states import TERMINAL_FAILURES, Status
 
@@ -115,10 +121,18 @@ def _age(seconds: float | None) -> str:
 
 
 def _when(value: dt.datetime | None) -> str:
-    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if value else NONE
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if value else NONE
 
 
-env.filters.update(age=_age, when=_when, query=lambda d: urlencode(d, doseq=True))
+def _ago(value: dt.datetime | None, now: dt.datetime) -> str:
+    """How long ago (or, for a time to come, in how long), in words."""
+    if value is None:
+        return NONE
+    seconds = (now - value).total_seconds()
+    return f"{_age(seconds)} ago" if seconds >= 0 else f"in {_age(-seconds)}"
+
+
+env.filters.update(age=_age, when=_when, ago=_ago, query=lambda d: urlencode(d, doseq=True))
 
 
 # ------------------------------------------------------------------------------ plumbing
@@ -170,6 +184,7 @@ def render(
     **values: Any,
 ) -> HTMLResponse:  # fmt: skip
     csrf = _signer(request).csrf(session) if session else ""
+    values.setdefault("now", get_ctx(request).now())
     html = env.get_template(template).render(session=session, csrf=csrf, path=request.url.path,
                                              **values)  # fmt: skip
     return HTMLResponse(html, code, headers=SECURITY_HEADERS)
@@ -369,8 +384,9 @@ def overview(request: Request) -> HTMLResponse:
         latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
         latency_rows=ctx.settings.stats_latency_rows,
     )  # fmt: skip
+    parked_keys = len(queries.parked_keys(ctx.engine, limit=101))
     return render(request, "overview.html", session=session, stats=stats,
-                  verdict=health.verdict(stats), statuses=list(Status),
+                  verdict=health.verdict(stats), statuses=list(Status), parked_keys=parked_keys,
                   failures=sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES))  # fmt: skip
 
 
@@ -413,7 +429,10 @@ def outstanding(request: Request) -> HTMLResponse:
     page = queries.outstanding_confirms(ctx.engine, now=ctx.now(),
                                         flt=queries.OutstandingFilter(), limit=PAGE,
                                         after=after)  # fmt: skip
-    return render(request, "outstanding.html", session=session, page=page)
+    with ctx.engine.connect() as conn:
+        known = queries.publisher_rows(conn, now=ctx.now(), alive_after=ctx.alive_after)
+    alive = {p.publisher_id for p in known if p.alive}
+    return render(request, "outstanding.html", session=session, page=page, alive=alive)
 
 
 #: Causes on one page of the failures view.
@@ -536,7 +555,7 @@ def message(request: Request, message_id: str) -> HTMLResponse:
     session = _session(request)
     ctx = get_ctx(request)
     _path_id(message_id, "message id")
-    found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD])
+    found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD], include_body=True)
     if found is None:
         raise ConsoleError(404, f"There is no message {message_id!r}.")
     actions = [
@@ -547,8 +566,26 @@ def message(request: Request, message_id: str) -> HTMLResponse:
     ]  # fmt: skip
     events = queries.message_events(ctx.engine, outbox_id=found.id)
     return render(request, "message.html", session=session, m=found,
-                  history=_history(found, events),
+                  history=_history(found, events), body=_body(found.body),
                   actions=actions[:20], failed=found.status in TERMINAL_FAILURES)  # fmt: skip
+
+
+#: Most characters of a body the message page shows (the REST API has it whole).
+BODY_SHOWN = 4096
+
+
+def _body(body: bytes | None) -> tuple[str, str]:
+    """The body to show (escaped by the template) and how: its text when it is UTF-8, else
+    its first bytes in hex; cut at :data:`BODY_SHOWN` characters."""
+    if body is None:
+        return "", "no body"
+    try:
+        shown, how = body.decode("utf-8"), "text"
+    except UnicodeDecodeError:
+        shown, how = body[: BODY_SHOWN // 2].hex(" "), "binary, in hex"
+    if len(shown) > BODY_SHOWN or (how != "text" and len(body) > BODY_SHOWN // 2):
+        return shown[:BODY_SHOWN], f"{how}, cut at {BODY_SHOWN} characters of {len(body)} bytes"
+    return shown, how
 
 
 Step = tuple[dt.datetime | None, str]
@@ -713,6 +750,43 @@ async def republish(request: Request) -> HTMLResponse:
                   request_id=req.request_id, described=flt.describe(),
                   left=max(0, result.matched - result.count),
                   fields=_filter_fields(req))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ parked keys
+
+
+@router.get("/parked")
+def parked(request: Request) -> HTMLResponse:
+    session = _session(request)
+    after = _param(request, "after")
+    keys = queries.parked_keys(get_ctx(request).engine, limit=PAGE, after=after)
+    nxt = keys[-1].ordering_key if len(keys) == PAGE else None
+    return render(request, "parked.html", session=session, keys=keys, next_after=nxt)
+
+
+@router.post("/skip")
+async def skip(request: Request) -> HTMLResponse:
+    """Skip one terminal failure (it will not be delivered; its key's parked rows go on)."""
+    session, form = await _acting(request)
+    message_id = _one(form, "message_id")
+    reason = _one(form, "reason")
+    if message_id is None or "\x00" in message_id:
+        raise ConsoleError(400, "Say which message to skip.")
+    if reason is None or len(reason) > MAX_REASON or has_control_characters(reason):
+        raise ConsoleError(400, f"A skip needs a reason: one line of at most {MAX_REASON} "
+                           "characters, without control characters.")  # fmt: skip
+    actor = _actor(form, session)
+    try:
+        result = await run_in_threadpool(
+            get_ctx(request).repo.skip, actor=actor, message_id=message_id, reason=reason,
+            principal=session.principal, client_addr=client_address(request),
+        )  # fmt: skip
+    except CannotSkip as exc:
+        raise ConsoleError(409, str(exc)) from None
+    log.info("console: skip of %r by %s (%s), was %s, key %r: %d rows released, audit %s",
+             message_id, actor, session.principal, result.previous.value, result.ordering_key,
+             result.released, result.audit_id)  # fmt: skip
+    return render(request, "skip_done.html", session=session, result=result)
 
 
 # ------------------------------------------------------------------------------ the rest
