@@ -30,7 +30,8 @@ class FailureGroupOut(BaseModel):
     status: str
     exchange: str
     routing_key: str
-    reason: str
+    reason: str = Field(description="The cause (the reason's first 500 characters): pass it as "
+                        "`cause` to POST /v1/republish to move exactly this group.")  # fmt: skip
     rows: int
     first_created: dt.datetime | None
     last_created: dt.datetime | None

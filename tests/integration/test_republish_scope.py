@@ -4,25 +4,16 @@ included (issue #28: a group's republish moved its exchange's other keys), on bo
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, select
 
 from app.api import create_app
 from app.cli import EXIT_OK, EXIT_USAGE, main
-from app.db import make_engine
 from app.outbox.repository import OutboxRepository
 from app.outbox.schema import audit, outbox
 from tests.integration.test_api import OP, Clock, client_for, settings_for
 from tests.integration.test_console_scopes import _settle
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
 
 
 def _incident(engine: Engine) -> dict[str, list[str]]:
@@ -77,3 +68,18 @@ def test_the_cli_moves_one_routing_key_and_refuses_what_the_api_refuses(
     assert _pending(engine) == set(rows["latam"])
     assert main(["republish"]) == EXIT_USAGE
     assert "say what to republish" in capsys.readouterr().err
+
+
+async def test_a_group_of_get_failures_republishes_exactly_with_its_reason_as_cause(
+    db_url: str, engine: Engine
+) -> None:
+    rows = _incident(engine)
+    app = create_app(settings_for(db_url), engine=engine)
+    async with client_for(app) as client:
+        groups = (await client.get("/v1/failures", headers=OP)).json()["groups"]
+        (gone,) = [g for g in groups if g["status"] == "failed"]
+        body = {"request_id": "r-3", "statuses": ["failed"], "exchange": gone["exchange"],
+                "routing_key": gone["routing_key"], "cause": gone["reason"]}  # fmt: skip
+        r = await client.post("/v1/republish", json=body, headers=OP)
+    assert r.status_code == 200 and r.json()["count"] == gone["rows"] == 2, r.text
+    assert _pending(engine) == set(rows["gone"])  # not the returned rows of the same key
