@@ -208,6 +208,10 @@ def test_the_message_page_republishes_that_message(
     assert count == "1 row would move back to pending."
     assert moved(before, statuses(engine)) == {target}
     assert last_audit_filter(engine)["message_id"] == target
+    browser.get(server.base + "/ui/messages/" + quote(target))
+    assert "republish" in text(browser, "actions")
+    browser.get(server.base + "/ui/messages/" + quote(incident.gone["k3"][0]))  # its neighbour
+    assert text(browser, "actions").endswith("None.")
 
 
 def test_failure_totals_equal_the_database_on_every_page(

@@ -558,11 +558,11 @@ def message(request: Request, message_id: str) -> HTMLResponse:
     found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD], include_body=True)
     if found is None:
         raise ConsoleError(404, f"There is no message {message_id!r}.")
+    own = {"batch_id": found.batch_id, "exchange": found.exchange, "message_id": found.message_id,
+           "routing_key": found.routing_key, "ordering_key": found.ordering_key}  # fmt: skip
     actions = [
         e for e in queries.audit_trail(ctx.engine, limit=500)
-        if e.filter.get("batch_id") in (None, found.batch_id)
-        and e.filter.get("exchange") in (None, found.exchange)
-        and e.filter.get("ordering_key") in (None, found.ordering_key)
+        if all(e.filter.get(name) in (None, value) for name, value in own.items())
     ]  # fmt: skip
     events = queries.message_events(ctx.engine, outbox_id=found.id)
     return render(request, "message.html", session=session, m=found,
