@@ -179,4 +179,3 @@ def list_messages(
         ordering_key=ordering_key, reason=reason, created_after=created_after,
         created_before=created_before, limit=limit, after=after,
     )  # fmt: skip
-

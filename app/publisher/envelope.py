@@ -43,4 +43,3 @@ def to_message(row: ClaimedRow, *, limits: Limits = DEFAULT_LIMITS) -> OutgoingM
     except ENCODE_ERRORS as exc:
         raise EnvelopeError(f"invalid message properties: {exc}") from exc
     return OutgoingMessage(checked.exchange, checked.routing_key, row.body, props, row.mandatory)
-

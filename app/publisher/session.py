@@ -271,7 +271,11 @@ class Session:
         return min(channels.values(), key=lambda ch: ch.ledger.outstanding)
 
     def send(
-        self, rows: list[ClaimedRow], messages: list[OutgoingMessage], *, at: float,
+        self,
+        rows: list[ClaimedRow],
+        messages: list[OutgoingMessage],
+        *,
+        at: float,
         wall: dt.datetime | None = None,
     ) -> SendResult | None:
         """Encode ``messages`` (one per row) into one buffer and write it on one channel; None

@@ -1,11 +1,9 @@
 """The republish filter owns its rules (issue #28): one value for the API, the CLI and the
-console, importable without a database driver."""
+console (pure: tests/unit/test_pure_imports.py checks that it loads no database stack)."""
 
 from __future__ import annotations
 
 import datetime as dt
-import subprocess
-import sys
 
 import pytest
 
@@ -60,13 +58,3 @@ def test_an_audit_document_of_before_the_new_conditions_still_compares_equal() -
     old = {"batch_id": "orders:1", "statuses": ["nacked"], "exchange": None,
            "created_after": None, "created_before": None}  # fmt: skip
     assert RepublishFilter.of(batch_id="orders:1", statuses=["nacked"]).as_json() == old
-
-
-def test_the_scope_module_loads_no_database_driver() -> None:
-    code = (
-        "import sys, app.outbox.scope; "
-        "print(sorted(m for m in ('sqlalchemy', 'psycopg', 'asyncio') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
-    assert out.strip() == "[]"
