@@ -36,11 +36,11 @@ from app.outbox.repository import (
     CannotSkip,
     OutboxRepository,
     RepositoryError,
-    RepublishFilter,
     RequestIdReused,
     has_control_characters,
     utcnow,
 )
+from app.outbox.scope import RepublishFilter, ScopeError
 from app.outbox.states import TERMINAL_FAILURES, Status
 from app.settings import Settings
 
@@ -176,7 +176,7 @@ def render_batches(items: Sequence[queries.BatchSummary]) -> str:
 
 
 def render_republish(r: Any, *, flt: RepublishFilter, request_id: str | None) -> str:
-    what = ", ".join(f"{k} {v}" for k, v in flt.as_json().items() if v) or "everything"
+    what = flt.describe()
     if r.dry_run:
         head = f"dry run: would republish {r.count} of {r.matched} matching rows ({what})"
     elif r.replayed:
@@ -726,22 +726,15 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _republish_filter(args: argparse.Namespace) -> RepublishFilter:
-    statuses = frozenset(Status(s) for s in args.status) if args.status else TERMINAL_FAILURES
-    if not (
-        args.batch or args.status or args.exchange or args.created_after or args.created_before
-        or args.ordering_key
-    ):  # fmt: skip
-        raise UsageError(
-            "say what to republish: --batch, --status, --exchange, --ordering-key, "
-            "--created-after/--before"
-        )
-    after, before = args.created_after, args.created_before
-    if after is not None and before is not None and after >= before:
-        raise UsageError("--created-after must be earlier than --created-before")
-    return RepublishFilter(
-        batch_id=args.batch, statuses=statuses, exchange=args.exchange,
-        created_after=after, created_before=before, ordering_key=args.ordering_key,
-    )  # fmt: skip
+    """The filter's own rules (:meth:`RepublishFilter.of`), as the API and the console apply."""
+    try:
+        return RepublishFilter.of(
+            statuses=args.status or None, batch_id=args.batch, exchange=args.exchange,
+            routing_key=args.routing_key, ordering_key=args.ordering_key, reason=args.reason,
+            created_after=args.created_after, created_before=args.created_before,
+        )  # fmt: skip
+    except ScopeError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------- parser
@@ -964,6 +957,8 @@ def _add_republish(sub: Sub) -> None:
         help="only rows in this status (repeatable; default all three)",
     )
     rep.add_argument("--exchange", help="only rows for this exchange")
+    rep.add_argument("--routing-key", help="only rows with this routing key")
+    rep.add_argument("--reason", help="only rows whose error or reply text holds this, any case")
     rep.add_argument(
         "--ordering-key", help="only rows of this ordering key (a parked key's blocking row)"
     )

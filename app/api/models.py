@@ -28,9 +28,9 @@ from app.outbox.repository import (
     CONTROL_CHARACTERS,
     MAX_ACTOR,
     OPERATOR_TEXT_FORBIDDEN,
-    RepublishFilter,
     RepublishResult,
 )
+from app.outbox.scope import CAUSE_LENGTH, CRITERIA, RepublishFilter, ScopeError
 from app.outbox.states import Status
 
 #: No control characters (PostgreSQL text refuses NUL), bounded length.
@@ -333,44 +333,50 @@ class BatchRepublishRequest(_RepublishBase):
     """Republish the terminal failures of one batch."""
 
     def to_filter(self, batch_id: str) -> RepublishFilter:
-        return RepublishFilter(batch_id=batch_id, statuses=frozenset(map(Status, self.statuses)))
+        return RepublishFilter.of(batch_id=batch_id, statuses=self.statuses)
+
+
+#: A failure group's cause: its reason's first characters exactly ("" for no reason).
+Cause = Annotated[str, Field(max_length=CAUSE_LENGTH, pattern=r"^[^\x00]*$")]
 
 
 class RepublishRequest(_RepublishBase):
-    """Republish terminal failures matching a filter (all given conditions hold)."""
+    """Republish terminal failures matching a filter (all given conditions hold). The rules
+    (what a filter must say, a range in order) are the filter's own: :class:`RepublishFilter`."""
 
+    message_id: Text | None = Field(default=None, description="One message.")
     batch_id: Text | None = None
     exchange: Text | None = None
-    created_after: UtcDatetime | None = Field(default=None, description="Inclusive.")
-    created_before: UtcDatetime | None = Field(default=None, description="Exclusive.")
+    routing_key: Text | None = None
     ordering_key: Text | None = Field(
         default=None, description="The rows of one ordering key: republish a parked key's "
         "blocking row, the key resumes behind it.")  # fmt: skip
+    reason: Text | None = Field(
+        default=None, description="Substring of the error or reply text, any case (as in "
+        "GET /v1/messages).")  # fmt: skip
+    cause: Cause | None = Field(
+        default=None, description="Exactly a failure group's reason (GET /v1/failures): the "
+        f"first {CAUSE_LENGTH} characters of the error, else the reply text.")  # fmt: skip
+    created_after: UtcDatetime | None = Field(default=None, description="Inclusive.")
+    created_before: UtcDatetime | None = Field(default=None, description="Exclusive.")
     all_failures: bool = Field(
         default=False, alias="all", description="Set to true to republish every terminal "
         "failure: a request without any filter is refused, so that an empty body never moves "
         "everything.")  # fmt: skip
 
     @model_validator(mode="after")
-    def _range(self) -> RepublishRequest:
-        filters = (self.batch_id, self.exchange, self.created_after, self.created_before,
-                   self.ordering_key)  # fmt: skip
-        unfiltered = all(f is None for f in filters) and "statuses" not in self.model_fields_set
-        if unfiltered and not self.all_failures:
-            raise ValueError(
-                "say what to republish: a filter (batch_id, exchange, statuses, created_after/"
-                'created_before, ordering_key) or "all": true'
-            )
-        after, before = self.created_after, self.created_before
-        if after is not None and before is not None and after >= before:
-            raise ValueError("created_after must be earlier than created_before")
+    def _scope(self) -> RepublishRequest:
+        try:
+            self.to_filter()
+        except ScopeError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
     def to_filter(self) -> RepublishFilter:
-        return RepublishFilter(
-            batch_id=self.batch_id, statuses=frozenset(map(Status, self.statuses)),
-            exchange=self.exchange, created_after=self.created_after,
-            created_before=self.created_before, ordering_key=self.ordering_key,
+        given = "statuses" in self.model_fields_set
+        return RepublishFilter.of(
+            statuses=self.statuses if given else None, everything=self.all_failures,
+            **{name: getattr(self, name) for name in CRITERIA},
         )  # fmt: skip
 
 
@@ -380,7 +386,11 @@ class RepublishFilterOut(BaseModel):
     exchange: str | None
     created_after: dt.datetime | None
     created_before: dt.datetime | None
+    message_id: str | None = None
+    routing_key: str | None = None
     ordering_key: str | None = None
+    reason: str | None = None
+    cause: str | None = None
 
 
 class RepublishOut(BaseModel):

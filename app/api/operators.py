@@ -16,6 +16,7 @@ from app.api.context import ApiContext, get_ctx
 from app.api.models import MessageOut, Text, UtcDatetime
 from app.api.v1 import ERRORS
 from app.outbox import queries
+from app.outbox.scope import Scope, ScopeError
 from app.outbox.states import Status
 
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
@@ -29,7 +30,8 @@ class FailureGroupOut(BaseModel):
     status: str
     exchange: str
     routing_key: str
-    reason: str
+    reason: str = Field(description="The cause (the reason's first 500 characters): pass it as "
+                        "`cause` to POST /v1/republish to move exactly this group.")  # fmt: skip
     rows: int
     first_created: dt.datetime | None
     last_created: dt.datetime | None
@@ -128,16 +130,17 @@ def _search(
     created_after: dt.datetime | None, created_before: dt.datetime | None, limit: int,
     after: int | None,
 ) -> MessagePage:  # fmt: skip
-    if created_after is not None and created_before is not None and created_after >= created_before:
+    try:
+        flt = Scope(
+            statuses=frozenset(statuses or ()), batch_id=batch_id, exchange=exchange,
+            routing_key=routing_key, ordering_key=ordering_key, reason=reason,
+            created_after=created_after, created_before=created_before,
+        )  # fmt: skip
+    except ScopeError as exc:  # the scope's own rules (a range in order)
         raise RequestValidationError([{
             "type": "value_error", "loc": ("query", "created_after"), "input": None,
-            "msg": "created_after must be earlier than created_before",
-        }])  # fmt: skip
-    flt = queries.MessageFilter(
-        statuses=tuple(statuses or ()), batch_id=batch_id, exchange=exchange,
-        routing_key=routing_key, ordering_key=ordering_key, reason=reason,
-        created_after=created_after, created_before=created_before,
-    )  # fmt: skip
+            "msg": str(exc),
+        }]) from None  # fmt: skip
     found = queries.search_messages(ctx.engine, flt=flt, limit=limit, after=after)
     more = found.truncated or len(found.items) == limit
     nxt = found.items[-1].id if more and found.items else None

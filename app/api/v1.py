@@ -26,7 +26,8 @@ from app.api.models import (
     Text,
 )
 from app.outbox import queries
-from app.outbox.repository import RepublishFilter, RequestIdReused
+from app.outbox.repository import RequestIdReused
+from app.outbox.scope import RepublishFilter
 from app.outbox.states import Status
 
 Ctx = Annotated[ApiContext, Depends(get_ctx)]

@@ -27,6 +27,7 @@ from sqlalchemy import (
     cast,
     func,
     literal,
+    literal_column,
     or_,
     select,
     text,
@@ -36,7 +37,8 @@ from sqlalchemy import (
 
 from app.outbox.content import ContentError, load_document
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.schema import audit, batches, held, outbox, publishers, rejects
+from app.outbox.schema import audit, batches, events, held, outbox, publishers, rejects
+from app.outbox.scope import CAUSE_LENGTH, Scope
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 MAX_ROW_ID = 2**63 - 1
@@ -718,17 +720,69 @@ def message(engine: Engine, *, message_id: str, include_body: bool = False) -> M
 
 
 @dataclass(frozen=True, slots=True)
-class MessageFilter:
-    """What an operator searches messages by (all given conditions hold)."""
+class MessageEvent:
+    """A rare fact of a message's life (``outbox_events``), as recorded when it happened."""
 
-    statuses: tuple[Status, ...] = ()
-    batch_id: str | None = None
-    exchange: str | None = None
-    routing_key: str | None = None
-    ordering_key: str | None = None
-    reason: str | None = None  # case-insensitive substring of last_error or reply_text
-    created_after: dt.datetime | None = None  # inclusive
-    created_before: dt.datetime | None = None  # exclusive
+    id: int
+    at: dt.datetime
+    kind: str
+    from_status: str | None
+    attempt: int
+    reply_code: int | None
+    detail: str | None
+    actor: str | None
+    audit_id: int | None
+
+
+def message_events(engine: Engine, *, outbox_id: int, limit: int = 200) -> list[MessageEvent]:
+    """The message's recorded events, oldest first (the last ``limit`` of them)."""
+    cols = [events.c[name] for name in MessageEvent.__slots__]
+    stmt = select(*cols).where(events.c.outbox_id == outbox_id).order_by(events.c.id.desc())
+    with engine.connect() as conn:
+        rows = conn.execute(stmt.limit(limit)).mappings().all()
+    return [MessageEvent(**row) for row in reversed(rows)]
+
+
+#: What an operator searches messages by (all given conditions hold): the same value a
+#: republish of the search's failures is scoped by.
+MessageFilter = Scope
+
+
+def reason_of() -> ColumnElement[str]:
+    """A row's reason: its error, else the broker's reply text."""
+    return func.coalesce(outbox.c.last_error, outbox.c.reply_text, literal_column("''"))
+
+
+def cause_of() -> ColumnElement[str]:
+    """A failure's cause: the first :data:`CAUSE_LENGTH` characters of its reason (constants
+    inlined, not bound: PostgreSQL must see the grouped and the selected expression as one)."""
+    return func.substr(reason_of(), literal_column("1"), literal_column(str(CAUSE_LENGTH)))
+
+
+def scope_conditions(flt: Scope) -> list[ColumnElement[bool]]:
+    """The SQL conditions of a scope: one definition for searches and republishes."""
+    conds: list[ColumnElement[bool]] = []
+    if flt.statuses:
+        conds.append(outbox.c.status.in_(sorted(st.value for st in flt.statuses)))
+    for column, value in ((outbox.c.message_id, flt.message_id),
+                          (outbox.c.batch_id, flt.batch_id), (outbox.c.exchange, flt.exchange),
+                          (outbox.c.routing_key, flt.routing_key),
+                          (outbox.c.ordering_key, flt.ordering_key)):  # fmt: skip
+        if value is not None:
+            conds.append(column == value)
+    if flt.reason:
+        needle = flt.reason.lower()
+        conds.append(or_(
+            func.lower(func.coalesce(outbox.c.last_error, "")).contains(needle, autoescape=True),
+            func.lower(func.coalesce(outbox.c.reply_text, "")).contains(needle, autoescape=True),
+        ))  # fmt: skip
+    if flt.cause is not None:
+        conds.append(cause_of() == flt.cause)
+    if flt.created_after is not None:
+        conds.append(outbox.c.created_at >= flt.created_after)
+    if flt.created_before is not None:
+        conds.append(outbox.c.created_at < flt.created_before)
+    return conds
 
 
 #: Most bytes of row text one page of messages carries (headers, properties, reasons): a page
@@ -774,24 +828,7 @@ def search_messages(
     """Messages matching ``flt`` in id order, without bodies (keyset pages: ``after`` the last
     id of the previous page), at most ``limit`` rows and about ``max_bytes`` of text: the rows'
     sizes are read first, and only the rows within the budget are read in full."""
-    conds: list[ColumnElement[bool]] = []
-    if flt.statuses:
-        conds.append(outbox.c.status.in_([st.value for st in flt.statuses]))
-    for column, value in ((outbox.c.batch_id, flt.batch_id), (outbox.c.exchange, flt.exchange),
-                          (outbox.c.routing_key, flt.routing_key),
-                          (outbox.c.ordering_key, flt.ordering_key)):  # fmt: skip
-        if value is not None:
-            conds.append(column == value)
-    if flt.reason:
-        needle = flt.reason.lower()
-        conds.append(or_(
-            func.lower(func.coalesce(outbox.c.last_error, "")).contains(needle, autoescape=True),
-            func.lower(func.coalesce(outbox.c.reply_text, "")).contains(needle, autoescape=True),
-        ))  # fmt: skip
-    if flt.created_after is not None:
-        conds.append(outbox.c.created_at >= flt.created_after)
-    if flt.created_before is not None:
-        conds.append(outbox.c.created_at < flt.created_before)
+    conds = scope_conditions(flt)
     if after is not None:
         conds.append(outbox.c.id > after)
     sizes = select(outbox.c.id, _row_bytes().label("size")).order_by(outbox.c.id).limit(limit)
@@ -939,6 +976,123 @@ def failures_by_cause(engine: Engine, *, limit: int = 50) -> list[FailureGroup]:
                      last_created=r.last, sample_message_id=r.sample)
         for r in rows
     ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class KeyCount:
+    """The rows of one routing key within a cause."""
+
+    routing_key: str
+    rows: int
+    sample_message_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CauseGroup:
+    """Terminal failures with one cause: status, exchange and reason (:func:`cause_of`), with
+    the breakdown by routing key (the largest ``keys`` first; the rest summed in ``more_*``)."""
+
+    status: Status
+    exchange: str
+    cause: str
+    rows: int
+    first_created: dt.datetime | None
+    last_created: dt.datetime | None
+    sample_message_id: str
+    keys: list[KeyCount]
+    more_keys: int
+    more_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailuresPage:
+    """One page of causes, and the totals of every cause (what the database holds)."""
+
+    groups: list[CauseGroup]
+    total_rows: int
+    total_groups: int
+    offset: int
+
+
+def _cause_key() -> list[ColumnElement[Any]]:
+    return [outbox.c.status, outbox.c.exchange, cause_of()]
+
+
+def failures_page(
+    engine: Engine, *, limit: int = 50, offset: int = 0, keys_per_group: int = 20
+) -> FailuresPage:
+    """Terminal failures by cause, largest first, one page of causes at a time, with the
+    totals over every cause (read in one snapshot on PostgreSQL: the page's figures and its
+    totals are the same moment's)."""
+    terminal = outbox.c.status.in_(sorted(s.value for s in TERMINAL_FAILURES))
+    cause = cause_of().label("cause")
+    grouped = select(outbox.c.status, outbox.c.exchange, cause).where(terminal).group_by(
+        *_cause_key()
+    )  # fmt: skip
+    counted = grouped.add_columns(func.count().label("n")).subquery()
+    totals = select(func.count(), func.coalesce(func.sum(counted.c.n), 0)).select_from(counted)
+    page = (
+        grouped.add_columns(func.count().label("n"), func.min(outbox.c.created_at).label("first"),
+                            func.max(outbox.c.created_at).label("last"),
+                            func.min(outbox.c.message_id).label("sample"))
+        .order_by(func.count().desc(), outbox.c.status, outbox.c.exchange, cause_of())
+        .limit(limit).offset(offset)
+    )  # fmt: skip
+    with _snapshot(engine) as conn:
+        n_groups, n_rows = conn.execute(totals).one()
+        rows = conn.execute(page).all()
+        keys = _keys_of(conn, [(r.status, r.exchange, r.cause) for r in rows]) if rows else {}
+    groups = []
+    for r in rows:
+        every = keys.get((r.status, r.exchange, r.cause), [])
+        shown, rest = every[:keys_per_group], every[keys_per_group:]
+        groups.append(CauseGroup(
+            status=Status(r.status), exchange=r.exchange, cause=r.cause, rows=int(r.n),
+            first_created=r.first, last_created=r.last, sample_message_id=r.sample, keys=shown,
+            more_keys=len(rest), more_rows=sum(k.rows for k in rest),
+        ))  # fmt: skip
+    return FailuresPage(groups=groups, total_rows=int(n_rows), total_groups=int(n_groups),
+                        offset=offset)  # fmt: skip
+
+
+def _keys_of(
+    conn: Connection, causes: Sequence[tuple[str, str, str]]
+) -> dict[tuple[str, str, str], list[KeyCount]]:
+    """The routing keys of these causes, largest first."""
+    cause = cause_of()
+    which = or_(*[and_(outbox.c.status == st, outbox.c.exchange == ex, cause == c)
+                  for st, ex, c in causes])  # fmt: skip
+    stmt = (
+        select(outbox.c.status, outbox.c.exchange, cause.label("cause"), outbox.c.routing_key,
+               func.count().label("n"), func.min(outbox.c.message_id).label("sample"))
+        .where(which)
+        .group_by(*_cause_key(), outbox.c.routing_key)
+        .order_by(func.count().desc(), outbox.c.routing_key)
+    )  # fmt: skip
+    out: dict[tuple[str, str, str], list[KeyCount]] = {}
+    for r in conn.execute(stmt):
+        out.setdefault((r.status, r.exchange, r.cause), []).append(
+            KeyCount(routing_key=r.routing_key, rows=int(r.n), sample_message_id=r.sample)
+        )
+    return out
+
+
+def _snapshot(engine: Engine) -> Connection:
+    """A connection whose statements all see one snapshot (PostgreSQL's repeatable read; a
+    SQLite read transaction is one snapshot already)."""
+    conn = engine.connect()
+    if engine.dialect.name == "postgresql":
+        conn = conn.execution_options(isolation_level="REPEATABLE READ")
+    return conn
+
+
+def count_scope(engine: Engine, *, flt: Scope, cap: int = 10_000) -> tuple[int, bool]:
+    """How many rows match ``flt``, counted up to ``cap`` (True: there are more)."""
+    conds = scope_conditions(flt)
+    capped = select(outbox.c.id).where(and_(*conds) if conds else true()).limit(cap + 1)
+    with engine.connect() as conn:
+        n = int(conn.execute(select(func.count()).select_from(capped.subquery())).scalar_one())
+    return min(n, cap), n > cap
 
 
 def audit_by_request_id(engine: Engine, *, request_id: str) -> AuditRecord | None:

@@ -45,8 +45,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
+from app.outbox.queries import scope_conditions
 from app.outbox.records import Backoff, ClaimedRow, Published, RetryOutcome, ReturnedRow
-from app.outbox.schema import KEY_OPEN, audit, held, outbox, publishers
+from app.outbox.schema import KEY_OPEN, audit, events, held, outbox, publishers
+from app.outbox.scope import RepublishFilter as RepublishFilter  # re-exported
 from app.outbox.states import TERMINAL_FAILURES, Status, check_transition
 
 Clock = Callable[[], dt.datetime]
@@ -141,39 +143,6 @@ FROM keys WHERE keys.k IS NOT NULL
     .columns(column("id", BigInteger))
     .subquery("key_heads")
 )
-
-
-@dataclass(frozen=True, slots=True)
-class RepublishFilter:
-    """Which terminal rows an operator moves back to ``pending``."""
-
-    batch_id: str | None = None
-    statuses: frozenset[Status] = TERMINAL_FAILURES
-    exchange: str | None = None
-    created_after: dt.datetime | None = None
-    created_before: dt.datetime | None = None
-    #: the rows of one ordering key (its blocking row: the key resumes behind it)
-    ordering_key: str | None = None
-
-    def __post_init__(self) -> None:
-        wrong = set(self.statuses) - TERMINAL_FAILURES
-        if wrong or not self.statuses:
-            names = ", ".join(sorted(s.value for s in TERMINAL_FAILURES))
-            raise ValueError(
-                f"republish takes statuses among {names}; got {sorted(wrong) or 'none'}"
-            )
-
-    def as_json(self) -> dict[str, Any]:
-        """As stored in the audit row (``ordering_key`` only when set: audit rows written before
-        it existed still compare equal, so their request ids still replay)."""
-        key = {} if self.ordering_key is None else {"ordering_key": self.ordering_key}
-        return key | {
-            "batch_id": self.batch_id,
-            "statuses": sorted(s.value for s in self.statuses),
-            "exchange": self.exchange,
-            "created_after": self.created_after.isoformat() if self.created_after else None,
-            "created_before": self.created_before.isoformat() if self.created_before else None,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -707,7 +676,8 @@ class OutboxRepository:
         ``published`` also get their channel, tag and publish time, in the same statement."""
         check_transition(Status.IN_FLIGHT, Status.RETURNED)
         facts = {p.id: (p.channel_id, p.delivery_tag, p.published_at) for p in published}
-        values = {"status": Status.RETURNED, "confirmed_at": self.clock(), "lease_owner": None,
+        now = self.clock()
+        values = {"status": Status.RETURNED, "confirmed_at": now, "lease_owner": None,
                   "lease_until": None}  # fmt: skip
         reply = ["reply_code", "reply_text", "last_error"]
         with_facts, without = [], []
@@ -719,16 +689,25 @@ class OutboxRepository:
             else:
                 without.append(row)
         with self.unit_of_work():
-            return self._update_rows(owner, with_facts, [*reply, *PUBLISH_FACTS], values) + (
+            moved = self._update_rows(owner, with_facts, [*reply, *PUBLISH_FACTS], values) + (
                 self._update_rows(owner, without, reply, values)
             )
+            self._record(kind="returned", ids=[r.id for r in returns], at=now,
+                         where=[outbox.c.status == Status.RETURNED,
+                                outbox.c.confirmed_at == now])  # fmt: skip
+            return moved
 
     def mark_failed(self, *, owner: str, ids: Sequence[int], reason: str) -> int:
         """A permanent error (oversized body, destination gone past its budget): keep the reason."""
         values = {"last_error": storable(reason), "lease_owner": None, "lease_until": None}
-        return self.transition(
-            ids=ids, source=Status.IN_FLIGHT, target=Status.FAILED, owner=owner, values=values
-        )
+        with self.unit_of_work():
+            moved = self.transition(
+                ids=ids, source=Status.IN_FLIGHT, target=Status.FAILED, owner=owner, values=values
+            )
+            self._record(kind="failed", ids=ids, at=self.clock(),
+                         where=[outbox.c.status == Status.FAILED,
+                                outbox.c.last_error == values["last_error"]])  # fmt: skip
+            return moved
 
     def retry(
         self,
@@ -767,6 +746,10 @@ class OutboxRepository:
                 )
             if again:
                 self._reschedule(owner, again, now=now, error=error, backoff=backoff)
+            self._record(kind=exhausted.value, ids=spent, at=now,
+                         where=[outbox.c.status == exhausted])  # fmt: skip
+            self._record(kind="retry", ids=[r.id for r in again], at=now,
+                         where=[outbox.c.status == Status.PENDING])  # fmt: skip
         return RetryOutcome(retried=len(again), exhausted=len(spent))
 
     def _reschedule(
@@ -792,9 +775,35 @@ class OutboxRepository:
         }  # fmt: skip
         if error is not None:
             values["last_error"] = storable(error)
-        return self.transition(
-            ids=ids, source=Status.IN_FLIGHT, target=Status.PENDING, owner=owner, values=values
-        )
+        with self.unit_of_work():
+            moved = self.transition(
+                ids=ids, source=Status.IN_FLIGHT, target=Status.PENDING, owner=owner,
+                values=values,
+            )  # fmt: skip
+            if lost:
+                self._record(kind="lost", ids=ids, at=values["available_at"],
+                             where=[outbox.c.status == Status.PENDING,
+                                    outbox.c.available_at == values["available_at"]])  # fmt: skip
+            return moved
+
+    def _record(
+        self, *, kind: str, ids: Sequence[int], at: dt.datetime,
+        where: Sequence[ColumnElement[bool]],
+    ) -> None:  # fmt: skip
+        """Append a rare event for each of ``ids`` still matching ``where`` (the rows the
+        change just moved), with its attempt, reply code and reason, in the change's
+        transaction. The confirm path never calls this."""
+        if not ids:
+            return
+        names = ["outbox_id", "message_id", "at", "kind", "attempt", "reply_code", "detail"]
+        with self._begin() as conn:
+            for chunk in self._chunks(ids):
+                rows = select(
+                    outbox.c.id, outbox.c.message_id, literal(at, events.c.at.type),
+                    literal(kind, Text), outbox.c.attempts, outbox.c.reply_code,
+                    outbox.c.last_error,
+                ).where(self._ids_in(chunk), *where)  # fmt: skip
+                conn.execute(insert(events).from_select(names, rows))
 
     def resend(self, *, owner: str, ids: Sequence[int], error: str) -> int:
         """Held rows published again without a new claim (a quarantine's isolated publish): a
@@ -900,25 +909,22 @@ class OutboxRepository:
                                audit_id=row.id, replayed=True)  # fmt: skip
 
     def _filter_cond(self, flt: RepublishFilter) -> ColumnElement[bool]:
-        cond: ColumnElement[bool] = outbox.c.status.in_([s.value for s in flt.statuses])
-        if flt.batch_id is not None:
-            cond = and_(cond, outbox.c.batch_id == flt.batch_id)
-        if flt.exchange is not None:
-            cond = and_(cond, outbox.c.exchange == flt.exchange)
-        if flt.created_after is not None:
-            cond = and_(cond, outbox.c.created_at >= flt.created_after)
-        if flt.created_before is not None:
-            cond = and_(cond, outbox.c.created_at < flt.created_before)
-        if flt.ordering_key is not None:
-            cond = and_(cond, outbox.c.ordering_key == flt.ordering_key)
-        return cond
+        return and_(*scope_conditions(flt))
 
     def _republish(
         self, *, actor: str, flt: RepublishFilter, limit: int, dry_run: bool,
         request_id: str | None, who: tuple[str | None, str | None] = (None, None),
     ) -> RepublishResult:  # fmt: skip
         cond = self._filter_cond(flt)
-        pick = select(outbox.c.id, outbox.c.message_id, outbox.c.status).where(cond)
+        pick = select(
+            outbox.c.id,
+            outbox.c.message_id,
+            outbox.c.status,
+            outbox.c.attempts,
+            outbox.c.reply_code,
+            outbox.c.last_error,
+            outbox.c.reply_text,
+        ).where(cond)
         pick = pick.order_by(outbox.c.id).limit(limit)
         if self.is_postgres and not dry_run:
             pick = pick.with_for_update(skip_locked=True)
@@ -952,8 +958,25 @@ class OutboxRepository:
                         principal=who[0], client_addr=who[1])
                 .returning(audit.c.id)
             ).scalar_one()  # fmt: skip
+            self._operator_events(conn, rows, kind="republished", actor=actor,
+                                  audit_id=int(audit_id))  # fmt: skip
         return RepublishResult(dry_run=False, count=len(ids), matched=matched, sample=sample,
                                audit_id=int(audit_id))  # fmt: skip
+
+    def _operator_events(
+        self, conn: Connection, rows: Sequence[Any], *, kind: str, actor: str, audit_id: int,
+        detail: str | None = None,
+    ) -> None:  # fmt: skip
+        """An operator's republish or skip, one event per row, as the row was before it."""
+        at = self.clock()
+        if rows:
+            conn.execute(insert(events), [
+                {"outbox_id": r.id, "message_id": r.message_id, "at": at, "kind": kind,
+                 "from_status": r.status, "attempt": r.attempts, "reply_code": r.reply_code,
+                 "detail": detail if detail is not None else (r.last_error or r.reply_text),
+                 "actor": actor, "audit_id": audit_id}
+                for r in rows
+            ])  # fmt: skip
 
     def _notify_new(self, conn: Connection) -> None:
         """Rows became due: wake listening publishers at commit (PostgreSQL; polled otherwise)."""
@@ -973,9 +996,11 @@ class OutboxRepository:
         for source in TERMINAL_FAILURES:
             check_transition(source, Status.SKIPPED)
         with self._begin() as conn:
-            pick = select(outbox.c.id, outbox.c.status, outbox.c.ordering_key).where(
+            pick = select(outbox.c.id, outbox.c.message_id, outbox.c.status,
+                          outbox.c.ordering_key, outbox.c.attempts, outbox.c.reply_code,
+                          outbox.c.last_error, outbox.c.reply_text).where(
                 outbox.c.message_id == message_id
-            )
+            )  # fmt: skip
             found = conn.execute(
                 pick.with_for_update() if self.is_postgres else pick
             ).first()  # fmt: skip
@@ -1008,6 +1033,8 @@ class OutboxRepository:
                         result=result, principal=principal, client_addr=client_addr)
                 .returning(audit.c.id)
             ).scalar_one()  # fmt: skip
+            self._operator_events(conn, [found], kind="skipped", actor=actor,
+                                  audit_id=int(audit_id), detail=reason)  # fmt: skip
         return SkipResult(message_id=message_id, previous=Status(found.status),
                           ordering_key=found.ordering_key, released=released,
                           audit_id=int(audit_id))  # fmt: skip
@@ -1063,6 +1090,8 @@ class OutboxRepository:
                             outbox.c.confirmed_at < cutoff,
                         )
                     ).rowcount  # fmt: skip
+                    gone = ~select(outbox.c.id).where(outbox.c.id == events.c.outbox_id).exists()
+                    conn.execute(delete(events).where(events.c.outbox_id.in_(doomed), gone))
             total += deleted
             if on_chunk is not None:
                 on_chunk(deleted)

@@ -280,3 +280,31 @@ ui_sessions = Table(
     Column("ended_at", UTCDateTime),
     Index("ix_outbox_ui_sessions_expires", "expires_at"),
 )
+
+#: The kinds of :data:`events`: the rare facts of a message's life (never a claim, a publish or
+#: a confirm: the hot path writes nothing here).
+EVENT_KINDS = ("retry", "lost", "returned", "nacked", "failed", "republished", "skipped")
+
+#: Append-only history of the rare events of each message: a failed attempt (retried), a lost
+#: confirm, a return, a nack or a failure that ended its attempts, an operator's republish or
+#: skip. Written in the transaction of the change it records; never updated.
+events = Table(
+    "outbox_events",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("outbox_id", BigInteger, nullable=False),
+    Column("message_id", Text, nullable=False),
+    Column("at", UTCDateTime, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("from_status", Text),  # the row's status before an operator's action
+    Column("attempt", Integer, nullable=False),
+    Column("reply_code", Integer),
+    Column("detail", Text),  # the error, the broker's reply, the operator's reason
+    Column("actor", Text),
+    Column("audit_id", BigInteger),
+    CheckConstraint(
+        "kind IN ('retry', 'lost', 'returned', 'nacked', 'failed', 'republished', 'skipped')",
+        name="ck_outbox_events_kind",
+    ),
+    Index("ix_outbox_events_row", "outbox_id", "id"),
+)

@@ -19,6 +19,7 @@ PURE = [
     "app.histogram",
     "app.outbox.content",
     "app.outbox.records",
+    "app.outbox.scope",
     "app.outbox.states",
     "app.amqp.codec",
     "app.amqp.errors",

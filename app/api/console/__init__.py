@@ -34,10 +34,12 @@ from app.api.models import RepublishRequest
 from app.outbox import health, queries
 from app.outbox.repository import (
     MAX_ACTOR,
-    RepublishFilter,
+    MAX_REASON,
+    CannotSkip,
     RequestIdReused,
     has_control_characters,
 )
+from app.outbox.scope import CAUSE_LENGTH, CRITERIA, Scope, ScopeError
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 log = logging.getLogger("app.api.console")
@@ -119,10 +121,18 @@ def _age(seconds: float | None) -> str:
 
 
 def _when(value: dt.datetime | None) -> str:
-    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if value else NONE
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if value else NONE
 
 
-env.filters.update(age=_age, when=_when, query=lambda d: urlencode(d, doseq=True))
+def _ago(value: dt.datetime | None, now: dt.datetime) -> str:
+    """How long ago (or, for a time to come, in how long), in words."""
+    if value is None:
+        return NONE
+    seconds = (now - value).total_seconds()
+    return f"{_age(seconds)} ago" if seconds >= 0 else f"in {_age(-seconds)}"
+
+
+env.filters.update(age=_age, when=_when, ago=_ago, query=lambda d: urlencode(d, doseq=True))
 
 
 # ------------------------------------------------------------------------------ plumbing
@@ -174,6 +184,7 @@ def render(
     **values: Any,
 ) -> HTMLResponse:  # fmt: skip
     csrf = _signer(request).csrf(session) if session else ""
+    values.setdefault("now", get_ctx(request).now())
     html = env.get_template(template).render(session=session, csrf=csrf, path=request.url.path,
                                              **values)  # fmt: skip
     return HTMLResponse(html, code, headers=SECURITY_HEADERS)
@@ -373,8 +384,9 @@ def overview(request: Request) -> HTMLResponse:
         latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
         latency_rows=ctx.settings.stats_latency_rows,
     )  # fmt: skip
+    parked_keys = len(queries.parked_keys(ctx.engine, limit=101))
     return render(request, "overview.html", session=session, stats=stats,
-                  verdict=health.verdict(stats), statuses=list(Status),
+                  verdict=health.verdict(stats), statuses=list(Status), parked_keys=parked_keys,
                   failures=sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES))  # fmt: skip
 
 
@@ -396,6 +408,7 @@ def batches(request: Request) -> HTMLResponse:
 @router.get("/batches/{batch_id}")
 def batch(request: Request, batch_id: str) -> HTMLResponse:
     session = _session(request)
+    _path_id(batch_id, "batch id")
     found = queries.batch_summary(get_ctx(request).engine, batch_id=batch_id[:MAX_FIELD])
     if found is None:
         raise ConsoleError(404, f"There is no batch {batch_id!r}.")
@@ -416,15 +429,33 @@ def outstanding(request: Request) -> HTMLResponse:
     page = queries.outstanding_confirms(ctx.engine, now=ctx.now(),
                                         flt=queries.OutstandingFilter(), limit=PAGE,
                                         after=after)  # fmt: skip
-    return render(request, "outstanding.html", session=session, page=page)
+    with ctx.engine.connect() as conn:
+        known = queries.publisher_rows(conn, now=ctx.now(), alive_after=ctx.alive_after)
+    alive = {p.publisher_id for p in known if p.alive}
+    return render(request, "outstanding.html", session=session, page=page, alive=alive)
+
+
+#: Causes on one page of the failures view.
+CAUSES_PAGE = 50
 
 
 @router.get("/failures")
 def failures(request: Request) -> HTMLResponse:
     session = _session(request)
-    groups = queries.failures_by_cause(get_ctx(request).engine, limit=200)
-    return render(request, "failures.html", session=session, groups=groups,
-                  rows=sum(g.rows for g in groups))  # fmt: skip
+    number = _int_param(request, "page") or 1
+    found = queries.failures_page(get_ctx(request).engine, limit=CAUSES_PAGE,
+                                  offset=(number - 1) * CAUSES_PAGE)  # fmt: skip
+    last = max(1, -(-found.total_groups // CAUSES_PAGE))
+    if number > last:
+        raise ConsoleError(404, f"There is no page {number} of the failures: there are {last}.")
+    return render(request, "failures.html", session=session, found=found, number=number,
+                  last=last, statuses=REPUBLISH_STATUSES)  # fmt: skip
+
+
+def _path_id(value: str, what: str) -> None:
+    """An id from the path that no row can hold (a NUL: PostgreSQL's text refuses it)."""
+    if "\x00" in value:
+        raise ConsoleError(400, f"A {what} cannot hold a NUL character: check the link.")
 
 
 def _status_param(request: Request) -> Status | None:
@@ -439,47 +470,133 @@ def _status_param(request: Request) -> Status | None:
 
 
 SEARCH_FIELDS = ("batch_id", "exchange", "routing_key", "ordering_key", "reason")
+TIME_FIELDS = ("created_after", "created_before")
+
+
+def _time_param(request: Request, name: str) -> dt.datetime | None:
+    value = _param(request, name)
+    if value is None:
+        return None
+    try:
+        stamp = dt.datetime.fromisoformat(value)
+    except ValueError:
+        stamp = None
+    if stamp is None or stamp.tzinfo is None:
+        raise ConsoleError(400, f"The parameter {name!r} must be an ISO 8601 time with a zone "
+                           "(2026-11-24T10:00:00Z).")  # fmt: skip
+    return stamp.astimezone(dt.UTC)
+
+
+def _cause_param(request: Request) -> str | None:
+    """A failure group's cause, exactly as the failures view links it ("" is a cause)."""
+    if "cause" not in request.query_params:
+        return None
+    value = request.query_params["cause"]
+    if len(value) > CAUSE_LENGTH or "\x00" in value:
+        raise ConsoleError(400, f"The parameter 'cause' must be at most {CAUSE_LENGTH} "
+                           "characters, without a NUL.")  # fmt: skip
+    return value
+
+
+def _search_scope(request: Request) -> tuple[Scope, dict[str, Any]]:
+    """The search's scope, and its parameters as given (for links and the form)."""
+    status = _status_param(request)
+    fields: dict[str, Any] = {name: _param(request, name) for name in SEARCH_FIELDS}
+    times = {name: _time_param(request, name) for name in TIME_FIELDS}
+    cause = _cause_param(request)
+    try:
+        scope = Scope(statuses=frozenset({status}) if status else frozenset(), cause=cause,
+                      created_after=times["created_after"],
+                      created_before=times["created_before"], **fields)  # fmt: skip
+    except ScopeError as exc:
+        raise ConsoleError(400, f"The search is not valid: {exc}.") from None
+    shown = {k: v for k, v in fields.items() if v}
+    shown |= {k: v.isoformat() for k, v in times.items() if v}
+    if status:
+        shown["status"] = status.value
+    if cause is not None:
+        shown["cause"] = cause
+    return scope, shown
 
 
 @router.get("/messages")
 def messages(request: Request) -> HTMLResponse:
     session = _session(request)
-    status = _status_param(request)
-    fields = {name: _param(request, name) for name in SEARCH_FIELDS}
-    flt = queries.MessageFilter(
-        statuses=(status,) if status else (), batch_id=fields["batch_id"],
-        exchange=fields["exchange"], routing_key=fields["routing_key"],
-        ordering_key=fields["ordering_key"], reason=fields["reason"],
-    )  # fmt: skip
+    scope, shown = _search_scope(request)
+    engine = get_ctx(request).engine
     after = _int_param(request, "after")
-    page = queries.search_messages(get_ctx(request).engine, flt=flt, limit=PAGE, after=after)
+    page = queries.search_messages(engine, flt=scope, limit=PAGE, after=after)
+    total, more_than = queries.count_scope(engine, flt=scope)
     found = page.items
-    shown = {k: v for k, v in {**fields, "status": status.value if status else None}.items() if v}
     more = page.truncated or len(found) == PAGE
     nxt = {**shown, "after": found[-1].id} if more and found else None
     return render(request, "messages.html", session=session, found=found, shown=shown,
-                  status=status, statuses=list(Status), fields=fields, next=nxt)  # fmt: skip
+                  status=next(iter(scope.statuses), None), statuses=list(Status),
+                  fields=shown, next=nxt, total=total, more_than=more_than,
+                  described=scope.describe(), republish=_search_republish(scope))  # fmt: skip
+
+
+def _search_republish(scope: Scope) -> dict[str, Any] | None:
+    """The republish form fields of a search's terminal failures (None: it can hold none)."""
+    statuses = [s.value for s in scope.statuses] or list(REPUBLISH_STATUSES)
+    if not set(statuses) <= set(REPUBLISH_STATUSES):
+        return None
+    return {"statuses": sorted(statuses), **_as_fields(scope)}
+
+
+def _as_fields(scope: Scope) -> dict[str, Any]:
+    """A scope's conditions as form fields (times in ISO 8601)."""
+    return {name: value.isoformat() if isinstance(value, dt.datetime) else value
+            for name, value in scope.criteria().items()}  # fmt: skip
 
 
 @router.get("/messages/{message_id}")
 def message(request: Request, message_id: str) -> HTMLResponse:
     session = _session(request)
     ctx = get_ctx(request)
-    found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD])
+    _path_id(message_id, "message id")
+    found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD], include_body=True)
     if found is None:
         raise ConsoleError(404, f"There is no message {message_id!r}.")
+    own = {"batch_id": found.batch_id, "exchange": found.exchange, "message_id": found.message_id,
+           "routing_key": found.routing_key, "ordering_key": found.ordering_key}  # fmt: skip
     actions = [
         e for e in queries.audit_trail(ctx.engine, limit=500)
-        if e.filter.get("batch_id") in (None, found.batch_id)
-        and e.filter.get("exchange") in (None, found.exchange)
-        and e.filter.get("ordering_key") in (None, found.ordering_key)
+        if all(e.filter.get(name) in (None, value) for name, value in own.items())
     ]  # fmt: skip
-    return render(request, "message.html", session=session, m=found, history=_history(found),
+    events = queries.message_events(ctx.engine, outbox_id=found.id)
+    return render(request, "message.html", session=session, m=found,
+                  history=_history(found, events), body=_body(found.body),
                   actions=actions[:20], failed=found.status in TERMINAL_FAILURES)  # fmt: skip
 
 
-def _history(m: queries.MessageRecord) -> list[tuple[dt.datetime | None, str]]:
-    steps: list[tuple[dt.datetime | None, str]] = [(m.created_at, "written to the outbox")]
+#: Most characters of a body the message page shows (the REST API has it whole).
+BODY_SHOWN = 4096
+
+
+def _body(body: bytes | None) -> tuple[str, str]:
+    """The body to show (escaped by the template) and how: its text when it is UTF-8, else
+    its first bytes in hex; cut at :data:`BODY_SHOWN` characters."""
+    if body is None:
+        return "", "no body"
+    try:
+        shown, how = body.decode("utf-8"), "text"
+    except UnicodeDecodeError:
+        shown, how = body[: BODY_SHOWN // 2].hex(" "), "binary, in hex"
+    if len(shown) > BODY_SHOWN or (how != "text" and len(body) > BODY_SHOWN // 2):
+        return shown[:BODY_SHOWN], f"{how}, cut at {BODY_SHOWN} characters of {len(body)} bytes"
+    return shown, how
+
+
+Step = tuple[dt.datetime | None, str]
+
+
+def _history(m: queries.MessageRecord, events: list[queries.MessageEvent]) -> list[Step]:
+    """Every recorded fact in time order: the rare events as kept (``outbox_events``), then
+    the current attempt's claim, publish and answer from the row itself."""
+    kinds = {e.kind for e in events}
+    steps: list[Step] = [(m.created_at, "written to the outbox")]
+    steps += [(e.at, _event_words(e)) for e in events]
     if m.claimed_at:
         steps.append((m.claimed_at, f"claimed by {m.lease_owner or 'a publisher'} "
                                     f"(attempt {m.attempts} of {m.max_attempts})"))  # fmt: skip
@@ -487,16 +604,44 @@ def _history(m: queries.MessageRecord) -> list[tuple[dt.datetime | None, str]]:
         where = (f" on channel {m.channel_id}, delivery tag {m.delivery_tag}"
                  if m.delivery_tag is not None else "")  # fmt: skip
         steps.append((m.published_at, f"published to {m.exchange!r}{where}"))
-    if m.confirmed_at:
-        steps.append((m.confirmed_at, "confirmed by the broker (ack)"))
-    if m.status in TERMINAL_FAILURES or m.last_error:
-        reason = m.last_error or m.reply_text or "no reason recorded"
-        code = f" (reply {m.reply_code})" if m.reply_code else ""
-        steps.append((None, f"now {m.status.value}: {reason}{code}"))
-    if m.lost_confirms:
+    steps += _current(m, kinds)
+    if m.lost_confirms and "lost" not in kinds:
         steps.append((None, f"{m.lost_confirms} confirm(s) lost to a closed channel: the "
                             "broker may hold a duplicate"))  # fmt: skip
-    return steps
+    return sorted(steps, key=lambda s: (s[0] is None, s[0] or m.created_at))
+
+
+def _current(m: queries.MessageRecord, kinds: set[str]) -> list[Step]:
+    """The row's own answer, unless an event already tells it (rows from before events)."""
+    if m.status is Status.CONFIRMED and m.confirmed_at:
+        return [(m.confirmed_at, "confirmed by the broker (ack)")]
+    if m.status is Status.RETURNED and "returned" not in kinds:
+        reply = f"{m.reply_code or ''} {m.reply_text or ''}".strip() or "no reply recorded"
+        return [(m.confirmed_at, f"the broker returned it as unroutable ({reply}), then acked")]
+    if m.status.value not in kinds and (m.status in TERMINAL_FAILURES or
+                                        m.status is Status.SKIPPED):  # fmt: skip
+        reason = m.last_error or m.reply_text or "no reason recorded"
+        return [(None, f"now {m.status.value}: {reason}")]
+    return []
+
+
+def _event_words(e: queries.MessageEvent) -> str:
+    """What happened, in the words of what the broker or the operator did."""
+    detail = e.detail or "no reason recorded"
+    by = f"{e.actor} (audit #{e.audit_id})"
+    words = {
+        "retry": f"attempt {e.attempt} failed: {detail}; retried after a backoff",
+        "lost": f"attempt {e.attempt}: its confirm was lost ({detail}); back to pending, the "
+        "broker may hold a duplicate",
+        "returned": f"attempt {e.attempt}: the broker returned it as unroutable "
+        f"({detail.removeprefix('returned by broker: ')}), then acked",
+        "nacked": f"attempt {e.attempt} nacked by the broker ({detail}): no attempts left",
+        "failed": f"attempt {e.attempt} failed for good: {detail}",
+        "republished": f"republished by {by}: it was {e.from_status} ({detail}); back to "
+        "pending, attempts from 0",
+        "skipped": f"skipped by {by}: {detail}; it will not be delivered",
+    }
+    return words.get(e.kind, f"{e.kind}: {detail}")
 
 
 @router.get("/audit")
@@ -511,7 +656,8 @@ def audit(request: Request) -> HTMLResponse:
 # ------------------------------------------------------------------------------ republish
 
 
-FILTER_FIELDS = ("batch_id", "exchange", "ordering_key", "created_after", "created_before")
+#: The conditions a republish form may carry (``cause`` is read as sent, spaces included).
+FILTER_FIELDS = tuple(name for name in CRITERIA if name != "cause")
 
 
 def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_run: bool
@@ -522,6 +668,8 @@ def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_ru
         value = _one(form, name)
         if value is not None:
             doc[name] = value
+    if "cause" in form:
+        doc["cause"] = form["cause"][0]
     statuses = [s for s in form.get("statuses", []) if s]
     unknown = [s for s in statuses if s not in REPUBLISH_STATUSES]
     if unknown:
@@ -534,17 +682,21 @@ def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_ru
     try:
         return RepublishRequest.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        problems = "; ".join(_problem(e) for e in exc.errors())
         raise ConsoleError(422, f"The republish filter is not valid: {problems}.") from None
 
 
+def _problem(error: Mapping[str, Any]) -> str:
+    where = ".".join(str(p) for p in error.get("loc", ()) if p != "__root__")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
 def _filter_fields(req: RepublishRequest) -> dict[str, Any]:
-    """The filter as form fields again (for the confirmation form)."""
-    fields: dict[str, Any] = {"statuses": list(req.statuses)}
-    for name in FILTER_FIELDS:
-        value = getattr(req, name)
-        if value is not None:
-            fields[name] = value.isoformat() if isinstance(value, dt.datetime) else value
+    """The filter as form fields again (for the confirmation form): every condition."""
+    flt = req.to_filter()
+    fields: dict[str, Any] = {"statuses": sorted(s.value for s in flt.statuses),
+                              **_as_fields(flt)}  # fmt: skip
     if req.all_failures:
         fields["all"] = "yes"
     return fields
@@ -570,7 +722,7 @@ async def republish_preview(request: Request) -> HTMLResponse:
     )  # fmt: skip
     return render(request, "republish_preview.html", session=session, result=result,
                   fields=_filter_fields(req), request_id=req.request_id,
-                  described=_describe(flt))  # fmt: skip
+                  described=flt.describe())  # fmt: skip
 
 
 @router.post("/republish")
@@ -591,22 +743,58 @@ async def republish(request: Request) -> HTMLResponse:
         )  # fmt: skip
     except RequestIdReused as exc:
         raise ConsoleError(409, str(exc)) from None
-    log.info("console: republish %s by %s (%s) moved %d rows, audit %s", req.request_id, actor,
-             session.principal, result.count, result.audit_id)  # fmt: skip
+    log.info("console: republish %s by %s (%s) moved %d of %d matching rows, audit %s, "
+             "filter %r", req.request_id, actor, session.principal, result.count,
+             result.matched, result.audit_id, flt.as_json())  # fmt: skip
     return render(request, "republish_done.html", session=session, result=result,
-                  request_id=req.request_id, described=_describe(flt),
+                  request_id=req.request_id, described=flt.describe(),
                   left=max(0, result.matched - result.count),
                   fields=_filter_fields(req))  # fmt: skip
 
 
-def _describe(flt: RepublishFilter) -> str:
-    parts = [f"status {' or '.join(sorted(s.value for s in flt.statuses))}"]
-    for label, value in (("batch", flt.batch_id), ("exchange", flt.exchange),
-                         ("ordering key", flt.ordering_key)):  # fmt: skip
-        if value is not None:
-            parts.append(f"{label} {value!r}")
-    if flt.created_after:
-        parts.append(f"created from {_when(flt.created_after)}")
-    if flt.created_before:
-        parts.append(f"created before {_when(flt.created_before)}")
-    return ", ".join(parts)
+# ------------------------------------------------------------------------------ parked keys
+
+
+@router.get("/parked")
+def parked(request: Request) -> HTMLResponse:
+    session = _session(request)
+    after = _param(request, "after")
+    keys = queries.parked_keys(get_ctx(request).engine, limit=PAGE, after=after)
+    nxt = keys[-1].ordering_key if len(keys) == PAGE else None
+    return render(request, "parked.html", session=session, keys=keys, next_after=nxt)
+
+
+@router.post("/skip")
+async def skip(request: Request) -> HTMLResponse:
+    """Skip one terminal failure (it will not be delivered; its key's parked rows go on)."""
+    session, form = await _acting(request)
+    message_id = _one(form, "message_id")
+    reason = _one(form, "reason")
+    if message_id is None or "\x00" in message_id:
+        raise ConsoleError(400, "Say which message to skip.")
+    if reason is None or len(reason) > MAX_REASON or has_control_characters(reason):
+        raise ConsoleError(400, f"A skip needs a reason: one line of at most {MAX_REASON} "
+                           "characters, without control characters.")  # fmt: skip
+    actor = _actor(form, session)
+    try:
+        result = await run_in_threadpool(
+            get_ctx(request).repo.skip, actor=actor, message_id=message_id, reason=reason,
+            principal=session.principal, client_addr=client_address(request),
+        )  # fmt: skip
+    except CannotSkip as exc:
+        raise ConsoleError(409, str(exc)) from None
+    log.info("console: skip of %r by %s (%s), was %s, key %r: %d rows released, audit %s",
+             message_id, actor, session.principal, result.previous.value, result.ordering_key,
+             result.released, result.audit_id)  # fmt: skip
+    return render(request, "skip_done.html", session=session, result=result)
+
+
+# ------------------------------------------------------------------------------ the rest
+
+
+@router.api_route("/{rest:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"])
+def not_found(request: Request, rest: str) -> Response:
+    """Any other ``/ui`` path: a console page saying so (registered last: it matches all)."""
+    if rest == "":
+        return RedirectResponse("/ui", 307)
+    raise ConsoleError(404, "There is no such console page: start from the overview.")
