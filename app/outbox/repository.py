@@ -221,6 +221,10 @@ class OutboxRepository:
         #: last walked from the start (PostgreSQL; see CLAIM_REWALK)
         self._floor: tuple[dt.datetime, int] | None = None
         self._walked_at: dt.datetime | None = None
+        #: rows this repository put back to pending may sit behind the floor (their
+        #: ``available_at`` is now, which can equal the floor's): the next claim walks from
+        #: the start. Set once their transaction committed, so that walk sees them.
+        self._rewalk = False
         self._updates: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}  # write-backs
 
     @contextmanager
@@ -236,6 +240,7 @@ class OutboxRepository:
         if getattr(self._local, "conn", None) is not None:
             yield
             return
+        committed: list[Callable[[], None]] = []
         sqlite_relaxed = not durable and not self.is_postgres
         with self.engine.connect() as conn:
             if sqlite_relaxed:  # a connection setting, outside the transaction
@@ -246,14 +251,29 @@ class OutboxRepository:
                     if not durable and self.is_postgres:
                         conn.execute(_ASYNC_COMMIT)
                     self._local.conn = conn
+                    self._local.committed = committed
                     try:
                         yield
                     finally:
                         self._local.conn = None
+                        self._local.committed = None
+                for done in committed:
+                    done()
             finally:
                 if sqlite_relaxed:
                     conn.exec_driver_sql("PRAGMA synchronous=FULL")
                     conn.commit()
+
+    def _on_commit(self, done: Callable[[], None]) -> None:
+        """Run ``done`` once the unit of work in progress has committed (at once outside one)."""
+        committed = getattr(self._local, "committed", None)
+        if committed is None:
+            done()
+        else:
+            committed.append(done)
+
+    def _walk_from_start(self) -> None:
+        self._rewalk = True
 
     @contextmanager
     def _begin(self) -> Iterator[Connection]:
@@ -517,6 +537,8 @@ class OutboxRepository:
         taken. Rows come back with their ``available_at`` last, which is cut off here."""
         floor, walked = self._floor, self._walked_at
         floored = floor is not None and walked is not None and now - walked < CLAIM_REWALK
+        if self._rewalk:
+            self._rewalk = floored = False
         if floored:
             assert floor is not None
             params = {**params, "floor_at": floor[0], "floor_id": floor[1]}
@@ -784,6 +806,8 @@ class OutboxRepository:
                 self._record(kind="lost", ids=ids, at=values["available_at"],
                              where=[outbox.c.status == Status.PENDING,
                                     outbox.c.available_at == values["available_at"]])  # fmt: skip
+            if moved:
+                self._on_commit(self._walk_from_start)
             return moved
 
     def _record(
@@ -846,7 +870,10 @@ class OutboxRepository:
             )
         )  # fmt: skip
         with self._begin() as conn:
-            return conn.execute(stmt).rowcount
+            moved = int(conn.execute(stmt).rowcount)
+        if moved:
+            self._on_commit(self._walk_from_start)
+        return moved
 
     def count_open(self) -> int:
         """Rows not settled yet (``pending`` or ``in_flight``): zero means the outbox is drained."""

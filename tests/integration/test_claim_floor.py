@@ -179,3 +179,22 @@ def test_the_walk_from_the_floor_skips_the_entries_of_rows_claimed_since_the_las
         _index_buffers(engine, sent_start),
     )
     assert from_floor * 10 < from_start, (from_floor, from_start)
+
+
+def test_rows_released_at_the_floors_own_time_are_claimed_at_once(engine: Engine) -> None:
+    """A release sets ``available_at`` to now, which can equal the floor's (a coarse or a test
+    clock): the row sorts behind the floor by its id. The release makes the next claim walk
+    from the start, once its transaction committed; so does the sweep of expired leases."""
+    clock = Clock()
+    repo = OutboxRepository(engine, clock=clock)
+    add(engine, names("s", 3), at=T0)
+    got = repo.claim(owner="p1", limit=3, lease_seconds=60)
+    with repo.unit_of_work():  # as the write-back does: the walk waits for the commit
+        repo.release(owner="p1", ids=[got[0].id], lost=True, error="channel closed")
+        assert not repo._rewalk
+    assert repo._rewalk
+    assert claim(repo, 10) == ["s000"]
+    assert repo.mark_confirmed(owner="p1", ids=[got[0].id]) == 1
+    clock.advance(120)  # the other two rows' lease runs out
+    assert repo.release_expired() == 2
+    assert claim(repo, 10) == ["s001", "s002"]
