@@ -12,7 +12,7 @@ from pydantic import SecretStr
 from sqlalchemy import Engine, create_engine
 
 from app.api.auth import ApiConfigError, Role
-from app.api.console import _safe_next
+from app.api.console import safe_next
 from app.api.console.session import SessionError, SessionSigner, signing_key
 from app.api.console.store import ConsoleSessions
 from app.settings import Settings
@@ -124,4 +124,4 @@ def test_csrf_tokens_belong_to_one_session() -> None:
     ("https://evil.example/ui", "/ui"), ("//evil.example/ui", "/ui"), ("/v1/stats", "/ui"),
 ])  # fmt: skip
 def test_sign_in_only_returns_to_console_pages(target: str | None, safe: str) -> None:
-    assert _safe_next(target) == safe
+    assert safe_next(target) == safe

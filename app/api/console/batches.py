@@ -1,0 +1,50 @@
+"""Batches: the list and one batch."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse
+
+from app.api.console.base import (
+    MAX_FIELD,
+    PAGE,
+    ConsoleError,
+    check_path_id,
+    page_router,
+    param,
+    render,
+    session_of,
+    status_param,
+)
+from app.api.context import get_ctx
+from app.outbox import queries
+from app.outbox.states import TERMINAL_FAILURES, Status
+
+router = page_router()
+
+
+@router.get("/batches")
+def batches(request: Request) -> HTMLResponse:
+    session = session_of(request)
+    ctx = get_ctx(request)
+    status = status_param(request)
+    cursor = param(request, "cursor")
+    try:
+        after = queries.decode_batch_cursor(cursor) if cursor else None
+    except queries.BadCursor:
+        raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
+    page = queries.list_batches(ctx.engine, limit=PAGE, after=after, status=status)
+    return render(request, "batches.html", session=session, page=page, status=status,
+                  statuses=list(Status))  # fmt: skip
+
+
+@router.get("/batches/{batch_id}")
+def batch(request: Request, batch_id: str) -> HTMLResponse:
+    session = session_of(request)
+    check_path_id(batch_id, "batch id")
+    found = queries.batch_summary(get_ctx(request).engine, batch_id=batch_id[:MAX_FIELD])
+    if found is None:
+        raise ConsoleError(404, f"There is no batch {batch_id!r}.")
+    failures = sum(found.counts.get(s, 0) for s in TERMINAL_FAILURES)
+    return render(request, "batch.html", session=session, b=found, failures=failures,
+                  statuses=list(Status))  # fmt: skip

@@ -1,0 +1,36 @@
+"""Terminal failures, one group per cause with its routing keys beneath."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse
+
+from app.api.console.base import (
+    REPUBLISH_STATUSES,
+    ConsoleError,
+    int_param,
+    page_router,
+    render,
+    session_of,
+)
+from app.api.context import get_ctx
+from app.outbox import queries
+
+router = page_router()
+
+
+#: Causes on one page of the failures view.
+CAUSES_PAGE = 50
+
+
+@router.get("/failures")
+def failures(request: Request) -> HTMLResponse:
+    session = session_of(request)
+    number = int_param(request, "page") or 1
+    found = queries.failures_page(get_ctx(request).engine, limit=CAUSES_PAGE,
+                                  offset=(number - 1) * CAUSES_PAGE)  # fmt: skip
+    last = max(1, -(-found.total_groups // CAUSES_PAGE))
+    if number > last:
+        raise ConsoleError(404, f"There is no page {number} of the failures: there are {last}.")
+    return render(request, "failures.html", session=session, found=found, number=number,
+                  last=last, statuses=REPUBLISH_STATUSES)  # fmt: skip

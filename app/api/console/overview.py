@@ -1,0 +1,57 @@
+"""The overview (verdict, counts, rates), the outstanding confirms and the parked keys."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse
+
+from app.api.console.base import PAGE, ConsoleError, page_router, param, render, session_of
+from app.api.context import get_ctx
+from app.outbox import health, queries
+from app.outbox.states import TERMINAL_FAILURES, Status
+
+router = page_router()
+
+
+@router.get("")
+def overview(request: Request) -> HTMLResponse:
+    session = session_of(request)
+    ctx = get_ctx(request)
+    stats = queries.read_stats(
+        ctx.engine, now=ctx.now(), alive_after=ctx.alive_after,
+        latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
+        latency_rows=ctx.settings.stats_latency_rows,
+    )  # fmt: skip
+    parked_keys = len(queries.parked_keys(ctx.engine, limit=101))
+    return render(request, "overview.html", session=session, stats=stats,
+                  verdict=health.verdict(stats), statuses=list(Status), parked_keys=parked_keys,
+                  failures=sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES))  # fmt: skip
+
+
+@router.get("/outstanding")
+def outstanding(request: Request) -> HTMLResponse:
+    session = session_of(request)
+    ctx = get_ctx(request)
+    cursor = param(request, "cursor")
+    try:
+        after = queries.OutstandingKey.decode(cursor) if cursor else None
+    except queries.BadCursor:
+        raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
+    page = queries.outstanding_confirms(ctx.engine, now=ctx.now(),
+                                        flt=queries.OutstandingFilter(), limit=PAGE,
+                                        after=after)  # fmt: skip
+    with ctx.engine.connect() as conn:
+        known = queries.publisher_rows(conn, now=ctx.now(), alive_after=ctx.alive_after)
+    alive = {p.publisher_id for p in known if p.alive}
+    return render(request, "outstanding.html", session=session, page=page, alive=alive)
+
+
+@router.get("/parked")
+def parked(request: Request) -> HTMLResponse:
+    session = session_of(request)
+    after = param(request, "after")
+    keys = queries.parked_keys(get_ctx(request).engine, limit=PAGE, after=after)
+    nxt = keys[-1].ordering_key if len(keys) == PAGE else None
+    return render(request, "parked.html", session=session, keys=keys, next_after=nxt)
