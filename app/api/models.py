@@ -8,9 +8,10 @@ timezone.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 
 from pydantic import (
     AfterValidator,
@@ -19,6 +20,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    create_model,
     model_validator,
 )
 
@@ -273,44 +275,45 @@ class BatchPage(BaseModel):
 # ---------------------------------------------------------------------------- messages
 
 
-class MessageOut(BaseModel):
-    id: int
-    message_id: str
-    batch_id: str
-    exchange: str
-    routing_key: str
-    mandatory: bool
-    content_type: str | None
-    headers: dict[str, Any] | None
-    properties: dict[str, Any] | None
-    ordering_key: str | None
-    status: Status
-    attempts: int
-    max_attempts: int
-    lost_confirms: int
-    available_at: dt.datetime
-    not_before: dt.datetime | None = Field(
-        default=None, description="Delayed delivery: not published before this time."
-    )
-    lease_owner: str | None
-    lease_until: dt.datetime | None
-    claimed_at: dt.datetime | None
-    channel_id: int | None
-    delivery_tag: int | None
-    created_at: dt.datetime
-    published_at: dt.datetime | None
-    confirmed_at: dt.datetime | None
-    last_error: str | None
-    reply_code: int | None
-    reply_text: str | None
-    body_size: int
-    body_base64: str | None = Field(description="The body, only with `include_body=true`.")
+class MessageOutBase(BaseModel):
+    """A message row as the API answers it: the row's fields (:func:`_message_fields`) and the
+    body, base64-encoded (``body_base64``)."""
 
     @classmethod
-    def of(cls, m: queries.MessageRecord) -> MessageOut:
+    def of(cls, m: queries.MessageRecord) -> MessageOutBase:
         values: dict[str, Any] = {n: getattr(m, n) for n in cls.model_fields if n != "body_base64"}
-        body = base64.b64encode(m.body).decode() if m.body is not None else None
-        return cls(**values, body_base64=body)
+        values["body_base64"] = base64.b64encode(m.body).decode() if m.body is not None else None
+        return cls(**values)
+
+
+#: Descriptions of the row's fields where the name alone does not say enough.
+MESSAGE_FIELD_DOCS = {
+    "not_before": "Delayed delivery: not published before this time.",
+    "lost_confirms": "Publishes whose confirm never came: possible duplicates.",
+    "body_size": "The body's length in bytes.",
+}
+
+
+def _message_fields() -> dict[str, Any]:
+    """The answer's fields: every field of :class:`queries.MessageRecord` but the raw body, with
+    its type (one shape for a message row: a column added there is in the answer too)."""
+    hints = get_type_hints(queries.MessageRecord, globalns=vars(queries))
+    return {
+        f.name: (hints[f.name], Field(description=MESSAGE_FIELD_DOCS.get(f.name)))
+        for f in dataclasses.fields(queries.MessageRecord)
+        if f.name != "body"
+    } | {
+        "body_base64": (
+            str | None,
+            Field(description="The body, only with `include_body=true`."),
+        )
+    }
+
+
+if TYPE_CHECKING:
+    MessageOut = MessageOutBase
+else:
+    MessageOut = create_model("MessageOut", __base__=MessageOutBase, **_message_fields())
 
 
 # --------------------------------------------------------------------------- republish
