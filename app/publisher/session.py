@@ -243,8 +243,11 @@ class Session:
         self._last_cause = PLAIN
         self.channels = {cid: Channel(cid, ChannelLedger(channel_id=cid)) for cid in ids}
         self._metrics.connected = True
-        log.info("connected to the broker at %s (frame_max %d, channel_max %d), channels %s",
-                 redact_url(url), conn.frame_max, conn.channel_max, ids)  # fmt: skip
+        node = f"{conn.address[0]}:{conn.address[1]}" if conn.address else "?"
+        log.info("connected to the broker at %s (node %s, frame_max %d, channel_max %d), "
+                 "channels %s", redact_url(url), node, conn.frame_max, conn.channel_max,
+                 ids)  # fmt: skip
+        self._metrics.broker_node = node
         self._events.connection_changed()
         return conn
 
@@ -465,7 +468,10 @@ class Session:
             return
         oldest = self.oldest_outstanding_at()
         if oldest is not None and now - oldest > self._settings.confirm_timeout:
-            log.error("no confirm for %.1fs: dropping the connection", now - oldest)
+            log.error("no confirm for %.1fs: dropping the connection (its unconfirmed publishes "
+                      "go again, counted as lost confirms, no nack budget spent)",
+                      now - oldest)  # fmt: skip
+            self._metrics.confirm_timeouts += 1
             conn.abort(reason=f"confirm timeout ({self._settings.confirm_timeout}s)")
 
     def abandon_window(self, reason: str) -> None:
