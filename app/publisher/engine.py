@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import socket
 import time
@@ -77,13 +78,16 @@ class Publisher:
         publisher_id: str | None = None,
         metrics: PublisherMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
+        """``rng``: jitter and the order of a multi-host URL's brokers (seed it to replay)."""
         self.settings = settings
         self.repo = repository
         self.publisher_id = publisher_id or settings.publisher_id or default_publisher_id()
         self.metrics = metrics or PublisherMetrics()
         self.clock = clock
-        self.backoff = Backoff(base=settings.backoff_base, cap=settings.backoff_max)
+        self.backoff = Backoff(base=settings.backoff_base, cap=settings.backoff_max,
+                               rng=rng or random.Random())  # fmt: skip
         self.limits = Limits(max_body_bytes=settings.max_body_bytes,
                              max_header_bytes=settings.max_header_bytes)  # fmt: skip
         self.holdings = Holdings()

@@ -229,7 +229,7 @@ class Session:
         try:
             conn = await AMQPConnection.connect(
                 url, listener=link, heartbeat=s.heartbeat, name=self._name,
-                timeout=SETUP_TIMEOUT,
+                timeout=SETUP_TIMEOUT, shuffle=self._rng,
             )  # fmt: skip
             async with asyncio.timeout(SETUP_TIMEOUT):
                 ids = [await conn.open_channel() for _ in range(self._channel_count(conn))]

@@ -4,8 +4,10 @@ consumer kit honouring the broker's ``x-delivery-count`` beside its own attempts
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
+import random
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -14,11 +16,15 @@ import aio_pika
 import pytest
 from sqlalchemy import Engine
 
+from app.amqp.connection import AMQPConnection
 from app.consumer import Consumer, ConsumerConfig
 from app.db import make_engine
+from app.topology import _Quiet as Quiet
 from app.topology import declare, queue_arguments
 from tests.cluster_support import Cluster
 from tests.consumer_support import create_effects, effects, publish, record, until
+from tests.factories import add_rows
+from tests.publisher_support import all_in, running_publisher, settings_for, wait_rows
 
 
 @pytest.fixture
@@ -135,3 +141,54 @@ async def test_the_kit_dead_letters_what_the_broker_returned_past_its_broker_lim
         assert "broker delivery limit 4 reached" in reason and "4 times" in reason, reason
     finally:
         await delete_queues(cluster.node_url(1), name, f"{name}.dlq")
+
+
+# ---------------------------------------------------------------- publishers spread over nodes
+
+
+async def test_a_multi_host_url_is_tried_in_a_shuffled_order(cluster: Cluster) -> None:
+    """Twelve connections through the three-host URL, one seeded order: every node gets some
+    (in URL order all twelve went to the first)."""
+    rng = random.Random(7)
+    nodes = collections.Counter()
+    for _ in range(12):
+        conn = await AMQPConnection.connect(cluster.url, listener=Quiet(), shuffle=rng,
+                                            name="test-cluster-shuffle")  # fmt: skip
+        assert conn.address is not None
+        nodes[cluster.node_of_port(conn.address[1])] += 1
+        await conn.close()
+    assert set(nodes) == {1, 2, 3}, nodes
+
+
+async def test_two_publishers_start_on_different_nodes_and_move_on_failover(
+    cluster: Cluster, pg_url: str
+) -> None:
+    """Two publishers with the same three-host URL (seeded: 3 and 4 draw different first
+    nodes) drain a quorum queue from two nodes; kill -9 of the first one's node moves it to
+    another, every row confirmed; the node back, it takes connections again."""
+    name = f"test-cluster-spread-{uuid.uuid4().hex[:8]}"
+    await declare(cluster.url, exchange=name, kind="direct", queue=name, queue_type="quorum",
+                  bindings=["rk"])  # fmt: skip
+    engine = make_engine(pg_url)
+    add_rows(engine, n=3000, exchange=name, routing_key="rk")
+    settings = settings_for(db_url=pg_url, amqp_url=cluster.url, heartbeat=2)
+    killed = None
+    try:
+        async with (running_publisher(settings, engine, rng=random.Random(3)) as a,
+                    running_publisher(settings, engine, rng=random.Random(4)) as b):  # fmt: skip
+            await until(lambda: a.metrics.broker_node and b.metrics.broker_node,
+                        what="both connected")  # fmt: skip
+            first = {a.metrics.broker_node, b.metrics.broker_node}
+            assert len(first) == 2, first
+            assert a.metrics.broker_node is not None
+            killed = cluster.node_of_port(int(a.metrics.broker_node.rsplit(":", 1)[1]))
+            cluster.kill(killed)
+            await until(lambda: a.metrics.reconnects >= 1, what="publisher a reconnected")
+            assert a.metrics.broker_node != f"127.0.0.1:{cluster.port(killed)}"
+            final = await wait_rows(engine, all_in("confirmed"), timeout=120)
+        assert len(final) == 3000
+    finally:
+        engine.dispose()
+        if killed is not None:
+            cluster.start_node(killed)
+        await delete_queues(cluster.node_url(2), name)
