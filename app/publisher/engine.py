@@ -114,6 +114,7 @@ class Publisher:
             destinations=self.destinations, holdings=self.holdings, quarantine=self.quarantine,
             metrics=self.metrics, outcomes=self.writeback.buffer,
             written=self.writeback.wake.set, unpark=self.sender.unpark, clock=clock,
+            reconnect=self.session.reconnect,
         ), burst=settings.destination_nack_burst)  # fmt: skip
         self.claimer = Claimer(ClaimerParts(
             settings=settings, repo=repository, db=self.db, owner=self.publisher_id,

@@ -38,6 +38,10 @@ class OutageParts:
     written: Callable[[], None]  # wake the write-back
     unpark: Callable[[str], None]  # rows parked behind a probe may go
     clock: Callable[[], float]
+    #: drop the connection (a failed probe: the next one goes on a fresh connection, maybe to
+    #: another node; a channel opened during a leader election kept nacking a quorum queue
+    #: whose new leader took publishes on any other connection)
+    reconnect: Callable[[str], None] = lambda reason: None
 
 
 class Outages:
@@ -85,7 +89,11 @@ class Outages:
             if exchange is None:
                 charged += rows  # not held any more: the write-back's guard decides
             elif p.destinations.in_outage(exchange):
+                probe = p.destinations.probe(exchange)
                 self._outage(exchange, rows, now)
+                if probe is not None and probe in rows:
+                    log.debug("exchange %r: the probe was nacked; reconnecting", exchange)
+                    p.reconnect(f"the probe to exchange {exchange!r} was nacked")
             else:
                 verdict = self.runs.nacked(exchange, rows, now)
                 for name, out in verdict.outage.items():

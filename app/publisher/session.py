@@ -474,6 +474,14 @@ class Session:
             self._metrics.confirm_timeouts += 1
             conn.abort(reason=f"confirm timeout ({self._settings.confirm_timeout}s)")
 
+    def reconnect(self, reason: str) -> None:
+        """Drop the connection (its unconfirmed publishes go again as lost confirms) and
+        connect anew, the hosts in a new order."""
+        conn = self.conn
+        if conn is not None and conn.is_open and not self.stopping:
+            log.info("dropping the broker connection to start afresh: %s", reason)
+            conn.abort(reason=reason)
+
     def abandon_window(self, reason: str) -> None:
         """Stop: what is still unconfirmed is of unknown outcome."""
         self._abandon(reason, PLAIN)

@@ -331,6 +331,7 @@ async def test_an_exchange_that_nacks_everything_is_an_outage_not_the_rows_fault
             assert max(r.nacks for r in now) == 0
             assert publisher.metrics.destination_outages == 1
             assert publisher.metrics.nacked >= 20
+            assert publisher.metrics.reconnects >= 1  # a nacked probe: the next on a fresh one
             await declare(amqp_url, exchange=exchange, queue=open_q)
             await delete(amqp_url, queues=(full_q,))
             final = await wait_rows(engine, all_in("confirmed"))
