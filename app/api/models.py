@@ -277,6 +277,7 @@ class MessageOut(BaseModel):
     status: Status
     attempts: int
     max_attempts: int
+    nacks: int = Field(0, description="Broker nacks of this row (its nack budget: max_attempts).")
     lost_confirms: int
     available_at: dt.datetime
     lease_owner: str | None

@@ -641,6 +641,7 @@ class MessageRecord:
     status: Status
     attempts: int
     max_attempts: int
+    nacks: int
     lost_confirms: int
     available_at: dt.datetime
     lease_owner: str | None

@@ -916,7 +916,7 @@ class OutboxRepository:
                 conn.execute(
                     update(outbox)
                     .where(self._ids_in(chunk), cond)
-                    .values(status=Status.PENDING, attempts=0, available_at=self.clock(),
+                    .values(status=Status.PENDING, attempts=0, nacks=0, available_at=self.clock(),
                             last_error=None, reply_code=None, reply_text=None)
                 )  # fmt: skip
             result = {"count": len(ids), "matched": matched, "sample": sample, "limit": limit}

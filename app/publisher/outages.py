@@ -38,7 +38,7 @@ class OutageParts:
     written: Callable[[], None]  # wake the write-back
     unpark: Callable[[str], None]  # rows parked behind a probe may go
     clock: Callable[[], float]
-    #: drop the connection (a failed probe: the next one goes on a fresh connection, maybe to
+    #: drop the connection (the first failed probe of an outage: the next goes on a fresh one, to
     #: another node; a channel opened during a leader election kept nacking a quorum queue
     #: whose new leader took publishes on any other connection)
     reconnect: Callable[[str], None] = lambda reason: None
@@ -49,6 +49,8 @@ class Outages:
         self.p = parts
         self.runs = NackRuns(burst=burst)
         self._timer: asyncio.TimerHandle | None = None
+        #: exchanges whose outage already dropped the connection once (a nacked probe)
+        self._refreshed: set[str] = set()
 
     def answered(self, events: Sequence[Event]) -> list[Event]:
         """Take the nacks out of ``events`` (judged here) and watch the acks for the ends of
@@ -91,8 +93,9 @@ class Outages:
             elif p.destinations.in_outage(exchange):
                 probe = p.destinations.probe(exchange)
                 self._outage(exchange, rows, now)
-                if probe is not None and probe in rows:
-                    log.debug("exchange %r: the probe was nacked; reconnecting", exchange)
+                if probe is not None and probe in rows and exchange not in self._refreshed:
+                    # once per outage: a reconnect costs the other exchanges' unconfirmed rows
+                    self._refreshed.add(exchange)
                     p.reconnect(f"the probe to exchange {exchange!r} was nacked")
             else:
                 verdict = self.runs.nacked(exchange, rows, now)
@@ -113,6 +116,7 @@ class Outages:
             charged += self.runs.acked(exchange)
             lasted = p.destinations.recovered(exchange, now)
             if lasted is not None:
+                self._refreshed.discard(exchange)
                 log.warning("exchange %r takes publishes again: its outage lasted %.1fs",
                             exchange, lasted)  # fmt: skip
                 p.unpark(exchange)
