@@ -694,14 +694,20 @@ def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
     import asyncio
 
     from app.amqp.errors import ChannelClosedError, WireError
-    from app.topology import declare
+    from app.topology import declare, queue_arguments
 
     if args.bind and args.queue is None:
         raise UsageError("--bind needs --queue (the queue to bind)")
     try:
+        queue_arguments(args.queue_type, delivery_limit=args.delivery_limit)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
         url = settings.amqp_url.get_secret_value()
         done = asyncio.run(declare(url, exchange=args.exchange, kind=args.type,
-                                   queue=args.queue, bindings=args.bind or ()))  # fmt: skip
+                                   queue=args.queue, bindings=args.bind or (),
+                                   queue_type=args.queue_type,
+                                   delivery_limit=args.delivery_limit))  # fmt: skip
     except ChannelClosedError as exc:
         raise Failure(f"the broker refused: {exc.reason}") from None
     except (WireError, TimeoutError) as exc:
@@ -714,8 +720,9 @@ def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
     print(f"exchange {done.exchange!r} ({done.kind}, durable) is declared")
     if done.queue is not None:
         keys = ", ".join(repr(k) for k in done.bindings)
-        print(f"queue {done.queue!r} (durable) is bound to it with {keys}; it holds "
-              f"{done.queue_messages} messages")  # fmt: skip
+        limit = f", delivery limit {done.delivery_limit}" if done.delivery_limit else ""
+        print(f"queue {done.queue!r} ({done.queue_type}, durable{limit}) is bound to it with "
+              f"{keys}; it holds {done.queue_messages} messages")  # fmt: skip
     return EXIT_OK
 
 
@@ -1090,6 +1097,12 @@ def _add_declare(sub: Sub) -> None:
     dec.add_argument("--type", default="topic", choices=["direct", "topic", "fanout", "headers"],
                      help="exchange type (default topic)")  # fmt: skip
     dec.add_argument("--queue", help="also declare this queue and bind it")
+    dec.add_argument("--queue-type", default="classic", choices=["classic", "quorum"],
+                     help="classic (default; one node) or quorum (replicated on a cluster: "
+                     "a confirm means a majority wrote it)")  # fmt: skip
+    dec.add_argument("--delivery-limit", type=int, metavar="N",
+                     help="quorum only: x-delivery-limit, the broker dead-letters (or drops) a "
+                     "message after N returns")  # fmt: skip
     dec.add_argument("--bind", action="append", metavar="KEY",
                      help="binding key, repeatable (default '#' for topic, '' else)")  # fmt: skip
     dec.add_argument("--json", action="store_true", help="what was declared, as JSON")

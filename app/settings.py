@@ -83,6 +83,12 @@ class Settings(BaseSettings):
     destination_retry_budget: int = Field(
         default=5, ge=1, description="Attempts before rows for a missing exchange end failed."
     )
+    destination_nack_burst: int = Field(
+        default=20,
+        ge=1,
+        description="Nacks to one exchange in a row, no ack between: a "
+        "destination outage (exchange paused, rows kept pending, nack budgets untouched).",
+    )
     confirm_timeout: float = Field(
         default=30.0, gt=0, description="A publish unconfirmed this long means the channel is dead."
     )

@@ -10,13 +10,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pamqp import commands
+from pamqp import commands, common
 
 from app.amqp.codec import ReturnedMessage
 from app.amqp.connection import AMQPConnection
 from app.amqp.errors import CloseReason
 
 KINDS = ("direct", "topic", "fanout", "headers")
+#: ``classic``: one node holds the queue (a single broker, or messages that may be lost with a
+#: node). ``quorum``: replicated on a majority (Raft); a confirm means a majority wrote it.
+QUEUE_TYPES = ("classic", "quorum")
+
+
+def queue_arguments(queue_type: str = "classic", *, delivery_limit: int | None = None
+                    ) -> common.FieldTable:  # fmt: skip
+    """The ``queue.declare`` arguments of a queue of ``queue_type``; ``delivery_limit`` (quorum
+    only) is the broker's ``x-delivery-limit``: past it the broker dead-letters (or drops) the
+    message itself."""
+    if queue_type not in QUEUE_TYPES:
+        raise ValueError(f"queue type {queue_type!r}: expected one of {', '.join(QUEUE_TYPES)}")
+    args: common.FieldTable = {"x-queue-type": queue_type}
+    if delivery_limit is not None:
+        if queue_type != "quorum":
+            raise ValueError("a delivery limit needs a quorum queue (--queue-type quorum)")
+        if delivery_limit < 1:
+            raise ValueError(f"delivery limit {delivery_limit}: expected 1 or more")
+        args["x-delivery-limit"] = delivery_limit
+    return args
 
 
 class _Quiet:
@@ -38,14 +58,19 @@ class Declared:
     queue: str | None = None
     bindings: list[str] = field(default_factory=list)
     queue_messages: int | None = None
+    queue_type: str | None = None
+    delivery_limit: int | None = None
 
 
 async def declare(
     url: str, *, exchange: str, kind: str = "topic", queue: str | None = None,
-    bindings: Sequence[str] = (), timeout: float = 10.0,
+    bindings: Sequence[str] = (), timeout: float = 10.0, queue_type: str = "classic",
+    delivery_limit: int | None = None,
 ) -> Declared:  # fmt: skip
-    """Declare ``exchange`` (durable) and, when given, ``queue`` (durable, classic) bound to it
-    with each of ``bindings`` (``#`` when none is given for a topic exchange, ``""`` else)."""
+    """Declare ``exchange`` (durable) and, when given, ``queue`` (durable, ``queue_type``: see
+    :func:`queue_arguments`) bound to it with each of ``bindings`` (``#`` when none is given for
+    a topic exchange, ``""`` else)."""
+    arguments = queue_arguments(queue_type, delivery_limit=delivery_limit)
     conn = await AMQPConnection.connect(url, listener=_Quiet(), timeout=timeout,
                                         name="outbox-declare")  # fmt: skip
     try:
@@ -56,7 +81,7 @@ async def declare(
         if queue is None:
             return Declared(exchange=exchange, kind=kind)
         ok = await conn.call(ch, commands.Queue.Declare(
-            queue=queue, durable=True, arguments={"x-queue-type": "classic"},
+            queue=queue, durable=True, arguments=arguments,
         ), (commands.Queue.DeclareOk,), timeout=timeout)  # fmt: skip
         keys = list(bindings) or ["#" if kind == "topic" else ""]
         for key in keys:
@@ -65,6 +90,7 @@ async def declare(
                             (commands.Queue.BindOk,), timeout=timeout)  # fmt: skip
         count = getattr(ok, "message_count", None)
         return Declared(exchange=exchange, kind=kind, queue=queue, bindings=keys,
-                        queue_messages=count)  # fmt: skip
+                        queue_messages=count, queue_type=queue_type,
+                        delivery_limit=delivery_limit)  # fmt: skip
     finally:
         await conn.close()

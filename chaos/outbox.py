@@ -213,6 +213,7 @@ class FinalRow:
     message_id: str
     status: str
     attempts: int
+    nacks: int
     lost_confirms: int
     reply_code: int | None
     reply_text: str | None

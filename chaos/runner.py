@@ -29,7 +29,7 @@ from chaos import procs
 from chaos.amqp import Topology
 from chaos.outbox import Databases, Expect, FinalRow, PlannedRow
 from chaos.proxy import LostCommitReply, TcpProxy
-from chaos.services import REPO, PrivateServices
+from chaos.services import REPO, Cluster, PrivateServices
 from chaos.verifier import Received, Verifier
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,15 @@ class MatrixEnv:
     dbs: Databases
     verifier_db_url: str
     log_dir: Path
+    cluster: Cluster = field(default_factory=Cluster.for_matrix)
+    cluster_started: bool = False
+
+    def ensure_cluster(self) -> Cluster:
+        """The matrix's three-node cluster, started on first need (and all three nodes running
+        again after a scenario that killed or stopped some)."""
+        self.cluster.start()
+        self.cluster_started = True
+        return self.cluster
 
     @classmethod
     def open(cls, services: PrivateServices, *, log_dir: Path | None = None) -> MatrixEnv:
@@ -72,6 +81,9 @@ class MatrixEnv:
             self.dbs.dispose()
         if stop_services:
             self.services.stop()
+            if self.cluster_started:
+                with contextlib.suppress(Exception):
+                    self.cluster.stop()
 
 
 # ---------------------------------------------------------------- scenario description
@@ -108,6 +120,9 @@ class Scenario:
     verifier_prefetch: int = 500
     verifier_flush: float = 0.05
     reduced: bool = True  # also in make test (tests/chaos), with 2k rows
+    #: on the matrix's three-node cluster, into a quorum queue (the publisher gets a multi-host
+    #: URL, the verifier a node of its own that the scenario keeps alive)
+    cluster: bool = False
     settle_timeout: float = 60.0  # most wait for the verifier to see every confirmed row
     timeout: float = 240.0
 
@@ -194,14 +209,21 @@ class Ctx:
     fault_mono: float | None = None
     fault_wall: float | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    #: a cluster scenario: the verifier's (and the topology's) node, and the publishers' URL
+    verifier_url: str | None = None
+    publishers_url: str | None = None
 
     @property
     def services(self) -> PrivateServices:
         return self.env.services
 
     @property
+    def cluster(self) -> Cluster:
+        return self.env.cluster
+
+    @property
     def amqp_url(self) -> str:
-        return self.env.services.amqp_url
+        return self.verifier_url or self.env.services.amqp_url
 
     # ------------------------------------------------------------ helpers for scenarios
 
@@ -255,6 +277,8 @@ class Ctx:
             self.check("fault landed mid-flow", still > 0 and counts.get("confirmed", 0) > 0)
 
     def publisher_url(self) -> str:
+        if self.publishers_url is not None:
+            return self.publishers_url
         if self.scenario.via_proxy:
             assert self.proxy is not None
             return self.proxy.url_for(self.amqp_url)
@@ -320,7 +344,11 @@ async def run_scenario(env: MatrixEnv, scenario: Scenario, *, rows: int) -> Resu
     names = {"exchange": f"chaos.{run}", "queue": f"chaos.{run}"}
     ctx = Ctx(env=env, scenario=scenario, rows=rows, run=run, db_name=db_name, db_url=db_url,
               engine=engine, names=names, result=result, log_dir=env.log_dir / run)  # fmt: skip
-    topology = (scenario.topology or default_topology)(ctx)
+    if scenario.cluster:
+        await asyncio.to_thread(env.ensure_cluster)
+        ctx.verifier_url, ctx.publishers_url = env.cluster.node_url(3), env.cluster.url
+    quorum = {"x-queue-type": "quorum"} if scenario.cluster else None
+    topology = scenario.topology(ctx) if scenario.topology else default_topology(ctx, quorum)
     try:
         async with asyncio.timeout(scenario.timeout):
             await _run(ctx, topology)
@@ -441,6 +469,11 @@ async def _cleanup(ctx: Ctx, topology: Topology) -> None:
             await ctx.scenario.teardown(ctx)
         except Exception as exc:
             ctx.note(f"teardown failed: {exc!r}")
+    if ctx.scenario.cluster:  # every node back for the next scenario
+        try:
+            await asyncio.to_thread(ctx.env.ensure_cluster)
+        except Exception as exc:
+            ctx.note(f"cluster restart failed: {exc!r}")
     with contextlib.suppress(Exception):
         await topology.delete(ctx.amqp_url)
     ctx.engine.dispose()

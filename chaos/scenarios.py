@@ -552,7 +552,9 @@ async def count_nacks(ctx: Ctx) -> None:
     stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
     nacks = sum(int(s.get("nacked", 0)) for s in stats.values())
     retried = sum(int(s.get("retried", 0)) for s in stats.values())
-    ctx.note(f"{nacks} nacks received, {retried} retries with backoff")
+    outages = sum(int(s.get("destination_outages", 0)) for s in stats.values())
+    ctx.note(f"{nacks} nacks received, {retried} retries with backoff, {outages} destination "
+             f"outages (bursts of nacks: rows waited, no budget spent)")  # fmt: skip
     ctx.check("the broker nacked publishes", nacks > 0)
 
 
@@ -733,6 +735,105 @@ async def spark_driver_kill(ctx: Ctx) -> None:
 
 KILL_ENV = _env(lease_seconds=LEASE)
 
+# ---------------------------------------------------------------- 17: the three-node cluster
+
+CLUSTER_ENV = _env(heartbeat=2, confirm_timeout=5)
+#: 17c: how long two of the three nodes stay down
+MAJORITY_DOWN = 60.0
+
+
+async def _publisher_node(ctx: Ctx, name: str, *, timeout: float = 20.0) -> int:
+    """The cluster node a publisher is connected to, from its own report (heartbeat: 1 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+        node = stats.get(name, {}).get("broker_node")
+        if node:
+            return ctx.cluster.node_of_port(int(str(node).rsplit(":", 1)[1]))
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"publisher {name} reported no broker node in {timeout:.0f}s")
+        await asyncio.sleep(0.2)
+
+
+async def publishers_on_nodes_1_2(ctx: Ctx) -> None:
+    """17a: the publisher's URL names nodes 1 and 2; the verifier reads from node 3."""
+    ctx.publishers_url = ctx.cluster.url_of((1, 2))
+
+
+async def kill_the_publishers_node(ctx: Ctx) -> None:
+    """17a. kill -9 of the node the publisher is connected to."""
+    name = ctx.publishers[0].name
+    node = await _publisher_node(ctx, name)
+    ctx.data["killed_node"] = node
+    await ctx.fault_now(f"kill -9 of node {node}, the publisher's")
+    await asyncio.to_thread(ctx.cluster.kill, node)
+    await ctx.landed()
+
+
+async def moved_off_the_killed_node(ctx: Ctx) -> None:
+    await _reconnected(ctx)
+    stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+    node = stats.get(ctx.publishers[0].name, {}).get("broker_node")
+    killed = ctx.data.get("killed_node")
+    moved = node is not None and not str(node).endswith(f":{ctx.cluster.port(killed)}")
+    ctx.check(f"the publisher moved off node {killed} (now on {node})", moved)
+
+
+async def verifier_off_the_leader(ctx: Ctx) -> None:
+    """17b: find the queue's leader; the verifier reads from another node."""
+    leader = await asyncio.to_thread(ctx.cluster.leader, ctx.names["queue"])
+    ctx.data["leader"] = leader
+    ctx.verifier_url = ctx.cluster.node_url(3 if leader != 3 else 1)
+
+
+async def kill_the_leader(ctx: Ctx) -> None:
+    """17b. kill -9 of the quorum queue's leader node."""
+    leader = ctx.data["leader"]
+    await ctx.fault_now(f"kill -9 of node {leader}, the quorum queue's leader")
+    await asyncio.to_thread(ctx.cluster.kill, leader)
+    await ctx.landed()
+
+
+async def a_new_leader(ctx: Ctx) -> None:
+    old = ctx.data.get("leader")
+    try:
+        now = await asyncio.to_thread(ctx.cluster.leader, ctx.names["queue"])
+    except Exception:
+        now = None
+    ctx.note(f"leader: node {old} killed, node {now} leads now")
+    ctx.check("another node leads the queue after the kill", now is not None and now != old)
+
+
+async def stop_a_majority(ctx: Ctx) -> None:
+    """17c. Nodes 1 and 2 stopped (a quorum queue without a majority), started after a minute."""
+    await ctx.fault_now(f"nodes 1 and 2 stopped for {MAJORITY_DOWN:.0f}s")
+    await asyncio.gather(asyncio.to_thread(ctx.cluster.stop_node, 1),
+                         asyncio.to_thread(ctx.cluster.stop_node, 2))  # fmt: skip
+    await ctx.landed()
+    before = await ctx.counts()
+    await asyncio.sleep(MAJORITY_DOWN)
+    after = await ctx.counts()
+    ctx.note(f"confirmed {before.get('confirmed', 0)} -> {after.get('confirmed', 0)} while the "
+             f"majority was down")  # fmt: skip
+    ctx.check("no row ended nacked while the majority was down", not after.get("nacked", 0))
+    await asyncio.to_thread(ctx.cluster.start)
+
+
+async def rows_waited_without_spending(ctx: Ctx) -> None:
+    rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
+    nacks = sum(r.nacks for r in rows)
+    stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+    outages = sum(int(s.get("destination_outages", 0)) for s in stats.values())
+    timeouts = sum(int(s.get("confirm_timeouts", 0)) for s in stats.values())
+    nacked = sum(int(s.get("nacked", 0)) for s in stats.values())
+    ctx.note(f"broker nacks {nacked}, nack budget spent {nacks} (rows' nacks), destination "
+             f"outages {outages}, confirm timeouts {timeouts}, most attempts of a row "
+             f"{max((r.attempts for r in rows), default=0)}")  # fmt: skip
+    ctx.check("no row spent its nack budget (nacks 0 on every row)", nacks == 0)
+    ctx.check("the outage was seen (a destination outage or a confirm timeout counted)",
+              outages + timeouts >= 1)  # fmt: skip
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "1",
@@ -804,7 +905,8 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "7",
         "queue at x-max-length (reject-publish), slow consumer",
-        "real nacks are retried with backoff until every row is confirmed",
+        "real nacks are retried with backoff (or, in bursts, pause the exchange) until every "
+        "row is confirmed",
         queue_full,
         flow=0,
         topology=overflow_topology,
@@ -967,6 +1069,45 @@ SCENARIOS: list[Scenario] = [
         trigger=0.0,
         reduced=False,  # Spark starts twice: the full matrix only
         timeout=480,
+    ),
+    Scenario(
+        "17a",
+        "cluster: kill -9 of the node the publisher is connected to",
+        "the publisher moves to another node and republishes what was in flight; every "
+        "duplicate counted, nothing lost (quorum queue, verifier on a surviving node)",
+        kill_the_publishers_node,
+        cluster=True,
+        setup=publishers_on_nodes_1_2,
+        verify=moved_off_the_killed_node,
+        env=CLUSTER_ENV,
+        reduced=False,
+    ),
+    Scenario(
+        "17b",
+        "cluster: kill -9 of the quorum queue's leader",
+        "a new leader is elected; confirms pause and resume, nothing lost, every duplicate counted",
+        kill_the_leader,
+        cluster=True,
+        setup=verifier_off_the_leader,
+        verify=a_new_leader,
+        env=CLUSTER_ENV,
+        reduced=False,
+    ),
+    Scenario(
+        "17c",
+        "cluster: two of three nodes stopped for a minute, then started",
+        "a queue without a majority is a destination outage: rows wait pending, no nack budget "
+        "spent, nothing lost; the drain resumes when the majority is back",
+        stop_a_majority,
+        cluster=True,
+        # rows due over 20 s: stopping two nodes takes seconds, and a batch due at once would
+        # be drained before the majority is gone (10k rows: the fault landed after the drain)
+        flow=20.0,
+        trigger=0.1,
+        verify=rows_waited_without_spending,
+        env=CLUSTER_ENV,
+        reduced=False,
+        timeout=360,
     ),
 ]
 

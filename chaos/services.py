@@ -21,6 +21,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = REPO / "deploy" / "local" / "services.sh"
+CLUSTER = REPO / "deploy" / "local" / "cluster.sh"
+RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+#: the matrix's three-node cluster: AMQP on 5781-5783 (distribution +20000), data in .local/chaos
+MATRIX_CLUSTER_PORT = 5781
 #: ``make chaos`` and the reduced set in ``make test`` use different instances, so both can run.
 MATRIX_PORTS = (5683, 5443)
 _KEEP_ENV = ("OUTBOX_PG_BIN",)
@@ -240,3 +244,75 @@ class ArmedEval:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def rabbitmq_missing() -> str | None:
+    """Why a cluster cannot run here (None: it can)."""
+    if not RABBITMQ_SERVER.exists() and shutil.which("rabbitmq-server") is None:
+        return "rabbitmq-server is not installed (Debian package rabbitmq-server)"
+    return None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A three-node RabbitMQ cluster on loopback driven through ``deploy/local/cluster.sh``:
+    node N on ``base_port + N - 1``, data under ``local_dir``/cluster. For the tests and the
+    fault matrix (each with its own ports)."""
+
+    base_port: int
+    local_dir: str
+
+    @classmethod
+    def for_matrix(cls) -> Cluster:
+        return cls(base_port=MATRIX_CLUSTER_PORT, local_dir=str(REPO / ".local" / "chaos"))
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env["OUTBOX_CLUSTER_PORT"] = str(self.base_port)
+        env["OUTBOX_LOCAL_DIR"] = self.local_dir
+        return env
+
+    def run(self, *args: str, timeout: float = 180) -> str:
+        proc = subprocess.run([str(CLUSTER), *args], capture_output=True, text=True,
+                              timeout=timeout, env=self.env(), check=False)  # fmt: skip
+        if proc.returncode != 0:
+            raise ServiceError(f"cluster.sh {' '.join(args)} failed ({proc.returncode}): "
+                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")  # fmt: skip
+        return proc.stdout
+
+    def port(self, node: int) -> int:
+        return self.base_port + node - 1
+
+    def node_url(self, node: int) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port(node)}/"
+
+    def url_of(self, nodes: tuple[int, ...] = (1, 2, 3)) -> str:
+        """A multi-host URL of these nodes (failover)."""
+        hosts = ",".join(f"127.0.0.1:{self.port(n)}" for n in nodes)
+        return f"amqp://guest:guest@{hosts}/"
+
+    @property
+    def url(self) -> str:
+        return self.url_of()
+
+    def node_of_port(self, port: int) -> int:
+        return port - self.base_port + 1
+
+    def leader(self, queue: str) -> int:
+        return int(self.run("leader", queue).strip())
+
+    def start(self) -> None:
+        Path(self.local_dir).mkdir(parents=True, exist_ok=True)
+        self.run("start", timeout=300)
+
+    def stop(self) -> None:
+        self.run("stop", timeout=300)
+
+    def kill(self, node: int) -> None:
+        self.run("kill", str(node))
+
+    def stop_node(self, node: int) -> None:
+        self.run("stop", str(node), timeout=120)
+
+    def start_node(self, node: int) -> None:
+        self.run("start-node", str(node), timeout=300)

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, make_url, text
@@ -171,3 +172,24 @@ def db_url(request: pytest.FixtureRequest) -> str:
     """The same test on both backends (one behaviour contract for every backend)."""
     name = "pg_url" if request.param == "postgresql" else "sqlite_url"
     return str(request.getfixturevalue(name))
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Any]:
+    """A three-node RabbitMQ cluster of the suite's own (``OUTBOX_TEST_CLUSTER_PORT``, default
+    5791-5793), started once per session and stopped after it; skipped, saying why, only when
+    rabbitmq-server is not installed. ``OUTBOX_TEST_CLUSTER_KEEP=1`` leaves it running."""
+    from tests.cluster_support import Cluster, rabbitmq_missing
+
+    missing = rabbitmq_missing()
+    if missing is not None:
+        pytest.skip(f"no three-node cluster: {missing}")
+    local = TEST_ENV.get(f"{TEST_PREFIX}LOCAL_DIR", str(REPO / ".local"))
+    nodes = Cluster(base_port=int(TEST_ENV.get(f"{TEST_PREFIX}CLUSTER_PORT", "5791")),
+                    local_dir=local)  # fmt: skip
+    nodes.start()
+    try:
+        yield nodes
+    finally:
+        if TEST_ENV.get(f"{TEST_PREFIX}CLUSTER_KEEP") != "1":  # 1: keep it for the next run
+            nodes.stop()

@@ -38,6 +38,7 @@ class Row:
     exchange: str
     status: str
     attempts: int
+    nacks: int
     lost_confirms: int
     last_error: str | None
     reply_code: int | None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import platform
+import random
 import ssl
 import time
 from collections.abc import Sequence
@@ -171,14 +172,20 @@ class AMQPConnection(asyncio.Protocol):
         channel_max: int = 2047,
         timeout: float = 10.0,
         name: str = "outbox-publisher",
+        shuffle: random.Random | None = None,
     ) -> AMQPConnection:
         """Open a TCP (or TLS) connection and run the AMQP handshake, trying the URL's brokers
-        in order; the error names each broker tried and why it failed."""
+        in order (``shuffle``: in an order drawn from it, so that publishers spread over a
+        cluster's nodes and, reconnecting, come back to a recovered one); the error names each
+        broker tried and why it failed."""
         params = parse_url(url)
         tls = params.ssl_context()
         failures: list[str] = []
         last: BaseException | None = None
-        for host, port in params.addresses:
+        addresses = list(params.addresses)
+        if shuffle is not None:
+            shuffle.shuffle(addresses)
+        for host, port in addresses:
             if failures:  # the previous node failed: say so now, not only when all have
                 log.warning("broker %d of %d failed, trying the next: %s", len(failures),
                             len(params.addresses), failures[-1])  # fmt: skip

@@ -289,6 +289,7 @@ class MessageOutBase(BaseModel):
 #: Descriptions of the row's fields where the name alone does not say enough.
 MESSAGE_FIELD_DOCS = {
     "not_before": "Delayed delivery: not published before this time.",
+    "nacks": "Broker nacks of this row (its nack budget: max_attempts).",
     "lost_confirms": "Publishes whose confirm never came: possible duplicates.",
     "body_size": "The body's length in bytes.",
 }

@@ -41,7 +41,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -97,6 +97,8 @@ COUNTERS = {
     "handler_timeouts": "Handlers that ran past handler_timeout (counted as failed attempts).",
     "requeued": "Failed deliveries requeued (below the delivery limit).",
     "dead_lettered": "Deliveries dead-lettered (delivery limit reached, or no message_id).",
+    "broker_limited": "Deliveries dead-lettered because a quorum queue's x-delivery-count "
+    "reached broker_delivery_limit.",
     "database_errors": "Database calls that failed (each retried, none against a message).",
     "database_outages": "Times consumption paused because the database stopped answering.",
     "cancels": "Consumers cancelled by the broker (queue deleted).",
@@ -124,6 +126,11 @@ class ConsumerConfig:
     #: deliveries per window at most (and at most half the prefetch)
     batch_size: int = 200
     delivery_limit: int = 5
+    #: a quorum queue's ``x-delivery-count`` at or above this dead-letters the delivery (with
+    #: the kit's headers) before its handler runs: the broker's count sees tries the attempts
+    #: table cannot, but it also counts every delivery a crash returned, so keep it well above
+    #: ``delivery_limit`` and below the queue's ``x-delivery-limit`` (None: not used)
+    broker_delivery_limit: int | None = 50
     #: a handler running longer fails its message's attempt (None: no limit)
     handler_timeout: float | None = 60.0
     ack_interval: float = 0.05
@@ -152,6 +159,8 @@ class ConsumerConfig:
             problems.append(f"mode must be 'batch' or 'message', not {self.mode!r}")
         if self.handler_timeout is not None and self.handler_timeout <= 0:
             problems.append("handler_timeout must be positive (or None)")
+        if self.broker_delivery_limit is not None and self.broker_delivery_limit < 1:
+            problems.append("broker_delivery_limit must be at least 1 (or None)")
         if problems:
             raise ValueError("invalid consumer config: " + "; ".join(problems))
 
@@ -458,7 +467,9 @@ class _Run:
             exchange=deliver.exchange or "", headers=dict(props.headers or {}),
             content_type=props.content_type, redelivered=redelivered,
         )  # fmt: skip
-        held = Held(tag=tag, message=message, redelivered=redelivered)
+        count = _delivery_count(message.headers)
+        held = Held(tag=tag, message=message, redelivered=redelivered or count > 0,
+                    broker_count=count)  # fmt: skip
         self.held[tag] = held
         m.in_flight = len(self.held)
         self._route(held)
@@ -548,7 +559,8 @@ class _Run:
         else:
             job = functools.partial(run_single, c.engine, consumer=self.cfg.name, window=window,
                                     handler=c.handler, limit=self.cfg.delivery_limit,
-                                    charge=lane == "suspect")  # fmt: skip
+                                    charge=lane == "suspect",
+                                    broker_limit=self.cfg.broker_delivery_limit)  # fmt: skip
         self.jobs[window] = lane
         future = self._loop.run_in_executor(c.pool, job)
         future.add_done_callback(functools.partial(self._done, window))
@@ -659,6 +671,8 @@ class _Run:
     def _dead_letter(self, held: Held) -> None:
         log.error("consumer %s dead-letters %s: %s", self.cfg.name, held.message_id,
                   held.failure)  # fmt: skip
+        if held.broker_limited:
+            self.c.metrics.add("broker_limited")
         if self.dead_letters is None:
             self._settle(held, requeue=False)
             return
@@ -851,3 +865,10 @@ def _one_at_a_time(batch_handler: BatchHandler | None) -> Handler:
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _delivery_count(headers: Mapping[str, Any]) -> int:
+    """A quorum queue's ``x-delivery-count`` header (absent on a first delivery and on classic
+    queues): how often the broker had this message back before."""
+    value = headers.get("x-delivery-count")
+    return value if isinstance(value, int) and value > 0 else 0

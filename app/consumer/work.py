@@ -52,6 +52,11 @@ class Held:
     failure: str | None = None
     #: a commit of this delivery's effect whose outcome was not learned (the connection broke)
     maybe_committed: bool = False
+    #: a quorum queue's ``x-delivery-count``: how often the broker had this message back
+    #: (requeued, or its consumer's channel gone) before this delivery; 0 elsewhere
+    broker_count: int = 0
+    #: dead-lettered because ``broker_count`` reached the kit's ``broker_delivery_limit``
+    broker_limited: bool = False
 
     @property
     def message_id(self) -> str:
@@ -319,7 +324,7 @@ def _window_failed(conn: Connection, window: Window, out: Outcome, taken: list[H
 
 
 def run_single(engine: Engine, *, consumer: str, window: Window, handler: Handler,
-               limit: int, charge: bool) -> Outcome:  # fmt: skip
+               limit: int, charge: bool, broker_limit: int | None = None) -> Outcome:  # fmt: skip
     """One delivery (the window's only item): record a pending failure, or charge the attempt
     (``charge``: a redelivery, whose earlier try may have killed the process), then the inbox
     row, the handler and ``COMMIT``."""
@@ -335,7 +340,11 @@ def run_single(engine: Engine, *, consumer: str, window: Window, handler: Handle
         try:
             if held.failure is not None:
                 return _record_failure(conn, consumer=consumer, held=held, limit=limit, out=out)
-            if charge and not held.charged and not _charge(conn, consumer, held, limit, out):
+            if (
+                charge
+                and not held.charged
+                and not _charge(conn, consumer, held, limit, out, broker_limit=broker_limit)
+            ):
                 return out
         except Exception as exc:
             out.outage, out.again = exc, [held]
@@ -344,12 +353,23 @@ def run_single(engine: Engine, *, consumer: str, window: Window, handler: Handle
                           out=out)  # fmt: skip
 
 
-def _charge(conn: Connection, consumer: str, held: Held, limit: int, out: Outcome) -> bool:
+def _charge(conn: Connection, consumer: str, held: Held, limit: int, out: Outcome, *,
+            broker_limit: int | None = None) -> bool:  # fmt: skip
     """Count the attempt about to start, committed before the handler runs. False when the
-    delivery is decided already (done before, or past its limit: dead)."""
+    delivery is decided already (done before, past its limit, or returned by the broker
+    ``broker_limit`` times: dead)."""
     with conn.begin():
         if inbox.already_in(conn, consumer=consumer, message_ids=[held.message_id]):
             out.deduplicated.append(held)
+            return False
+        if broker_limit is not None and held.broker_count >= broker_limit:
+            # the broker's own count (a quorum queue's x-delivery-count), which sees tries our
+            # table cannot (another consumer name, kits killed before their charge committed)
+            inbox.forget(conn, consumer=consumer, message_ids=[held.message_id])
+            held.broker_limited = True
+            held.failure = (f"broker delivery limit {broker_limit} reached: the broker returned "
+                            f"it {held.broker_count} times (x-delivery-count)")  # fmt: skip
+            out.dead.append(held)
             return False
         count = inbox.charge(conn, consumer=consumer, message_id=held.message_id)
         before = count - 1

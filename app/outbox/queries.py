@@ -674,6 +674,7 @@ class MessageRecord:
     status: Status
     attempts: int
     max_attempts: int
+    nacks: int
     lost_confirms: int
     available_at: dt.datetime
     not_before: dt.datetime | None

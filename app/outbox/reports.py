@@ -21,7 +21,8 @@ COUNTERS: tuple[str, ...] = (
     "published", "confirmed", "returned", "nacked", "nacked_final", "retried", "failed",
     "poison", "lost_confirms", "released", "channel_closes", "connection_closes", "reconnects",
     "connect_failures", "protocol_errors", "destination_errors", "lease_lost", "claims",
-    "claimed", "flushes", "db_errors", "blocked_seconds",
+    "claimed", "flushes", "db_errors", "blocked_seconds", "destination_outages", "postponed",
+    "confirm_timeouts",
 )  # fmt: skip
 
 
@@ -54,10 +55,20 @@ class PublisherReport(BaseModel):
     flushes: int = Field(0, ge=0, description="Write-backs committed.")
     db_errors: int = Field(0, ge=0, description="Database calls that failed (retried).")
     blocked_seconds: float = Field(0.0, ge=0, description="Time the broker blocked publishing.")
+    destination_outages: int = Field(
+        0, ge=0, description="Exchanges paused for nacking everything (a burst of nacks)."
+    )
+    postponed: int = Field(
+        0, ge=0, description="Rows put back pending for a destination outage (no budget spent)."
+    )
+    confirm_timeouts: int = Field(
+        0, ge=0, description="Connections dropped for a confirm overdue past confirm_timeout."
+    )
 
     connected: bool = Field(False, description="Connected to the broker now.")
     blocked: bool = Field(False, description="The broker blocks publishing now (alarm).")
     blocked_reason: str | None = Field(None, description="The broker's reason when blocked.")
+    broker_node: str | None = Field(None, description="host:port of the broker node it uses.")
     held: int = Field(0, ge=0, description="Rows held: claimed and not yet settled.")
     queued: int = Field(0, ge=0, description="Rows claimed, not yet published.")
     outstanding: int = Field(0, ge=0, description="Publishes awaiting a broker confirm.")

@@ -740,34 +740,39 @@ class OutboxRepository:
         backoff: Backoff,
         exhausted: Status,
         max_attempts: int | None = None,
+        nack: bool = False,
     ) -> RetryOutcome:
-        """Back to ``pending`` after a jittered backoff, or to ``exhausted`` once attempts are spent
+        """Back to ``pending`` after a jittered backoff, or to ``exhausted`` once the budget is
+        spent.
 
-        The budget is ``max_attempts`` when given (destination errors), else each row's own.
+        ``nack``: the broker nacked the rows; each row's ``nacks`` goes up and is the budget
+        spent (``nacks >= max_attempts``): lost confirms, counted in ``attempts``, never end a
+        row. Otherwise (destination errors) the budget is ``attempts`` against ``max_attempts``
+        when given, else each row's own.
         """
         check_transition(Status.IN_FLIGHT, exhausted)
         if not ids:
             return RetryOutcome(0, 0)
         error = storable(error)
         now = self.clock()
-        held = select(outbox.c.id, outbox.c.attempts, outbox.c.max_attempts).where(
+        held = select(outbox.c.id, outbox.c.attempts, outbox.c.max_attempts, outbox.c.nacks).where(
             self._held(owner, ids)
         )
         if self.is_postgres:
             held = held.with_for_update()
         with self.unit_of_work(), self._begin() as conn:  # one transaction: rows stay locked
             rows = conn.execute(held).all()
-            spent_rows = [r for r in rows if r.attempts >= (max_attempts or r.max_attempts)]
+            spent_rows = [r for r in rows if _spent(r, max_attempts=max_attempts, nack=nack)]
             spent = [r.id for r in spent_rows]
             again = [r for r in rows if r not in spent_rows]
             if spent:
-                conn.execute(
-                    update(outbox)
-                    .where(self._held(owner, spent))
-                    .values(status=exhausted, last_error=error, lease_owner=None, lease_until=None)
-                )
+                values: dict[str, Any] = {"status": exhausted, "last_error": error,
+                                          "lease_owner": None, "lease_until": None}  # fmt: skip
+                if nack:
+                    values["nacks"] = outbox.c.nacks + 1
+                conn.execute(update(outbox).where(self._held(owner, spent)).values(**values))
             if again:
-                self._reschedule(owner, again, now=now, error=error, backoff=backoff)
+                self._reschedule(owner, again, now=now, error=error, backoff=backoff, nack=nack)
             self._record(kind=exhausted.value, ids=spent, at=now,
                          where=[outbox.c.status == exhausted])  # fmt: skip
             self._record(kind="retry", ids=[r.id for r in again], at=now,
@@ -776,12 +781,30 @@ class OutboxRepository:
 
     def _reschedule(
         self, owner: str, rows: Sequence[Any], *, now: dt.datetime, error: str,
-        backoff: Backoff,
+        backoff: Backoff, nack: bool = False,
     ) -> None:  # fmt: skip
-        due = [(r.id, now + dt.timedelta(seconds=backoff.delay(r.attempts))) for r in rows]
         values = {"status": Status.PENDING, "last_error": error, "lease_owner": None,
                   "lease_until": None}  # fmt: skip
-        self._update_rows(owner, due, ["available_at"], values)
+        if nack:  # the backoff grows with the nacks, not with lost confirms
+            due = [(r.id, now + dt.timedelta(seconds=backoff.delay(r.nacks + 1)), r.nacks + 1)
+                   for r in rows]  # fmt: skip
+            self._update_rows(owner, due, ["available_at", "nacks"], values)
+            return
+        plain = [(r.id, now + dt.timedelta(seconds=backoff.delay(r.attempts))) for r in rows]
+        self._update_rows(owner, plain, ["available_at"], values)
+
+    def postpone(self, *, owner: str, ids: Sequence[int], error: str, delay: float) -> int:
+        """Held rows back to ``pending``, due in ``delay`` seconds, with no budget spent: their
+        destination is out (it nacks everything), not the rows at fault."""
+        if not ids:
+            return 0
+        values = {"status": Status.PENDING, "last_error": storable(error), "lease_owner": None,
+                  "lease_until": None,
+                  "available_at": self.clock() + dt.timedelta(seconds=delay)}  # fmt: skip
+        with self._begin() as conn:
+            return conn.execute(
+                update(outbox).where(self._held(owner, ids)).values(**values)
+            ).rowcount
 
     def release(
         self, *, owner: str, ids: Sequence[int], lost: bool, error: str | None = None
@@ -973,7 +996,7 @@ class OutboxRepository:
                 conn.execute(
                     update(outbox)
                     .where(self._ids_in(chunk), cond)
-                    .values(status=Status.PENDING, attempts=0, available_at=self.clock(),
+                    .values(status=Status.PENDING, attempts=0, nacks=0, available_at=self.clock(),
                             last_error=None, reply_code=None, reply_text=None)
                 )  # fmt: skip
             result = {"count": len(ids), "matched": matched, "sample": sample, "limit": limit}
@@ -1151,3 +1174,10 @@ def _past_retention(window: Sequence[Any], doomed: Sequence[int], chunk: int) ->
     if len(window) < chunk:
         return True
     return not doomed and all(r.fresh for r in window)
+
+
+def _spent(row: Any, *, max_attempts: int | None, nack: bool) -> bool:
+    """Is this retry the row's last? A nack spends the nack budget; anything else the attempts."""
+    if nack:
+        return bool(row.nacks + 1 >= row.max_attempts)
+    return bool(row.attempts >= (max_attempts or row.max_attempts))

@@ -91,6 +91,8 @@ outbox = Table(
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("max_attempts", Integer, nullable=False, server_default=text("10")),
     Column("lost_confirms", Integer, nullable=False, server_default=text("0")),
+    # the broker's nacks of this row: its own budget (max_attempts), apart from lost confirms
+    Column("nacks", Integer, nullable=False, server_default=text("0")),
     Column("available_at", UTCDateTime, nullable=False, server_default=_now()),
     # delayed delivery: never published before this time (the writer also sets available_at to
     # it, so the claim's walk of ix_outbox_due never reads a row that is not due yet)
@@ -112,6 +114,7 @@ outbox = Table(
     CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_outbox_status"),
     CheckConstraint("attempts >= 0", name="ck_outbox_attempts_nonneg"),
     CheckConstraint("max_attempts >= 1", name="ck_outbox_max_attempts_pos"),
+    CheckConstraint("nacks >= 0", name="ck_outbox_nacks_nonneg"),
     CheckConstraint("length(routing_key) <= 255", name="ck_outbox_routing_key_len"),
     CheckConstraint(
         "status <> 'in_flight' OR (lease_owner IS NOT NULL AND lease_until IS NOT NULL)",

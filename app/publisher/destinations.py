@@ -21,6 +21,8 @@ class DestinationState(StrEnum):
     UNKNOWN = "unknown"  # never checked or entry expired: check first
     CHECKING = "checking"  # a check is running: park the rows
     PAUSED = "paused"  # missing or forbidden: back off, rows retry later
+    OUTAGE = "outage"  # nacks everything (no quorum, full): rows wait, budgets untouched
+    PROBING = "probing"  # an outage's pause is over: one row goes, the rest wait for its ack
 
 
 @dataclass(slots=True)
@@ -29,6 +31,8 @@ class _Entry:
     until: float
     failures: int = 0
     reason: str = ""
+    since: float = 0.0  # an outage: when it began (kept through its probes)
+    probe: int | None = None  # an outage: the row published as its probe, in flight
 
 
 class Destinations:
@@ -47,6 +51,8 @@ class Destinations:
             return DestinationState.UNKNOWN
         if entry.state is DestinationState.CHECKING or now < entry.until:
             return entry.state
+        if entry.state in (DestinationState.OUTAGE, DestinationState.PROBING):
+            return DestinationState.PROBING
         return DestinationState.UNKNOWN
 
     def reason(self, exchange: str) -> str:
@@ -91,9 +97,69 @@ class Destinations:
         return delay
 
     def paused(self, now: float) -> dict[str, float]:
-        """Exchanges backing off now -> seconds left."""
-        return {
-            name: entry.until - now
-            for name, entry in self._entries.items()
-            if entry.state is DestinationState.PAUSED and now < entry.until
-        }
+        """Exchanges backing off or in an outage now -> seconds left (0: probing)."""
+        out = {name: max(0.0, entry.until - now) for name, entry in self._entries.items()
+               if entry.state is DestinationState.OUTAGE}  # fmt: skip
+        out.update((name, entry.until - now) for name, entry in self._entries.items()
+                   if entry.state is DestinationState.PAUSED and now < entry.until)  # fmt: skip
+        return out
+
+    # ------------------------------------------------------------ outages (nacks everything)
+
+    def in_outage(self, exchange: str) -> bool:
+        entry = self._entries.get(exchange)
+        return entry is not None and entry.state in (DestinationState.OUTAGE,
+                                                     DestinationState.PROBING)  # fmt: skip
+
+    def outage(self, exchange: str, reason: str, now: float) -> tuple[float, bool]:
+        """The exchange nacks everything: pause it. Returns (the pause in seconds, whether this
+        begins a new outage: False when a probe failed or late nacks of the same came)."""
+        entry = self._entries.get(exchange)
+        ongoing = entry is not None and entry.state in (DestinationState.OUTAGE,
+                                                        DestinationState.PROBING)  # fmt: skip
+        if ongoing and entry is not None and entry.state is DestinationState.OUTAGE:
+            return max(0.0, entry.until - now), False  # late nacks of the same outage
+        failures = (entry.failures if ongoing and entry is not None else 0) + 1
+        delay = self._backoff.delay(failures)
+        since = entry.since if ongoing and entry is not None else now
+        self._entries[exchange] = _Entry(DestinationState.OUTAGE, now + delay, failures, reason,
+                                         since)  # fmt: skip
+        return delay, not ongoing
+
+    def left(self, exchange: str, now: float) -> float:
+        """Seconds left of an outage's pause (0 when none)."""
+        entry = self._entries.get(exchange)
+        return max(0.0, entry.until - now) if entry is not None else 0.0
+
+    def probe(self, exchange: str) -> int | None:
+        entry = self._entries.get(exchange)
+        return entry.probe if entry is not None else None
+
+    def probing(self, exchange: str, row_id: int | None, now: float) -> None:
+        """``row_id`` goes out as the outage's probe (None: the probe was lost, pick another)."""
+        entry = self._entries.get(exchange)
+        if entry is not None:
+            entry.state, entry.probe = DestinationState.PROBING, row_id
+            entry.until = min(entry.until, now)
+
+    def probe_lost(self, ids: set[int]) -> list[str]:
+        """Rows lost with their connection: the exchanges whose probe was among them."""
+        out = []
+        for name, entry in self._entries.items():
+            if entry.probe is not None and entry.probe in ids:
+                entry.probe = None
+                out.append(name)
+        return out
+
+    def recovered(self, exchange: str, now: float) -> float | None:
+        """A publish to ``exchange`` was confirmed: an outage ends. Returns how long it
+        lasted (None: there was no outage)."""
+        entry = self._entries.get(exchange)
+        if entry is None or entry.state not in (DestinationState.OUTAGE, DestinationState.PROBING):
+            return None
+        self.ok(exchange, now)
+        return now - entry.since
+
+    def outages(self) -> list[str]:
+        return [n for n, e in self._entries.items()
+                if e.state in (DestinationState.OUTAGE, DestinationState.PROBING)]  # fmt: skip

@@ -28,13 +28,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-from app.confirms import Confirmed, Event
+from app.confirms import Confirmed, Event, Lost, Nacked
 from app.logs import redact_url
 from app.outbox.content import Limits
 from app.outbox.records import Backoff
@@ -48,6 +49,7 @@ from app.publisher.holdings import Holdings
 from app.publisher.housekeeping import Housekeeping, HousekeepingParts
 from app.publisher.listener import Listener
 from app.publisher.metrics import PublisherMetrics, PublisherStats, registry_for
+from app.publisher.outages import OutageParts, Outages
 from app.publisher.sender import Sender, SenderParts
 from app.publisher.session import Session
 from app.publisher.settlement import CloseCause, Quarantine, lose, settle
@@ -76,13 +78,16 @@ class Publisher:
         publisher_id: str | None = None,
         metrics: PublisherMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
+        """``rng``: jitter and the order of a multi-host URL's brokers (seed it to replay)."""
         self.settings = settings
         self.repo = repository
         self.publisher_id = publisher_id or settings.publisher_id or default_publisher_id()
         self.metrics = metrics or PublisherMetrics()
         self.clock = clock
-        self.backoff = Backoff(base=settings.backoff_base, cap=settings.backoff_max)
+        self.backoff = Backoff(base=settings.backoff_base, cap=settings.backoff_max,
+                               rng=rng or random.Random())  # fmt: skip
         self.limits = Limits(max_body_bytes=settings.max_body_bytes,
                              max_header_bytes=settings.max_header_bytes)  # fmt: skip
         self.holdings = Holdings()
@@ -105,6 +110,12 @@ class Publisher:
             outcomes=self.writeback.buffer, written=self.writeback.wake.set,
             wall_clock=repository.clock, clock=clock,
         ), batch=settings.claim_batch, limits=self.limits)  # fmt: skip
+        self.outages = Outages(OutageParts(
+            destinations=self.destinations, holdings=self.holdings, quarantine=self.quarantine,
+            metrics=self.metrics, outcomes=self.writeback.buffer,
+            written=self.writeback.wake.set, unpark=self.sender.unpark, clock=clock,
+            reconnect=self.session.reconnect,
+        ), burst=settings.destination_nack_burst)  # fmt: skip
         self.claimer = Claimer(ClaimerParts(
             settings=settings, repo=repository, db=self.db, owner=self.publisher_id,
             holdings=self.holdings, session=self.session, metrics=self.metrics,
@@ -261,7 +272,7 @@ class Publisher:
                 break
 
     def _release_unpublished(self) -> None:
-        rows = [r.id for r in self.holdings.unsent()]
+        rows = [r.id for r in self.holdings.unsent()] + self.outages.release_all()
         waiting = sorted(self.quarantine.rows() - self.quarantine.active)
         self.quarantine.drop(waiting)
         rows += waiting
@@ -283,11 +294,11 @@ class Publisher:
         """basic.ack / basic.nack settled publishes."""
         now = self.clock()
         self._observe_latency(events, now)
-        tally = settle(events, self.writeback.out, self.quarantine)
         m = self.metrics
+        m.nacked += sum(len(e.row_ids) for e in events if isinstance(e, Nacked))
+        tally = settle(self.outages.answered(events), self.writeback.out, self.quarantine)
         m.confirmed += tally.confirmed
         m.returned += tally.returned
-        m.nacked += tally.nacked
         self.writeback.wake.set()
         if not self.session.outstanding():
             self._settled.set()
@@ -297,6 +308,7 @@ class Publisher:
         """A channel or the connection went away with publishes outstanding."""
         tally = lose(events, self.writeback.out, cause=cause, rows=self.holdings.held,
                      quarantine=self.quarantine)  # fmt: skip
+        self.outages.lost([i for e in events if isinstance(e, Lost) for i in e.row_ids])
         m = self.metrics
         m.returned += tally.returned
         m.lost_confirms += tally.lost + len(tally.resent)

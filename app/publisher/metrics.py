@@ -68,6 +68,8 @@ class PublisherMetrics:
         self.blocked_reason: str | None = None
         self.connected = False
         self.blocked = False
+        #: ``host:port`` of the broker node of the current connection (a cluster's node)
+        self.broker_node: str | None = None
         self.confirm_latency = Histogram(LATENCY_BUCKETS)
         self.flush_seconds = Histogram(DB_BUCKETS)
         self.claim_seconds = Histogram(DB_BUCKETS)
@@ -100,6 +102,9 @@ class PublisherMetrics:
     flushes: int
     db_errors: int
     blocked_seconds: float
+    destination_outages: int
+    postponed: int
+    confirm_timeouts: int
 
     @property
     def lost(self) -> int:
@@ -138,6 +143,7 @@ class PublisherMetrics:
         values: dict[str, object] = {name: self.total(name) for name in COUNTERS}
         values.update(
             connected=self.connected, blocked=self.blocked, blocked_reason=self.blocked_reason,
+            broker_node=self.broker_node,
             confirm_latency_p50=self.confirm_latency.quantile(0.5),
             confirm_latency_p99=self.confirm_latency.quantile(0.99),
             version=app.__version__, **gauges, **extra,
@@ -179,6 +185,10 @@ COUNTER_HELP: dict[str, str] = {
     "flushes": "Write-backs committed (one transaction each).",
     "db_errors": "Database calls that failed and were retried.",
     "blocked_seconds": "Time the broker blocked publishing (resource alarm).",
+    "destination_outages": "Exchanges paused because they nacked a burst of publishes with no "
+    "ack between (no quorum, a full reject-publish queue).",
+    "postponed": "Rows put back pending for a destination outage (no nack budget spent).",
+    "confirm_timeouts": "Connections dropped because a confirm was overdue (confirm_timeout).",
 }
 GAUGE_HELP: dict[str, str] = {
     "held": "Rows held: claimed and not yet settled in the database.",
@@ -222,6 +232,11 @@ class PublisherCollector(Collector):
         info.add_metric(label, {"version": app.__version__,
                                 "python": platform.python_version()})  # fmt: skip
         yield info
+        node = InfoMetricFamily("outbox_publisher_broker_node",
+                                "The broker node of the current (or last) connection.",
+                                labels=["publisher"])  # fmt: skip
+        node.add_metric(label, {"node": m.broker_node or ""})
+        yield node
 
     def _histograms(self, label: list[str]) -> Iterator[Metric]:
         m = self.m

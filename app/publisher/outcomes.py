@@ -31,6 +31,8 @@ class Outcomes:
     ``released``: never published: back to pending as they were.
     ``resent``: published, confirm never came, kept held for an isolated publish (quarantine):
     the row's attempt and ``lost_confirms`` go up, it stays ``in_flight``.
+    ``postponed``: a destination outage (:mod:`app.publisher.nackruns`): back to pending after
+    the given delay, no budget spent, keyed by (reason, delay in seconds).
     ``sent``: where and when the confirmed and returned rows went out (the ledger's facts).
     """
 
@@ -43,12 +45,13 @@ class Outcomes:
     failed: dict[str, list[int]] = field(default_factory=dict)
     destination: dict[str, list[int]] = field(default_factory=dict)
     resent: dict[str, list[int]] = field(default_factory=dict)
+    postponed: dict[tuple[str, float], list[int]] = field(default_factory=dict)
     sent: dict[int, Sent] = field(default_factory=dict)
 
     def empty(self) -> bool:
         return not (self.published or self.confirmed or self.returned or self.nacked
                     or self.lost or self.released or self.failed or self.destination
-                    or self.resent)  # fmt: skip
+                    or self.resent or self.postponed)  # fmt: skip
 
     def lose(self, reason: str, ids: Iterable[int]) -> None:
         _add(self.lost, reason, ids)
@@ -62,6 +65,9 @@ class Outcomes:
     def resend(self, reason: str, ids: Iterable[int]) -> None:
         _add(self.resent, reason, ids)
 
+    def postpone(self, reason: str, delay: float, ids: Iterable[int]) -> None:
+        self.postponed.setdefault((reason, round(delay, 3)), []).extend(ids)
+
     def settled_ids(self) -> Iterable[int]:
         """Rows this write-back takes out of this publisher's hands (``resent`` stay held)."""
         yield from self.confirmed
@@ -71,12 +77,15 @@ class Outcomes:
         for group in (self.lost, self.failed, self.destination):
             for ids in group.values():
                 yield from ids
+        for ids in self.postponed.values():
+            yield from ids
 
     def rows(self) -> int:
         """How many row outcomes are waiting (tag notes not counted)."""
         grouped = (self.lost, self.failed, self.destination, self.resent)
         return (len(self.confirmed) + len(self.returned) + len(self.nacked) + len(self.released)
-                + sum(len(ids) for g in grouped for ids in g.values()))  # fmt: skip
+                + sum(len(ids) for g in grouped for ids in g.values())
+                + sum(len(ids) for ids in self.postponed.values()))  # fmt: skip
 
     def merge(self, older: Outcomes) -> None:
         """Put a failed write-back's outcomes back in front of the newer ones."""
@@ -92,6 +101,8 @@ class Outcomes:
                              (self.resent, older.resent)):  # fmt: skip
             for key, ids in theirs.items():
                 mine[key] = ids + mine.get(key, [])
+        for pkey, ids in older.postponed.items():
+            self.postponed[pkey] = ids + self.postponed.get(pkey, [])
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,3 +118,4 @@ class Written:
     failed: int
     lost: int
     released: int
+    postponed: int = 0

@@ -23,7 +23,12 @@ from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
 from app.publisher.outcomes import Outcomes
 from app.publisher.session import Session
-from app.publisher.settlement import Quarantine, destination_reason, oversized_reason
+from app.publisher.settlement import (
+    Quarantine,
+    destination_reason,
+    outage_reason,
+    oversized_reason,
+)
 from app.publisher.wakeup import Signal
 
 log = logging.getLogger("app.publisher")
@@ -108,6 +113,20 @@ class Sender:
                 reason = destination_reason(row.exchange, dest.reason(row.exchange))
                 p.outcomes().back_off(reason, [row.id])
                 p.written()
+            elif state is DestinationState.OUTAGE:
+                p.outcomes().postpone(outage_reason(row.exchange, dest.reason(row.exchange)),
+                                      dest.left(row.exchange, now), [row.id])  # fmt: skip
+                p.written()
+            elif state is DestinationState.PROBING:
+                if dest.probe(row.exchange) is None:  # this row is the probe: alone
+                    dest.probing(row.exchange, row.id, now)
+                    log.info("exchange %r: publishing row %d alone, to learn whether the outage "
+                             "is over", row.exchange, row.id)  # fmt: skip
+                    if not self._send([row], now):
+                        dest.probing(row.exchange, None, now)
+                        p.holdings.put_back([row])
+                else:
+                    self._park(row, start_check=False)
             else:
                 self._park(row, start_check=state is DestinationState.UNKNOWN)
         if ready and not self._send(ready, now):
@@ -140,6 +159,10 @@ class Sender:
 
     def _recheck(self, exchange: str) -> None:
         self.p.destinations.recheck(exchange)
+        self._unpark(exchange)
+
+    def unpark(self, exchange: str) -> None:
+        """Rows parked behind an outage's probe may go (it was confirmed, or lost)."""
         self._unpark(exchange)
 
     def _unpark(self, exchange: str) -> None:

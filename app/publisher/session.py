@@ -229,7 +229,7 @@ class Session:
         try:
             conn = await AMQPConnection.connect(
                 url, listener=link, heartbeat=s.heartbeat, name=self._name,
-                timeout=SETUP_TIMEOUT,
+                timeout=SETUP_TIMEOUT, shuffle=self._rng,
             )  # fmt: skip
             async with asyncio.timeout(SETUP_TIMEOUT):
                 ids = [await conn.open_channel() for _ in range(self._channel_count(conn))]
@@ -243,8 +243,11 @@ class Session:
         self._last_cause = PLAIN
         self.channels = {cid: Channel(cid, ChannelLedger(channel_id=cid)) for cid in ids}
         self._metrics.connected = True
-        log.info("connected to the broker at %s (frame_max %d, channel_max %d), channels %s",
-                 redact_url(url), conn.frame_max, conn.channel_max, ids)  # fmt: skip
+        node = f"{conn.address[0]}:{conn.address[1]}" if conn.address else "?"
+        log.info("connected to the broker at %s (node %s, frame_max %d, channel_max %d), "
+                 "channels %s", redact_url(url), node, conn.frame_max, conn.channel_max,
+                 ids)  # fmt: skip
+        self._metrics.broker_node = node
         self._events.connection_changed()
         return conn
 
@@ -465,8 +468,19 @@ class Session:
             return
         oldest = self.oldest_outstanding_at()
         if oldest is not None and now - oldest > self._settings.confirm_timeout:
-            log.error("no confirm for %.1fs: dropping the connection", now - oldest)
+            log.error("no confirm for %.1fs: dropping the connection (its unconfirmed publishes "
+                      "go again, counted as lost confirms, no nack budget spent)",
+                      now - oldest)  # fmt: skip
+            self._metrics.confirm_timeouts += 1
             conn.abort(reason=f"confirm timeout ({self._settings.confirm_timeout}s)")
+
+    def reconnect(self, reason: str) -> None:
+        """Drop the connection (its unconfirmed publishes go again as lost confirms) and
+        connect anew, the hosts in a new order."""
+        conn = self.conn
+        if conn is not None and conn.is_open and not self.stopping:
+            log.info("dropping the broker connection to start afresh: %s", reason)
+            conn.abort(reason=reason)
 
     def abandon_window(self, reason: str) -> None:
         """Stop: what is still unconfirmed is of unknown outcome."""

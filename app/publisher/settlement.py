@@ -259,6 +259,11 @@ def destination_reason(exchange: str, broker: str) -> str:
     return f"exchange {exchange!r}: {broker}"
 
 
+def outage_reason(exchange: str, why: str) -> str:
+    """The reason kept on a row put back for its destination's outage (no budget spent)."""
+    return f"exchange {exchange!r} out: {why}; waiting, no attempt spent"
+
+
 def oversized_reason(max_size: int) -> str:
     """The reason of a row whose body is over the broker's ``max_message_size``."""
     return f"body larger than the broker's max_message_size ({max_size} bytes)"

@@ -131,7 +131,7 @@ class Writeback:
         if not p.settings.synchronous_commit:
             self._undoable.append((p.clock(), settled))
             self._forget_durable()
-        news = bool(out.lost or out.released) or self._keys_moved_on(settled)
+        news = bool(out.lost or out.released or out.postponed) or self._keys_moved_on(settled)
         p.holdings.forget(settled)
         self._finished()
         p.freed()
@@ -187,6 +187,7 @@ class Writeback:
         m.nacked_final += w.nacked_final
         m.failed += w.failed
         m.released += w.released
+        m.postponed += w.postponed
         if w.moved < w.expected:
             m.lease_lost += w.expected - w.moved
             log.warning("%d rows were no longer held by this publisher (lease lost)",
@@ -219,7 +220,7 @@ class Writeback:
         retried = final = failed = lost = released = 0
         if out.nacked:
             r = repo.retry(owner=owner, ids=out.nacked, error="nacked by the broker",
-                           backoff=p.backoff, exhausted=Status.NACKED)  # fmt: skip
+                           backoff=p.backoff, exhausted=Status.NACKED, nack=True)  # fmt: skip
             retried, final = r.retried, r.exhausted
         for reason, ids in out.destination.items():
             r = repo.retry(owner=owner, ids=ids, error=reason, backoff=p.backoff,
@@ -232,9 +233,12 @@ class Writeback:
             lost += repo.release(owner=owner, ids=ids, lost=True, error=reason)
         if out.released:
             released = repo.release(owner=owner, ids=out.released, lost=False)
-        moved = confirmed + returned + retried + final + failed + lost + released
+        postponed = 0
+        for (reason, delay), ids in out.postponed.items():
+            postponed += repo.postpone(owner=owner, ids=ids, error=reason, delay=delay)
+        moved = confirmed + returned + retried + final + failed + lost + released + postponed
         return Written(len(settled), moved, confirmed, returned, retried, final, failed, lost,
-                       released)  # fmt: skip
+                       released, postponed)  # fmt: skip
 
     def _confirm(self, ids: list[int], sent: dict[int, Sent]) -> int:
         published, bare = _published(ids, sent)

@@ -684,7 +684,8 @@ def test_declare_makes_the_exchange_and_a_bound_queue_idempotently(
         rc, out, err = run(capsys, *argv)
         assert rc == EXIT_OK, err
         assert json.loads(out) == {"exchange": name, "kind": "topic", "queue": name,
-                                   "bindings": ["orders.#"], "queue_messages": 0}  # fmt: skip
+                                   "bindings": ["orders.#"], "queue_messages": 0,
+                                   "queue_type": "classic", "delivery_limit": None}  # fmt: skip
         asyncio.run(_publish_to(amqp_url, name, "orders.eu"))  # mandatory: routed to the queue
         rc, out, _ = run(capsys, *argv)  # again: nothing changes, the message is still there
         assert rc == EXIT_OK and json.loads(out)["queue_messages"] == 1
@@ -692,5 +693,7 @@ def test_declare_makes_the_exchange_and_a_bound_queue_idempotently(
         assert rc == EXIT_FAILURE and "the broker refused: 406 PRECONDITION_FAILED" in err, err
         rc, _, err = run(capsys, "declare", name, "--bind", "x")
         assert rc == EXIT_USAGE and "--bind needs --queue" in err
+        rc, _, err = run(capsys, "declare", name, "--queue", name, "--delivery-limit", "5")
+        assert rc == EXIT_USAGE and "needs a quorum queue" in err, err
     finally:
         asyncio.run(_delete(amqp_url, name))

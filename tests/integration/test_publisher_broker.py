@@ -271,26 +271,78 @@ async def test_reject_publish_nacks_retry_until_the_queue_drains(
         await delete(amqp_url, exchanges=(exchange,), queues=(queue,))
 
 
-async def test_reject_publish_nacks_end_nacked_after_max_attempts(
+async def test_nacks_among_acks_spend_the_rows_nack_budget_and_end_nacked(
     sqlite_url: str, amqp_url: str
 ) -> None:
-    exchange, queue = _name("ex"), _name("q")
-    limited = {"x-max-length": 10, "x-overflow": "reject-publish"}
-    await declare(amqp_url, exchange=exchange, queue=queue, arguments=limited)
+    """The exchange takes most rows (a queue bound with ``good``) and refuses some (a full
+    reject-publish queue bound with ``bad``): nacks among acks are the rows' fault. Each bad row
+    is nacked max_attempts (2) times and ends ``nacked`` with ``nacks`` 2; no outage."""
+    exchange, good, bad = _name("ex"), _name("good"), _name("bad")
+    await declare(amqp_url, exchange=exchange, queue=good, routing_key="good")
+    full = {"x-max-length": 0, "x-overflow": "reject-publish"}
+    await declare(amqp_url, exchange=exchange, queue=bad, arguments=full, routing_key="bad")
     engine = make_engine(sqlite_url)
     try:
-        add_rows(engine, n=30, exchange=exchange, max_attempts=2)
+        for i in range(10):
+            add_rows(engine, n=2, exchange=exchange, routing_key="good", max_attempts=2,
+                     prefix=f"good-{i}")  # fmt: skip
+            add_rows(engine, n=1, exchange=exchange, routing_key="bad", max_attempts=2,
+                     prefix=f"bad-{i}")  # fmt: skip
         settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url)
-        async with running_publisher(settings, engine):
+        async with running_publisher(settings, engine) as publisher:
             final = await wait_rows(engine, all_in("confirmed", "nacked"))
+            assert publisher.metrics.nacked == 20  # real broker nacks: 10 rows, twice each
+            assert publisher.metrics.destination_outages == 0
         by_status = {s: [r for r in final if r.status == s] for s in ("confirmed", "nacked")}
-        assert len(by_status["confirmed"]) == 10
-        assert len(by_status["nacked"]) == 20
-        assert all(r.attempts == 2 for r in by_status["nacked"])
+        assert len(by_status["confirmed"]) == 20
+        assert {r.message_id.split("-")[0] for r in by_status["nacked"]} == {"bad"}
+        assert len(by_status["nacked"]) == 10
+        assert all((r.nacks, r.attempts) == (2, 2) for r in by_status["nacked"])
         assert all(r.last_error == "nacked by the broker" for r in by_status["nacked"])
     finally:
         engine.dispose()
-        await delete(amqp_url, exchanges=(exchange,), queues=(queue,))
+        await delete(amqp_url, exchanges=(exchange,), queues=(good, bad))
+
+
+async def test_an_exchange_that_nacks_everything_is_an_outage_not_the_rows_fault(
+    pg_url: str, amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every queue the exchange routes to is full (reject-publish): a burst of nacks pauses the
+    exchange, its rows wait ``pending`` with ``nacks`` 0 (max_attempts 2 would have ended them
+    ``nacked`` before), one log line and one outage counted. Once a queue that takes them is
+    bound instead, a probe is confirmed and every row goes: the outage's end is logged with its
+    duration."""
+    exchange, full_q, open_q = _name("ex"), _name("full"), _name("open")
+    full = {"x-max-length": 0, "x-overflow": "reject-publish"}
+    await declare(amqp_url, exchange=exchange, queue=full_q, arguments=full)
+    engine = make_engine(pg_url)
+    caplog.set_level("INFO", logger="app.publisher")
+    try:
+        add_rows(engine, n=200, exchange=exchange, max_attempts=2)
+        settings = settings_for(db_url=pg_url, amqp_url=amqp_url, destination_nack_burst=20)
+        async with running_publisher(settings, engine) as publisher:
+            deadline = asyncio.get_running_loop().time() + 20
+            while publisher.metrics.postponed < 200:  # every row waited at least once
+                assert asyncio.get_running_loop().time() < deadline, publisher.metrics.postponed
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.5)  # probes fail meanwhile: still one outage, no budget spent
+            now = rows(engine)
+            assert {r.status for r in now} <= {"pending", "in_flight"}
+            assert max(r.nacks for r in now) == 0
+            assert publisher.metrics.destination_outages == 1
+            assert publisher.metrics.nacked >= 20
+            assert publisher.metrics.reconnects >= 1  # a nacked probe: the next on a fresh one
+            await declare(amqp_url, exchange=exchange, queue=open_q)
+            await delete(amqp_url, queues=(full_q,))
+            final = await wait_rows(engine, all_in("confirmed"))
+            assert publisher.metrics.destination_outages == 1
+        assert max(r.nacks for r in final) == 0
+        text = caplog.text
+        assert text.count(f"exchange {exchange!r} is out") == 1, text[-3000:]
+        assert f"exchange {exchange!r} takes publishes again: its outage lasted" in text
+    finally:
+        engine.dispose()
+        await delete(amqp_url, exchanges=(exchange,), queues=(full_q, open_q))
 
 
 async def test_unroutable_rows_end_returned_312(db_url: str, engine: Engine, amqp_url: str) -> None:

@@ -215,6 +215,32 @@ class TestRepositoryContract:
             "nacked",
         )
 
+    def test_nacks_have_their_own_budget_apart_from_lost_confirms(
+        self, repo: OutboxRepository, engine: Engine, clock: Clock
+    ) -> None:
+        """Three lost confirms (a cluster failover each) then two nacks, max_attempts 2: the
+        lost confirms spend attempts, not the nack budget; the second nack ends the row."""
+        seed(engine, 1, max_attempts=2)
+        for _ in range(3):
+            (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+            assert repo.release(owner="p1", ids=[r.id], lost=True, error="connection lost") == 1
+        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+        assert r.attempts == 4
+        out = repo.retry(owner="p1", ids=[r.id], error="nacked by the broker",
+                         backoff=Backoff(base=1, cap=1), exhausted=Status.NACKED,
+                         nack=True)  # fmt: skip
+        assert (out.retried, out.exhausted) == (1, 0)
+        assert (row(engine, r.id)["nacks"], row(engine, r.id)["status"]) == (1, "pending")
+        clock.advance(2)
+        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+        out = repo.retry(owner="p1", ids=[r.id], error="nacked by the broker",
+                         backoff=Backoff(base=1, cap=1), exhausted=Status.NACKED,
+                         nack=True)  # fmt: skip
+        assert (out.retried, out.exhausted) == (0, 1)
+        final = row(engine, r.id)
+        assert (final["status"], final["nacks"], final["attempts"]) == ("nacked", 2, 5)
+        assert final["lost_confirms"] == 3
+
     def test_retry_with_destination_budget_fails_rows(
         self, repo: OutboxRepository, engine: Engine
     ) -> None:

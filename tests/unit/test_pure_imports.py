@@ -24,6 +24,7 @@ PURE = [
     "app.amqp.codec",
     "app.amqp.errors",
     "app.publisher.destinations",
+    "app.publisher.nackruns",
     "app.publisher.envelope",
     "app.publisher.holdings",
     "app.publisher.outcomes",

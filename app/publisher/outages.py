@@ -1,0 +1,165 @@
+"""Destination outages: an exchange whose queues nack everything is paused, its rows kept
+pending without spending their nack budget, and resumed once a probe publish is confirmed.
+
+The verdict on nacks is pure (:mod:`app.publisher.nackruns`); this part applies it: charged
+nacks go to the write-back as nacks, an outage pauses the exchange
+(:meth:`~app.publisher.destinations.Destinations.outage`), postpones its rows, logs once, and
+counts it; an ack of a publish to a paused exchange ends the outage (logged with its
+duration). Runs its own timer for the verdicts that wait (:data:`nackruns.VERDICT_AFTER`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from app.confirms import Confirmed, Event, Nacked
+from app.publisher.destinations import Destinations
+from app.publisher.holdings import Holdings
+from app.publisher.metrics import PublisherMetrics
+from app.publisher.nackruns import NackRuns
+from app.publisher.outcomes import Outcomes
+from app.publisher.settlement import Quarantine, outage_reason
+
+log = logging.getLogger("app.publisher")
+
+OUTAGE_WHY = "the broker nacked {n} publishes in a row, no ack between"
+
+
+@dataclass
+class OutageParts:
+    destinations: Destinations
+    holdings: Holdings
+    quarantine: Quarantine
+    metrics: PublisherMetrics
+    outcomes: Callable[[], Outcomes]  # the write-back's current buffer
+    written: Callable[[], None]  # wake the write-back
+    unpark: Callable[[str], None]  # rows parked behind a probe may go
+    clock: Callable[[], float]
+    #: drop the connection (the first failed probe of an outage: the next goes on a fresh one, to
+    #: another node; a channel opened during a leader election kept nacking a quorum queue
+    #: whose new leader took publishes on any other connection)
+    reconnect: Callable[[str], None] = lambda reason: None
+
+
+class Outages:
+    def __init__(self, parts: OutageParts, *, burst: int) -> None:
+        self.p = parts
+        self.runs = NackRuns(burst=burst)
+        self._timer: asyncio.TimerHandle | None = None
+        #: exchanges whose outage already dropped the connection once (a nacked probe)
+        self._refreshed: set[str] = set()
+
+    def answered(self, events: Sequence[Event]) -> list[Event]:
+        """Take the nacks out of ``events`` (judged here) and watch the acks for the ends of
+        outages and runs; returns the events left for plain settlement."""
+        rest: list[Event] = []
+        for event in events:
+            if isinstance(event, Nacked):
+                self._nacked(event.row_ids)
+            else:
+                if isinstance(event, Confirmed) and (self.runs or self.p.destinations.outages()):
+                    self._acked(event.row_ids)
+                rest.append(event)
+        return rest
+
+    def lost(self, ids: Sequence[int]) -> None:
+        """Rows lost with their channel or connection: a probe among them is picked again."""
+        for exchange in self.p.destinations.probe_lost(set(ids)):
+            self.p.unpark(exchange)
+
+    def release_all(self) -> list[int]:
+        """Stop: rows waiting for a verdict go back as they were (no nack charged)."""
+        ids = self.runs.due(float("inf"))
+        if self._timer is not None:
+            self._timer.cancel()
+        return ids
+
+    # ------------------------------------------------------------ nacks and acks
+
+    def _exchange(self, row_id: int) -> str | None:
+        row = self.p.holdings.held.get(row_id)
+        return row.exchange if row is not None else None
+
+    def _nacked(self, ids: Sequence[int]) -> None:
+        p, now = self.p, self.p.clock()
+        p.quarantine.settled(ids)
+        charged: list[int] = []
+        for exchange, rows in _by_exchange(ids, self._exchange).items():
+            if exchange is None:
+                charged += rows  # not held any more: the write-back's guard decides
+            elif p.destinations.in_outage(exchange):
+                probe = p.destinations.probe(exchange)
+                self._outage(exchange, rows, now)
+                if probe is not None and probe in rows and exchange not in self._refreshed:
+                    # once per outage: a reconnect costs the other exchanges' unconfirmed rows
+                    self._refreshed.add(exchange)
+                    p.reconnect(f"the probe to exchange {exchange!r} was nacked")
+            else:
+                verdict = self.runs.nacked(exchange, rows, now)
+                for name, out in verdict.outage.items():
+                    self._outage(name, out, now, why=OUTAGE_WHY.format(n=len(out)))
+        if charged:
+            p.outcomes().nacked.extend(charged)
+            p.written()
+        self._arm()
+
+    def _acked(self, ids: Sequence[int]) -> None:
+        p, now = self.p, self.p.clock()
+        seen = {self._exchange(i) for i in ids}
+        charged: list[int] = []
+        for exchange in seen:
+            if exchange is None:
+                continue
+            charged += self.runs.acked(exchange)
+            lasted = p.destinations.recovered(exchange, now)
+            if lasted is not None:
+                self._refreshed.discard(exchange)
+                log.warning("exchange %r takes publishes again: its outage lasted %.1fs",
+                            exchange, lasted)  # fmt: skip
+                p.unpark(exchange)
+        if charged:
+            p.outcomes().nacked.extend(charged)
+            p.written()
+
+    def _outage(self, exchange: str, ids: list[int], now: float, *, why: str = "") -> None:
+        p = self.p
+        reason = why or p.destinations.reason(exchange) or "nacks"
+        delay, new = p.destinations.outage(exchange, reason, now)
+        if new:
+            p.metrics.destination_outages += 1
+            log.warning("exchange %r is out (%s: a queue without a quorum, or full with "
+                        "reject-publish): paused, its rows wait without spending attempts; "
+                        "probing again in %.1fs", exchange, reason, delay)  # fmt: skip
+        else:
+            log.debug("exchange %r still out; probing again in %.1fs", exchange, delay)
+        parked = [r.id for r in p.holdings.unpark(exchange)]
+        p.outcomes().postpone(outage_reason(exchange, reason), delay, [*ids, *parked])
+        p.written()
+
+    # ------------------------------------------------------------ verdicts on a timer
+
+    def _arm(self) -> None:
+        at = self.runs.next_due()
+        if at is None or self._timer is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(max(0.0, at - self.p.clock()) + 0.01, self._verdicts)
+
+    def _verdicts(self) -> None:
+        self._timer = None
+        charged = self.runs.due(self.p.clock())
+        if charged:
+            self.p.outcomes().nacked.extend(charged)
+            self.p.written()
+        self._arm()
+
+
+def _by_exchange(ids: Sequence[int], exchange_of: Callable[[int], str | None]
+                 ) -> dict[str | None, list[int]]:  # fmt: skip
+    out: dict[str | None, list[int]] = {}
+    for row_id in ids:
+        out.setdefault(exchange_of(row_id), []).append(row_id)
+    return out
