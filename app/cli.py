@@ -83,11 +83,17 @@ def render_stats(s: queries.OutboxStats) -> str:
     lat = s.confirm_latency
     counts = [(status.value, n) for status, n in s.counts.items()]
     pubs = [
-        (p.publisher_id, p.hostname, p.pid, duration(_ago(p.heartbeat_at, s.at)) + " ago",
-         ("blocked" if p.blocked else "alive") if p.alive else (
-             "stopped" if p.stopped_at else "silent"))
+        (
+            p.publisher_id,
+            p.hostname,
+            p.pid,
+            duration(_ago(p.heartbeat_at, s.at)) + " ago",
+            ("blocked" if p.blocked else "alive")
+            if p.alive
+            else ("stopped" if p.stopped_at else "silent"),
+        )
         for p in s.publishers
-    ]  # fmt: skip
+    ]
     lines = [
         f"outbox at {_cell(s.at)} UTC",
         "",
@@ -113,8 +119,9 @@ def render_stats(s: queries.OutboxStats) -> str:
     if s.blocked_publishers:
         reasons = {p.report.blocked_reason for p in s.publishers if p.blocked and p.report}
         why = ", ".join(sorted(r for r in reasons if r)) or "no reason given"
-        lines.append(f"BROKER BLOCKED: it blocks publishing ({why}) for "
-                     f"{', '.join(s.blocked_publishers)}")  # fmt: skip
+        lines.append(
+            f"BROKER BLOCKED: it blocks publishing ({why}) for {', '.join(s.blocked_publishers)}"
+        )
     if pubs:
         lines.append(plain_table(["publisher", "host", "pid", "heartbeat", "state"], pubs))
     return "\n".join(lines)
@@ -130,28 +137,45 @@ def show_stats(s: queries.OutboxStats) -> None:
     """:func:`render_stats` for a terminal: tables and coloured states."""
     lat = s.confirm_latency
     say(f"outbox at {_cell(s.at)} UTC", level="bold")
-    show_table(["status", "rows"], [*((st.value, n) for st, n in s.counts.items()),
-                                    ("total", sum(s.counts.values()))])  # fmt: skip
-    show_table(["figure", "value"], [
-        ("oldest pending", duration(s.oldest_pending_age_seconds)),
-        ("oldest unconfirmed", duration(s.oldest_in_flight_age_seconds)),
-        ("confirm latency", f"p50 {duration(lat.p50)}, p90 {duration(lat.p90)}, "
-                            f"p99 {duration(lat.p99)} ({lat.samples} confirms, last "
-                            f"{duration(lat.window_seconds)})"),
-        ("possible duplicates", str(s.possible_duplicates)),
-        ("operator republished", str(s.operator_republished)),
-        ("parked (uncommitted Spark batches)", str(s.parked) + (
-            f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else "")),
-        ("delayed (not due yet)", str(s.delayed) + _next_delayed(s)),
-    ])  # fmt: skip
+    show_table(
+        ["status", "rows"],
+        [*((st.value, n) for st, n in s.counts.items()), ("total", sum(s.counts.values()))],
+    )
+    show_table(
+        ["figure", "value"],
+        [
+            ("oldest pending", duration(s.oldest_pending_age_seconds)),
+            ("oldest unconfirmed", duration(s.oldest_in_flight_age_seconds)),
+            (
+                "confirm latency",
+                f"p50 {duration(lat.p50)}, p90 {duration(lat.p90)}, "
+                f"p99 {duration(lat.p99)} ({lat.samples} confirms, last "
+                f"{duration(lat.window_seconds)})",
+            ),
+            ("possible duplicates", str(s.possible_duplicates)),
+            ("operator republished", str(s.operator_republished)),
+            (
+                "parked (uncommitted Spark batches)",
+                str(s.parked)
+                + (f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else ""),
+            ),
+            ("delayed (not due yet)", str(s.delayed) + _next_delayed(s)),
+        ],
+    )
     if s.blocked_publishers:
         say(f"BROKER BLOCKED for {', '.join(s.blocked_publishers)}", level="CRITICAL")
     pubs = [
-        (p.publisher_id, p.hostname, p.pid, duration(_ago(p.heartbeat_at, s.at)) + " ago",
-         ("blocked" if p.blocked else "alive") if p.alive else (
-             "stopped" if p.stopped_at else "silent"))
+        (
+            p.publisher_id,
+            p.hostname,
+            p.pid,
+            duration(_ago(p.heartbeat_at, s.at)) + " ago",
+            ("blocked" if p.blocked else "alive")
+            if p.alive
+            else ("stopped" if p.stopped_at else "silent"),
+        )
         for p in s.publishers
-    ]  # fmt: skip
+    ]
     alive = f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known"
     show_table(["publisher", "host", "pid", "heartbeat", "state"], pubs, title=alive)
 
@@ -166,8 +190,14 @@ BATCH_HEADERS = ["batch", "rows", *(s.value for s in Status), "dup", "rejected",
 
 def _batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
     rejected = "-" if b.rejected_count is None else b.rejected_count
-    return (b.batch_id, b.rows, *(b.counts[s] for s in Status), b.republished, rejected,
-            b.last_confirmed_at)  # fmt: skip
+    return (
+        b.batch_id,
+        b.rows,
+        *(b.counts[s] for s in Status),
+        b.republished,
+        rejected,
+        b.last_confirmed_at,
+    )
 
 
 def render_batches(items: Sequence[queries.BatchSummary]) -> str:
@@ -244,9 +274,11 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         if path is not None and not Path(path).is_file():
             raise UsageError(f"TLS {what} {path} is not a readable file")
     if cert is None and not _loopback(host):
-        print(f"outbox: serving plain HTTP on {host}: bearer tokens cross the network in clear; "
-              "use --tls-cert/--tls-key or a TLS-terminating proxy (docs/security.md)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"outbox: serving plain HTTP on {host}: bearer tokens cross the network in clear; "
+            "use --tls-cert/--tls-key or a TLS-terminating proxy (docs/security.md)",
+            file=sys.stderr,
+        )
     try:
         app = create_app(settings)
     except ApiConfigError as exc:
@@ -255,9 +287,17 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     # or a forged header through a local proxy, would choose the audited and throttled address)
     proxies = args.forwarded_allow_ips or settings.api_forwarded_allow_ips or ""
     # log_config=None: uvicorn's access and error lines go to our handler (text or JSON, redacted)
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level, ssl_certfile=cert,
-                ssl_keyfile=key, proxy_headers=bool(proxies), forwarded_allow_ips=proxies,
-                log_config=None)  # fmt: skip
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=args.log_level,
+        ssl_certfile=cert,
+        ssl_keyfile=key,
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies,
+        log_config=None,
+    )
     return EXIT_OK
 
 
@@ -274,18 +314,22 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     engine = _engine(settings)
     try:
         stats = queries.read_stats(
-            engine, now=utcnow(), alive_after=3 * settings.publisher_heartbeat_interval,
+            engine,
+            now=utcnow(),
+            alive_after=3 * settings.publisher_heartbeat_interval,
             latency_window=dt.timedelta(seconds=settings.stats_latency_window),
             latency_rows=settings.stats_latency_rows,
-        )  # fmt: skip
+        )
     finally:
         engine.dispose()
     from app.outbox.health import Thresholds, verdict
 
-    limits = Thresholds(warn_pending_age=args.warn_pending_age,
-                        crit_pending_age=args.crit_pending_age,
-                        warn_in_flight_age=args.warn_in_flight_age,
-                        crit_in_flight_age=args.crit_in_flight_age)  # fmt: skip
+    limits = Thresholds(
+        warn_pending_age=args.warn_pending_age,
+        crit_pending_age=args.crit_pending_age,
+        warn_in_flight_age=args.warn_in_flight_age,
+        crit_in_flight_age=args.crit_in_flight_age,
+    )
     found = verdict(stats, limits)
     if args.check:  # monitoring: one line, exit 0 OK / 1 WARNING / 2 CRITICAL
         print(found.line())
@@ -325,12 +369,17 @@ def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
 
 def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
     engine = _engine(settings)
-    flt = queries.OutstandingFilter(publisher=args.publisher, exchange=args.exchange,
-                                    batch_id=args.batch, min_age_seconds=args.min_age)  # fmt: skip
+    flt = queries.OutstandingFilter(
+        publisher=args.publisher,
+        exchange=args.exchange,
+        batch_id=args.batch,
+        min_age_seconds=args.min_age,
+    )
     try:
         after = queries.OutstandingKey.decode(args.cursor) if args.cursor else None
-        page = queries.outstanding_confirms(engine, now=utcnow(), flt=flt, limit=args.limit,
-                                            after=after)  # fmt: skip
+        page = queries.outstanding_confirms(
+            engine, now=utcnow(), flt=flt, limit=args.limit, after=after
+        )
     except queries.BadCursor as exc:
         raise UsageError(f"--cursor: {exc}") from None
     finally:
@@ -338,8 +387,9 @@ def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         from app.api.models import OutstandingOut, OutstandingPage
 
-        out = OutstandingPage(items=[OutstandingOut.of(o) for o in page.items],
-                              next_cursor=page.next_cursor)  # fmt: skip
+        out = OutstandingPage(
+            items=[OutstandingOut.of(o) for o in page.items], next_cursor=page.next_cursor
+        )
         print(out.model_dump_json(indent=2))
         return EXIT_OK
     if not page.items:
@@ -347,10 +397,20 @@ def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_OK
     show_table(
         ["message", "publisher", "channel", "tag", "attempt", "exchange", "routing key", "age"],
-        [(o.message_id, o.publisher, o.channel_id, o.delivery_tag if o.delivery_tag is not None
-          else "not sent", f"{o.attempt}/{o.max_attempts}", o.exchange, o.routing_key,
-          duration(o.age_seconds)) for o in page.items],
-    )  # fmt: skip
+        [
+            (
+                o.message_id,
+                o.publisher,
+                o.channel_id,
+                o.delivery_tag if o.delivery_tag is not None else "not sent",
+                f"{o.attempt}/{o.max_attempts}",
+                o.exchange,
+                o.routing_key,
+                duration(o.age_seconds),
+            )
+            for o in page.items
+        ],
+    )
     if page.next_cursor:
         print(f"more: outbox outstanding --cursor {page.next_cursor}")
     return EXIT_OK
@@ -365,29 +425,57 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         from app.api.operators import FailureGroupOut, FailuresOut
 
-        out = FailuresOut(groups=[FailureGroupOut(
-            status=g.status.value, exchange=g.exchange, routing_key=g.routing_key,
-            reason=g.reason, rows=g.rows, first_created=g.first_created,
-            last_created=g.last_created, sample_message_id=g.sample_message_id,
-        ) for g in groups], rows=sum(g.rows for g in groups))  # fmt: skip
+        out = FailuresOut(
+            groups=[
+                FailureGroupOut(
+                    status=g.status.value,
+                    exchange=g.exchange,
+                    routing_key=g.routing_key,
+                    reason=g.reason,
+                    rows=g.rows,
+                    first_created=g.first_created,
+                    last_created=g.last_created,
+                    sample_message_id=g.sample_message_id,
+                )
+                for g in groups
+            ],
+            rows=sum(g.rows for g in groups),
+        )
         print(out.model_dump_json(indent=2))
         return EXIT_OK
     if not groups:
         print("no returned, nacked or failed rows")
         return EXIT_OK
     if fancy():
-        show_table(["rows", "status", "exchange", "routing key", "reason", "sample"],
-                   [(g.rows, g.status.value, g.exchange, g.routing_key, g.reason[:70],
-                     g.sample_message_id) for g in groups])  # fmt: skip
-        say("a message: outbox message ID; fix the cause, then outbox republish --status ... "
-            "--exchange ...")  # fmt: skip
+        show_table(
+            ["rows", "status", "exchange", "routing key", "reason", "sample"],
+            [
+                (
+                    g.rows,
+                    g.status.value,
+                    g.exchange,
+                    g.routing_key,
+                    g.reason[:70],
+                    g.sample_message_id,
+                )
+                for g in groups
+            ],
+        )
+        say(
+            "a message: outbox message ID; fix the cause, then outbox republish --status ... "
+            "--exchange ..."
+        )
         return EXIT_OK
     print(f"{'rows':>6}  {'status':<9} {'exchange':<20} {'routing key':<20} reason")
     for g in groups:
-        print(f"{g.rows:>6}  {g.status.value:<9} {g.exchange[:20]:<20} {g.routing_key[:20]:<20} "
-              f"{g.reason[:70]}")  # fmt: skip
-    print("a message: outbox message ID; fix the cause, then outbox republish --status ... "
-          "--exchange ...")  # fmt: skip
+        print(
+            f"{g.rows:>6}  {g.status.value:<9} {g.exchange[:20]:<20} {g.routing_key[:20]:<20} "
+            f"{g.reason[:70]}"
+        )
+    print(
+        "a message: outbox message ID; fix the cause, then outbox republish --status ... "
+        "--exchange ..."
+    )
     return EXIT_OK
 
 
@@ -404,17 +492,22 @@ def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(r) for r in found], indent=2, default=str))
         return EXIT_OK
     if not found:
-        print("no rows refused by the Spark writer" + (f" in batch {args.batch}" if args.batch
-                                                      else ""))  # fmt: skip
+        print(
+            "no rows refused by the Spark writer"
+            + (f" in batch {args.batch}" if args.batch else "")
+        )
         return EXIT_OK
     if fancy():
-        show_table(["at", "batch", "message id", "reason", "row"],
-                   [(r.created_at, r.batch_id, r.message_id, r.reason, r.row_json[:60])
-                    for r in found])  # fmt: skip
+        show_table(
+            ["at", "batch", "message id", "reason", "row"],
+            [(r.created_at, r.batch_id, r.message_id, r.reason, r.row_json[:60]) for r in found],
+        )
         return EXIT_OK
     for r in found:
-        print(f"{r.created_at:%Y-%m-%d %H:%M:%S}  {r.batch_id:<24} {r.message_id or '-':<20} "
-              f"{r.reason}")  # fmt: skip
+        print(
+            f"{r.created_at:%Y-%m-%d %H:%M:%S}  {r.batch_id:<24} {r.message_id or '-':<20} "
+            f"{r.reason}"
+        )
     return EXIT_OK
 
 
@@ -434,15 +527,30 @@ def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
         print("no operator actions recorded")
         return EXIT_OK
     if fancy():
-        show_table(["at", "#", "action", "rows", "actor", "verified as", "from", "filter"],
-                   [(e.at, e.id, e.action, e.count, e.actor, e.principal, e.client_addr,
-                     json_compact(e.filter)) for e in entries])  # fmt: skip
+        show_table(
+            ["at", "#", "action", "rows", "actor", "verified as", "from", "filter"],
+            [
+                (
+                    e.at,
+                    e.id,
+                    e.action,
+                    e.count,
+                    e.actor,
+                    e.principal,
+                    e.client_addr,
+                    json_compact(e.filter),
+                )
+                for e in entries
+            ],
+        )
         return EXIT_OK
     for e in entries:
         who = e.actor if e.principal in (None, e.actor) else f"{e.actor} (as {e.principal})"
         where = f" from {e.client_addr}" if e.client_addr else ""
-        print(f"{e.at:%Y-%m-%d %H:%M:%S}  #{e.id:<5} {e.action:<10} {e.count:>6} rows  "
-              f"{who}{where}  {json_compact(e.filter)}")  # fmt: skip
+        print(
+            f"{e.at:%Y-%m-%d %H:%M:%S}  #{e.id:<5} {e.action:<10} {e.count:>6} rows  "
+            f"{who}{where}  {json_compact(e.filter)}"
+        )
     return EXIT_OK
 
 
@@ -492,9 +600,12 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
         repo = OutboxRepository(engine)
         try:
             result = repo.republish(
-                actor=args.actor, filter=flt, limit=args.limit, dry_run=args.dry_run,
+                actor=args.actor,
+                filter=flt,
+                limit=args.limit,
+                dry_run=args.dry_run,
                 request_id=request_id,
-            )  # fmt: skip
+            )
         except RequestIdReused as exc:
             raise UsageError(str(exc)) from None
         moved, chunk = result.count, 1
@@ -504,14 +615,19 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
             while chunked and result.count == args.limit:
                 chunk += 1  # every chunk its own audited request id, derived from the first
                 result = repo.republish(
-                    actor=args.actor, filter=flt, limit=args.limit, dry_run=False,
+                    actor=args.actor,
+                    filter=flt,
+                    limit=args.limit,
+                    dry_run=False,
                     request_id=f"{request_id}#{chunk}",
-                )  # fmt: skip
+                )
                 moved += result.count
                 bar.advance(result.count)
                 if not fancy(sys.stderr):
-                    print(f"chunk {chunk}: republished {result.count} (total {moved})",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"chunk {chunk}: republished {result.count} (total {moved})",
+                        file=sys.stderr,
+                    )
     finally:
         engine.dispose()
     if args.json:
@@ -525,9 +641,11 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
             print(f"in all: {moved} rows republished in {chunk} chunks of at most {args.limit}")
     left = result.matched - result.count
     if not args.dry_run and not result.replayed and left > 0:
-        print(f"outbox: {left} matching rows were left behind by --limit {args.limit}: run again "
-              "with --all (chunks of --limit, each audited) or a higher --limit",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"outbox: {left} matching rows were left behind by --limit {args.limit}: run again "
+            "with --all (chunks of --limit, each audited) or a higher --limit",
+            file=sys.stderr,
+        )
         return EXIT_PARTIAL
     return EXIT_OK
 
@@ -547,9 +665,19 @@ def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
         print("no parked keys")
         return EXIT_OK
     if fancy():
-        show_table(["ordering key", "blocked by", "status", "waiting", "reason"],
-                   [(k.ordering_key, k.blocking_message_id, k.blocking_status.value, k.waiting,
-                     (k.blocking_error or "")[:60]) for k in items])  # fmt: skip
+        show_table(
+            ["ordering key", "blocked by", "status", "waiting", "reason"],
+            [
+                (
+                    k.ordering_key,
+                    k.blocking_message_id,
+                    k.blocking_status.value,
+                    k.waiting,
+                    (k.blocking_error or "")[:60],
+                )
+                for k in items
+            ],
+        )
     else:
         _print_parked(items)
     print("resume: outbox republish --ordering-key KEY")
@@ -561,8 +689,10 @@ def _print_parked(items: Sequence[queries.ParkedKey]) -> None:
     print(f"{'ordering key':<24} {'blocked by':<28} {'status':<9} {'waiting':>7}  reason")
     for k in items:
         reason = (k.blocking_error or "")[:60]
-        print(f"{k.ordering_key[:24]:<24} {k.blocking_message_id[:28]:<28} "
-              f"{k.blocking_status.value:<9} {k.waiting:>7}  {reason}")  # fmt: skip
+        print(
+            f"{k.ordering_key[:24]:<24} {k.blocking_message_id[:28]:<28} "
+            f"{k.blocking_status.value:<9} {k.waiting:>7}  {reason}"
+        )
 
 
 def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
@@ -576,13 +706,21 @@ def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     if args.json:
-        _json({"message_id": result.message_id, "previous": result.previous.value,
-               "ordering_key": result.ordering_key, "released": result.released,
-               "audit_id": result.audit_id})  # fmt: skip
+        _json(
+            {
+                "message_id": result.message_id,
+                "previous": result.previous.value,
+                "ordering_key": result.ordering_key,
+                "released": result.released,
+                "audit_id": result.audit_id,
+            }
+        )
         return EXIT_OK
-    print(f"skipped {result.message_id} (was {result.previous.value}); key "
-          f"{result.ordering_key!r}: {result.released} waiting rows released; audit "
-          f"{result.audit_id}")  # fmt: skip
+    print(
+        f"skipped {result.message_id} (was {result.previous.value}); key "
+        f"{result.ordering_key!r}: {result.released} waiting rows released; audit "
+        f"{result.audit_id}"
+    )
     return EXIT_OK
 
 
@@ -599,28 +737,43 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
             if args.json:
                 _json({"dry_run": True, "older_than_days": days, "would_delete": would})
                 return EXIT_OK
-            print(f"would delete {would} confirmed rows confirmed more than {days:g} days ago "
-                  "(dry run: nothing deleted)")  # fmt: skip
+            print(
+                f"would delete {would} confirmed rows confirmed more than {days:g} days ago "
+                "(dry run: nothing deleted)"
+            )
             return EXIT_OK
         live = fancy(sys.stderr) and not args.json
         total = repo.count_purgeable(older_than=dt.timedelta(days=days)) if live else None
         with progress("purge", total) as bar:
-            deleted = repo.purge_confirmed(older_than=dt.timedelta(days=days), chunk=args.chunk,
-                                           on_chunk=bar.advance)  # fmt: skip
-        forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days),
-                                chunk=args.chunk)  # fmt: skip
-        audit_id = repo.record_purge(actor=args.actor, older_than=dt.timedelta(days=days),
-                                     deleted=deleted, inbox_deleted=forgotten)  # fmt: skip
+            deleted = repo.purge_confirmed(
+                older_than=dt.timedelta(days=days), chunk=args.chunk, on_chunk=bar.advance
+            )
+        forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days), chunk=args.chunk)
+        audit_id = repo.record_purge(
+            actor=args.actor,
+            older_than=dt.timedelta(days=days),
+            deleted=deleted,
+            inbox_deleted=forgotten,
+        )
     finally:
         engine.dispose()
     if args.json:
-        _json({"dry_run": False, "older_than_days": days, "deleted": deleted,
-               "inbox_older_than_days": inbox_days, "inbox_deleted": forgotten,
-               "audit_id": audit_id})  # fmt: skip
+        _json(
+            {
+                "dry_run": False,
+                "older_than_days": days,
+                "deleted": deleted,
+                "inbox_older_than_days": inbox_days,
+                "inbox_deleted": forgotten,
+                "audit_id": audit_id,
+            }
+        )
         return EXIT_OK
     print(f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago")
-    print(f"deleted {forgotten} consumer inbox rows older than {inbox_days:g} days "
-          "(OUTBOX_INBOX_RETENTION_DAYS)")  # fmt: skip
+    print(
+        f"deleted {forgotten} consumer inbox rows older than {inbox_days:g} days "
+        "(OUTBOX_INBOX_RETENTION_DAYS)"
+    )
     return EXIT_OK
 
 
@@ -640,7 +793,8 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
     if not callable(handler):
         raise UsageError(f"handler {args.handler!r} is not callable")
     config = ConsumerConfig(
-        name=args.name or args.queue, queue=args.queue,
+        name=args.name or args.queue,
+        queue=args.queue,
         mode=args.mode or settings.consumer_mode,
         prefetch=args.prefetch or settings.consumer_prefetch,
         concurrency=args.concurrency or settings.consumer_concurrency,
@@ -649,9 +803,10 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
         handler_timeout=args.handler_timeout or settings.consumer_handler_timeout,
         dead_letter_exchange=args.dead_letter_exchange,
         dead_letter_routing_key=args.dead_letter_routing_key,
-    )  # fmt: skip
-    engine = consumer_engine(settings.database_url.get_secret_value(),
-                             concurrency=config.concurrency)  # fmt: skip
+    )
+    engine = consumer_engine(
+        settings.database_url.get_secret_value(), concurrency=config.concurrency
+    )
     check_schema(engine)
 
     async def consume() -> None:
@@ -660,8 +815,9 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         given = {"batch_handler" if args.batches else "handler": handler}
-        consumer = Consumer(config=config, amqp_url=settings.amqp_url.get_secret_value(),
-                            engine=engine, **given)  # fmt: skip
+        consumer = Consumer(
+            config=config, amqp_url=settings.amqp_url.get_secret_value(), engine=engine, **given
+        )
         probes = None
         if args.metrics_port is not None:  # /metrics, /healthz, /readyz of this process
             from app.consumer import registry_for
@@ -670,11 +826,15 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
             def alive() -> tuple[bool, dict[str, object]]:
                 return True, {"consumer": config.name}
 
-            probes = ProbeServer({
-                "/metrics": metrics_route(registry_for(consumer.metrics, consumer=config.name)),
-                "/healthz": check_route(alive),
-                "/readyz": check_route(consumer.ready),
-            }, host=args.metrics_host, port=args.metrics_port)  # fmt: skip
+            probes = ProbeServer(
+                {
+                    "/metrics": metrics_route(registry_for(consumer.metrics, consumer=config.name)),
+                    "/healthz": check_route(alive),
+                    "/readyz": check_route(consumer.ready),
+                },
+                host=args.metrics_host,
+                port=args.metrics_port,
+            )
             await probes.start()
             print(f"outbox consume: metrics on {probes.url}/metrics", file=sys.stderr)
         try:
@@ -704,10 +864,17 @@ def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     try:
         url = settings.amqp_url.get_secret_value()
-        done = asyncio.run(declare(url, exchange=args.exchange, kind=args.type,
-                                   queue=args.queue, bindings=args.bind or (),
-                                   queue_type=args.queue_type,
-                                   delivery_limit=args.delivery_limit))  # fmt: skip
+        done = asyncio.run(
+            declare(
+                url,
+                exchange=args.exchange,
+                kind=args.type,
+                queue=args.queue,
+                bindings=args.bind or (),
+                queue_type=args.queue_type,
+                delivery_limit=args.delivery_limit,
+            )
+        )
     except ChannelClosedError as exc:
         raise Failure(f"the broker refused: {exc.reason}") from None
     except (WireError, TimeoutError) as exc:
@@ -721,8 +888,10 @@ def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
     if done.queue is not None:
         keys = ", ".join(repr(k) for k in done.bindings)
         limit = f", delivery limit {done.delivery_limit}" if done.delivery_limit else ""
-        print(f"queue {done.queue!r} ({done.queue_type}, durable{limit}) is bound to it with "
-              f"{keys}; it holds {done.queue_messages} messages")  # fmt: skip
+        print(
+            f"queue {done.queue!r} ({done.queue_type}, durable{limit}) is bound to it with "
+            f"{keys}; it holds {done.queue_messages} messages"
+        )
     return EXIT_OK
 
 
@@ -736,10 +905,15 @@ def _republish_filter(args: argparse.Namespace) -> RepublishFilter:
     """The filter's own rules (:meth:`RepublishFilter.of`), as the API and the console apply."""
     try:
         return RepublishFilter.of(
-            statuses=args.status or None, batch_id=args.batch, exchange=args.exchange,
-            routing_key=args.routing_key, ordering_key=args.ordering_key, reason=args.reason,
-            created_after=args.created_after, created_before=args.created_before,
-        )  # fmt: skip
+            statuses=args.status or None,
+            batch_id=args.batch,
+            exchange=args.exchange,
+            routing_key=args.routing_key,
+            ordering_key=args.ordering_key,
+            reason=args.reason,
+            created_after=args.created_after,
+            created_before=args.created_before,
+        )
     except ScopeError as exc:
         raise UsageError(str(exc)) from None
 
@@ -879,10 +1053,11 @@ def _add_serve(sub: Sub) -> None:
     srv.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     srv.add_argument("--tls-key", help="the certificate's private key (PEM)")
     srv.add_argument(
-        "--forwarded-allow-ips", metavar="ADDRESSES",
+        "--forwarded-allow-ips",
+        metavar="ADDRESSES",
         help="trust X-Forwarded-For/-Proto from these proxies only (comma-separated IPs or "
         "networks; default OUTBOX_API_FORWARDED_ALLOW_IPS, none)",
-    )  # fmt: skip
+    )
     srv.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -893,13 +1068,23 @@ def _add_status(sub: Sub) -> None:
     st = sub.add_parser("status", help="rows per status, oldest ages, confirm latency, publishers")
     st.add_argument("--json", action="store_true", help="the same as GET /v1/stats, as JSON")
     st.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="one verdict line; exit 0 OK, 1 WARNING, 2 CRITICAL (for monitoring)",
-    )  # fmt: skip
-    for name, default in (("warn-pending-age", 60.0), ("crit-pending-age", 300.0),
-                          ("warn-in-flight-age", 30.0), ("crit-in-flight-age", 120.0)):  # fmt: skip
-        st.add_argument(f"--{name}", type=_positive_seconds, default=default, metavar="SECONDS",
-                        help=f"threshold in seconds (default {default:g})")  # fmt: skip
+    )
+    for name, default in (
+        ("warn-pending-age", 60.0),
+        ("crit-pending-age", 300.0),
+        ("warn-in-flight-age", 30.0),
+        ("crit-in-flight-age", 120.0),
+    ):
+        st.add_argument(
+            f"--{name}",
+            type=_positive_seconds,
+            default=default,
+            metavar="SECONDS",
+            help=f"threshold in seconds (default {default:g})",
+        )
     st.set_defaults(func=_cmd_status)
     msg = sub.add_parser("message", help="one outbox row: status, attempts, reason, publish facts")
     msg.add_argument("message_id")
@@ -916,17 +1101,23 @@ def _add_status(sub: Sub) -> None:
     out.add_argument("--publisher", help="only rows held by this publisher id")
     out.add_argument("--exchange", help="only rows for this exchange")
     out.add_argument("--batch", help="only rows of this batch id")
-    out.add_argument("--min-age", type=_positive_seconds, metavar="SECONDS",
-                     help="only rows waiting at least this long")  # fmt: skip
+    out.add_argument(
+        "--min-age",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="only rows waiting at least this long",
+    )
     out.add_argument("--limit", type=_bounded_int(1, 1000), default=100, help="most rows shown")
     out.add_argument("--cursor", help="the `more:` cursor of the previous page")
-    out.add_argument("--json", action="store_true",
-                     help="as JSON (like GET /v1/confirms/outstanding)")  # fmt: skip
+    out.add_argument(
+        "--json", action="store_true", help="as JSON (like GET /v1/confirms/outstanding)"
+    )
     out.set_defaults(func=_cmd_outstanding)
     rej = sub.add_parser(
-        "rejects", help="rows the Spark writer refused (reject mode): bad values and message id "
+        "rejects",
+        help="rows the Spark writer refused (reject mode): bad values and message id "
         "conflicts, with the reason, newest first",
-    )  # fmt: skip
+    )
     rej.add_argument("--batch", help="only this batch id")
     rej.add_argument("--limit", type=_bounded_int(1, 500), default=50)
     rej.add_argument("--json", action="store_true", help="as JSON (like GET /v1/rejects)")
@@ -972,15 +1163,21 @@ def _add_republish(sub: Sub) -> None:
     rep.add_argument("--created-after", type=_timestamp, help="ISO time, inclusive; naive = UTC")
     rep.add_argument("--created-before", type=_timestamp, help="ISO time, exclusive; naive = UTC")
     rep.add_argument(
-        "--limit", type=_bounded_int(1, MAX_REPUBLISH_LIMIT), default=1000,
+        "--limit",
+        type=_bounded_int(1, MAX_REPUBLISH_LIMIT),
+        default=1000,
         help="most rows moved (default 1000)",
-    )  # fmt: skip
+    )
     rep.add_argument("--dry-run", action="store_true", help="count and sample; move nothing")
-    rep.add_argument("--all", action="store_true",
-                     help="repeat in chunks of --limit until every matching row moved")  # fmt: skip
+    rep.add_argument(
+        "--all",
+        action="store_true",
+        help="repeat in chunks of --limit until every matching row moved",
+    )
     rep.add_argument("--request-id", help="idempotency key (default: a new one, printed)")
-    rep.add_argument("--actor", type=_line(MAX_ACTOR), default=_default_actor(),
-                     help="who acts (audit row)")  # fmt: skip
+    rep.add_argument(
+        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who acts (audit row)"
+    )
     rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")
     rep.set_defaults(func=_cmd_republish)
 
@@ -996,10 +1193,12 @@ def _add_keys(sub: Sub) -> None:
         help="skip a terminal failure (audited): not delivered, its ordering key goes on",
     )
     skip.add_argument("message_id", help="the blocking row (see `outbox parked`)")
-    skip.add_argument("--reason", required=True, type=_line(MAX_REASON),
-                      help="why (kept in the audit trail)")  # fmt: skip
-    skip.add_argument("--actor", type=_line(MAX_ACTOR), default=_default_actor(),
-                      help="who acts (audit row)")  # fmt: skip
+    skip.add_argument(
+        "--reason", required=True, type=_line(MAX_REASON), help="why (kept in the audit trail)"
+    )
+    skip.add_argument(
+        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who acts (audit row)"
+    )
     skip.add_argument("--json", action="store_true", help="as JSON (like POST .../skip)")
     skip.set_defaults(func=_cmd_skip)
 
@@ -1012,15 +1211,18 @@ def _add_purge(sub: Sub) -> None:
         "a bounded chunk per transaction so publishers never wait on it. Run it periodically.",
     )
     pur.add_argument(
-        "--older-than-days", type=_positive_days, default=None,
+        "--older-than-days",
+        type=_positive_days,
+        default=None,
         help="retention in days (default OUTBOX_RETENTION_DAYS)",
-    )  # fmt: skip
+    )
     pur.add_argument(
         "--chunk", type=_bounded_int(1, 100_000), default=1000, help="rows per transaction"
     )
     pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
-    pur.add_argument("--actor", type=_line(MAX_ACTOR), default=_default_actor(),
-                     help="who purges (audit row)")  # fmt: skip
+    pur.add_argument(
+        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who purges (audit row)"
+    )
     pur.add_argument("--json", action="store_true", help="what was (or would be) deleted, as JSON")
     pur.set_defaults(func=_cmd_purge)
 
@@ -1034,52 +1236,72 @@ def _add_consume(sub: Sub) -> None:
         "duplicate publish is acknowledged without running it again.",
     )
     con.add_argument("queue", help="the queue to consume (it must exist)")
-    con.add_argument("--handler", required=True,
-                     help="MODULE:FUNCTION taking (message, connection)")  # fmt: skip
     con.add_argument(
-        "--batches", action="store_true",
+        "--handler", required=True, help="MODULE:FUNCTION taking (message, connection)"
+    )
+    con.add_argument(
+        "--batches",
+        action="store_true",
         help="the handler takes (messages, connection): a window's messages at once",
-    )  # fmt: skip
+    )
     con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
     con.add_argument(
-        "--prefetch", type=_bounded_int(1, 65535), default=None,
+        "--prefetch",
+        type=_bounded_int(1, 65535),
+        default=None,
         help="unacked deliveries held at once (default OUTBOX_CONSUMER_PREFETCH, 400)",
-    )  # fmt: skip
+    )
     con.add_argument(
-        "--mode", choices=("batch", "message"), default=None,
+        "--mode",
+        choices=("batch", "message"),
+        default=None,
         help="batch: windows of deliveries per transaction (effects in the database); message: "
         "a transaction per message (effects outside it) (default OUTBOX_CONSUMER_MODE, batch)",
-    )  # fmt: skip
+    )
     con.add_argument(
-        "--concurrency", type=_bounded_int(1, 256), default=None,
+        "--concurrency",
+        type=_bounded_int(1, 256),
+        default=None,
         help="handler threads (default OUTBOX_CONSUMER_CONCURRENCY, 8)",
-    )  # fmt: skip
+    )
     con.add_argument(
-        "--batch-size", type=_bounded_int(1, 10000), default=None,
+        "--batch-size",
+        type=_bounded_int(1, 10000),
+        default=None,
         help="batch mode: deliveries per transaction at most (default "
         "OUTBOX_CONSUMER_BATCH_SIZE, 200)",
-    )  # fmt: skip
-    con.add_argument("--delivery-limit", type=_bounded_int(1, 1000), default=None,
-                     help="attempts (failures, timeouts, crashes) before a message is "
-                     "dead-lettered (default OUTBOX_CONSUMER_DELIVERY_LIMIT, 5)")  # fmt: skip
+    )
     con.add_argument(
-        "--handler-timeout", type=_positive_seconds, default=None,
+        "--delivery-limit",
+        type=_bounded_int(1, 1000),
+        default=None,
+        help="attempts (failures, timeouts, crashes) before a message is "
+        "dead-lettered (default OUTBOX_CONSUMER_DELIVERY_LIMIT, 5)",
+    )
+    con.add_argument(
+        "--handler-timeout",
+        type=_positive_seconds,
+        default=None,
         help="seconds a handler may run before its attempt fails (default "
         "OUTBOX_CONSUMER_HANDLER_TIMEOUT, 60)",
-    )  # fmt: skip
+    )
     con.add_argument(
-        "--dead-letter-exchange", default=None,
+        "--dead-letter-exchange",
+        default=None,
         help="publish dead letters here with headers saying why ('' is the default exchange), "
         "then ack them; without it they are rejected (the queue's x-dead-letter-exchange)",
-    )  # fmt: skip
+    )
     con.add_argument(
-        "--dead-letter-routing-key", default=None,
+        "--dead-letter-routing-key",
+        default=None,
         help="routing key for --dead-letter-exchange (default: the message's)",
-    )  # fmt: skip
+    )
     con.add_argument(
-        "--metrics-port", type=_bounded_int(0, 65535), default=None,
+        "--metrics-port",
+        type=_bounded_int(0, 65535),
+        default=None,
         help="serve /metrics, /healthz, /readyz on this port (0: any free one)",
-    )  # fmt: skip
+    )
     con.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     con.set_defaults(func=_cmd_consume)
 
@@ -1094,17 +1316,33 @@ def _add_declare(sub: Sub) -> None:
         "type changes nothing.",
     )
     dec.add_argument("exchange")
-    dec.add_argument("--type", default="topic", choices=["direct", "topic", "fanout", "headers"],
-                     help="exchange type (default topic)")  # fmt: skip
+    dec.add_argument(
+        "--type",
+        default="topic",
+        choices=["direct", "topic", "fanout", "headers"],
+        help="exchange type (default topic)",
+    )
     dec.add_argument("--queue", help="also declare this queue and bind it")
-    dec.add_argument("--queue-type", default="classic", choices=["classic", "quorum"],
-                     help="classic (default; one node) or quorum (replicated on a cluster: "
-                     "a confirm means a majority wrote it)")  # fmt: skip
-    dec.add_argument("--delivery-limit", type=int, metavar="N",
-                     help="quorum only: x-delivery-limit, the broker dead-letters (or drops) a "
-                     "message after N returns")  # fmt: skip
-    dec.add_argument("--bind", action="append", metavar="KEY",
-                     help="binding key, repeatable (default '#' for topic, '' else)")  # fmt: skip
+    dec.add_argument(
+        "--queue-type",
+        default="classic",
+        choices=["classic", "quorum"],
+        help="classic (default; one node) or quorum (replicated on a cluster: "
+        "a confirm means a majority wrote it)",
+    )
+    dec.add_argument(
+        "--delivery-limit",
+        type=int,
+        metavar="N",
+        help="quorum only: x-delivery-limit, the broker dead-letters (or drops) a "
+        "message after N returns",
+    )
+    dec.add_argument(
+        "--bind",
+        action="append",
+        metavar="KEY",
+        help="binding key, repeatable (default '#' for topic, '' else)",
+    )
     dec.add_argument("--json", action="store_true", help="what was declared, as JSON")
     dec.set_defaults(func=_cmd_declare)
 
@@ -1167,8 +1405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except UnicodeEncodeError:
                 raw = arg.encode(errors="backslashreplace")
             shown = raw.decode(errors="backslashreplace")
-            print(f"outbox: the argument '{shown}' is not valid UTF-8 (see `outbox --help`)",
-                  file=err)  # fmt: skip
+            print(
+                f"outbox: the argument '{shown}' is not valid UTF-8 (see `outbox --help`)", file=err
+            )
             return EXIT_USAGE
     args = build_parser().parse_args(given)
     try:
@@ -1194,8 +1433,7 @@ def _run(args: argparse.Namespace, settings: Settings, err: TextIO) -> int:
         print(f"outbox: {exc}", file=err)
         return EXIT_FAILURE
     except DBAPIError as exc:
-        print(f"outbox: {_db_problem(exc, url=settings.database_url.get_secret_value())}",
-              file=err)  # fmt: skip
+        print(f"outbox: {_db_problem(exc, url=settings.database_url.get_secret_value())}", file=err)
         return EXIT_FAILURE
     except (SchemaMismatch, OSError) as exc:
         print(f"outbox: {redact(str(exc))}", file=err)

@@ -18,12 +18,22 @@ from typing import Any, TextIO
 
 #: Colours of the row states and verdict levels (rich styles).
 STYLES = {
-    "confirmed": "green", "pending": "yellow", "in_flight": "yellow", "skipped": "cyan",
-    "returned": "bold red", "nacked": "bold red", "failed": "bold red",
-    "OK": "bold green", "WARNING": "bold yellow", "CRITICAL": "bold red",
-    "alive": "green", "blocked": "bold red", "silent": "bold red", "stopped": "dim",
+    "confirmed": "green",
+    "pending": "yellow",
+    "in_flight": "yellow",
+    "skipped": "cyan",
+    "returned": "bold red",
+    "nacked": "bold red",
+    "failed": "bold red",
+    "OK": "bold green",
+    "WARNING": "bold yellow",
+    "CRITICAL": "bold red",
+    "alive": "green",
+    "blocked": "bold red",
+    "silent": "bold red",
+    "stopped": "dim",
     "bold": "bold",
-}  # fmt: skip
+}
 
 
 def fancy(stream: TextIO | None = None) -> bool:
@@ -65,8 +75,9 @@ def _numeric(rows: Sequence[Sequence[Any]], i: int) -> bool:
     return bool(rows) and all(isinstance(row[i], int | float) for row in rows)
 
 
-def show_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
-               title: str | None = None) -> None:  # fmt: skip
+def show_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | None = None
+) -> None:
     """Print a table: rich with coloured states on a terminal, :func:`plain_table` otherwise."""
     if not fancy():
         if title:
@@ -134,9 +145,13 @@ def progress(what: str, total: int | None) -> Iterator[Progress]:
     )
 
     bar = RichProgress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
         transient=False,
-    )  # fmt: skip
+    )
     with bar:
         yield Progress(bar, bar.add_task(what, total=total))

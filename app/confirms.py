@@ -320,8 +320,9 @@ class ChannelLedger:
                 plain.append(row_id)
                 sent.append((channel, tag, wall, at))
             else:
-                returned.append(Returned(row_id, message_id, reply[0], reply[1],
-                                         (channel, tag, wall, at)))  # fmt: skip
+                returned.append(
+                    Returned(row_id, message_id, reply[0], reply[1], (channel, tag, wall, at))
+                )
         return tuple(plain), tuple(sent), returned
 
     # ------------------------------------------------------------ queries
@@ -356,8 +357,11 @@ class ChannelLedger:
             end = runs[i + 1][0] if i + 1 < len(runs) else self._next_tag
             if end <= start:
                 continue
-            found = [(e[0], t) for t in range(max(first, start), end)
-                     if (e := entries.get(t)) is not None]  # fmt: skip
+            found = [
+                (e[0], t)
+                for t in range(max(first, start), end)
+                if (e := entries.get(t)) is not None
+            ]
             if found:
                 into.setdefault((channel, wall), []).extend(found)
                 noted += len(found)

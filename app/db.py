@@ -19,8 +19,12 @@ MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
 
 
 #: TCP keepalives on every PostgreSQL connection (libpq's parameters)
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-              "keepalives_count": 3}  # fmt: skip
+KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
 
 
 def session_limits(*, idle_in_transaction: float) -> dict[str, Any]:

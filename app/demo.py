@@ -55,9 +55,13 @@ class DemoReport:
 
 def progress(console: Console) -> Progress:
     return Progress(
-        TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console, transient=False,
-    )  # fmt: skip
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
 
 
 # ------------------------------------------------------------------ dataset
@@ -110,9 +114,15 @@ async def declare_topology(amqp_url: str, queue: str) -> None:
 
 
 async def consume_all(
-    amqp_url: str, queue: str, *, engine: Engine, consumer_name: str, expected: int,
-    tick: Callable[[int], None], timeout: float,
-) -> tuple[set[str], int]:  # fmt: skip
+    amqp_url: str,
+    queue: str,
+    *,
+    engine: Engine,
+    consumer_name: str,
+    expected: int,
+    tick: Callable[[int], None],
+    timeout: float,
+) -> tuple[set[str], int]:
     """Consume the run's queue with the consumer kit (manual acks, prefetch, the inbox in the
     outbox database) until ``expected`` distinct messages were handled (or ``timeout``); return
     the handled message ids and how many deliveries the inbox absorbed as duplicates. Deletes
@@ -132,8 +142,10 @@ async def consume_all(
 
     consumer = Consumer(
         config=ConsumerConfig(name=consumer_name, queue=queue, prefetch=500, concurrency=4),
-        amqp_url=amqp_url, engine=engine, handler=verify,
-    )  # fmt: skip
+        amqp_url=amqp_url,
+        engine=engine,
+        handler=verify,
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(consumer.run(stop))
     deadline = time.monotonic() + timeout
@@ -152,8 +164,14 @@ async def consume_all(
 # ------------------------------------------------------------------ steps
 
 
-def run_spark_job(settings: Settings, *, input_dir: Path, checkpoint: Path, sink: str,
-                  on_progress: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+def run_spark_job(
+    settings: Settings,
+    *,
+    input_dir: Path,
+    checkpoint: Path,
+    sink: str,
+    on_progress: Callable[[], None] = lambda: None,
+) -> None:
     """Structured Streaming over the JSON files, written through the foreachBatch sink;
     ``on_progress`` is called about every second while the query runs."""
     import os
@@ -166,12 +184,15 @@ def run_spark_job(settings: Settings, *, input_dir: Path, checkpoint: Path, sink
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     ours = SparkSession.getActiveSession() is None  # stop only a session this job started
     spark = (
-        SparkSession.builder.master("local[2]").appName("outbox-demo")
-        .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
+        SparkSession.builder.master("local[2]")
+        .appName("outbox-demo")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
         .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
         .getOrCreate()
-    )  # fmt: skip
+    )
     if ours:
         spark.sparkContext.setLogLevel("ERROR")
     try:
@@ -183,14 +204,20 @@ def run_spark_job(settings: Settings, *, input_dir: Path, checkpoint: Path, sink
             spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(input_dir))
         )
         writer = OutboxSink(
-            url=settings.database_url.get_secret_value(), sink=sink, exchange=EXCHANGE,
-            routing_key_column="event_type", message_id_column="event_id",
-            header_columns=["order_id"], ordering_key_column="order_id",
-        )  # fmt: skip
+            url=settings.database_url.get_secret_value(),
+            sink=sink,
+            exchange=EXCHANGE,
+            routing_key_column="event_type",
+            message_id_column="event_id",
+            header_columns=["order_id"],
+            ordering_key_column="order_id",
+        )
         query = (
             stream.writeStream.foreachBatch(writer)  # type: ignore[arg-type]  # returns a result
-            .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start()
-        )  # fmt: skip
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
         while not query.awaitTermination(1):
             on_progress()
         on_progress()
@@ -212,8 +239,9 @@ def outbox_counts(engine: Engine, sink: str) -> dict[str, int]:
     return counts
 
 
-def run_publisher_until_drained(settings: Settings, engine: Engine, sink: str, rows: int,
-                                bar: Progress) -> None:  # fmt: skip
+def run_publisher_until_drained(
+    settings: Settings, engine: Engine, sink: str, rows: int, bar: Progress
+) -> None:
     """The publisher in this process until the outbox is drained, with a progress bar."""
     from app.publisher.service import run_publisher
 
@@ -239,8 +267,9 @@ def run_publisher_until_drained(settings: Settings, engine: Engine, sink: str, r
     asyncio.run(main())
 
 
-def run_demo(settings: Settings, *, rows: int, files: int, workdir: Path,
-             console: Console | None = None) -> DemoReport:  # fmt: skip
+def run_demo(
+    settings: Settings, *, rows: int, files: int, workdir: Path, console: Console | None = None
+) -> DemoReport:
     console = console or Console(stderr=True)
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
     sink, queue = f"demo-{run_id}", f"demo.orders.{run_id}"
@@ -261,9 +290,12 @@ def run_demo(settings: Settings, *, rows: int, files: int, workdir: Path,
         t = time.monotonic()
         task = bar.add_task(f"Spark -> outbox ({files} batches)", total=rows)
         run_spark_job(
-            settings, input_dir=base / "input", checkpoint=base / "checkpoint", sink=sink,
+            settings,
+            input_dir=base / "input",
+            checkpoint=base / "checkpoint",
+            sink=sink,
             on_progress=lambda: bar.update(task, completed=_written(engine, sink)),
-        )  # fmt: skip
+        )
         report.timings["spark"] = time.monotonic() - t
         report.written = _written(engine, sink)
         t = time.monotonic()
@@ -271,10 +303,16 @@ def run_demo(settings: Settings, *, rows: int, files: int, workdir: Path,
         report.timings["publish"] = time.monotonic() - t
         task = bar.add_task("consume + verify", total=report.written)
         handled, duplicates = asyncio.run(
-            consume_all(amqp, queue, engine=engine, consumer_name=f"demo-{run_id}",
-                        expected=report.written, timeout=120,
-                        tick=lambda n: bar.update(task, completed=n))
-        )  # fmt: skip
+            consume_all(
+                amqp,
+                queue,
+                engine=engine,
+                consumer_name=f"demo-{run_id}",
+                expected=report.written,
+                timeout=120,
+                tick=lambda n: bar.update(task, completed=n),
+            )
+        )
 
     counts = outbox_counts(engine, sink)
     report.lost_confirms = counts.pop("_lost_confirms")
@@ -306,16 +344,23 @@ def print_summary(report: DemoReport, settings: Settings, console: Console) -> N
         ("rows generated", f"{report.rows:,}"),
         ("rows written to the outbox (Spark)", f"{report.written:,}"),
         ("confirmed by RabbitMQ", f"{report.statuses.get('confirmed', 0):,}"),
-        ("returned / nacked / failed", "{:,} / {:,} / {:,}".format(
-            report.statuses.get("returned", 0), report.statuses.get("nacked", 0),
-            report.statuses.get("failed", 0))),
+        (
+            "returned / nacked / failed",
+            "{:,} / {:,} / {:,}".format(
+                report.statuses.get("returned", 0),
+                report.statuses.get("nacked", 0),
+                report.statuses.get("failed", 0),
+            ),
+        ),
         ("received by the consumer", f"{report.received:,}"),
         ("missing", f"{report.missing:,}"),
-        ("duplicates received / lost confirms", f"{report.duplicates_received} / "
-                                                f"{report.lost_confirms}"),
+        (
+            "duplicates received / lost confirms",
+            f"{report.duplicates_received} / {report.lost_confirms}",
+        ),
         ("Spark write time", f"{report.timings.get('spark', 0):.1f} s"),
         ("publish + confirm throughput", f"{rate:,.0f} msg/s"),
-    ]  # fmt: skip
+    ]
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

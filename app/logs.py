@@ -63,9 +63,12 @@ class TextFormatter(logging.Formatter):
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, Any] = {
-            "ts": _utc(record), "level": record.levelname, "logger": record.name,
-            "message": record.getMessage(), **_extra(record),
-        }  # fmt: skip
+            "ts": _utc(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            **_extra(record),
+        }
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
         return redact(json.dumps(doc, default=str, ensure_ascii=False))

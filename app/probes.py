@@ -21,8 +21,14 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_HEAD = 8192
 READ_TIMEOUT = 5.0
-REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request",
-           503: "Service Unavailable", 500: "Internal Server Error"}  # fmt: skip
+REASONS = {
+    200: "OK",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    400: "Bad Request",
+    503: "Service Unavailable",
+    500: "Internal Server Error",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,9 +38,10 @@ class Settings(BaseSettings):
         default=None, description="Bearer token for write (operator) endpoints."
     )
     database_url_file: str | None = Field(
-        default=None, description="A file holding the database URL (a mounted secret, "
+        default=None,
+        description="A file holding the database URL (a mounted secret, "
         "a systemd credential); instead of OUTBOX_DATABASE_URL.",
-    )  # fmt: skip
+    )
     amqp_url_file: str | None = Field(
         default=None, description="A file holding the AMQP URL; instead of OUTBOX_AMQP_URL."
     )
@@ -70,9 +71,12 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=60.0, gt=0, description="Lease on claimed rows.")
     poll_interval: float = Field(default=0.2, gt=0, description="Idle wait between empty claims.")
     flush_interval: float = Field(
-        default=0.0, ge=0, le=10, description="Wait after an outcome before writing it, so more "
+        default=0.0,
+        ge=0,
+        le=10,
+        description="Wait after an outcome before writing it, so more "
         "gather (0: at once; under load they gather while the previous write-back runs).",
-    )  # fmt: skip
+    )
     synchronous_commit: bool = Field(
         default=False,
         description="Write-backs of outcomes wait for the disk (claims always do); off, a "
@@ -100,37 +104,47 @@ class Settings(BaseSettings):
     )
     retention_days: float = Field(default=7.0, gt=0, description="Keep confirmed rows this long.")
     inbox_retention_days: float = Field(
-        default=14.0, gt=0, description="Keep the consumer kit's inbox rows this long (longer "
+        default=14.0,
+        gt=0,
+        description="Keep the consumer kit's inbox rows this long (longer "
         "than any redelivery or republish can come late).",
-    )  # fmt: skip
+    )
     consumer_mode: Literal["batch", "message"] = Field(
         default="batch",
         description="`outbox consume`: `batch` handles windows of deliveries in one transaction "
         "each (effects in the database); `message` one transaction per message (effects "
         "outside it). See docs/consumer.md.",
-    )  # fmt: skip
+    )
     consumer_prefetch: int = Field(
         default=400, ge=1, le=65535, description="`outbox consume`: the consumer's prefetch."
     )
     consumer_concurrency: int = Field(
-        default=8, ge=1, le=256,
+        default=8,
+        ge=1,
+        le=256,
         description="`outbox consume`: handler threads (windows or messages at once).",
-    )  # fmt: skip
+    )
     consumer_batch_size: int = Field(
-        default=200, ge=1, le=10000,
+        default=200,
+        ge=1,
+        le=10000,
         description="`outbox consume`, batched mode: deliveries per transaction at most (and "
         "at most half the prefetch).",
-    )  # fmt: skip
+    )
     consumer_delivery_limit: int = Field(
-        default=5, ge=1, le=1000,
+        default=5,
+        ge=1,
+        le=1000,
         description="`outbox consume`: attempts (failures, timeouts, crashes while the handler "
         "ran) before a message is dead-lettered.",
-    )  # fmt: skip
+    )
     consumer_handler_timeout: float = Field(
-        default=60.0, gt=0, le=86400,
+        default=60.0,
+        gt=0,
+        le=86400,
         description="`outbox consume`: seconds a handler may run; past it the attempt fails "
         "and the consumer is not ready until the handler returns.",
-    )  # fmt: skip
+    )
     max_header_bytes: int = Field(
         default=64 * 1024,
         ge=1024,
@@ -174,38 +188,48 @@ class Settings(BaseSettings):
     )
     api_tls_key: str | None = Field(default=None, description="The API certificate's key (PEM).")
     api_forwarded_allow_ips: str | None = Field(
-        default=None, description="`outbox serve` trusts X-Forwarded-For/-Proto only from these "
+        default=None,
+        description="`outbox serve` trusts X-Forwarded-For/-Proto only from these "
         "proxy addresses (comma-separated IPs or networks, as uvicorn's --forwarded-allow-ips); "
         "default none: the peer address is the client, for the audit and the throttle.",
-    )  # fmt: skip
+    )
     api_docs: bool = Field(
-        default=False, description="`outbox serve` also serves /docs, /redoc and /openapi.json "
+        default=False,
+        description="`outbox serve` also serves /docs, /redoc and /openapi.json "
         "(off by default: the Swagger UI and ReDoc pages load scripts from a CDN on the "
         "console's origin, without its Content-Security-Policy).",
-    )  # fmt: skip
+    )
     api_max_body_bytes: int = Field(
-        default=64 * 1024, ge=1024, le=16 * 1024 * 1024,
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
         description="Largest request body the API reads (413 above it, before any parsing).",
-    )  # fmt: skip
+    )
     api_auth_failures_per_minute: int = Field(
-        default=20, ge=1, description="Failed authentications per client address and minute "
+        default=20,
+        ge=1,
+        description="Failed authentications per client address and minute "
         "before the API answers 429.",
-    )  # fmt: skip
+    )
     ui_session_seconds: int = Field(
-        default=8 * 3600, ge=60, le=7 * 24 * 3600,
+        default=8 * 3600,
+        ge=60,
+        le=7 * 24 * 3600,
         description="Lifetime of a web console session (/ui) after sign-in; rotating a token "
         "or the session key ends every session signed with it, signing out ends one.",
-    )  # fmt: skip
+    )
     session_secret: SecretStr | None = Field(
-        default=None, description="Key that signs web console sessions (/ui), at least 32 "
+        default=None,
+        description="Key that signs web console sessions (/ui), at least 32 "
         "characters (`openssl rand -hex 32`); default: a random key generated once and kept in "
         "the database (outbox_secrets), shared by every API replica. Changing it ends every "
         "session.",
-    )  # fmt: skip
+    )
     session_secret_file: str | None = Field(
-        default=None, description="A file holding the session key (a mounted secret), read "
+        default=None,
+        description="A file holding the session key (a mounted secret), read "
         "when the API starts; instead of OUTBOX_SESSION_SECRET.",
-    )  # fmt: skip
+    )
     api_probe_timeout: float = Field(
         default=3.0, gt=0, description="Most wait of /readyz for the database and the broker."
     )

@@ -22,8 +22,9 @@ KINDS = ("direct", "topic", "fanout", "headers")
 QUEUE_TYPES = ("classic", "quorum")
 
 
-def queue_arguments(queue_type: str = "classic", *, delivery_limit: int | None = None
-                    ) -> common.FieldTable:  # fmt: skip
+def queue_arguments(
+    queue_type: str = "classic", *, delivery_limit: int | None = None
+) -> common.FieldTable:
     """The ``queue.declare`` arguments of a queue of ``queue_type``; ``delivery_limit`` (quorum
     only) is the broker's ``x-delivery-limit``: past it the broker dead-letters (or drops) the
     message itself."""
@@ -63,34 +64,60 @@ class Declared:
 
 
 async def declare(
-    url: str, *, exchange: str, kind: str = "topic", queue: str | None = None,
-    bindings: Sequence[str] = (), timeout: float = 10.0, queue_type: str = "classic",
+    url: str,
+    *,
+    exchange: str,
+    kind: str = "topic",
+    queue: str | None = None,
+    bindings: Sequence[str] = (),
+    timeout: float = 10.0,
+    queue_type: str = "classic",
     delivery_limit: int | None = None,
-) -> Declared:  # fmt: skip
+) -> Declared:
     """Declare ``exchange`` (durable) and, when given, ``queue`` (durable, ``queue_type``: see
     :func:`queue_arguments`) bound to it with each of ``bindings`` (``#`` when none is given for
     a topic exchange, ``""`` else)."""
     arguments = queue_arguments(queue_type, delivery_limit=delivery_limit)
-    conn = await AMQPConnection.connect(url, listener=_Quiet(), timeout=timeout,
-                                        name="outbox-declare")  # fmt: skip
+    conn = await AMQPConnection.connect(
+        url, listener=_Quiet(), timeout=timeout, name="outbox-declare"
+    )
     try:
         ch = await conn.open_channel(confirm=False)
-        await conn.call(ch, commands.Exchange.Declare(exchange=exchange, exchange_type=kind,
-                                                      durable=True),
-                        (commands.Exchange.DeclareOk,), timeout=timeout)  # fmt: skip
+        await conn.call(
+            ch,
+            commands.Exchange.Declare(exchange=exchange, exchange_type=kind, durable=True),
+            (commands.Exchange.DeclareOk,),
+            timeout=timeout,
+        )
         if queue is None:
             return Declared(exchange=exchange, kind=kind)
-        ok = await conn.call(ch, commands.Queue.Declare(
-            queue=queue, durable=True, arguments=arguments,
-        ), (commands.Queue.DeclareOk,), timeout=timeout)  # fmt: skip
+        ok = await conn.call(
+            ch,
+            commands.Queue.Declare(
+                queue=queue,
+                durable=True,
+                arguments=arguments,
+            ),
+            (commands.Queue.DeclareOk,),
+            timeout=timeout,
+        )
         keys = list(bindings) or ["#" if kind == "topic" else ""]
         for key in keys:
-            await conn.call(ch, commands.Queue.Bind(queue=queue, exchange=exchange,
-                                                    routing_key=key),
-                            (commands.Queue.BindOk,), timeout=timeout)  # fmt: skip
+            await conn.call(
+                ch,
+                commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=key),
+                (commands.Queue.BindOk,),
+                timeout=timeout,
+            )
         count = getattr(ok, "message_count", None)
-        return Declared(exchange=exchange, kind=kind, queue=queue, bindings=keys,
-                        queue_messages=count, queue_type=queue_type,
-                        delivery_limit=delivery_limit)  # fmt: skip
+        return Declared(
+            exchange=exchange,
+            kind=kind,
+            queue=queue,
+            bindings=keys,
+            queue_messages=count,
+            queue_type=queue_type,
+            delivery_limit=delivery_limit,
+        )
     finally:
         await conn.close()

@@ -137,9 +137,11 @@ def linked_span(
             links.append(trace.Link(ctx))
     tracer = trace.get_tracer("outbox-sink.consumer")
     with tracer.start_as_current_span(
-        name, kind=trace.SpanKind.CONSUMER, links=links,
+        name,
+        kind=trace.SpanKind.CONSUMER,
+        links=links,
         attributes={**attributes, "messaging.batch.message_count": len(many)},
-    ):  # fmt: skip
+    ):
         yield
 
 

@@ -147,19 +147,22 @@ def temp_sqlite() -> Iterator[str]:
         yield url
 
 
-def seed_postgres(url: str, *, n: int, exchange: str, routing_key: str, start: int = 0,
-                  keys: int | None = None) -> None:  # fmt: skip
+def seed_postgres(
+    url: str, *, n: int, exchange: str, routing_key: str, start: int = 0, keys: int | None = None
+) -> None:
     """Insert ``n`` pending rows with COPY (rows shaped like tests/factories.py); with ``keys``,
     row ``i`` has ordering key ``k{i % keys}`` (keys interleaved, as a stream writes them)."""
     prefix = uuid.uuid4().hex[:8]
-    copy = ("COPY outbox (message_id, batch_id, exchange, routing_key, body, ordering_key) "
-            "FROM STDIN")  # fmt: skip
+    copy = (
+        "COPY outbox (message_id, batch_id, exchange, routing_key, body, ordering_key) FROM STDIN"
+    )
     with psycopg.connect(libpq_url(url)) as conn, conn.cursor() as cur:
         with cur.copy(copy) as cp:
             for i in range(start, start + n):
                 key = None if keys is None else f"k{i % keys}"
-                cp.write_row((f"{prefix}-{i}", f"bench:{i // 10_000}", exchange, routing_key,
-                              BODY, key))  # fmt: skip
+                cp.write_row(
+                    (f"{prefix}-{i}", f"bench:{i // 10_000}", exchange, routing_key, BODY, key)
+                )
         conn.commit()
         cur.execute("ANALYZE outbox")
         conn.commit()
@@ -169,8 +172,9 @@ def seed_sqlite(url: str, *, n: int, exchange: str, routing_key: str) -> None:
     """Insert ``n`` pending rows with executemany in one transaction."""
     path = url.removeprefix("sqlite:///")
     prefix = uuid.uuid4().hex[:8]
-    rows = ((f"{prefix}-{i}", f"bench:{i // 10_000}", exchange, routing_key, BODY)
-            for i in range(n))  # fmt: skip
+    rows = (
+        (f"{prefix}-{i}", f"bench:{i // 10_000}", exchange, routing_key, BODY) for i in range(n)
+    )
     conn = sqlite3.connect(path)
     try:
         with conn:

@@ -52,8 +52,9 @@ def service_urls() -> tuple[str, str]:
     amqp, db = os.environ.get("OUTBOX_AMQP_URL"), os.environ.get("OUTBOX_DATABASE_URL", "")
     if amqp and db.startswith("postgresql"):
         return amqp, db
-    out = subprocess.run([str(REPO / "deploy/local/services.sh"), "env"], check=True,
-                         capture_output=True, text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [str(REPO / "deploy/local/services.sh"), "env"], check=True, capture_output=True, text=True
+    ).stdout
     env = dict(
         line.removeprefix("export ").split("=", 1) for line in out.splitlines() if "=" in line
     )
@@ -85,9 +86,11 @@ async def aio_pika_rate(amqp_url: str, n: int, window: int) -> float:
             async def one(i: int) -> None:
                 async with gate:
                     msg = aio_pika.Message(
-                        BODY, message_id=f"m{i}", headers={"x-outbox-id": i},
+                        BODY,
+                        message_id=f"m{i}",
+                        headers={"x-outbox-id": i},
                         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    )  # fmt: skip
+                    )
                     await ch.default_exchange.publish(msg, routing_key=queue)
 
             start = time.perf_counter()
@@ -133,11 +136,24 @@ async def wire_rate(amqp_url: str, n: int, window: int = 5000, batch: int = 500)
         while counter.acked < n:
             while sent < n and sent - counter.acked < window:
                 count = min(batch, n - sent)
-                conn.publish_batch(channel, [
-                    OutgoingMessage("", queue, BODY, marshal_properties(
-                        {"delivery_mode": 2, "message_id": f"m{i}", "headers": {"x-outbox-id": i}}))
-                    for i in range(sent, sent + count)
-                ])  # fmt: skip
+                conn.publish_batch(
+                    channel,
+                    [
+                        OutgoingMessage(
+                            "",
+                            queue,
+                            BODY,
+                            marshal_properties(
+                                {
+                                    "delivery_mode": 2,
+                                    "message_id": f"m{i}",
+                                    "headers": {"x-outbox-id": i},
+                                }
+                            ),
+                        )
+                        for i in range(sent, sent + count)
+                    ],
+                )
                 sent += count
                 await conn.drain()
             counter.changed.clear()
@@ -155,8 +171,16 @@ async def wire_rate(amqp_url: str, n: int, window: int = 5000, batch: int = 500)
 
 def fill(url: str, n: int, queue: str) -> None:
     engine = make_engine(url)
-    rows = [{"message_id": f"{queue}-{i}", "batch_id": "bench", "exchange": "",
-             "routing_key": queue, "body": BODY} for i in range(n)]  # fmt: skip
+    rows = [
+        {
+            "message_id": f"{queue}-{i}",
+            "batch_id": "bench",
+            "exchange": "",
+            "routing_key": queue,
+            "body": BODY,
+        }
+        for i in range(n)
+    ]
     with engine.begin() as conn:
         for start in range(0, n, 5000):
             conn.execute(insert(outbox), rows[start : start + 5000])
@@ -170,8 +194,12 @@ DRAIN_OVERRIDES: dict[str, int] = {}
 async def drain_rate(amqp_url: str, db_url: str, n: int) -> float:
     async def run(queue: str) -> float:
         await asyncio.to_thread(fill, db_url, n, queue)
-        settings = Settings(database_url=db_url, amqp_url=amqp_url, poll_interval=0.05,  # type: ignore[arg-type]
-                            **DRAIN_OVERRIDES)  # fmt: skip
+        settings = Settings(
+            database_url=db_url,
+            amqp_url=amqp_url,
+            poll_interval=0.05,  # type: ignore[arg-type]
+            **DRAIN_OVERRIDES,
+        )
         engine = make_engine(db_url, pool_pre_ping=False)  # as run_publisher builds it
         try:
             publisher = Publisher(settings=settings, repository=OutboxRepository(engine))

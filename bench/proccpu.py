@@ -87,8 +87,11 @@ class ServiceCpu:
         for pid in self.pids.values():
             if pid is not None:
                 _wait_reaped(pid)
-        return {n: tree_cpu_seconds(p) - self._start[n]  # type: ignore[arg-type]
-                for n, p in self.pids.items() if n in self._start}  # fmt: skip
+        return {
+            n: tree_cpu_seconds(p) - self._start[n]  # type: ignore[arg-type]
+            for n, p in self.pids.items()
+            if n in self._start
+        }
 
 
 def _wait_reaped(pid: int, timeout: float = 2.0) -> None:

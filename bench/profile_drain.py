@@ -131,8 +131,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--backend", choices=("postgresql", "sqlite"), default="postgresql")
-    parser.add_argument("--mode", choices=("py-spy", "cprofile", "none"), default="py-spy",
-                        help="none: no profiler, only the CPU seconds per process")  # fmt: skip
+    parser.add_argument(
+        "--mode",
+        choices=("py-spy", "cprofile", "none"),
+        default="py-spy",
+        help="none: no profiler, only the CPU seconds per process",
+    )
     parser.add_argument("--idle", action="store_true", help="py-spy: include idle (wall) time")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="keep the raw profile here")
@@ -140,17 +144,40 @@ def main() -> int:
     services = Services.from_env()
     make_db = temp_postgres(services) if args.backend == "postgresql" else temp_sqlite()
     seed = seed_postgres if args.backend == "postgresql" else seed_sqlite
-    with make_db as db_url, topology(services, "profile") as topo, \
-            tempfile.TemporaryDirectory(prefix="outbox-prof-") as tmp:  # fmt: skip
+    with (
+        make_db as db_url,
+        topology(services, "profile") as topo,
+        tempfile.TemporaryDirectory(prefix="outbox-prof-") as tmp,
+    ):
         seed(db_url, n=args.rows, exchange=topo.exchange, routing_key=topo.routing_key)
         raw = args.out or Path(tmp) / ("profile.txt" if args.mode == "py-spy" else "profile.pstats")
         target = [sys.executable, "-m", "app.publisher", "--until-empty"]
         if args.mode == "py-spy":
-            cmd = [str(PY_SPY), "record", "--format", "raw", "--rate", "250", "--threads",
-                   "-o", str(raw), *(["--idle"] if args.idle else []), "--", *target]  # fmt: skip
+            cmd = [
+                str(PY_SPY),
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                "250",
+                "--threads",
+                "-o",
+                str(raw),
+                *(["--idle"] if args.idle else []),
+                "--",
+                *target,
+            ]
         elif args.mode == "cprofile":
-            cmd = [sys.executable, "-m", "cProfile", "-o", str(raw), "-m", "app.publisher",
-                   "--until-empty"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "cProfile",
+                "-o",
+                str(raw),
+                "-m",
+                "app.publisher",
+                "--until-empty",
+            ]
         else:
             cmd = target
         env = dict(os.environ, OUTBOX_DATABASE_URL=db_url, OUTBOX_AMQP_URL=services.amqp_url)
@@ -170,14 +197,20 @@ def main() -> int:
             print(f"profiled run failed: rc {proc.returncode}, {count} of {args.rows} confirmed")
             return 1
         seconds = (last - start).total_seconds()
-        print(f"{args.rows:,} rows drained in {seconds:.2f}s ({args.rows / seconds:,.0f} rows/s, "
-              f"slowed by the profiler); wall {wall:.1f}s")  # fmt: skip
+        print(
+            f"{args.rows:,} rows drained in {seconds:.2f}s ({args.rows / seconds:,.0f} rows/s, "
+            f"slowed by the profiler); wall {wall:.1f}s"
+        )
         mine = usage.children_user + usage.children_system
-        print(f"CPU seconds: publisher (+profiler) {mine:.1f}"
-              + "".join(f", {k} {v:.1f}" for k, v in others.items()))  # fmt: skip
+        print(
+            f"CPU seconds: publisher (+profiler) {mine:.1f}"
+            + "".join(f", {k} {v:.1f}" for k, v in others.items())
+        )
         per_row = {"publisher": mine, **others}
-        print("CPU µs per row: " + ", ".join(f"{k} {1e6 * v / args.rows:.0f}"
-                                             for k, v in per_row.items()))  # fmt: skip
+        print(
+            "CPU µs per row: "
+            + ", ".join(f"{k} {1e6 * v / args.rows:.0f}" for k, v in per_row.items())
+        )
         if args.mode == "py-spy":
             print(_collapsed_report(raw, args.top))
             if args.idle:

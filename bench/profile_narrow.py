@@ -156,8 +156,11 @@ def main() -> int:
                         return conn.execute(CLAIM[layout], times_).fetchall()
 
                 def write_back(ids: list[int], layout: str = layout) -> None:
-                    values = {"now": dt.datetime.now(dt.UTC), "ids": ids,
-                              "tags": list(range(1, len(ids) + 1))}  # fmt: skip
+                    values = {
+                        "now": dt.datetime.now(dt.UTC),
+                        "ids": ids,
+                        "tags": list(range(1, len(ids) + 1)),
+                    }
                     with conn.transaction():
                         conn.execute("SET LOCAL synchronous_commit TO off")
                         moved = conn.execute(WRITE_BACK.format(t=UPDATED[layout]), values)
@@ -175,8 +178,10 @@ def main() -> int:
         for layout in ("wide", "narrow"):
             t = sorted(times[(layout, name)][skip:])
             w = statistics.median(wal[(layout, name)][skip:])
-            print(f"{name:<11} {layout:<7} {statistics.median(t) * 1e3:9.2f} "
-                  f"{t[int(len(t) * 0.9)] * 1e3:7.2f} {w:9.0f}")  # fmt: skip
+            print(
+                f"{name:<11} {layout:<7} {statistics.median(t) * 1e3:9.2f} "
+                f"{t[int(len(t) * 0.9)] * 1e3:7.2f} {w:9.0f}"
+            )
     return 0
 
 

@@ -54,14 +54,19 @@ def _measure(label: str, conn: psycopg.Connection[Any], fn: Callable[[], Any], n
     seconds = time.perf_counter() - start
     time.sleep(0.7)  # table statistics reach the collector with a short delay
     wal1, after = _snapshot(conn)
-    print(f"  {label:<24} {seconds:6.2f}s {n / seconds:>10,.0f} rows/s   "
-          f"WAL {(wal1 - wal0) / n:6.0f} B/row", flush=True)  # fmt: skip
+    print(
+        f"  {label:<24} {seconds:6.2f}s {n / seconds:>10,.0f} rows/s   "
+        f"WAL {(wal1 - wal0) / n:6.0f} B/row",
+        flush=True,
+    )
     for table, now in sorted(after.items()):
         then = before.get(table, (0, 0, 0, 0))
         ins, upd, hot, dele = (a - b for a, b in zip(now, then, strict=True))
         if ins or upd or dele:
-            print(f"      {table:<22} inserted {ins:>8,}  updated {upd:>8,} "
-                  f"(HOT {hot:,})  deleted {dele:>8,}")  # fmt: skip
+            print(
+                f"      {table:<22} inserted {ins:>8,}  updated {upd:>8,} "
+                f"(HOT {hot:,})  deleted {dele:>8,}"
+            )
 
 
 def main() -> int:

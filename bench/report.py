@@ -59,8 +59,10 @@ def render(numbers: dict[str, float], detail: dict[str, object]) -> str:
             out.append(f"| `{key}` | {numbers[key]:.1f} ms | ≤ {limit:.0f} ms | {met} |")
     for key in LATENCY_FLOOR_MS:
         if key in numbers:
-            out.append(f"| `{key}`: the broker alone at that rate | {numbers[key]:.1f} ms | "
-                       "(the floor) | |")  # fmt: skip
+            out.append(
+                f"| `{key}`: the broker alone at that rate | {numbers[key]:.1f} ms | "
+                "(the floor) | |"
+            )
     if PUBLISHER_CPU_RATIO in numbers:
         cpu_ratio = float(numbers[PUBLISHER_CPU_RATIO])
         met = "yes" if cpu_ratio <= PUBLISHER_CPU_LIMIT else "**no**"

@@ -34,36 +34,67 @@ OPTIONAL = {"ceiling"}
 TARGETS = [
     ("ratio_drain_postgres_vs_aio_pika_window", "drain_postgres", "publish_aio_pika_window", 2.0),
     ("ratio_drain_sqlite_vs_aio_pika_window", "drain_sqlite", "publish_aio_pika_window", 1.5),
-    ("ratio_drain_postgres_2_publishers_vs_drain_postgres", "drain_postgres_2_publishers",
-     "drain_postgres", 1.0),
+    (
+        "ratio_drain_postgres_2_publishers_vs_drain_postgres",
+        "drain_postgres_2_publishers",
+        "drain_postgres",
+        1.0,
+    ),
     ("ratio_spark_outbox_vs_jdbc", "spark_outbox_rows", "spark_jdbc_rows", 1.5),
-    ("ratio_spark_outbox_vs_jdbc_same_keys", "spark_outbox_rows", "spark_jdbc_rows_same_keys",
-     1.5),
-    ("ratio_spark_outbox_reject_vs_jdbc_same_keys", "spark_outbox_rows_reject",
-     "spark_jdbc_rows_same_keys", 1.5),
+    ("ratio_spark_outbox_vs_jdbc_same_keys", "spark_outbox_rows", "spark_jdbc_rows_same_keys", 1.5),
+    (
+        "ratio_spark_outbox_reject_vs_jdbc_same_keys",
+        "spark_outbox_rows_reject",
+        "spark_jdbc_rows_same_keys",
+        1.5,
+    ),
     # the writer against PostgreSQL's own COPY of the same rows into the outbox (#30)
     ("ratio_spark_outbox_vs_copy_floor", "spark_outbox_rows", "spark_copy_floor_rows", 0.95),
     # the speed issue's targets: a drain near what the broker takes from the wire layer alone
     ("ratio_drain_postgres_vs_ceiling", "drain_postgres", "diag_broker_ceiling_wire_only", 0.8),
     ("ratio_drain_sqlite_vs_ceiling", "drain_sqlite", "diag_broker_ceiling_wire_only", 0.8),
     # ordered with 10,000 keys within a small factor of the unordered drain
-    ("ratio_drain_ordered_10k_keys_vs_drain_postgres", "drain_postgres_ordered_10k_keys",
-     "drain_postgres", 0.5),
+    (
+        "ratio_drain_ordered_10k_keys_vs_drain_postgres",
+        "drain_postgres_ordered_10k_keys",
+        "drain_postgres",
+        0.5,
+    ),
     # the consumer kit: batched inbox near the wire's own consume loop, far above a hand-written
     # per-message inbox loop
-    ("ratio_consume_kit_batched_vs_aio_pika_manual_ack", "consume_kit_batched",
-     "consume_aio_pika_manual_ack", 0.6),
-    ("ratio_consume_kit_batched_vs_inbox_loop", "consume_kit_batched",
-     "consume_inbox_loop_per_message", 4.0),
-    ("ratio_consume_kit_batch_handler_vs_aio_pika_manual_ack", "consume_kit_batch_handler",
-     "consume_aio_pika_manual_ack", 0.6),
+    (
+        "ratio_consume_kit_batched_vs_aio_pika_manual_ack",
+        "consume_kit_batched",
+        "consume_aio_pika_manual_ack",
+        0.6,
+    ),
+    (
+        "ratio_consume_kit_batched_vs_inbox_loop",
+        "consume_kit_batched",
+        "consume_inbox_loop_per_message",
+        4.0,
+    ),
+    (
+        "ratio_consume_kit_batch_handler_vs_aio_pika_manual_ack",
+        "consume_kit_batch_handler",
+        "consume_aio_pika_manual_ack",
+        0.6,
+    ),
     # the application API: 10,000 messages in one transaction at most 1.2 x the hand-written
     # executemany (times in ms, so the ratio is raw / API >= 1 / 1.2)
-    ("ratio_enqueue_raw_executemany_vs_api", "enqueue_raw_executemany_10k_ms",
-     "enqueue_api_10k_ms", 0.83),
-    ("ratio_enqueue_raw_psycopg_vs_api_psycopg", "enqueue_raw_psycopg_executemany_10k_ms",
-     "enqueue_psycopg_10k_ms", 0.83),
-]  # fmt: skip
+    (
+        "ratio_enqueue_raw_executemany_vs_api",
+        "enqueue_raw_executemany_10k_ms",
+        "enqueue_api_10k_ms",
+        0.83,
+    ),
+    (
+        "ratio_enqueue_raw_psycopg_vs_api_psycopg",
+        "enqueue_raw_psycopg_executemany_10k_ms",
+        "enqueue_psycopg_10k_ms",
+        0.83,
+    ),
+]
 RSS_GROWTH_LIMIT_PCT = 10.0
 #: Confirm latency at 50 % of the drain rate: (key, at most)
 LATENCY_LIMITS_MS = (("confirm_latency_p50_ms", 15.0), ("confirm_latency_p99_ms", 60.0))
@@ -78,10 +109,21 @@ def _spark(services: Services, sizes: Sizes) -> list[Measured]:
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1")
     with temp_postgres(services) as url:
         proc = subprocess.run(
-            [sys.executable, "-m", "bench.workloads.spark", "--rows", str(sizes.spark),
-             "--url", url, "--repeats", str(REPEATS)],
-            env=env, stdout=subprocess.PIPE, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "bench.workloads.spark",
+                "--rows",
+                str(sizes.spark),
+                "--url",
+                url,
+                "--repeats",
+                str(REPEATS),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            check=True,
+        )
     runs = json.loads(proc.stdout.decode().strip().splitlines()[-1])
     keys = {
         "outbox": "spark_outbox_rows",
@@ -92,11 +134,17 @@ def _spark(services: Services, sizes: Sizes) -> list[Measured]:
         "copy_floor": "spark_copy_floor_rows",
     }
     return [
-        Measured(key=key, unit="rows/s", runs=runs[name],
-                 extra={"cpu_us_per_row": runs["cpu_us_per_row"][name],
-                        "peak_tmp_mb": runs["peak_tmp_mb"][name]})
+        Measured(
+            key=key,
+            unit="rows/s",
+            runs=runs[name],
+            extra={
+                "cpu_us_per_row": runs["cpu_us_per_row"][name],
+                "peak_tmp_mb": runs["peak_tmp_mb"][name],
+            },
+        )
         for name, key in keys.items()
-    ]  # fmt: skip
+    ]
 
 
 class Bench:
@@ -144,9 +192,12 @@ class Bench:
         from bench.workloads import ceiling, drain
 
         rate = self._drain_rate()
-        floor = ceiling.run_confirm_floor(self.services, rate_per_s=0.5 * rate,
-                                          seconds=self.sizes.latency_seconds,
-                                          warmup=drain.LATENCY_WARMUP)  # fmt: skip
+        floor = ceiling.run_confirm_floor(
+            self.services,
+            rate_per_s=0.5 * rate,
+            seconds=self.sizes.latency_seconds,
+            warmup=drain.LATENCY_WARMUP,
+        )
         return floor + drain.run_latency(self.services, self.sizes, drain_rate=rate)
 
     def _drain_rss(self) -> list[float] | None:
@@ -198,8 +249,7 @@ class Bench:
     def table(self, numbers: dict[str, float]) -> str:
         lines = [f"{'key':<36} {'median':>12}  {'unit':<7} runs"]
         for key, m in self.measured.items():
-            runs = "  ".join(f"{r:,.1f}" if m.unit in ("ms", "MB") else f"{r:,.0f}"
-                             for r in m.runs)  # fmt: skip
+            runs = "  ".join(f"{r:,.1f}" if m.unit in ("ms", "MB") else f"{r:,.0f}" for r in m.runs)
             value = f"{m.value:,.1f}" if m.unit in ("ms", "MB") else f"{m.value:,.0f}"
             lines.append(f"{key:<36} {value:>12}  {m.unit:<7} {runs}")
         lines += ["", f"{'target':<56} {'ratio':>7}  {'goal':>6}  met"]
@@ -237,14 +287,21 @@ def _load() -> list[float]:
 def main() -> int:
     services, sizes = Services.from_env(), Sizes.from_env()
     load_before, started = _load(), time.time()
-    print(f"bench: scale {sizes.scale}, {REPEATS} runs per workload, load {load_before}, "
-          f"sizes {sizes}", flush=True)  # fmt: skip
+    print(
+        f"bench: scale {sizes.scale}, {REPEATS} runs per workload, load {load_before}, "
+        f"sizes {sizes}",
+        flush=True,
+    )
     bench = Bench(services, sizes)
     bench.run()
     numbers = bench.numbers()
     load_after, seconds = _load(), time.time() - started
-    numbers.update(bench_scale=sizes.scale, bench_seconds=round(seconds, 1),
-                   load_avg_1m_start=load_before[0], load_avg_1m_end=load_after[0])  # fmt: skip
+    numbers.update(
+        bench_scale=sizes.scale,
+        bench_seconds=round(seconds, 1),
+        load_avg_1m_start=load_before[0],
+        load_avg_1m_end=load_after[0],
+    )
     print("\n" + bench.table(numbers))
     print(f"\n{seconds:.0f}s; load average before {load_before}, after {load_after}")
     RESULTS.mkdir(exist_ok=True)
@@ -253,13 +310,19 @@ def main() -> int:
     (RESULTS / f"{stem}.json").write_text(json.dumps(numbers, indent=2) + "\n")
     detail: dict[str, Any] = {
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(), "cpus": os.cpu_count(), "sizes": vars(sizes),
-        "repeats": REPEATS, "load_before": load_before, "load_after": load_after,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "sizes": vars(sizes),
+        "repeats": REPEATS,
+        "load_before": load_before,
+        "load_after": load_after,
         "load_after_group": bench.loads,
-        "workloads": {k: {"unit": m.unit, "median": m.value, "runs": m.runs, **m.extra}
-                      for k, m in bench.measured.items()},
+        "workloads": {
+            k: {"unit": m.unit, "median": m.value, "runs": m.runs, **m.extra}
+            for k, m in bench.measured.items()
+        },
         "failed": bench.failed,
-    }  # fmt: skip
+    }
     (RESULTS / f"{stem}-runs.json").write_text(json.dumps(detail, indent=2) + "\n")
     print(f"wrote {RESULTS / f'{stem}.json'} and {stem}-runs.json")
     return 1 if set(bench.failed) - OPTIONAL else 0

@@ -21,8 +21,9 @@ def create(engine: Engine) -> None:
 def record(message: Message, conn: Connection) -> None:
     if message.headers.get("crash"):  # 15c's poison: the process dies, no exception
         os._exit(137)
-    conn.execute(text("INSERT INTO kit_effects (message_id) VALUES (:m)"),
-                 {"m": message.message_id})  # fmt: skip
+    conn.execute(
+        text("INSERT INTO kit_effects (message_id) VALUES (:m)"), {"m": message.message_id}
+    )
 
 
 def counts(engine: Engine) -> tuple[int, int]:

@@ -27,8 +27,9 @@ T = TypeVar("T")
 
 
 def runner_engine(url: str) -> Engine:
-    return make_engine(url, connect_args={"application_name": RUNNER_APP, "connect_timeout": 5},
-                       pool_pre_ping=True)  # fmt: skip
+    return make_engine(
+        url, connect_args={"application_name": RUNNER_APP, "connect_timeout": 5}, pool_pre_ping=True
+    )
 
 
 def retrying(fn: Callable[[], T], *, timeout: float = 60.0) -> T:
@@ -48,8 +49,9 @@ class Databases:
 
     def __init__(self, admin_url: str) -> None:
         self.admin_url = admin_url
-        self.admin = make_engine(admin_url, isolation_level="AUTOCOMMIT",
-                                 connect_args={"application_name": RUNNER_APP})  # fmt: skip
+        self.admin = make_engine(
+            admin_url, isolation_level="AUTOCOMMIT", connect_args={"application_name": RUNNER_APP}
+        )
         self.template: str | None = None
 
     def url(self, name: str) -> str:
@@ -89,8 +91,9 @@ class Databases:
     def ensure(self, name: str) -> str:
         def run() -> None:
             with self.admin.connect() as conn:
-                found = conn.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"),
-                                     {"n": name}).first()  # fmt: skip
+                found = conn.execute(
+                    text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+                ).first()
                 if found is None:
                     conn.execute(text(f'CREATE DATABASE "{name}"'))
 
@@ -153,19 +156,27 @@ def body_for(index: int, size: int = 256) -> bytes:
     return head + b"x" * max(0, size - len(head))
 
 
-def insert_rows(engine: Engine, rows: Sequence[PlannedRow], *, batch_id: str, start: float,
-                flow: float) -> None:  # fmt: skip
+def insert_rows(
+    engine: Engine, rows: Sequence[PlannedRow], *, batch_id: str, start: float, flow: float
+) -> None:
     """Insert the batch; row ``i`` becomes due at ``start + flow * i / len(rows)`` (wall clock,
     seconds since the epoch), so the rows reach the publisher as a steady flow."""
     n = max(1, len(rows))
     values: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
         due = dt.datetime.fromtimestamp(start + flow * i / n, tz=dt.UTC)
-        values.append({"message_id": row.message_id, "batch_id": batch_id,
-                       "exchange": row.exchange, "routing_key": row.routing_key,
-                       "body": row.body, "available_at": due,
-                       "max_attempts": row.max_attempts,
-                       "ordering_key": row.ordering_key})  # fmt: skip
+        values.append(
+            {
+                "message_id": row.message_id,
+                "batch_id": batch_id,
+                "exchange": row.exchange,
+                "routing_key": row.routing_key,
+                "body": row.body,
+                "available_at": due,
+                "max_attempts": row.max_attempts,
+                "ordering_key": row.ordering_key,
+            }
+        )
     with engine.begin() as conn:
         for at in range(0, len(values), 5000):
             conn.execute(insert(outbox), values[at : at + 5000])

@@ -22,13 +22,21 @@ LIVE: set[Proc] = set()
 
 #: Publisher settings shared by every scenario (a scenario overrides what it needs).
 PUBLISHER_ENV = {
-    "OUTBOX_WINDOW": "1000", "OUTBOX_CLAIM_BATCH": "250", "OUTBOX_LEASE_SECONDS": "10",
-    "OUTBOX_POLL_INTERVAL": "0.05", "OUTBOX_FLUSH_INTERVAL": "0.02", "OUTBOX_HEARTBEAT": "5",
-    "OUTBOX_CONFIRM_TIMEOUT": "15", "OUTBOX_RECONNECT_MAX_DELAY": "1",
-    "OUTBOX_BACKOFF_BASE": "0.1", "OUTBOX_BACKOFF_MAX": "2", "OUTBOX_SHUTDOWN_TIMEOUT": "5",
-    "OUTBOX_PUBLISHER_HEARTBEAT_INTERVAL": "1", "OUTBOX_DESTINATION_RETRY_BUDGET": "5",
+    "OUTBOX_WINDOW": "1000",
+    "OUTBOX_CLAIM_BATCH": "250",
+    "OUTBOX_LEASE_SECONDS": "10",
+    "OUTBOX_POLL_INTERVAL": "0.05",
+    "OUTBOX_FLUSH_INTERVAL": "0.02",
+    "OUTBOX_HEARTBEAT": "5",
+    "OUTBOX_CONFIRM_TIMEOUT": "15",
+    "OUTBOX_RECONNECT_MAX_DELAY": "1",
+    "OUTBOX_BACKOFF_BASE": "0.1",
+    "OUTBOX_BACKOFF_MAX": "2",
+    "OUTBOX_SHUTDOWN_TIMEOUT": "5",
+    "OUTBOX_PUBLISHER_HEARTBEAT_INTERVAL": "1",
+    "OUTBOX_DESTINATION_RETRY_BUDGET": "5",
     "OUTBOX_PUBLISHER_METRICS_PORT": "0",
-}  # fmt: skip
+}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -54,8 +62,14 @@ class Proc:
     def start(self) -> Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
-        self.popen = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.popen = subprocess.Popen(
+            self.argv,
+            cwd=REPO,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.started_at = time.monotonic()
         LIVE.add(self)
         return self
@@ -141,14 +155,21 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def publisher(*, name: str, db_url: str, amqp_url: str, log_path: Path,
-              env: dict[str, str] | None = None) -> Proc:  # fmt: skip
+def publisher(
+    *, name: str, db_url: str, amqp_url: str, log_path: Path, env: dict[str, str] | None = None
+) -> Proc:
     """A publisher process (not started) with :data:`PUBLISHER_ENV` and ``env`` on top."""
-    settings = {**PUBLISHER_ENV, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_AMQP_URL": amqp_url,
-                "OUTBOX_PUBLISHER_ID": name, **(env or {})}  # fmt: skip
+    settings = {
+        **PUBLISHER_ENV,
+        "OUTBOX_DATABASE_URL": db_url,
+        "OUTBOX_AMQP_URL": amqp_url,
+        "OUTBOX_PUBLISHER_ID": name,
+        **(env or {}),
+    }
     environ = clean_env(**settings)
-    return Proc(name=name, argv=[sys.executable, "-m", "app.publisher"], env=environ,
-                log_path=log_path)  # fmt: skip
+    return Proc(
+        name=name, argv=[sys.executable, "-m", "app.publisher"], env=environ, log_path=log_path
+    )
 
 
 def kill_all() -> None:

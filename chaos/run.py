@@ -27,8 +27,20 @@ from chaos.runner import MatrixEnv, Result, run_scenario
 from chaos.scenarios import BY_KEY, SCENARIOS
 from chaos.services import PrivateServices, ServiceError
 
-HEADER = ("scenario", "rows", "confirmed", "terminal by reason", "lost", "dups", "allowed",
-          "product dups", "at fault", "recovery s", "stall s", "result")  # fmt: skip
+HEADER = (
+    "scenario",
+    "rows",
+    "confirmed",
+    "terminal by reason",
+    "lost",
+    "dups",
+    "allowed",
+    "product dups",
+    "at fault",
+    "recovery s",
+    "stall s",
+    "result",
+)
 
 
 def _cell(value: object) -> str:
@@ -42,9 +54,20 @@ def _cell(value: object) -> str:
 def row_of(r: Result) -> tuple[str, ...]:
     terminal = "; ".join(f"{label}: {n}" for label, n in sorted(r.terminal.items())) or "-"
     verdict = "ok" if r.ok else "FAIL"
-    return (f"{r.key} {r.title}", str(r.rows), str(r.confirmed), terminal, str(r.lost),
-            str(r.duplicates), str(r.allowed), str(r.product_dups), r.at_fault or "-",
-            _cell(r.recovery), _cell(r.stall), verdict)  # fmt: skip
+    return (
+        f"{r.key} {r.title}",
+        str(r.rows),
+        str(r.confirmed),
+        terminal,
+        str(r.lost),
+        str(r.duplicates),
+        str(r.allowed),
+        str(r.product_dups),
+        r.at_fault or "-",
+        _cell(r.recovery),
+        _cell(r.stall),
+        verdict,
+    )
 
 
 def table(results: Sequence[Result]) -> str:
@@ -81,14 +104,18 @@ async def run_matrix(env: MatrixEnv, keys: Sequence[str], *, rows: int) -> list[
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m chaos.run", description=__doc__,
+        prog="python -m chaos.run",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--rows", type=int, default=10_000, help="rows per scenario")
     parser.add_argument("--only", help="comma-separated scenario keys (e.g. 1,3a,13)")
     parser.add_argument("--skip", help="comma-separated scenario keys to leave out")
-    parser.add_argument("--keep-services", action="store_true",
-                        help="leave the private RabbitMQ and PostgreSQL running")  # fmt: skip
+    parser.add_argument(
+        "--keep-services",
+        action="store_true",
+        help="leave the private RabbitMQ and PostgreSQL running",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run the selection N times")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
@@ -103,8 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cannot start the private services: {exc}", file=sys.stderr)
         return 2
     try:
-        print(f"private services: {services.amqp_url} and PostgreSQL on 127.0.0.1:"
-              f"{services.pg_port}; logs in {env.log_dir}", flush=True)  # fmt: skip
+        print(
+            f"private services: {services.amqp_url} and PostgreSQL on 127.0.0.1:"
+            f"{services.pg_port}; logs in {env.log_dir}",
+            flush=True,
+        )
         results = asyncio.run(run_matrix(env, keys, rows=args.rows))
     finally:
         procs.kill_all()

@@ -72,8 +72,12 @@ class MatrixEnv:
         verifier_db_url = dbs.ensure(VERIFIER_DB)
         Verifier.ensure_schema(verifier_db_url)
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        return cls(services=services, dbs=dbs, verifier_db_url=verifier_db_url,
-                   log_dir=log_dir or services.local_dir / "logs" / stamp)  # fmt: skip
+        return cls(
+            services=services,
+            dbs=dbs,
+            verifier_db_url=verifier_db_url,
+            log_dir=log_dir or services.local_dir / "logs" / stamp,
+        )
 
     def close(self, *, stop_services: bool = True) -> None:
         procs.kill_all()
@@ -163,20 +167,30 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return (self.error is None and self.lost == 0 and self.unexpected == 0
-                and self.extra_rows == 0 and self.duplicates <= self.allowed
-                and self.duplicates <= self.product_dups and not self.failed_checks)  # fmt: skip
+        return (
+            self.error is None
+            and self.lost == 0
+            and self.unexpected == 0
+            and self.extra_rows == 0
+            and self.duplicates <= self.allowed
+            and self.duplicates <= self.product_dups
+            and not self.failed_checks
+        )
 
     def explain(self) -> str:
         lines = [f"{self.key} {self.title}: {'ok' if self.ok else 'FAILED'}"]
         if self.error:
             lines.append(f"  error: {self.error}")
-        lines.append(f"  rows {self.rows} confirmed {self.confirmed} terminal {self.terminal} "
-                     f"lost {self.lost} (stuck {self.stuck}) unexpected {self.unexpected} "
-                     f"extra rows {self.extra_rows}")  # fmt: skip
-        lines.append(f"  duplicates {self.duplicates} (allowed {self.allowed}, product counted "
-                     f"{self.product_dups}), consumer redeliveries "
-                     f"{self.redeliveries}")  # fmt: skip
+        lines.append(
+            f"  rows {self.rows} confirmed {self.confirmed} terminal {self.terminal} "
+            f"lost {self.lost} (stuck {self.stuck}) unexpected {self.unexpected} "
+            f"extra rows {self.extra_rows}"
+        )
+        lines.append(
+            f"  duplicates {self.duplicates} (allowed {self.allowed}, product counted "
+            f"{self.product_dups}), consumer redeliveries "
+            f"{self.redeliveries}"
+        )
         lines.append(f"  at fault {self.at_fault}; recovery {self.recovery}s; stall {self.stall}s")
         lines.extend(f"  check {'ok ' if ok else 'FAIL'} {name}" for name, ok in self.checks)
         lines.extend(f"  note: {note}" for note in self.notes)
@@ -240,16 +254,18 @@ class Ctx:
     async def counts(self) -> collections.Counter[str]:
         return await asyncio.to_thread(ob.status_counts, self.engine)
 
-    async def wait_counts(self, predicate: Callable[[collections.Counter[str]], bool], *,
-                          timeout: float, what: str) -> collections.Counter[str]:  # fmt: skip
+    async def wait_counts(
+        self, predicate: Callable[[collections.Counter[str]], bool], *, timeout: float, what: str
+    ) -> collections.Counter[str]:
         deadline = time.monotonic() + timeout
         while True:
             counts = await self.counts()
             if predicate(counts):
                 return counts
             if time.monotonic() > deadline:
-                raise ScenarioError(f"timed out after {timeout:.0f}s waiting for {what}: "
-                                    f"{dict(counts)}")  # fmt: skip
+                raise ScenarioError(
+                    f"timed out after {timeout:.0f}s waiting for {what}: {dict(counts)}"
+                )
             await asyncio.sleep(0.05)
 
     async def fault_now(self, what: str) -> None:
@@ -291,13 +307,17 @@ class Ctx:
         url = url.update_query_dict({"sslmode": "disable", "gssencmode": "disable"})
         return url.render_as_string(hide_password=False)
 
-    async def spawn_publisher(self, name: str | None = None,
-                              env: Mapping[str, str] | None = None) -> procs.Proc:  # fmt: skip
+    async def spawn_publisher(
+        self, name: str | None = None, env: Mapping[str, str] | None = None
+    ) -> procs.Proc:
         name = name or f"{self.run}-p{len(self.publishers) + 1}"
-        proc = procs.publisher(name=name, db_url=self.publisher_db_url(),
-                               amqp_url=self.publisher_url(),
-                               log_path=self.log_dir / f"{name}.log",
-                               env={**self.scenario.env, **(env or {})})  # fmt: skip
+        proc = procs.publisher(
+            name=name,
+            db_url=self.publisher_db_url(),
+            amqp_url=self.publisher_url(),
+            log_path=self.log_dir / f"{name}.log",
+            env={**self.scenario.env, **(env or {})},
+        )
         proc.start()
         self.publishers.append(proc)
         deadline = time.monotonic() + 60
@@ -342,8 +362,18 @@ async def run_scenario(env: MatrixEnv, scenario: Scenario, *, rows: int) -> Resu
     db_url = env.dbs.url(db_name)
     engine = ob.runner_engine(db_url)
     names = {"exchange": f"chaos.{run}", "queue": f"chaos.{run}"}
-    ctx = Ctx(env=env, scenario=scenario, rows=rows, run=run, db_name=db_name, db_url=db_url,
-              engine=engine, names=names, result=result, log_dir=env.log_dir / run)  # fmt: skip
+    ctx = Ctx(
+        env=env,
+        scenario=scenario,
+        rows=rows,
+        run=run,
+        db_name=db_name,
+        db_url=db_url,
+        engine=engine,
+        names=names,
+        result=result,
+        log_dir=env.log_dir / run,
+    )
     if scenario.cluster:
         await asyncio.to_thread(env.ensure_cluster)
         ctx.verifier_url, ctx.publishers_url = env.cluster.node_url(3), env.cluster.url
@@ -382,12 +412,16 @@ async def _run(ctx: Ctx, topology: Topology) -> None:
         await ctx.proxy.start()
     if sc.db_via_proxy:
         ctx.lost_commit = LostCommitReply()
-        ctx.db_proxy = TcpProxy("127.0.0.1", ctx.services.pg_port,
-                                tap_factory=ctx.lost_commit.tap)  # fmt: skip
+        ctx.db_proxy = TcpProxy("127.0.0.1", ctx.services.pg_port, tap_factory=ctx.lost_commit.tap)
         await ctx.db_proxy.start()
-    ctx.verifier = Verifier(amqp_url=ctx.amqp_url, db_url=ctx.env.verifier_db_url, run=ctx.run,
-                            queues=topology.verified, prefetch=sc.verifier_prefetch,
-                            flush_interval=sc.verifier_flush)  # fmt: skip
+    ctx.verifier = Verifier(
+        amqp_url=ctx.amqp_url,
+        db_url=ctx.env.verifier_db_url,
+        run=ctx.run,
+        queues=topology.verified,
+        prefetch=sc.verifier_prefetch,
+        flush_interval=sc.verifier_flush,
+    )
     await ctx.verifier.start()
     for i in range(sc.publishers):
         await ctx.spawn_publisher(f"{ctx.run}-{'ab'[i] if sc.publishers > 1 else 'p1'}")
@@ -396,8 +430,11 @@ async def _run(ctx: Ctx, topology: Topology) -> None:
     else:
         await _insert_batch(ctx)
     target = max(1, int(sc.trigger * ctx.rows))
-    await ctx.wait_counts(lambda c: c.get("confirmed", 0) >= target, timeout=120,
-                          what=f"{target} confirmed rows before the fault")  # fmt: skip
+    await ctx.wait_counts(
+        lambda c: c.get("confirmed", 0) >= target,
+        timeout=120,
+        what=f"{target} confirmed rows before the fault",
+    )
     await sc.inject(ctx)
     if ctx.fault_mono is None:
         raise ScenarioError("the scenario never marked its fault")
@@ -412,8 +449,14 @@ async def _run(ctx: Ctx, topology: Topology) -> None:
 async def _insert_batch(ctx: Ctx) -> None:
     plan = (ctx.scenario.plan or default_plan)(ctx)
     ctx.expect = {row.message_id: row.expect for row in plan}
-    await asyncio.to_thread(ob.insert_rows, ctx.engine, plan, batch_id=f"{ctx.run}:1",
-                            start=time.time() + 0.2, flow=ctx.scenario.flow)  # fmt: skip
+    await asyncio.to_thread(
+        ob.insert_rows,
+        ctx.engine,
+        plan,
+        batch_id=f"{ctx.run}:1",
+        start=time.time() + 0.2,
+        flow=ctx.scenario.flow,
+    )
 
 
 async def _drain(ctx: Ctx) -> None:
@@ -435,8 +478,9 @@ async def _drain(ctx: Ctx) -> None:
 async def _settle_and_stop(ctx: Ctx) -> None:
     assert ctx.verifier is not None
     rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
-    expected = {r.message_id for r in rows
-                if r.status == "confirmed" and r.message_id in ctx.expect}  # fmt: skip
+    expected = {
+        r.message_id for r in rows if r.status == "confirmed" and r.message_id in ctx.expect
+    }
     wait = ctx.scenario.settle_timeout
     if not await ctx.verifier.settle(expected, timeout=wait):
         ctx.note(f"verifier did not receive every confirmed row within {wait:.0f}s")
@@ -499,8 +543,11 @@ def evaluate(ctx: Ctx) -> None:
     res.redeliveries = got.redeliveries
     if ctx.dup_scope is not None:
         outside = got.duplicated_ids() - ctx.dup_scope
-        ctx.check(f"duplicates only among the {len(ctx.dup_scope)} rows the kill left in flight "
-                  f"({len(outside)} outside)", not outside)  # fmt: skip
+        ctx.check(
+            f"duplicates only among the {len(ctx.dup_scope)} rows the kill left in flight "
+            f"({len(outside)} outside)",
+            not outside,
+        )
     stray = got.ids - set(ctx.expect)
     if stray:
         ctx.note(f"verifier received {len(stray)} message ids that are not in the batch")

@@ -48,8 +48,9 @@ async def _reconnected(ctx: Ctx) -> None:
 async def kill_after_publish(ctx: Ctx) -> None:
     """1. Many rows published and acked, the acks not yet in the DB (flush every 0.5 s): kill."""
     want = min(ctx.scenario.window // 2, (ctx.rows - ctx.rows * 3 // 10) // 2)
-    await ctx.wait_counts(lambda c: c.get("in_flight", 0) >= want, timeout=30,
-                          what=f"{want} rows in flight")  # fmt: skip
+    await ctx.wait_counts(
+        lambda c: c.get("in_flight", 0) >= want, timeout=30, what=f"{want} rows in flight"
+    )
     await ctx.fault_now("kill -9 of the publisher with its window out")
     await ctx.kill9(ctx.publishers[0])
     await ctx.landed()
@@ -65,8 +66,11 @@ async def kill_after_claim(ctx: Ctx) -> None:
     assert ctx.proxy is not None
     ctx.proxy.blackhole(new=True)
     window = ctx.scenario.window
-    await ctx.wait_counts(lambda c: c.get("in_flight", 0) >= window * 0.7, timeout=20,
-                          what="a full window of claimed rows")  # fmt: skip
+    await ctx.wait_counts(
+        lambda c: c.get("in_flight", 0) >= window * 0.7,
+        timeout=20,
+        what="a full window of claimed rows",
+    )
     await asyncio.sleep(0.5)
     await ctx.fault_now("kill -9 of the publisher holding claimed, unsent rows")
     await ctx.kill9(ctx.publishers[0])
@@ -86,8 +90,11 @@ async def check_lease_wait(ctx: Ctx) -> None:
     if not held:
         return
     rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
-    times = [r.confirmed_at.timestamp() for r in rows
-             if r.message_id in held and r.confirmed_at is not None]  # fmt: skip
+    times = [
+        r.confirmed_at.timestamp()
+        for r in rows
+        if r.message_id in held and r.confirmed_at is not None
+    ]
     if times:
         waited = min(times) - ctx.data["kill_wall"]
         ctx.note(f"first held row confirmed {waited:.1f}s after the kill (lease {LEASE}s)")
@@ -122,10 +129,15 @@ def ordered_plan(ctx: Ctx) -> list[PlannedRow]:
     key's sequence (the row's index within its key is in its message id)."""
     ex, rk = ctx.names["exchange"], "rk"
     return [
-        PlannedRow(f"{ctx.run}-k{i % ORDER_KEYS:03d}-{i // ORDER_KEYS:05d}", ex, rk,
-                   ob.body_for(i), ordering_key=f"k{i % ORDER_KEYS:03d}")
+        PlannedRow(
+            f"{ctx.run}-k{i % ORDER_KEYS:03d}-{i // ORDER_KEYS:05d}",
+            ex,
+            rk,
+            ob.body_for(i),
+            ordering_key=f"k{i % ORDER_KEYS:03d}",
+        )
         for i in range(ctx.rows)
-    ]  # fmt: skip
+    ]
 
 
 async def kill_one_of_two_ordered(ctx: Ctx) -> None:
@@ -160,8 +172,11 @@ async def check_key_order(ctx: Ctx) -> None:
     broken = sorted(k for k, seqs in by_key.items() if seqs != sorted(seqs))
     ctx.note(f"{len(by_key)} keys, {len(arrivals)} first deliveries checked for order")
     every = len(by_key) == min(ORDER_KEYS, ctx.rows)
-    ctx.check(f"every key's first deliveries in its order ({len(broken)} keys out of order: "
-              f"{broken[:5]})", not broken and every)  # fmt: skip
+    ctx.check(
+        f"every key's first deliveries in its order ({len(broken)} keys out of order: "
+        f"{broken[:5]})",
+        not broken and every,
+    )
 
 
 # ---------------------------------------------------------------- 16: a frozen publisher
@@ -194,8 +209,10 @@ async def freeze_one_of_two(ctx: Ctx) -> None:
             still = await asyncio.to_thread(ctx.snapshot_in_flight, victim.name)
         waited = LEASE + LEASE / 2 + 1.5 - (back_by - time.monotonic())
         moved = await asyncio.to_thread(_confirmed_count, ctx) - before
-        ctx.note(f"{len(held)} rows in flight at the frozen publisher; {len(still)} still held "
-                 f"after {waited:.1f}s; {moved} rows confirmed by the other meanwhile")  # fmt: skip
+        ctx.note(
+            f"{len(held)} rows in flight at the frozen publisher; {len(still)} still held "
+            f"after {waited:.1f}s; {moved} rows confirmed by the other meanwhile"
+        )
         ctx.check("the frozen publisher's rows came back within its lease and a sweep", not still)
         ctx.check("the other publisher's keys moved while one was frozen", moved > 0)
         ctx.dup_scope = held
@@ -212,9 +229,12 @@ def kit_topology(ctx: Ctx) -> Topology:
     """The verifier's queue, and a second queue bound the same way for the consumer kit."""
     ex, q = ctx.names["exchange"], ctx.names["queue"]
     ctx.names["kit"] = f"{q}.kit"
-    return Topology(exchanges=[ex], queues={q: {}, ctx.names["kit"]: {}},
-                    bindings=[(ex, q, "rk"), (ex, ctx.names["kit"], "rk")],
-                    unverified=(ctx.names["kit"],))  # fmt: skip
+    return Topology(
+        exchanges=[ex],
+        queues={q: {}, ctx.names["kit"]: {}},
+        bindings=[(ex, q, "rk"), (ex, ctx.names["kit"], "rk")],
+        unverified=(ctx.names["kit"],),
+    )
 
 
 def kit_dlq_topology(ctx: Ctx) -> Topology:
@@ -229,16 +249,33 @@ def kit_dlq_topology(ctx: Ctx) -> Topology:
 
 def _spawn_kit(ctx: Ctx) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(OUTBOX_DATABASE_URL=ctx.data.get("kit_db_url", ctx.db_url),
-               OUTBOX_AMQP_URL=ctx.amqp_url)  # fmt: skip
+    env.update(
+        OUTBOX_DATABASE_URL=ctx.data.get("kit_db_url", ctx.db_url), OUTBOX_AMQP_URL=ctx.amqp_url
+    )
     ctx.log_dir.mkdir(parents=True, exist_ok=True)
     log = open(ctx.log_dir / f"kit-{len(ctx.data.get('kits', []))}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "consume", ctx.names["kit"], "--handler",
-         "chaos.kit_handler:record", "--name", "chaos-kit", "--prefetch", "300",
-         "--delivery-limit", str(KIT_LIMIT)],
-        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "consume",
+            ctx.names["kit"],
+            "--handler",
+            "chaos.kit_handler:record",
+            "--name",
+            "chaos-kit",
+            "--prefetch",
+            "300",
+            "--delivery-limit",
+            str(KIT_LIMIT),
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     ctx.data.setdefault("kits", []).append(proc)
     return proc
 
@@ -292,15 +329,18 @@ async def kill_the_consumer(ctx: Ctx) -> None:
 
 async def check_effects_once(ctx: Ctx) -> None:
     """15, after the drain: every confirmed row had its effect exactly once in the kit."""
-    confirmed = sum(1 for r in await asyncio.to_thread(ob.final_rows, ctx.engine)
-                    if r.status == "confirmed")  # fmt: skip
+    confirmed = sum(
+        1 for r in await asyncio.to_thread(ob.final_rows, ctx.engine) if r.status == "confirmed"
+    )
     deadline = time.monotonic() + 60
     total, distinct = await asyncio.to_thread(kit_handler.counts, ctx.engine)
     while distinct < confirmed and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
         total, distinct = await asyncio.to_thread(kit_handler.counts, ctx.engine)
-    ctx.note(f"consumer kit: {distinct} messages with an effect, {total} effects, "
-             f"{confirmed} rows confirmed")  # fmt: skip
+    ctx.note(
+        f"consumer kit: {distinct} messages with an effect, {total} effects, "
+        f"{confirmed} rows confirmed"
+    )
     ctx.check("every confirmed row had its effect in the consumer kit", distinct == confirmed)
     ctx.check(f"no effect twice ({total - distinct} duplicates)", total == distinct)
 
@@ -351,10 +391,14 @@ async def start_the_kit_supervised(ctx: Ctx) -> None:
     queue, and the kit runs under a supervisor that starts it again whenever it dies (as
     systemd's Restart=always or a Kubernetes pod would)."""
     async with amqp.channel(ctx.amqp_url) as ch:
-        await ch.basic_publish(b"poison", exchange="", routing_key=ctx.names["kit"],
-                               properties=Basic.Properties(message_id="poison-1",
-                                                           headers={"crash": True},
-                                                           delivery_mode=2))  # fmt: skip
+        await ch.basic_publish(
+            b"poison",
+            exchange="",
+            routing_key=ctx.names["kit"],
+            properties=Basic.Properties(
+                message_id="poison-1", headers={"crash": True}, delivery_mode=2
+            ),
+        )
     await start_the_kit(ctx)
     ctx.data["crashes"] = 0
 
@@ -390,8 +434,10 @@ async def check_poison_dead_lettered(ctx: Ctx) -> None:
     crashes = ctx.data["crashes"]
     ctx.note(f"kit crashes: {crashes}; dead letters: {dead}")
     ctx.check("the dead-letter queue holds exactly the poison", dead == ["poison-1"])
-    ctx.check(f"dead-lettered after the limit ({crashes} crashes, limit {KIT_LIMIT})",
-              crashes == KIT_LIMIT + 1)  # fmt: skip
+    ctx.check(
+        f"dead-lettered after the limit ({crashes} crashes, limit {KIT_LIMIT})",
+        crashes == KIT_LIMIT + 1,
+    )
 
 
 async def stop_the_kits(ctx: Ctx) -> None:
@@ -484,8 +530,10 @@ async def blackhole(ctx: Ctx) -> None:
     hb = int(ctx.scenario.env["OUTBOX_HEARTBEAT"])
     timeout = float(ctx.scenario.env["OUTBOX_CONFIRM_TIMEOUT"])
     bound = min(2 * hb + hb / 2, timeout) + 2.0
-    ctx.note(f"publisher reconnected {detected:.1f}s after the black-hole "
-             f"(heartbeat {hb}s, confirm timeout {timeout:.0f}s)")  # fmt: skip
+    ctx.note(
+        f"publisher reconnected {detected:.1f}s after the black-hole "
+        f"(heartbeat {hb}s, confirm timeout {timeout:.0f}s)"
+    )
     ctx.check(f"dead connection detected within {bound:.1f}s", detected <= bound)
 
 
@@ -529,8 +577,10 @@ def overflow_topology(ctx: Ctx) -> Topology:
 
 def overflow_plan(ctx: Ctx) -> list[PlannedRow]:
     """A generous retry budget: the queue stays full for a while, each row may be nacked often."""
-    return [PlannedRow(r.message_id, r.exchange, r.routing_key, r.body, max_attempts=40)
-            for r in default_plan(ctx)]  # fmt: skip
+    return [
+        PlannedRow(r.message_id, r.exchange, r.routing_key, r.body, max_attempts=40)
+        for r in default_plan(ctx)
+    ]
 
 
 async def queue_full(ctx: Ctx) -> None:
@@ -553,8 +603,10 @@ async def count_nacks(ctx: Ctx) -> None:
     nacks = sum(int(s.get("nacked", 0)) for s in stats.values())
     retried = sum(int(s.get("retried", 0)) for s in stats.values())
     outages = sum(int(s.get("destination_outages", 0)) for s in stats.values())
-    ctx.note(f"{nacks} nacks received, {retried} retries with backoff, {outages} destination "
-             f"outages (bursts of nacks: rows waited, no budget spent)")  # fmt: skip
+    ctx.note(
+        f"{nacks} nacks received, {retried} retries with backoff, {outages} destination "
+        f"outages (bursts of nacks: rows waited, no budget spent)"
+    )
     ctx.check("the broker nacked publishes", nacks > 0)
 
 
@@ -566,15 +618,20 @@ def two_keys_topology(ctx: Ctx) -> Topology:
 def audit_plan(ctx: Ctx) -> list[PlannedRow]:
     """Every 20th row goes to ``rk.audit``: routed until the binding goes, then returned."""
     may_return = Expect(status="returned", needle="312", or_confirmed=True)
-    return [PlannedRow(r.message_id, r.exchange, "rk.audit", r.body, expect=may_return)
-            if i % 20 == 0 else r for i, r in enumerate(default_plan(ctx))]  # fmt: skip
+    return [
+        PlannedRow(r.message_id, r.exchange, "rk.audit", r.body, expect=may_return)
+        if i % 20 == 0
+        else r
+        for i, r in enumerate(default_plan(ctx))
+    ]
 
 
 async def unbind(ctx: Ctx) -> None:
     """8. The binding of ``rk.audit`` is removed mid-flow: mandatory publishes come back (312)."""
     await ctx.fault_now("queue.unbind of rk.audit (its rows become unroutable)")
-    await amqp.unbind(ctx.amqp_url, queue=ctx.names["queue"], exchange=ctx.names["exchange"],
-                      key="rk.audit")  # fmt: skip
+    await amqp.unbind(
+        ctx.amqp_url, queue=ctx.names["queue"], exchange=ctx.names["exchange"], key="rk.audit"
+    )
     await ctx.landed()
 
 
@@ -590,15 +647,22 @@ async def count_returned(ctx: Ctx) -> None:
 def second_exchange_topology(ctx: Ctx) -> Topology:
     ex, q = ctx.names["exchange"], ctx.names["queue"]
     ctx.names["doomed"] = f"{ex}.doomed"
-    return Topology(exchanges=[ex, ctx.names["doomed"]], queues={q: {}},
-                    bindings=[(ex, q, "rk"), (ctx.names["doomed"], q, "rk")])  # fmt: skip
+    return Topology(
+        exchanges=[ex, ctx.names["doomed"]],
+        queues={q: {}},
+        bindings=[(ex, q, "rk"), (ctx.names["doomed"], q, "rk")],
+    )
 
 
 def doomed_plan(ctx: Ctx) -> list[PlannedRow]:
     """Every 10th row goes to the exchange that will be deleted."""
     gone = Expect(status="failed", needle="NOT_FOUND", or_confirmed=True)
-    return [PlannedRow(r.message_id, ctx.names["doomed"], r.routing_key, r.body, expect=gone)
-            if i % 10 == 0 else r for i, r in enumerate(default_plan(ctx))]  # fmt: skip
+    return [
+        PlannedRow(r.message_id, ctx.names["doomed"], r.routing_key, r.body, expect=gone)
+        if i % 10 == 0
+        else r
+        for i, r in enumerate(default_plan(ctx))
+    ]
 
 
 async def delete_exchange(ctx: Ctx) -> None:
@@ -635,10 +699,14 @@ def oversized_plan(ctx: Ctx) -> list[PlannedRow]:
     """Every 100th row of the second two thirds carries an 8 KiB body (over the 4 KiB max)."""
     big = Expect(status="failed", needle="body larger than")
     start = ctx.rows // 3
-    return [PlannedRow(r.message_id, r.exchange, r.routing_key, ob.body_for(i, 2 * MAX_SIZE),
-                       expect=big)
-            if i >= start and i % 100 == 0 else r
-            for i, r in enumerate(default_plan(ctx))]  # fmt: skip
+    return [
+        PlannedRow(
+            r.message_id, r.exchange, r.routing_key, ob.body_for(i, 2 * MAX_SIZE), expect=big
+        )
+        if i >= start and i % 100 == 0
+        else r
+        for i, r in enumerate(default_plan(ctx))
+    ]
 
 
 async def oversized_arrive(ctx: Ctx) -> None:
@@ -682,8 +750,10 @@ async def undone_seen(ctx: Ctx) -> None:
     await db_errors_seen(ctx)
     logs = "".join(p.log_text() for p in ctx.publishers)
     undone = sum(int(n) for n in re.findall(r"(\d+) rows we had settled are in flight again", logs))
-    ctx.note(f"{undone} settled rows were in flight again after the crash (undone write-backs), "
-             "released as possible duplicates")  # fmt: skip
+    ctx.note(
+        f"{undone} settled rows were in flight again after the crash (undone write-backs), "
+        "released as possible duplicates"
+    )
 
 
 async def lose_commit_reply(ctx: Ctx) -> None:
@@ -718,8 +788,9 @@ async def db_errors_seen(ctx: Ctx) -> None:
     ctx.note(f"publisher logged {began} database outage(s) (ended: {ended}) and went on")
     per_call = len(re.findall(r"(claim failed|outcomes failed|housekeeping failed)", logs))
     once = len(ended) == began and per_call == 0
-    ctx.check(f"each outage logged once, its end with its length ({per_call} lines per failed "
-              "call)", once)  # fmt: skip
+    ctx.check(
+        f"each outage logged once, its end with its length ({per_call} lines per failed call)", once
+    )
 
 
 # ---------------------------------------------------------------- 13: Spark
@@ -807,14 +878,17 @@ async def a_new_leader(ctx: Ctx) -> None:
 async def stop_a_majority(ctx: Ctx) -> None:
     """17c. Nodes 1 and 2 stopped (a quorum queue without a majority), started after a minute."""
     await ctx.fault_now(f"nodes 1 and 2 stopped for {MAJORITY_DOWN:.0f}s")
-    await asyncio.gather(asyncio.to_thread(ctx.cluster.stop_node, 1),
-                         asyncio.to_thread(ctx.cluster.stop_node, 2))  # fmt: skip
+    await asyncio.gather(
+        asyncio.to_thread(ctx.cluster.stop_node, 1), asyncio.to_thread(ctx.cluster.stop_node, 2)
+    )
     await ctx.landed()
     before = await ctx.counts()
     await asyncio.sleep(MAJORITY_DOWN)
     after = await ctx.counts()
-    ctx.note(f"confirmed {before.get('confirmed', 0)} -> {after.get('confirmed', 0)} while the "
-             f"majority was down")  # fmt: skip
+    ctx.note(
+        f"confirmed {before.get('confirmed', 0)} -> {after.get('confirmed', 0)} while the "
+        f"majority was down"
+    )
     ctx.check("no row ended nacked while the majority was down", not after.get("nacked", 0))
     await asyncio.to_thread(ctx.cluster.start)
 
@@ -826,12 +900,16 @@ async def rows_waited_without_spending(ctx: Ctx) -> None:
     outages = sum(int(s.get("destination_outages", 0)) for s in stats.values())
     timeouts = sum(int(s.get("confirm_timeouts", 0)) for s in stats.values())
     nacked = sum(int(s.get("nacked", 0)) for s in stats.values())
-    ctx.note(f"broker nacks {nacked}, nack budget spent {nacks} (rows' nacks), destination "
-             f"outages {outages}, confirm timeouts {timeouts}, most attempts of a row "
-             f"{max((r.attempts for r in rows), default=0)}")  # fmt: skip
+    ctx.note(
+        f"broker nacks {nacked}, nack budget spent {nacks} (rows' nacks), destination "
+        f"outages {outages}, confirm timeouts {timeouts}, most attempts of a row "
+        f"{max((r.attempts for r in rows), default=0)}"
+    )
     ctx.check("no row spent its nack budget (nacks 0 on every row)", nacks == 0)
-    ctx.check("the outage was seen (a destination outage or a confirm timeout counted)",
-              outages + timeouts >= 1)  # fmt: skip
+    ctx.check(
+        "the outage was seen (a destination outage or a confirm timeout counted)",
+        outages + timeouts >= 1,
+    )
 
 
 SCENARIOS: list[Scenario] = [

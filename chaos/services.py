@@ -64,8 +64,9 @@ class PrivateServices:
 
     @classmethod
     def for_matrix(cls) -> PrivateServices:
-        return cls(local_dir=REPO / ".local" / "chaos", amqp_port=MATRIX_PORTS[0],
-                   pg_port=MATRIX_PORTS[1])  # fmt: skip
+        return cls(
+            local_dir=REPO / ".local" / "chaos", amqp_port=MATRIX_PORTS[0], pg_port=MATRIX_PORTS[1]
+        )
 
     @classmethod
     def for_tests(cls) -> PrivateServices:
@@ -73,8 +74,11 @@ class PrivateServices:
         a CI run beside a developer's) never share, nor stop, each other's servers."""
         amqp_port = free_port(also=lambda p: p + 20_000)  # the broker's distribution port
         pg_port = free_port()
-        return cls(local_dir=REPO / ".local" / "chaos-test" / str(amqp_port), amqp_port=amqp_port,
-                   pg_port=pg_port)  # fmt: skip
+        return cls(
+            local_dir=REPO / ".local" / "chaos-test" / str(amqp_port),
+            amqp_port=amqp_port,
+            pg_port=pg_port,
+        )
 
     # ------------------------------------------------------------ addresses
 
@@ -93,22 +97,34 @@ class PrivateServices:
     def env(self) -> dict[str, str]:
         """The environment for ``services.sh``: no inherited ``OUTBOX_*`` (a node name exported
         for the shared broker would otherwise redirect ``ctl`` to it)."""
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith("OUTBOX_") or k in _KEEP_ENV}  # fmt: skip
-        return {**base, "OUTBOX_LOCAL_DIR": str(self.local_dir),
-                "OUTBOX_LOCAL_AMQP_PORT": str(self.amqp_port),
-                "OUTBOX_LOCAL_PG_PORT": str(self.pg_port),
-                "OUTBOX_LOCAL_RABBIT_NODE": self.node}  # fmt: skip
+        base = {
+            k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") or k in _KEEP_ENV
+        }
+        return {
+            **base,
+            "OUTBOX_LOCAL_DIR": str(self.local_dir),
+            "OUTBOX_LOCAL_AMQP_PORT": str(self.amqp_port),
+            "OUTBOX_LOCAL_PG_PORT": str(self.pg_port),
+            "OUTBOX_LOCAL_RABBIT_NODE": self.node,
+        }
 
     # ------------------------------------------------------------ services.sh
 
     def _script(self, *args: str, timeout: float = 180.0) -> str:
-        proc = subprocess.run([str(SERVICES), *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, check=False)  # fmt: skip
+        proc = subprocess.run(
+            [str(SERVICES), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         self.log.append(f"services.sh {' '.join(args)} -> {proc.returncode}")
         if proc.returncode != 0:
-            raise ServiceError(f"services.sh {' '.join(args)} failed ({proc.returncode}): "
-                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")  # fmt: skip
+            raise ServiceError(
+                f"services.sh {' '.join(args)} failed ({proc.returncode}): "
+                f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            )
         return proc.stdout
 
     def start(self) -> None:
@@ -191,8 +207,9 @@ class ArmedEval:
     set_vm_memory_high_watermark/1``).
     """
 
-    def __init__(self, services: PrivateServices, action: str, *, workdir: Path,
-                 wait_seconds: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self, services: PrivateServices, action: str, *, workdir: Path, wait_seconds: float = 300.0
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.armed_file = workdir / "armed"
         self.trigger_file = workdir / "fire"
@@ -211,9 +228,13 @@ class ArmedEval:
 
     def arm(self, *, timeout: float = 60.0) -> None:
         """Start the command and wait until it runs inside the node."""
-        self.proc = subprocess.Popen([str(SERVICES), "ctl", "eval", self.expression],
-                                     env=self.services.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [str(SERVICES), "ctl", "eval", self.expression],
+            env=self.services.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.monotonic() + timeout
         while not self.armed_file.exists():
             if self.proc.poll() is not None:
@@ -273,11 +294,19 @@ class Cluster:
         return env
 
     def run(self, *args: str, timeout: float = 180) -> str:
-        proc = subprocess.run([str(CLUSTER), *args], capture_output=True, text=True,
-                              timeout=timeout, env=self.env(), check=False)  # fmt: skip
+        proc = subprocess.run(
+            [str(CLUSTER), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env(),
+            check=False,
+        )
         if proc.returncode != 0:
-            raise ServiceError(f"cluster.sh {' '.join(args)} failed ({proc.returncode}): "
-                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")  # fmt: skip
+            raise ServiceError(
+                f"cluster.sh {' '.join(args)} failed ({proc.returncode}): "
+                f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            )
         return proc.stdout
 
     def port(self, node: int) -> int:

@@ -29,8 +29,10 @@ def write_input(directory: Path, *, rows: int, files: int = FILES) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     per = -(-rows // files)
     for f in range(files):
-        lines = [json.dumps({"n": i, "payload": f"chaos-row {i:07d} " + "x" * 238})
-                 for i in range(f * per, min(rows, (f + 1) * per))]  # fmt: skip
+        lines = [
+            json.dumps({"n": i, "payload": f"chaos-row {i:07d} " + "x" * 238})
+            for i in range(f * per, min(rows, (f + 1) * per))
+        ]
         tmp = directory / f".part-{f}.tmp"
         tmp.write_text("\n".join(lines) + "\n")
         tmp.rename(directory / f"part-{f:03d}.json")
@@ -39,10 +41,23 @@ def write_input(directory: Path, *, rows: int, files: int = FILES) -> None:
 def _driver(ctx: Ctx, work: Path, *, hold: bool, name: str) -> procs.Proc:
     markers = work / f"markers-{name[-1]}"
     markers.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "chaos.spark_job", "--url", ctx.db_url,
-            "--input", str(work / "input"), "--checkpoint", str(work / "checkpoint"),
-            "--markers", str(markers), "--sink", ctx.data["sink"],
-            "--exchange", ctx.names["exchange"]]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "chaos.spark_job",
+        "--url",
+        ctx.db_url,
+        "--input",
+        str(work / "input"),
+        "--checkpoint",
+        str(work / "checkpoint"),
+        "--markers",
+        str(markers),
+        "--sink",
+        ctx.data["sink"],
+        "--exchange",
+        ctx.names["exchange"],
+    ]
     if hold:
         argv += ["--hold-batch", str(HOLD_BATCH), "--hold", str(HOLD_SECONDS)]
     env = procs.clean_env(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
@@ -53,8 +68,7 @@ async def _wait_file(ctx: Ctx, proc: procs.Proc, directory: Path, pattern: str) 
     deadline = time.monotonic() + SPARK_START_TIMEOUT
     while not list(directory.glob(pattern)):
         if not proc.alive():
-            raise ScenarioError(f"Spark driver ended before {pattern}: "
-                                f"{proc.log_text()[-3000:]}")  # fmt: skip
+            raise ScenarioError(f"Spark driver ended before {pattern}: {proc.log_text()[-3000:]}")
         if time.monotonic() > deadline:
             raise ScenarioError(f"no {pattern} within {SPARK_START_TIMEOUT:.0f}s")
         await asyncio.sleep(0.05)
@@ -105,8 +119,10 @@ async def produce_with_spark(ctx: Ctx) -> None:
         f"at the kill: micro-batch {HOLD_BATCH} had {parts} partition(s) committed, "
         f"{batch_rows} of its rows in the outbox, {recorded} batches recorded"
     )
-    ctx.check(f"the kill left micro-batch {HOLD_BATCH} half done (rows written, batch not "
-              "recorded)", recorded == HOLD_BATCH and batch_rows > 0)  # fmt: skip
+    ctx.check(
+        f"the kill left micro-batch {HOLD_BATCH} half done (rows written, batch not recorded)",
+        recorded == HOLD_BATCH and batch_rows > 0,
+    )
     second = _driver(ctx, work, hold=False, name="spark-driver-2").start()
     code = await asyncio.to_thread(second.wait, timeout=SPARK_START_TIMEOUT + 120)
     if code is None:
@@ -125,8 +141,10 @@ async def _account_spark_rows(ctx: Ctx) -> None:
         per_input[int(body.decode().split()[1])] += 1
     repeated = sum(n - 1 for n in per_input.values() if n > 1)
     missing = [i for i in range(ctx.rows) if i not in per_input]
-    ctx.note(f"outbox holds {len(rows)} rows for {ctx.rows} input rows; "
-             f"{repeated} repeated, {len(missing)} missing")  # fmt: skip
+    ctx.note(
+        f"outbox holds {len(rows)} rows for {ctx.rows} input rows; "
+        f"{repeated} repeated, {len(missing)} missing"
+    )
     ctx.check("no input row written twice", repeated == 0)
     ctx.check(
         f"every micro-batch recorded once ({await asyncio.to_thread(_recorded, ctx)})",

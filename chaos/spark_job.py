@@ -53,33 +53,47 @@ def main(argv: list[str]) -> int:
 
     work = Path(args.checkpoint).parent
     spark = (
-        SparkSession.builder.master("local[2]").appName("chaos-spark-13")
-        .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+        SparkSession.builder.master("local[2]")
+        .appName("chaos-spark-13")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.files.maxPartitionBytes", "65536")
         .config("spark.sql.files.openCostInBytes", "0")
-        .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.sql.warehouse.dir", str(work / "warehouse"))
         .config("spark.local.dir", str(work / "tmp"))
         .getOrCreate()
-    )  # fmt: skip
+    )
     spark.sparkContext.setLogLevel("ERROR")
     markers = args.markers
 
     def write(df: DataFrame, batch_id: int) -> None:
         Path(markers, f"batch-{batch_id}.start").touch()
         hold = args.hold if batch_id == args.hold_batch else 0.0
-        sink = OutboxSink(url=args.url, sink=args.sink, exchange=args.exchange,
-                          routing_key=args.routing_key, body_column="payload",
-                          on_partition_committed=Hook(markers, batch_id, hold))  # fmt: skip
+        sink = OutboxSink(
+            url=args.url,
+            sink=args.sink,
+            exchange=args.exchange,
+            routing_key=args.routing_key,
+            body_column="payload",
+            on_partition_committed=Hook(markers, batch_id, hold),
+        )
         result = sink(df, batch_id)
         Path(markers, f"batch-{batch_id}.done").write_text(f"{result}\n")
 
-    stream = (spark.readStream.schema("n LONG, payload STRING")
-              .option("maxFilesPerTrigger", 1).json(args.input))  # fmt: skip
-    query = (stream.writeStream.foreachBatch(write)
-             .option("checkpointLocation", args.checkpoint)
-             .trigger(availableNow=True).start())  # fmt: skip
+    stream = (
+        spark.readStream.schema("n LONG, payload STRING")
+        .option("maxFilesPerTrigger", 1)
+        .json(args.input)
+    )
+    query = (
+        stream.writeStream.foreachBatch(write)
+        .option("checkpointLocation", args.checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
     query.awaitTermination()
     spark.stop()
     return 0

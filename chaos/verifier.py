@@ -179,8 +179,15 @@ class Verifier:
         headers = props.headers or {}
         raw = headers.get("x-outbox-attempt", 0)
         attempt = raw if isinstance(raw, int) else -1  # -1: not an outbox publish
-        self._buffer.append(_Delivery(props.message_id or "", attempt, bool(message.redelivered),
-                                      channel, int(message.delivery_tag or 0)))  # fmt: skip
+        self._buffer.append(
+            _Delivery(
+                props.message_id or "",
+                attempt,
+                bool(message.redelivered),
+                channel,
+                int(message.delivery_tag or 0),
+            )
+        )
 
     # ------------------------------------------------------------ recording
 
@@ -217,12 +224,17 @@ class Verifier:
             counts[(d.message_id, d.attempt)] += 1
             again[(d.message_id, d.attempt)] += int(d.redelivered)
         keys = list(counts)
-        params = {"run": self.run, "ids": [k[0] for k in keys], "attempts": [k[1] for k in keys],
-                  "deliveries": [counts[k] for k in keys],
-                  "redelivered": [again[k] for k in keys]}  # fmt: skip
+        params = {
+            "run": self.run,
+            "ids": [k[0] for k in keys],
+            "attempts": [k[1] for k in keys],
+            "deliveries": [counts[k] for k in keys],
+            "redelivered": [again[k] for k in keys],
+        }
         if self._db is None or self._db.closed:
-            self._db = await psycopg.AsyncConnection.connect(_conninfo(self.db_url),
-                                                             connect_timeout=5)  # fmt: skip
+            self._db = await psycopg.AsyncConnection.connect(
+                _conninfo(self.db_url), connect_timeout=5
+            )
         async with self._db.transaction():
             await self._db.execute(UPSERT, params)
 
@@ -260,8 +272,9 @@ class Verifier:
                 (self.run,),
             ).fetchall()
         copies = {m: int(n) for m, n, _ in rows}
-        return Received(copies=copies, deliveries=sum(int(d) for _, _, d in rows),
-                        records=sum(copies.values()))  # fmt: skip
+        return Received(
+            copies=copies, deliveries=sum(int(d) for _, _, d in rows), records=sum(copies.values())
+        )
 
     async def queue_depth(self) -> int | None:
         """Ready messages left in the verifier's queues (None if the broker is away)."""

@@ -24,9 +24,12 @@ def _url() -> str:
 
 def run_offline() -> None:
     context.configure(
-        url=_url(), target_metadata=metadata, literal_binds=True, render_as_batch=True,
+        url=_url(),
+        target_metadata=metadata,
+        literal_binds=True,
+        render_as_batch=True,
         version_table=VERSION_TABLE,
-    )  # fmt: skip
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -46,8 +49,12 @@ def _run(connection: Connection) -> None:
     _adopt_legacy_version(connection)
     if connection.in_transaction():  # inspecting began one: end it, migrations bring their own
         connection.commit()
-    context.configure(connection=connection, target_metadata=metadata, render_as_batch=True,
-                      version_table=VERSION_TABLE)  # fmt: skip
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        render_as_batch=True,
+        version_table=VERSION_TABLE,
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -65,13 +72,18 @@ def _adopt_legacy_version(connection: Connection) -> None:
     mine = [v for v in found if v in ours]
     if not mine or "outbox" not in tables:
         return
-    connection.execute(text(
-        f"CREATE TABLE {VERSION_TABLE} (version_num VARCHAR(32) NOT NULL, "
-        f"CONSTRAINT {VERSION_TABLE}_pkc PRIMARY KEY (version_num))"))  # fmt: skip
-    connection.execute(text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES (:v)"),
-                       {"v": mine[0]})  # fmt: skip
-    connection.execute(text(f"DELETE FROM {LEGACY_VERSION_TABLE} WHERE version_num = :v"),
-                       {"v": mine[0]})  # fmt: skip
+    connection.execute(
+        text(
+            f"CREATE TABLE {VERSION_TABLE} (version_num VARCHAR(32) NOT NULL, "
+            f"CONSTRAINT {VERSION_TABLE}_pkc PRIMARY KEY (version_num))"
+        )
+    )
+    connection.execute(
+        text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES (:v)"), {"v": mine[0]}
+    )
+    connection.execute(
+        text(f"DELETE FROM {LEGACY_VERSION_TABLE} WHERE version_num = :v"), {"v": mine[0]}
+    )
     connection.commit()
 
 

@@ -160,9 +160,12 @@ class OutboxStreamWriter(DataSourceStreamArrowWriter):
         partition, attempt = _task()
         batch = self._task_batch()
         plan = WritePlan(
-            options=self.options, schema=self.schema, batch=batch, sort_in_task=True,
+            options=self.options,
+            schema=self.schema,
+            batch=batch,
+            sort_in_task=True,
             park=self.park,
-        )  # fmt: skip
+        )
         result = write_partition(iterator, plan=plan, partition=partition, attempt=attempt)
         return PartitionDone(batch=batch, result=result)
 

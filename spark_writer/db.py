@@ -381,8 +381,9 @@ class PostgresStore(Store):
         """Staged rows whose id the outbox holds with other content. After the insert, so the
         rows this statement inserted compare equal to themselves and a row skipped because
         another transaction inserted its id meanwhile is compared with that row."""
-        tests = {"sink": "split_part(s.batch_id, ':', 1) IS DISTINCT FROM "
-                         "split_part(o.batch_id, ':', 1)"}  # fmt: skip
+        tests = {
+            "sink": "split_part(s.batch_id, ':', 1) IS DISTINCT FROM split_part(o.batch_id, ':', 1)"
+        }
         for name in CONTENT:
             if name not in names:
                 tests[name] = f"o.{name} IS NOT NULL"

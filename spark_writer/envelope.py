@@ -203,8 +203,9 @@ class ArrowMapper:
         good = pc.invert(bad)
         fit_rows = rb.num_rows - len(rejected)
         kept = bodies.filter(good) if bodies is not None else None
-        return Chunk(fit_rows, self._columns(rb.filter(good), kept, ids.filter(good)),
-                     tuple(rejected))  # fmt: skip
+        return Chunk(
+            fit_rows, self._columns(rb.filter(good), kept, ids.filter(good)), tuple(rejected)
+        )
 
     def _ids(self, rb: pa.RecordBatch) -> tuple[pa.Array, pa.RecordBatch]:
         """Every row's message id (null where a key column is null: such a row is rejected),
@@ -400,8 +401,9 @@ def _headers_mask(check: Check, values: pa.Array) -> pa.Array:
     for cell in values.to_pylist():
         entries = _raw_entries(cell)
         if check.kind == "header_name":
-            bad = any(len(k.encode()) > HEADER_NAME_MAX or k in RESERVED_HEADERS
-                      for k, _ in entries)  # fmt: skip
+            bad = any(
+                len(k.encode()) > HEADER_NAME_MAX or k in RESERVED_HEADERS for k, _ in entries
+            )
         elif check.kind == "not_utf8":
             bad = any(isinstance(v, bytes) and not _utf8(v) for _, v in entries)
         else:

@@ -98,8 +98,11 @@ class OutboxOptions:
         ]
         named += [("header", col) for col in self.header_columns]
         named += [("headers", self.headers_column), ("content type", self.content_type_column)]
-        named += [(PROPERTY_ROLES[p], col) for p, col in self.property_columns.items()
-                  if p in PROPERTY_ROLES]  # fmt: skip
+        named += [
+            (PROPERTY_ROLES[p], col)
+            for p, col in self.property_columns.items()
+            if p in PROPERTY_ROLES
+        ]
         return [(role, col) for role, col in named if col is not None]
 
 
@@ -116,29 +119,38 @@ def _problems(o: OutboxOptions) -> list[str]:
             out.append(f"{name} is longer than {SHORTSTR_MAX} bytes")
     for name in o.header_columns:  # header names as the publisher accepts them
         if len(name.encode()) > HEADER_NAME_MAX:
-            out.append(f"header column {name!r} is longer than {HEADER_NAME_MAX} bytes: "
-                       "rename it (its name is the header's name)")  # fmt: skip
+            out.append(
+                f"header column {name!r} is longer than {HEADER_NAME_MAX} bytes: "
+                "rename it (its name is the header's name)"
+            )
         if name in RESERVED_HEADERS:
             out.append(f"header column {name!r} is a header the publisher sets itself")
     if o.sequence_column is not None and o.ordering_key_column is None:
-        out.append("sequence_column orders the rows of each ordering key: give "
-                   "ordering_key_column too")  # fmt: skip
+        out.append(
+            "sequence_column orders the rows of each ordering key: give ordering_key_column too"
+        )
     if o.password_file is not None:
         if o.url.startswith("sqlite"):
             out.append("password_file is for PostgreSQL; SQLite has no password")
         elif _url_password(o.url):
-            out.append("url holds a password and password_file is given: take the password "
-                       "out of the url (Spark would show it)")  # fmt: skip
+            out.append(
+                "url holds a password and password_file is given: take the password "
+                "out of the url (Spark would show it)"
+            )
     if o.max_connections is not None and o.max_connections < 1:
         out.append("max_connections must be at least 1")
     unknown = sorted(set(o.property_columns) - set(PROPERTY_ROLES))
     if unknown:
-        out.append(f"property_columns: unknown properties {unknown}; known are "
-                   f"{sorted(PROPERTY_ROLES)} (content type: content_type_column; delivery "
-                   "mode: persistent)")  # fmt: skip
+        out.append(
+            f"property_columns: unknown properties {unknown}; known are "
+            f"{sorted(PROPERTY_ROLES)} (content type: content_type_column; delivery "
+            "mode: persistent)"
+        )
     if o.content_type_column is not None and o.content_type is not None:
-        out.append("give content_type (one for the batch) or content_type_column, not both; "
-                   "a null in the column takes the default for the body")  # fmt: skip
+        out.append(
+            "give content_type (one for the batch) or content_type_column, not both; "
+            "a null in the column takes the default for the body"
+        )
     if o.max_body_bytes < 1:
         out.append("max_body_bytes must be at least 1")
     if o.on_invalid not in ("fail", "reject"):
@@ -163,8 +175,9 @@ def options_of(options: OutboxOptions | None, keywords: Mapping[str, Any]) -> Ou
     """The writers' one way in: an ``OutboxOptions``, or its fields as keywords (not both)."""
     if options is not None:
         if keywords:
-            raise OutboxConfigError(f"give OutboxOptions or keyword options, not both: "
-                                    f"{sorted(keywords)}")  # fmt: skip
+            raise OutboxConfigError(
+                f"give OutboxOptions or keyword options, not both: {sorted(keywords)}"
+            )
         if not isinstance(options, OutboxOptions):
             kind = type(options).__name__
             raise OutboxConfigError(f"options must be an OutboxOptions, not {kind}")

@@ -62,8 +62,10 @@ class Check(NamedTuple):
         if self.kind == "out_of_range":
             return f"{where} ({self.role}) is outside 0..{self.limit}"
         if self.kind == "header_name":
-            return (f"{where} ({self.role}) has a header name over {HEADER_NAME_MAX} bytes or "
-                    "one the publisher sets itself (x-outbox-id, x-outbox-attempt)")  # fmt: skip
+            return (
+                f"{where} ({self.role}) has a header name over {HEADER_NAME_MAX} bytes or "
+                "one the publisher sets itself (x-outbox-id, x-outbox-attempt)"
+            )
         if self.kind == "not_utf8":
             return f"{where} ({self.role}) has a header value that is not UTF-8"
         if self.column == ROW:

@@ -175,11 +175,18 @@ def _discard_after_failure(options: OutboxOptions, batch: BatchRef) -> None:
     try:
         removed = discard_unrecorded(options=options, batch=batch)
     except Exception as error:  # the database may be what failed: the rows stay held
-        log.warning("outbox batch %s: write failed; its rows stay held until the batch is "
-                    "re-run (%s)", batch.key, error)  # fmt: skip
+        log.warning(
+            "outbox batch %s: write failed; its rows stay held until the batch is re-run (%s)",
+            batch.key,
+            error,
+        )
     else:
-        log.warning("outbox batch %s: write failed; removed the %d row(s) its tasks had "
-                    "written (held, never published)", batch.key, removed)  # fmt: skip
+        log.warning(
+            "outbox batch %s: write failed; removed the %d row(s) its tasks had "
+            "written (held, never published)",
+            batch.key,
+            removed,
+        )
 
 
 def with_content_ids(df: DataFrame, options: OutboxOptions) -> DataFrame:

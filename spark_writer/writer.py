@@ -178,17 +178,24 @@ def write_partition(
             problems = scan.tally.result()
             invalid = sum(p.rows for p in problems)
             return PartitionResult(
-                partition=partition, attempt=attempt, rows=scan.seen, invalid=invalid,
+                partition=partition,
+                attempt=attempt,
+                rows=scan.seen,
+                invalid=invalid,
                 problems=problems,
-            )  # fmt: skip
+            )
         except KeyConflicts as error:
             for conflict in error.conflicts:
                 scan.tally.add(conflict.problem)
             conflicts = len(error.conflicts)
             return PartitionResult(
-                partition=partition, attempt=attempt, rows=scan.seen, invalid=conflicts,
-                conflicts=conflicts, problems=scan.tally.result(),
-            )  # fmt: skip
+                partition=partition,
+                attempt=attempt,
+                rows=scan.seen,
+                invalid=conflicts,
+                conflicts=conflicts,
+                problems=scan.tally.result(),
+            )
     for conflict in written.conflicts:
         scan.tally.add(conflict.problem)
     result = PartitionResult(
@@ -247,10 +254,14 @@ def commit_batch(
     if any(r.invalid for r in results):
         if parked or held:
             removed = discard_unrecorded(options=options, batch=batch)
-            log.info("outbox batch %s: removed the %d row(s) its tasks had written", batch.key,
-                     removed)  # fmt: skip
-        error = OutboxDataError(batch_id=batch.key, problems=merge_problems(results),
-                                written=None if parked or held else written)  # fmt: skip
+            log.info(
+                "outbox batch %s: removed the %d row(s) its tasks had written", batch.key, removed
+            )
+        error = OutboxDataError(
+            batch_id=batch.key,
+            problems=merge_problems(results),
+            written=None if parked or held else written,
+        )
         log.error("outbox batch %s not recorded: %s", batch.key, error)
         raise error
     with store_for(options) as store:
@@ -259,14 +270,23 @@ def commit_batch(
         )
     log.info(
         "outbox batch %s: %d rows, %d written, %d already there (replays of the same message), "
-        "%d rejected (%d of them message id conflicts)%s", batch.key, rows, written,
-        rows - rejected - written, rejected, conflicts,
+        "%d rejected (%d of them message id conflicts)%s",
+        batch.key,
+        rows,
+        written,
+        rows - rejected - written,
+        rejected,
+        conflicts,
         "" if fresh else "; recorded before (a replay)",
-    )  # fmt: skip
+    )
     if conflicts:
         first = next(p.first for p in merge_problems(results) if p.summary == CONFLICT)
-        log.warning("outbox batch %s: %d message id conflict(s) rejected, first: %s",
-                    batch.key, conflicts, first)  # fmt: skip
+        log.warning(
+            "outbox batch %s: %d message id conflict(s) rejected, first: %s",
+            batch.key,
+            conflicts,
+            first,
+        )
     return BatchResult(
         batch_id=batch.key,
         spark_batch_id=batch.spark_batch_id,

@@ -78,15 +78,23 @@ def close_broker_connections(
 def _close_named(named: str, reason: str) -> int:
     listing = subprocess.run(
         [str(SERVICES), "ctl", "list_connections", "-q", "pid", "client_properties"],
-        check=True, capture_output=True, text=True, timeout=60, env=services_env(),
-    ).stdout  # fmt: skip
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=services_env(),
+    ).stdout
     closed = 0
     for line in listing.splitlines():
         pid, _, props = line.partition("\t")
         found = re.search(r'\{"connection_name","([^"]*)"\}', props)
         if pid.startswith("<") and found and named in found.group(1):
-            done = subprocess.run([str(SERVICES), "ctl", "close_connection", pid, reason],
-                                  capture_output=True, timeout=60, env=services_env())  # fmt: skip
+            done = subprocess.run(
+                [str(SERVICES), "ctl", "close_connection", pid, reason],
+                capture_output=True,
+                timeout=60,
+                env=services_env(),
+            )
             closed += done.returncode == 0  # a connection may end between listing and closing
     return closed
 
@@ -185,8 +193,9 @@ def cluster() -> Iterator[Any]:
     if missing is not None:
         pytest.skip(f"no three-node cluster: {missing}")
     local = TEST_ENV.get(f"{TEST_PREFIX}LOCAL_DIR", str(REPO / ".local"))
-    nodes = Cluster(base_port=int(TEST_ENV.get(f"{TEST_PREFIX}CLUSTER_PORT", "5791")),
-                    local_dir=local)  # fmt: skip
+    nodes = Cluster(
+        base_port=int(TEST_ENV.get(f"{TEST_PREFIX}CLUSTER_PORT", "5791")), local_dir=local
+    )
     nodes.start()
     try:
         yield nodes

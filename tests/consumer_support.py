@@ -36,8 +36,9 @@ def record(message: Message, conn: Connection) -> None:
     pause = message.headers.get("sleep_ms")
     if isinstance(pause, int) and pause > 0:
         time.sleep(pause / 1000)
-    conn.execute(text("INSERT INTO consumer_effects (message_id) VALUES (:m)"),
-                 {"m": message.message_id})  # fmt: skip
+    conn.execute(
+        text("INSERT INTO consumer_effects (message_id) VALUES (:m)"), {"m": message.message_id}
+    )
 
 
 def effects(engine: Engine) -> list[str]:
@@ -62,8 +63,12 @@ def record_all(messages: Sequence[Message], conn: Connection) -> None:
 
 
 @contextlib.asynccontextmanager
-async def declared_queue(amqp_url: str, *, prefix: str, quorum: bool = False,
-                         ) -> AsyncIterator[str]:  # fmt: skip
+async def declared_queue(
+    amqp_url: str,
+    *,
+    prefix: str,
+    quorum: bool = False,
+) -> AsyncIterator[str]:
     """A durable queue dead-lettering into ``<name>.dlq`` (a quorum queue with ``quorum``, with
     no x-delivery-limit: docs/consumer.md); both deleted afterwards."""
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
@@ -71,8 +76,10 @@ async def declared_queue(amqp_url: str, *, prefix: str, quorum: bool = False,
     async with conn:
         ch = await conn.channel()
         await ch.declare_queue(f"{name}.dlq", durable=True)
-        args: dict[str, Any] = {"x-dead-letter-exchange": "",
-                                "x-dead-letter-routing-key": f"{name}.dlq"}  # fmt: skip
+        args: dict[str, Any] = {
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": f"{name}.dlq",
+        }
         if quorum:
             args["x-queue-type"] = "quorum"
         await ch.declare_queue(name, durable=True, arguments=args)
@@ -94,10 +101,14 @@ async def publish(amqp_url: str, queue: str, ids: list[str], **headers: Any) -> 
         ch = await conn.channel(publisher_confirms=True)
         for mid in ids:
             await ch.default_exchange.publish(
-                aio_pika.Message(mid.encode(), message_id=mid, headers=headers,
-                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                aio_pika.Message(
+                    mid.encode(),
+                    message_id=mid,
+                    headers=headers,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
                 routing_key=queue,
-            )  # fmt: skip
+            )
 
 
 async def until(predicate: Any, *, timeout: float = 60.0, what: str = "condition") -> None:

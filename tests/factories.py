@@ -26,10 +26,16 @@ def add_rows(
     prefix = prefix or uuid.uuid4().hex[:8]
     ids = [f"{prefix}{sep}{i}" for i in range(n)]
     rows = [
-        {"message_id": m, "batch_id": batch_id, "exchange": exchange, "routing_key": routing_key,
-         "body": body, **extra}
+        {
+            "message_id": m,
+            "batch_id": batch_id,
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "body": body,
+            **extra,
+        }
         for m in ids
-    ]  # fmt: skip
+    ]
     with engine.begin() as conn:
         for start in range(0, n, 5000):
             conn.execute(insert(outbox), rows[start : start + 5000])

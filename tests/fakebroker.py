@@ -162,10 +162,16 @@ class FakeConnection(asyncio.Protocol):
             del self.buffer[:8]
             self.greeted = True
             caps: common.FieldTable = {
-                "publisher_confirms": True, "basic.nack": True, "connection.blocked": True,
-            }  # fmt: skip
-            self.send(0, commands.Connection.Start(server_properties={
-                "product": "fakebroker", "capabilities": caps}))  # fmt: skip
+                "publisher_confirms": True,
+                "basic.nack": True,
+                "connection.blocked": True,
+            }
+            self.send(
+                0,
+                commands.Connection.Start(
+                    server_properties={"product": "fakebroker", "capabilities": caps}
+                ),
+            )
         self._read_frames()
         if self.broker.auto_ack:
             self._auto_ack()
@@ -263,8 +269,12 @@ class FakeConnection(asyncio.Protocol):
         name = value.exchange or ""
         if name in self.broker.missing_exchanges:
             ch.closing = True
-            self.send(channel_id, commands.Channel.Close(
-                404, f"NOT_FOUND - no exchange '{name}' in vhost '/'", 40, 10))  # fmt: skip
+            self.send(
+                channel_id,
+                commands.Channel.Close(
+                    404, f"NOT_FOUND - no exchange '{name}' in vhost '/'", 40, 10
+                ),
+            )
         else:
             self.send(channel_id, commands.Exchange.DeclareOk())
 
@@ -289,8 +299,16 @@ class FakeConnection(asyncio.Protocol):
             self.send(channel_id, commands.Channel.Close(406, text, 60, 40))
             return
         ch.tag += 1 if ch.confirm else 0
-        pub = Published(self, channel_id, ch.tag, exchange, method.routing_key or "",
-                        bool(method.mandatory), props, body)  # fmt: skip
+        pub = Published(
+            self,
+            channel_id,
+            ch.tag,
+            exchange,
+            method.routing_key or "",
+            bool(method.mandatory),
+            props,
+            body,
+        )
         self.broker._record(pub)
 
     def _auto_ack(self) -> None:
@@ -303,8 +321,9 @@ class FakeConnection(asyncio.Protocol):
 class FakeBroker:
     """The server. ``auto_ack``: ack every publish (multiple, per read); else the test acks."""
 
-    def __init__(self, *, auto_ack: bool = False, heartbeat: int = 0,
-                 frame_max: int = FRAME_MAX) -> None:  # fmt: skip
+    def __init__(
+        self, *, auto_ack: bool = False, heartbeat: int = 0, frame_max: int = FRAME_MAX
+    ) -> None:
         self.auto_ack = auto_ack
         self.heartbeat = heartbeat
         self.frame_max = frame_max

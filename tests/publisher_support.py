@@ -21,10 +21,17 @@ from app.publisher.metrics import PublisherStats
 from app.settings import Settings
 
 FAST = {
-    "poll_interval": 0.05, "flush_interval": 0.01, "backoff_base": 0.05, "backoff_max": 0.4,
-    "heartbeat": 0, "lease_seconds": 30.0, "shutdown_timeout": 3.0, "reconnect_max_delay": 0.5,
-    "confirm_timeout": 30.0, "publisher_metrics_port": 0,
-}  # fmt: skip
+    "poll_interval": 0.05,
+    "flush_interval": 0.01,
+    "backoff_base": 0.05,
+    "backoff_max": 0.4,
+    "heartbeat": 0,
+    "lease_seconds": 30.0,
+    "shutdown_timeout": 3.0,
+    "reconnect_max_delay": 0.5,
+    "confirm_timeout": 30.0,
+    "publisher_metrics_port": 0,
+}
 
 
 def settings_for(*, db_url: str, amqp_url: str, **overrides: Any) -> Settings:
@@ -104,9 +111,13 @@ async def run_until_empty(settings: Settings, engine: Engine) -> PublisherStats:
 
 
 async def declare(
-    amqp_url: str, *, exchange: str | None = None, queue: str | None = None,
-    arguments: dict[str, Any] | None = None, routing_key: str = "rk",
-) -> None:  # fmt: skip
+    amqp_url: str,
+    *,
+    exchange: str | None = None,
+    queue: str | None = None,
+    arguments: dict[str, Any] | None = None,
+    routing_key: str = "rk",
+) -> None:
     """Declare a durable exchange (direct) and/or queue, bound with ``routing_key``."""
     conn = await aio_pika.connect(amqp_url)
     async with conn:

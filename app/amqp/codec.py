@@ -77,9 +77,11 @@ def method_frame(channel_id: int, method: Frame) -> bytes:
 def _property_codecs() -> tuple[tuple[str, int, Callable[[Any], bytes]], ...]:
     props = commands.Basic.Properties
     encoders: dict[str, Callable[[Any], bytes]] = {
-        "shortstr": encode.short_string, "octet": encode.octet, "table": encode.field_table,
+        "shortstr": encode.short_string,
+        "octet": encode.octet,
+        "table": encode.field_table,
         "timestamp": encode.timestamp,
-    }  # fmt: skip
+    }
     return tuple(
         (name, props.flags[name], encoders[props.amqp_type(name)])
         for name in props.attributes()

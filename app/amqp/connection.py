@@ -80,8 +80,13 @@ class WireListener(Protocol):
 
 
 def _close_reason(method: commands.Connection.Close | commands.Channel.Close) -> CloseReason:
-    return CloseReason(method.reply_code or 0, method.reply_text or "", method.class_id or 0,
-                       method.method_id or 0, by_peer=True)  # fmt: skip
+    return CloseReason(
+        method.reply_code or 0,
+        method.reply_text or "",
+        method.class_id or 0,
+        method.method_id or 0,
+        by_peer=True,
+    )
 
 
 def _tls_refusal(exc: Exception | None, params: AMQPParams) -> TLSError:
@@ -122,8 +127,16 @@ class _Waiter:
 class AMQPConnection(asyncio.Protocol):
     """One AMQP connection. Build it with :meth:`connect`; it calls ``listener`` from the loop."""
 
-    def __init__(self, *, listener: WireListener, params: AMQPParams, heartbeat: int,
-                 frame_max: int, channel_max: int, name: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        listener: WireListener,
+        params: AMQPParams,
+        heartbeat: int,
+        frame_max: int,
+        channel_max: int,
+        name: str,
+    ) -> None:
         self._listener = listener
         self._params = params
         self._want_heartbeat = heartbeat
@@ -187,16 +200,35 @@ class AMQPConnection(asyncio.Protocol):
             shuffle.shuffle(addresses)
         for host, port in addresses:
             if failures:  # the previous node failed: say so now, not only when all have
-                log.warning("broker %d of %d failed, trying the next: %s", len(failures),
-                            len(params.addresses), failures[-1])  # fmt: skip
-            proto = cls(listener=listener, params=params, heartbeat=heartbeat,
-                        frame_max=frame_max, channel_max=channel_max, name=name)  # fmt: skip
+                log.warning(
+                    "broker %d of %d failed, trying the next: %s",
+                    len(failures),
+                    len(params.addresses),
+                    failures[-1],
+                )
+            proto = cls(
+                listener=listener,
+                params=params,
+                heartbeat=heartbeat,
+                frame_max=frame_max,
+                channel_max=channel_max,
+                name=name,
+            )
             try:
-                await proto._open(host, port, tls=tls, server_hostname=params.server_hostname(host),
-                                  timeout=timeout)  # fmt: skip
+                await proto._open(
+                    host,
+                    port,
+                    tls=tls,
+                    server_hostname=params.server_hostname(host),
+                    timeout=timeout,
+                )
                 if failures:
-                    log.info("connected to broker %s:%d after %d other(s) failed", host, port,
-                             len(failures))  # fmt: skip
+                    log.info(
+                        "connected to broker %s:%d after %d other(s) failed",
+                        host,
+                        port,
+                        len(failures),
+                    )
                 return proto
             except AuthenticationError:
                 raise  # the broker answered: another one would refuse the same credentials
@@ -215,12 +247,20 @@ class AMQPConnection(asyncio.Protocol):
             raise last
         raise BrokerUnreachableError("; ".join(failures)) from last
 
-    async def _open(self, host: str, port: int, *, tls: ssl.SSLContext | None,
-                    server_hostname: str | None, timeout: float) -> None:  # fmt: skip
+    async def _open(
+        self,
+        host: str,
+        port: int,
+        *,
+        tls: ssl.SSLContext | None,
+        server_hostname: str | None,
+        timeout: float,
+    ) -> None:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(timeout):
-            await loop.create_connection(lambda: self, host, port, ssl=tls,
-                                         server_hostname=server_hostname)  # fmt: skip
+            await loop.create_connection(
+                lambda: self, host, port, ssl=tls, server_hostname=server_hostname
+            )
             self.address = (host, port)
             try:
                 await self._handshake()
@@ -293,32 +333,44 @@ class AMQPConnection(asyncio.Protocol):
             mechanisms = mechanisms.decode()
         wanted = self._params.auth.upper()
         if wanted not in str(mechanisms).split():
-            hint = (" (enable the rabbitmq_auth_mechanism_ssl plugin and auth_mechanisms)"
-                    if wanted == "EXTERNAL" else "")  # fmt: skip
+            hint = (
+                " (enable the rabbitmq_auth_mechanism_ssl plugin and auth_mechanisms)"
+                if wanted == "EXTERNAL"
+                else ""
+            )
             raise HandshakeError(
                 f"broker offers no {wanted} authentication (it offers {mechanisms}){hint}"
             )
         tune = await self._request(0, self._start_ok(), (commands.Connection.Tune,))
         assert isinstance(tune, commands.Connection.Tune)
         self._apply_tune(tune)
-        self._write(method_frame(0, commands.Connection.TuneOk(
-            self.channel_max, self.frame_max, self.heartbeat)))  # fmt: skip
-        await self._request(0, commands.Connection.Open(self._params.vhost),
-                            (commands.Connection.OpenOk,))  # fmt: skip
+        self._write(
+            method_frame(
+                0, commands.Connection.TuneOk(self.channel_max, self.frame_max, self.heartbeat)
+            )
+        )
+        await self._request(
+            0, commands.Connection.Open(self._params.vhost), (commands.Connection.OpenOk,)
+        )
         self._handshake_done = True
         self._start_heartbeats()
 
     def _start_ok(self) -> commands.Connection.StartOk:
         capabilities: common.FieldTable = {
-            "publisher_confirms": True, "consumer_cancel_notify": True,
-            "connection.blocked": True, "authentication_failure_close": True,
-            "basic.nack": True, "exchange_exchange_bindings": True,
-        }  # fmt: skip
+            "publisher_confirms": True,
+            "consumer_cancel_notify": True,
+            "connection.blocked": True,
+            "authentication_failure_close": True,
+            "basic.nack": True,
+            "exchange_exchange_bindings": True,
+        }
         client_properties: common.FieldTable = {
-            "product": "outbox-publisher", "platform": f"Python {platform.python_version()}",
-            "connection_name": self._name, "capabilities": capabilities,
+            "product": "outbox-publisher",
+            "platform": f"Python {platform.python_version()}",
+            "connection_name": self._name,
+            "capabilities": capabilities,
             "information": "pamqp frame codec, batched publish path",
-        }  # fmt: skip
+        }
         if self._params.auth == "external":  # the client certificate is the identity
             return commands.Connection.StartOk(client_properties, "EXTERNAL", "", "en_US")
         response = f"\0{self._params.username}\0{self._params.password}"
@@ -383,8 +435,11 @@ class AMQPConnection(asyncio.Protocol):
             return
         try:
             async with asyncio.timeout(timeout):
-                await self._request(channel_id, commands.Channel.Close(REPLY_SUCCESS, "done", 0, 0),
-                                    (commands.Channel.CloseOk,))  # fmt: skip
+                await self._request(
+                    channel_id,
+                    commands.Channel.Close(REPLY_SUCCESS, "done", 0, 0),
+                    (commands.Channel.CloseOk,),
+                )
         except (WireError, TimeoutError):
             pass
         self._channels.discard(channel_id)
@@ -415,8 +470,9 @@ class AMQPConnection(asyncio.Protocol):
                 self._scratch = None
                 channel_id = self._allocate_channel()
                 async with asyncio.timeout(timeout):
-                    await self._request(channel_id, commands.Channel.Open(),
-                                        (commands.Channel.OpenOk,))  # fmt: skip
+                    await self._request(
+                        channel_id, commands.Channel.Open(), (commands.Channel.OpenOk,)
+                    )
                 self._channels.add(channel_id)
                 self._scratch = channel_id
             try:
@@ -428,9 +484,13 @@ class AMQPConnection(asyncio.Protocol):
             return None
 
     async def call(
-        self, channel_id: int, method: Frame, expect: tuple[type[Frame], ...], *,
+        self,
+        channel_id: int,
+        method: Frame,
+        expect: tuple[type[Frame], ...],
+        *,
         timeout: float = 10.0,
-    ) -> Frame:  # fmt: skip
+    ) -> Frame:
         """One synchronous method on an open channel (``exchange.declare``, ``queue.bind``...);
         raises ChannelClosedError with the broker's reason when it refuses."""
         async with asyncio.timeout(timeout):
@@ -497,9 +557,13 @@ class AMQPConnection(asyncio.Protocol):
         self.writes += 1
 
     async def _request(
-        self, channel_id: int, method: Frame | None, expect: tuple[type[Frame], ...],
-        *, raw: bytes | None = None,
-    ) -> Frame:  # fmt: skip
+        self,
+        channel_id: int,
+        method: Frame | None,
+        expect: tuple[type[Frame], ...],
+        *,
+        raw: bytes | None = None,
+    ) -> Frame:
         if self._closed is not None:
             raise ConnectionClosedError(self._closed)
         if channel_id in self._waiters:
@@ -643,10 +707,12 @@ class AMQPConnection(asyncio.Protocol):
         del self._assembling[channel_id]
         method = pending.method
         message = ReturnedMessage(
-            reply_code=method.reply_code or 0, reply_text=method.reply_text or "",
-            exchange=method.exchange or "", routing_key=method.routing_key or "",
+            reply_code=method.reply_code or 0,
+            reply_text=method.reply_text or "",
+            exchange=method.exchange or "",
+            routing_key=method.routing_key or "",
             properties=pending.properties or commands.Basic.Properties(),
             body=b"".join(pending.parts),
-        )  # fmt: skip
+        )
         if channel_id in self._notify_channels:
             self._listener.on_return(channel_id, message)

@@ -49,8 +49,9 @@ class TLSOptions:
     def context(self) -> ssl.SSLContext:
         """A client context: TLS 1.2+, the CA given (or the system's), verification on unless
         ``no_verify_ssl=1``, and the client certificate when given."""
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.cafile,
-                                         capath=self.capath)  # fmt: skip
+        ctx = ssl.create_default_context(
+            ssl.Purpose.SERVER_AUTH, cafile=self.cafile, capath=self.capath
+        )
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         if not self.verify:
             ctx.check_hostname = False
@@ -112,11 +113,16 @@ def parse_url(url: str) -> AMQPParams:
     if auth == "external" and password:
         raise URLError("auth=external logs in with the client certificate: remove the password")
     return AMQPParams(
-        host=hosts[0][0], port=hosts[0][1], vhost=unquote(path) if path else "/",
+        host=hosts[0][0],
+        port=hosts[0][1],
+        vhost=unquote(path) if path else "/",
         username=unquote(user) if userinfo else "guest",
         password=unquote(password) if userinfo else "guest",
-        tls=tls, hosts=hosts, tls_options=tls_options, auth=auth,
-    )  # fmt: skip
+        tls=tls,
+        hosts=hosts,
+        tls_options=tls_options,
+        auth=auth,
+    )
 
 
 def _netloc_and_path(url: str) -> tuple[str, str]:
@@ -175,7 +181,10 @@ def _tls_options(options: dict[str, str]) -> TLSOptions:
     if flag == "1" and ("cafile" in options or "capath" in options):
         raise URLError("no_verify_ssl=1 with cafile/capath: the CA would never be checked")
     return TLSOptions(
-        cafile=options.get("cafile"), capath=options.get("capath"),
-        certfile=options.get("certfile"), keyfile=options.get("keyfile"),
-        server_hostname=options.get("server_hostname") or None, verify=flag == "0",
-    )  # fmt: skip
+        cafile=options.get("cafile"),
+        capath=options.get("capath"),
+        certfile=options.get("certfile"),
+        keyfile=options.get("keyfile"),
+        server_hostname=options.get("server_hostname") or None,
+        verify=flag == "0",
+    )

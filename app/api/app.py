@@ -59,10 +59,13 @@ def create_app(
     owned = engine is None
     engine = engine or make_engine(settings.database_url.get_secret_value())
     ctx = ApiContext(
-        settings=settings, engine=engine, repo=OutboxRepository(engine, clock=clock),
-        clock=clock, head_revision=head_revision(),
+        settings=settings,
+        engine=engine,
+        repo=OutboxRepository(engine, clock=clock),
+        clock=clock,
+        head_revision=head_revision(),
         throttle=AuthThrottle(max_failures=settings.api_auth_failures_per_minute, window=60.0),
-    )  # fmt: skip
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -62,11 +62,14 @@ def check_auth_config(settings: Settings) -> None:
             continue
         value = token.get_secret_value().strip()
         if len(value) < MIN_TOKEN_LENGTH:
-            raise ApiConfigError(f"{name} is shorter than {MIN_TOKEN_LENGTH} characters: "
-                                 "generate one with `openssl rand -hex 32`")  # fmt: skip
+            raise ApiConfigError(
+                f"{name} is shorter than {MIN_TOKEN_LENGTH} characters: "
+                "generate one with `openssl rand -hex 32`"
+            )
         if any(value.lower().startswith(p) for p in PLACEHOLDERS):
-            raise ApiConfigError(f"{name} is a documented placeholder: set a real secret "
-                                 "(`openssl rand -hex 32`)")  # fmt: skip
+            raise ApiConfigError(
+                f"{name} is a documented placeholder: set a real secret (`openssl rand -hex 32`)"
+            )
 
 
 def _same(a: SecretStr, b: SecretStr) -> bool:

@@ -28,9 +28,11 @@ Ctx = Annotated[ApiContext, Depends(get_ctx)]
 Operator = Annotated[Caller, Depends(require_operator)]
 
 router = APIRouter(
-    prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
+    prefix="/v1",
+    dependencies=[Depends(require_reader)],
+    responses=ERRORS,
     route_class=TokenJsonRoute,
-)  # fmt: skip
+)
 
 
 class ParkedKeyOut(BaseModel):
@@ -44,10 +46,15 @@ class ParkedKeyOut(BaseModel):
 
     @classmethod
     def of(cls, k: queries.ParkedKey) -> ParkedKeyOut:
-        return cls(ordering_key=k.ordering_key, blocking_message_id=k.blocking_message_id,
-                   blocking_status=k.blocking_status.value, blocking_error=k.blocking_error,
-                   blocking_reply_code=k.blocking_reply_code, parked_since=k.parked_since,
-                   waiting=k.waiting)  # fmt: skip
+        return cls(
+            ordering_key=k.ordering_key,
+            blocking_message_id=k.blocking_message_id,
+            blocking_status=k.blocking_status.value,
+            blocking_error=k.blocking_error,
+            blocking_reply_code=k.blocking_reply_code,
+            parked_since=k.parked_since,
+            waiting=k.waiting,
+        )
 
 
 class ParkedKeyPage(BaseModel):
@@ -112,13 +119,22 @@ def skip_message(
     if queries.message(ctx.engine, message_id=message_id) is None:
         raise HTTPException(404, f"no message {message_id!r}")
     try:
-        result = ctx.repo.skip(actor=actor.actor, message_id=message_id, reason=body.reason,
-                               principal=actor.principal, client_addr=actor.client)  # fmt: skip
+        result = ctx.repo.skip(
+            actor=actor.actor,
+            message_id=message_id,
+            reason=body.reason,
+            principal=actor.principal,
+            client_addr=actor.client,
+        )
     except CannotSkip as exc:
         raise HTTPException(409, str(exc)) from None
     log.info(
         "%s skipped %r (was %s, key %r, %d rows released), audit %d",
-        actor.actor, message_id, result.previous.value, result.ordering_key, result.released,
+        actor.actor,
+        message_id,
+        result.previous.value,
+        result.ordering_key,
+        result.released,
         result.audit_id,
-    )  # fmt: skip
+    )
     return SkipOut.of(result)

@@ -90,13 +90,19 @@ class LoopbackHostOnly:
         if scope["type"] != "http" or _loopback_host(scope):
             await self.app(scope, receive, send)
             return
-        body = json.dumps({
-            "type": "about:blank", "title": "Misdirected Request", "status": 421,
-            "detail": "insecure mode answers requests for a loopback host only "
-                      "(localhost, 127.0.0.1, [::1])",
-        }).encode()  # fmt: skip
-        headers = [(b"content-type", b"application/problem+json"),
-                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        body = json.dumps(
+            {
+                "type": "about:blank",
+                "title": "Misdirected Request",
+                "status": 421,
+                "detail": "insecure mode answers requests for a loopback host only "
+                "(localhost, 127.0.0.1, [::1])",
+            }
+        ).encode()
+        headers = [
+            (b"content-type", b"application/problem+json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
         await send({"type": "http.response.start", "status": 421, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -126,12 +132,19 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps({
-        "type": "about:blank", "title": "Request body too large", "status": 413,
-        "detail": f"the request body is over {limit} bytes",
-    }).encode()  # fmt: skip
-    headers = [(b"content-type", b"application/problem+json"),
-               (b"content-length", str(len(body)).encode()), (b"connection", b"close")]  # fmt: skip
+    body = json.dumps(
+        {
+            "type": "about:blank",
+            "title": "Request body too large",
+            "status": 413,
+            "detail": f"the request body is over {limit} bytes",
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     await send({"type": "http.response.start", "status": 413, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -151,8 +164,9 @@ def strict_loads(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise JsonError(f"the body is not UTF-8 (byte {exc.start})") from None
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
-                           parse_float=_finite)  # fmt: skip
+        value = json.loads(
+            text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_finite
+        )
     except json.JSONDecodeError as exc:
         raise JsonError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:  # 60 KB of "[" was a 500 with a traceback
@@ -206,8 +220,9 @@ class StrictJsonRoute(APIRoute):
                     self.before_body(request)
                     ctype = request.headers.get("content-type", "").split(";")[0].strip()
                     if ctype != JSON_MEDIA:
-                        raise HTTPException(415, f"send the body as {JSON_MEDIA}, not "
-                                                 f"{ctype or 'no Content-Type'}")  # fmt: skip
+                        raise HTTPException(
+                            415, f"send the body as {JSON_MEDIA}, not {ctype or 'no Content-Type'}"
+                        )
                     try:
                         request._json = strict_loads(raw)  # read by FastAPI's body parsing
                     except JsonError as exc:
@@ -226,9 +241,14 @@ class AuthThrottle:
     /64 (one host holds a whole /64: one address each try would otherwise never be throttled);
     past ``max_clients`` the client that failed least recently is forgotten, in O(1)."""
 
-    def __init__(self, *, max_failures: int = 20, window: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 max_clients: int = 10_000) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        max_failures: int = 20,
+        window: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_clients: int = 10_000,
+    ) -> None:
         self.max_failures = max_failures
         self.window = window
         self.clock = clock
@@ -240,8 +260,11 @@ class AuthThrottle:
         times = self._recent(client_key(client))
         if len(times) >= self.max_failures:
             wait = max(1, math.ceil(times[0] + self.window - self.clock()))
-            raise HTTPException(429, f"too many failed authentications from {client}; retry in "
-                                     f"{wait}s", {"Retry-After": str(wait)})  # fmt: skip
+            raise HTTPException(
+                429,
+                f"too many failed authentications from {client}; retry in {wait}s",
+                {"Retry-After": str(wait)},
+            )
 
     def failed(self, client: str) -> None:
         key = client_key(client)

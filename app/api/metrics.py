@@ -37,9 +37,10 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.snap
         yield CounterMetricFamily(
-            "outbox_republished", "Rows operators moved back to pending.",
+            "outbox_republished",
+            "Rows operators moved back to pending.",
             value=snap.operator_republished,
-        )  # fmt: skip
+        )
         rows = GaugeMetricFamily("outbox_rows", "Outbox rows per status.", labels=["status"])
         for status, count in snap.counts.items():
             rows.add_metric([status.value], count)
@@ -49,13 +50,15 @@ class SnapshotCollector(Collector):
     def _gauges(self) -> Iterator[Metric]:
         snap = self.snap
         yield GaugeMetricFamily(
-            "outbox_in_flight", "Rows claimed and awaiting a confirm.",
+            "outbox_in_flight",
+            "Rows claimed and awaiting a confirm.",
             value=snap.counts.get(Status.IN_FLIGHT, 0),
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily(
-            "outbox_oldest_pending_age_seconds", "Age of the oldest pending row (0 when none).",
+            "outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending row (0 when none).",
             value=snap.oldest_pending_age_seconds or 0.0,
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily(
             "outbox_oldest_in_flight_age_seconds",
             "Age of the oldest unconfirmed publish (0 when none).",
@@ -67,9 +70,10 @@ class SnapshotCollector(Collector):
             value=snap.possible_duplicates,
         )
         yield GaugeMetricFamily(
-            "outbox_publishers_alive", "Publishers with a recent heartbeat, not stopped.",
+            "outbox_publishers_alive",
+            "Publishers with a recent heartbeat, not stopped.",
             value=snap.publishers_alive,
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily(
             "outbox_parked_rows",
             "Pending rows of Spark batches in fail mode not recorded yet (held or parked).",
@@ -101,14 +105,16 @@ router = APIRouter(tags=["metrics"])
     dependencies=[Depends(require_reader)],
     response_class=Response,
     responses={
-        200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-              "description": "Prometheus text exposition."},
+        200: {
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "description": "Prometheus text exposition.",
+        },
         401: {"model": ErrorBody, "description": "Missing or unknown bearer token."},
         429: {"model": ErrorBody, "description": "Too many failed authentications."},
         503: {"model": ErrorBody, "description": "The database is unreachable."},
     },
     summary="Prometheus metrics",
-)  # fmt: skip
+)
 def get_metrics(ctx: Annotated[ApiContext, Depends(get_ctx)]) -> Response:
     snap = metrics_snapshot(ctx.engine, now=ctx.now(), alive_after=ctx.alive_after)
     return Response(render(snap), media_type=CONTENT_TYPE_LATEST)

@@ -183,28 +183,42 @@ class StatsOut(BaseModel):
     def of(cls, s: queries.OutboxStats) -> StatsOut:
         lat = s.confirm_latency
         return cls(
-            at=s.at, counts=StatusCounts.of(s.counts), total=sum(s.counts.values()),
+            at=s.at,
+            counts=StatusCounts.of(s.counts),
+            total=sum(s.counts.values()),
             confirmed_estimated=s.confirmed_estimated,
             oldest_pending_age_seconds=s.oldest_pending_age_seconds,
             oldest_in_flight_age_seconds=s.oldest_in_flight_age_seconds,
             confirm_latency=ConfirmLatency(
-                window_seconds=lat.window_seconds, samples=lat.samples,
-                p50=lat.p50, p90=lat.p90, p99=lat.p99,
+                window_seconds=lat.window_seconds,
+                samples=lat.samples,
+                p50=lat.p50,
+                p90=lat.p90,
+                p99=lat.p99,
             ),
             possible_duplicates=s.possible_duplicates,
-            operator_republished=s.operator_republished, publishers_alive=s.publishers_alive,
-            parked=s.parked, oldest_parked_age_seconds=s.oldest_parked_age_seconds,
-            delayed=s.delayed, next_delayed_at=s.next_delayed_at,
+            operator_republished=s.operator_republished,
+            publishers_alive=s.publishers_alive,
+            parked=s.parked,
+            oldest_parked_age_seconds=s.oldest_parked_age_seconds,
+            delayed=s.delayed,
+            next_delayed_at=s.next_delayed_at,
             broker_blocked=bool(s.blocked_publishers),
             publishers=[
                 PublisherOut(
-                    publisher_id=p.publisher_id, hostname=p.hostname, pid=p.pid,
-                    started_at=p.started_at, heartbeat_at=p.heartbeat_at,
-                    stopped_at=p.stopped_at, alive=p.alive, blocked=p.blocked, report=p.report,
+                    publisher_id=p.publisher_id,
+                    hostname=p.hostname,
+                    pid=p.pid,
+                    started_at=p.started_at,
+                    heartbeat_at=p.heartbeat_at,
+                    stopped_at=p.stopped_at,
+                    alive=p.alive,
+                    blocked=p.blocked,
+                    report=p.report,
                 )
                 for p in s.publishers
             ],
-        )  # fmt: skip
+        )
 
 
 # ---------------------------------------------------------------- outstanding confirms
@@ -353,20 +367,28 @@ class RepublishRequest(_RepublishBase):
     exchange: Text | None = None
     routing_key: Text | None = None
     ordering_key: Text | None = Field(
-        default=None, description="The rows of one ordering key: republish a parked key's "
-        "blocking row, the key resumes behind it.")  # fmt: skip
+        default=None,
+        description="The rows of one ordering key: republish a parked key's "
+        "blocking row, the key resumes behind it.",
+    )
     reason: Text | None = Field(
-        default=None, description="Substring of the error or reply text, any case (as in "
-        "GET /v1/messages).")  # fmt: skip
+        default=None,
+        description="Substring of the error or reply text, any case (as in GET /v1/messages).",
+    )
     cause: Cause | None = Field(
-        default=None, description="Exactly a failure group's reason (GET /v1/failures): the "
-        f"first {CAUSE_LENGTH} characters of the error, else the reply text.")  # fmt: skip
+        default=None,
+        description="Exactly a failure group's reason (GET /v1/failures): the "
+        f"first {CAUSE_LENGTH} characters of the error, else the reply text.",
+    )
     created_after: UtcDatetime | None = Field(default=None, description="Inclusive.")
     created_before: UtcDatetime | None = Field(default=None, description="Exclusive.")
     all_failures: bool = Field(
-        default=False, alias="all", description="Set to true to republish every terminal "
+        default=False,
+        alias="all",
+        description="Set to true to republish every terminal "
         "failure: a request without any filter is refused, so that an empty body never moves "
-        "everything.")  # fmt: skip
+        "everything.",
+    )
 
     @model_validator(mode="after")
     def _scope(self) -> RepublishRequest:
@@ -379,9 +401,10 @@ class RepublishRequest(_RepublishBase):
     def to_filter(self) -> RepublishFilter:
         given = "statuses" in self.model_fields_set
         return RepublishFilter.of(
-            statuses=self.statuses if given else None, everything=self.all_failures,
+            statuses=self.statuses if given else None,
+            everything=self.all_failures,
             **{name: getattr(self, name) for name in CRITERIA},
-        )  # fmt: skip
+        )
 
 
 class RepublishFilterOut(BaseModel):
@@ -410,10 +433,15 @@ class RepublishOut(BaseModel):
     @classmethod
     def of(cls, r: RepublishResult, *, request_id: str, flt: RepublishFilter) -> RepublishOut:
         return cls(
-            request_id=request_id, dry_run=r.dry_run, replayed=r.replayed, count=r.count,
-            matched=r.matched, sample=r.sample, audit_id=r.audit_id,
+            request_id=request_id,
+            dry_run=r.dry_run,
+            replayed=r.replayed,
+            count=r.count,
+            matched=r.matched,
+            sample=r.sample,
+            audit_id=r.audit_id,
             filter=RepublishFilterOut.model_validate(flt.as_json()),
-        )  # fmt: skip
+        )
 
 
 # ------------------------------------------------------------------------------ health

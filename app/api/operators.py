@@ -21,17 +21,21 @@ from app.outbox.states import Status
 
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
 router = APIRouter(
-    prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
+    prefix="/v1",
+    dependencies=[Depends(require_reader)],
+    responses=ERRORS,
     route_class=TokenJsonRoute,
-)  # fmt: skip
+)
 
 
 class FailureGroupOut(BaseModel):
     status: str
     exchange: str
     routing_key: str
-    reason: str = Field(description="The cause (the reason's first 500 characters): pass it as "
-                        "`cause` to POST /v1/republish to move exactly this group.")  # fmt: skip
+    reason: str = Field(
+        description="The cause (the reason's first 500 characters): pass it as "
+        "`cause` to POST /v1/republish to move exactly this group."
+    )
     rows: int
     first_created: dt.datetime | None
     last_created: dt.datetime | None
@@ -63,10 +67,19 @@ class AuditPage(BaseModel):
 @router.get("/failures", response_model=FailuresOut, summary="Terminal failures by cause")
 def get_failures(ctx: Ctx, limit: Annotated[int, Query(ge=1, le=500)] = 50) -> FailuresOut:
     groups = queries.failures_by_cause(ctx.engine, limit=limit)
-    out = [FailureGroupOut(status=g.status.value, exchange=g.exchange, routing_key=g.routing_key,
-                           reason=g.reason, rows=g.rows, first_created=g.first_created,
-                           last_created=g.last_created, sample_message_id=g.sample_message_id)
-           for g in groups]  # fmt: skip
+    out = [
+        FailureGroupOut(
+            status=g.status.value,
+            exchange=g.exchange,
+            routing_key=g.routing_key,
+            reason=g.reason,
+            rows=g.rows,
+            first_created=g.first_created,
+            last_created=g.last_created,
+            sample_message_id=g.sample_message_id,
+        )
+        for g in groups
+    ]
     return FailuresOut(groups=out, rows=sum(g.rows for g in groups))
 
 
@@ -77,9 +90,20 @@ def get_audit(
     before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
 ) -> AuditPage:
     entries = queries.audit_trail(ctx.engine, limit=limit, before=before)
-    items = [AuditOut(id=e.id, at=e.at, actor=e.actor, principal=e.principal,
-                      client_addr=e.client_addr, action=e.action, request_id=e.request_id,
-                      filter=e.filter, count=e.count) for e in entries]  # fmt: skip
+    items = [
+        AuditOut(
+            id=e.id,
+            at=e.at,
+            actor=e.actor,
+            principal=e.principal,
+            client_addr=e.client_addr,
+            action=e.action,
+            request_id=e.request_id,
+            filter=e.filter,
+            count=e.count,
+        )
+        for e in entries
+    ]
     nxt = entries[-1].id if len(entries) == limit else None
     return AuditPage(items=items, next_before=nxt)
 
@@ -89,8 +113,10 @@ class RejectOut(BaseModel):
     batch_id: str
     sink: str
     message_id: str | None
-    reason: str = Field(description="Why the Spark writer refused the row (a bad value, or a "
-                        "message id held by another message).")  # fmt: skip
+    reason: str = Field(
+        description="Why the Spark writer refused the row (a bad value, or a "
+        "message id held by another message)."
+    )
     row_json: str = Field(description="The row as the writer saw it, as JSON text.")
     created_at: dt.datetime
 
@@ -100,8 +126,11 @@ class RejectPage(BaseModel):
     next_before: int | None = Field(description="Pass as `before` for the next (older) page.")
 
 
-@router.get("/rejects", response_model=RejectPage,
-            summary="Rows the Spark writer refused (reject mode), newest first")  # fmt: skip
+@router.get(
+    "/rejects",
+    response_model=RejectPage,
+    summary="Rows the Spark writer refused (reject mode), newest first",
+)
 def get_rejects(
     ctx: Ctx,
     batch_id: Annotated[Text | None, Query()] = None,
@@ -109,9 +138,18 @@ def get_rejects(
     before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
 ) -> RejectPage:
     found = queries.writer_rejects(ctx.engine, batch_id=batch_id, limit=limit, before=before)
-    items = [RejectOut(id=r.id, batch_id=r.batch_id, sink=r.sink, message_id=r.message_id,
-                       reason=r.reason, row_json=r.row_json, created_at=r.created_at)
-             for r in found]  # fmt: skip
+    items = [
+        RejectOut(
+            id=r.id,
+            batch_id=r.batch_id,
+            sink=r.sink,
+            message_id=r.message_id,
+            reason=r.reason,
+            row_json=r.row_json,
+            created_at=r.created_at,
+        )
+        for r in found
+    ]
     return RejectPage(items=items, next_before=found[-1].id if len(found) == limit else None)
 
 
@@ -119,33 +157,54 @@ class MessagePage(BaseModel):
     items: list[MessageOut]
     next_after: int | None = Field(description="Pass as `after` for the next page.")
     truncated: bool = Field(
-        default=False, description="The page stopped before `limit` rows at the byte budget "
+        default=False,
+        description="The page stopped before `limit` rows at the byte budget "
         "(about 4 MiB of headers, properties and reasons): the rest follows `next_after`.",
-    )  # fmt: skip
+    )
 
 
 def _search(
-    ctx: ApiContext, *, statuses: list[Status] | None, batch_id: str | None, exchange: str | None,
-    routing_key: str | None, ordering_key: str | None, reason: str | None,
-    created_after: dt.datetime | None, created_before: dt.datetime | None, limit: int,
+    ctx: ApiContext,
+    *,
+    statuses: list[Status] | None,
+    batch_id: str | None,
+    exchange: str | None,
+    routing_key: str | None,
+    ordering_key: str | None,
+    reason: str | None,
+    created_after: dt.datetime | None,
+    created_before: dt.datetime | None,
+    limit: int,
     after: int | None,
-) -> MessagePage:  # fmt: skip
+) -> MessagePage:
     try:
         flt = Scope(
-            statuses=frozenset(statuses or ()), batch_id=batch_id, exchange=exchange,
-            routing_key=routing_key, ordering_key=ordering_key, reason=reason,
-            created_after=created_after, created_before=created_before,
-        )  # fmt: skip
+            statuses=frozenset(statuses or ()),
+            batch_id=batch_id,
+            exchange=exchange,
+            routing_key=routing_key,
+            ordering_key=ordering_key,
+            reason=reason,
+            created_after=created_after,
+            created_before=created_before,
+        )
     except ScopeError as exc:  # the scope's own rules (a range in order)
-        raise RequestValidationError([{
-            "type": "value_error", "loc": ("query", "created_after"), "input": None,
-            "msg": str(exc),
-        }]) from None  # fmt: skip
+        raise RequestValidationError(
+            [
+                {
+                    "type": "value_error",
+                    "loc": ("query", "created_after"),
+                    "input": None,
+                    "msg": str(exc),
+                }
+            ]
+        ) from None
     found = queries.search_messages(ctx.engine, flt=flt, limit=limit, after=after)
     more = found.truncated or len(found.items) == limit
     nxt = found.items[-1].id if more and found.items else None
-    return MessagePage(items=[MessageOut.of(m) for m in found.items], next_after=nxt,
-                       truncated=found.truncated)  # fmt: skip
+    return MessagePage(
+        items=[MessageOut.of(m) for m in found.items], next_after=nxt, truncated=found.truncated
+    )
 
 
 Statuses = Annotated[list[Status] | None, Query(alias="status", description="Repeatable.")]
@@ -166,16 +225,29 @@ After = Annotated[
     summary="Messages by status, batch, exchange, routing key, ordering key, reason, created range",
 )
 def list_messages(
-    ctx: Ctx, status: Statuses = None, batch_id: Annotated[Text | None, Query()] = None,
+    ctx: Ctx,
+    status: Statuses = None,
+    batch_id: Annotated[Text | None, Query()] = None,
     exchange: Annotated[Text | None, Query()] = None,
     routing_key: Annotated[Text | None, Query()] = None,
-    ordering_key: Annotated[Text | None, Query()] = None, reason: Reason = None,
-    created_after: CreatedAfter = None, created_before: CreatedBefore = None, limit: Limit = 50,
+    ordering_key: Annotated[Text | None, Query()] = None,
+    reason: Reason = None,
+    created_after: CreatedAfter = None,
+    created_before: CreatedBefore = None,
+    limit: Limit = 50,
     after: After = None,
-) -> MessagePage:  # fmt: skip
+) -> MessagePage:
     """Keyset pages in id order, without bodies (``GET /v1/messages/{id}`` has the body)."""
     return _search(
-        ctx, statuses=status, batch_id=batch_id, exchange=exchange, routing_key=routing_key,
-        ordering_key=ordering_key, reason=reason, created_after=created_after,
-        created_before=created_before, limit=limit, after=after,
-    )  # fmt: skip
+        ctx,
+        statuses=status,
+        batch_id=batch_id,
+        exchange=exchange,
+        routing_key=routing_key,
+        ordering_key=ordering_key,
+        reason=reason,
+        created_after=created_after,
+        created_before=created_before,
+        limit=limit,
+        after=after,
+    )

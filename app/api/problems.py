@@ -141,15 +141,17 @@ PROBLEM_SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "required": ["loc", "msg", "type"],
                 "properties": {
-                    "loc": {"type": "array", "items": {"anyOf": [{"type": "string"},
-                                                                   {"type": "integer"}]}},
+                    "loc": {
+                        "type": "array",
+                        "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                    },
                     "msg": {"type": "string"},
                     "type": {"type": "string"},
                 },
             },
         },
     },
-}  # fmt: skip
+}
 
 
 GENERIC_ERRORS = ("ErrorBody", "HTTPValidationError")

@@ -51,13 +51,21 @@ def reject_unknown_query(request: Request) -> None:
         name for name in _scalar_names(route.dependant) if len(given.getlist(name)) > 1
     )
     errors = [
-        {"type": "extra_forbidden", "loc": ("query", name), "msg": "unknown query parameter",
-         "input": None}
+        {
+            "type": "extra_forbidden",
+            "loc": ("query", name),
+            "msg": "unknown query parameter",
+            "input": None,
+        }
         for name in unknown
     ] + [
-        {"type": "too_long", "loc": ("query", name),
-         "msg": "query parameter given more than once; give it once", "input": None}
+        {
+            "type": "too_long",
+            "loc": ("query", name),
+            "msg": "query parameter given more than once; give it once",
+            "input": None,
+        }
         for name in repeated
-    ]  # fmt: skip
+    ]
     if errors:
         raise RequestValidationError(errors)

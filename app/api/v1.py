@@ -35,10 +35,12 @@ Operator = Annotated[Caller, Depends(require_operator)]
 ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or unknown bearer token."},
     413: {"description": "The request body is over OUTBOX_API_MAX_BODY_BYTES (problem+json)."},
-    429: {"model": ErrorBody, "description": "Too many failed authentications from this client "
-          "(see Retry-After)."},
+    429: {
+        "model": ErrorBody,
+        "description": "Too many failed authentications from this client (see Retry-After).",
+    },
     503: {"model": ErrorBody, "description": "The database is unreachable."},
-}  # fmt: skip
+}
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     **ERRORS,
     400: {
@@ -56,9 +58,11 @@ WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "Unknown."}}
 
 router = APIRouter(
-    prefix="/v1", dependencies=[Depends(require_reader)], responses=ERRORS,
+    prefix="/v1",
+    dependencies=[Depends(require_reader)],
+    responses=ERRORS,
     route_class=TokenJsonRoute,
-)  # fmt: skip
+)
 
 
 def _bad_cursor(exc: queries.BadCursor) -> RequestValidationError:
@@ -70,10 +74,12 @@ def _bad_cursor(exc: queries.BadCursor) -> RequestValidationError:
 @router.get("/stats", response_model=StatsOut, summary="Counts, ages, latency, publishers")
 def get_stats(ctx: Ctx) -> StatsOut:
     stats = queries.read_stats(
-        ctx.engine, now=ctx.now(), alive_after=ctx.alive_after,
+        ctx.engine,
+        now=ctx.now(),
+        alive_after=ctx.alive_after,
         latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
         latency_rows=ctx.settings.stats_latency_rows,
-    )  # fmt: skip
+    )
     return StatsOut.of(stats)
 
 
@@ -188,9 +194,14 @@ def _republish(
 ) -> RepublishOut:
     try:
         result = ctx.repo.republish(
-            actor=caller.actor, filter=flt, limit=req.limit, dry_run=req.dry_run,
-            request_id=req.request_id, principal=caller.principal, client_addr=caller.client,
-        )  # fmt: skip
+            actor=caller.actor,
+            filter=flt,
+            limit=req.limit,
+            dry_run=req.dry_run,
+            request_id=req.request_id,
+            principal=caller.principal,
+            client_addr=caller.client,
+        )
     except RequestIdReused as exc:
         raise HTTPException(409, str(exc)) from None
     return RepublishOut.of(result, request_id=req.request_id, flt=flt)

@@ -35,8 +35,9 @@ class AckTracker:
 
     def received(self, tag: int) -> None:
         if self._outstanding and tag <= next(reversed(self._outstanding)):
-            raise ValueError(f"delivery tag {tag} after {next(reversed(self._outstanding))}: "
-                             "not in order")  # fmt: skip
+            raise ValueError(
+                f"delivery tag {tag} after {next(reversed(self._outstanding))}: not in order"
+            )
         self._outstanding[tag] = False
 
     def finished(self, tag: int) -> None:

@@ -67,8 +67,9 @@ def already_in(conn: Connection, *, consumer: str, message_ids: Iterable[str]) -
     ids = sorted(set(message_ids))
     if not ids:
         return set()
-    stmt = select(inbox.c.message_id).where(inbox.c.consumer == consumer,
-                                            inbox.c.message_id.in_(ids))  # fmt: skip
+    stmt = select(inbox.c.message_id).where(
+        inbox.c.consumer == consumer, inbox.c.message_id.in_(ids)
+    )
     return set(conn.execute(stmt).scalars())
 
 
@@ -122,19 +123,27 @@ def seen(engine: Engine, *, consumer: str, message_id: str) -> bool:
 def charge(conn: Connection, *, consumer: str, message_id: str, error: str | None = None) -> int:
     """One more attempt of ``message_id`` (an attempt about to start, or one that just failed
     with ``error``); returns the count with it."""
-    ins = _dialect(conn).insert(consumer_attempts).values(
-        consumer=consumer, message_id=message_id, attempts=1,
-        last_error=_clip(error), updated_at=_now(),
-    )  # fmt: skip
+    ins = (
+        _dialect(conn)
+        .insert(consumer_attempts)
+        .values(
+            consumer=consumer,
+            message_id=message_id,
+            attempts=1,
+            last_error=_clip(error),
+            updated_at=_now(),
+        )
+    )
     stmt = ins.on_conflict_do_update(
         index_elements=[consumer_attempts.c.consumer, consumer_attempts.c.message_id],
         set_={
             "attempts": consumer_attempts.c.attempts + 1,
-            "last_error": ins.excluded.last_error if error is not None
+            "last_error": ins.excluded.last_error
+            if error is not None
             else consumer_attempts.c.last_error,
             "updated_at": ins.excluded.updated_at,
         },
-    ).returning(consumer_attempts.c.attempts)  # fmt: skip
+    ).returning(consumer_attempts.c.attempts)
     return int(conn.execute(stmt).scalar_one())
 
 
@@ -142,11 +151,12 @@ def note_error(conn: Connection, *, consumer: str, message_id: str, error: str) 
     """Keep ``error`` as the outcome of the attempt already charged; returns the count."""
     stmt = (
         update(consumer_attempts)
-        .where(consumer_attempts.c.consumer == consumer,
-               consumer_attempts.c.message_id == message_id)
+        .where(
+            consumer_attempts.c.consumer == consumer, consumer_attempts.c.message_id == message_id
+        )
         .values(last_error=_clip(error), updated_at=_now())
         .returning(consumer_attempts.c.attempts)
-    )  # fmt: skip
+    )
     found = conn.execute(stmt).scalar_one_or_none()
     return 1 if found is None else int(found)
 
@@ -162,8 +172,7 @@ def forget(conn: Connection, *, consumer: str, message_ids: Iterable[str]) -> No
     ids = sorted(set(message_ids))
     if ids:
         table = consumer_attempts
-        conn.execute(delete(table).where(table.c.consumer == consumer,
-                                         table.c.message_id.in_(ids)))  # fmt: skip
+        conn.execute(delete(table).where(table.c.consumer == consumer, table.c.message_id.in_(ids)))
 
 
 def _clip(error: str | None) -> str | None:
@@ -183,8 +192,11 @@ def purge_inbox(engine: Engine, *, older_than: dt.timedelta, chunk: int = 1000) 
         with engine.begin() as conn:
             rows = conn.execute(old.limit(chunk)).all()
             for consumer, message_id in rows:
-                conn.execute(delete(inbox).where(inbox.c.consumer == consumer,
-                                                 inbox.c.message_id == message_id))  # fmt: skip
+                conn.execute(
+                    delete(inbox).where(
+                        inbox.c.consumer == consumer, inbox.c.message_id == message_id
+                    )
+                )
         total += len(rows)
         if len(rows) < chunk:
             break

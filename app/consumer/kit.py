@@ -148,11 +148,15 @@ class ConsumerConfig:
 
     def __post_init__(self) -> None:
         problems = [
-            f"{name} must be at least 1" for name, value in
-            (("prefetch", self.prefetch), ("concurrency", self.concurrency),
-             ("delivery_limit", self.delivery_limit), ("batch_size", self.batch_size))
+            f"{name} must be at least 1"
+            for name, value in (
+                ("prefetch", self.prefetch),
+                ("concurrency", self.concurrency),
+                ("delivery_limit", self.delivery_limit),
+                ("batch_size", self.batch_size),
+            )
             if value < 1
-        ]  # fmt: skip
+        ]
         if not self.name.strip() or not self.queue.strip():
             problems.append("name and queue must not be empty")
         if self.mode not in ("batch", "message"):
@@ -198,13 +202,22 @@ class ConsumerCollector(Collector):
             ("in_flight", self.m.in_flight, "Deliveries held (in a handler or awaiting an ack)."),
             ("prefetch", self.m.prefetch, "The consumer's prefetch (basic.qos)."),
             ("connected", int(self.m.connected), "1 while consuming."),
-            ("database_down", int(self.m.database_down),
-             "1 while consumption is paused because the database does not answer."),
-            ("oldest_handler_seconds", self.m.oldest_handler_seconds(),
-             "Age of the oldest handler still running (0 when none runs)."),
-            ("abandoned_handlers", self.m.abandoned_handlers,
-             "Handlers past their timeout whose thread has not returned yet."),
-        ):  # fmt: skip
+            (
+                "database_down",
+                int(self.m.database_down),
+                "1 while consumption is paused because the database does not answer.",
+            ),
+            (
+                "oldest_handler_seconds",
+                self.m.oldest_handler_seconds(),
+                "Age of the oldest handler still running (0 when none runs).",
+            ),
+            (
+                "abandoned_handlers",
+                self.m.abandoned_handlers,
+                "Handlers past their timeout whose thread has not returned yet.",
+            ),
+        ):
             gauge = GaugeMetricFamily(f"outbox_consumer_{name}", doc, labels=["consumer"])
             gauge.add_metric(self.label, value)
             yield gauge
@@ -213,8 +226,9 @@ class ConsumerCollector(Collector):
             "Time from a delivery's handling start to its commit (its window's, when batched).",
             labels=["consumer"],
         )
-        hist.add_metric(self.label, self.m.handler_seconds.cumulative(),
-                        sum_value=self.m.handler_seconds.sum)  # fmt: skip
+        hist.add_metric(
+            self.label, self.m.handler_seconds.cumulative(), sum_value=self.m.handler_seconds.sum
+        )
         yield hist
 
 
@@ -264,10 +278,17 @@ class _Lost(Exception):
 class Consumer:
     """Consumes one queue into ``handler`` with an inbox; :meth:`run` until ``stop`` is set."""
 
-    def __init__(self, *, config: ConsumerConfig, amqp_url: str, engine: Engine,
-                 handler: Handler | None = None, batch_handler: BatchHandler | None = None,
-                 metrics: ConsumerMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        config: ConsumerConfig,
+        amqp_url: str,
+        engine: Engine,
+        handler: Handler | None = None,
+        batch_handler: BatchHandler | None = None,
+        metrics: ConsumerMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("give the consumer a handler or a batch_handler (one of them)")
         self.config = config
@@ -280,8 +301,9 @@ class Consumer:
         self.metrics.oldest_handler_started = self._oldest_handler_started
         self.clock = clock
         self._rng = random.Random()
-        self.outage = Outage(name=config.name, max_delay=config.database_retry_max_delay,
-                             rng=self._rng)  # fmt: skip
+        self.outage = Outage(
+            name=config.name, max_delay=config.database_retry_max_delay, rng=self._rng
+        )
         self.pool = self._new_pool()
         #: windows whose handler ran past its timeout and whose thread has not returned
         self.abandoned: set[Window] = set()
@@ -294,9 +316,12 @@ class Consumer:
                 "consumer %s: the database engine keeps %d connections for %d handler threads: "
                 "the others open and close a connection per transaction (a new database "
                 "session each, several times the CPU per message); make the engine with "
-                "pool_size >= %d (consumer_engine)", config.name, kept, config.concurrency,
+                "pool_size >= %d (consumer_engine)",
+                config.name,
+                kept,
                 config.concurrency,
-            )  # fmt: skip
+                config.concurrency,
+            )
 
     def _new_pool(self) -> ThreadPoolExecutor:
         # the handler threads, and one for the lane of redelivered messages
@@ -307,9 +332,11 @@ class Consumer:
         oldest = self.metrics.oldest_handler_seconds()
         limit = self.config.handler_timeout
         details: dict[str, object] = {
-            "consumer": self.config.name, "connected": self.metrics.connected,
-            "database_down": self.outage.down, "oldest_handler_seconds": round(oldest, 3),
-        }  # fmt: skip
+            "consumer": self.config.name,
+            "connected": self.metrics.connected,
+            "database_down": self.outage.down,
+            "oldest_handler_seconds": round(oldest, 3),
+        }
         ok = self.metrics.connected and not self.outage.down and (limit is None or oldest <= limit)
         return ok, details
 
@@ -333,27 +360,37 @@ class Consumer:
                         break
                     self.metrics.add("reconnects")
                     wait = delay * (0.5 + self._rng.random() / 2)
-                    log.warning("consumer %s on %s: %s; consuming again in %.1fs",
-                                self.config.name, self.config.queue, exc or type(exc).__name__,
-                                wait)  # fmt: skip
+                    log.warning(
+                        "consumer %s on %s: %s; consuming again in %.1fs",
+                        self.config.name,
+                        self.config.queue,
+                        exc or type(exc).__name__,
+                        wait,
+                    )
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), wait)
                     delay = min(self.config.reconnect_max_delay, delay * 2)
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
             c = self.metrics.counts
-            log.info("consumer %s stopped: %d handled, %d deduplicated, %d dead-lettered, "
-                     "%d requeued", self.config.name, c["handled"], c["deduplicated"],
-                     c["dead_lettered"], c["requeued"])  # fmt: skip
+            log.info(
+                "consumer %s stopped: %d handled, %d deduplicated, %d dead-lettered, %d requeued",
+                self.config.name,
+                c["handled"],
+                c["deduplicated"],
+                c["dead_lettered"],
+                c["requeued"],
+            )
 
     # ------------------------------------------------------------ one connection
 
     async def _session(self, stop: asyncio.Event) -> None:
         cfg = self.config
         conn = await aio_pika.connect(  # named: operators (and tests) find it in the broker
-            self.amqp_url, timeout=10,
+            self.amqp_url,
+            timeout=10,
             client_properties={"connection_name": f"outbox-consumer {cfg.name}"},
-        )  # fmt: skip
+        )
         async with conn:
             channel = await conn.channel()
             await channel.set_qos(prefetch_count=cfg.prefetch)
@@ -387,10 +424,14 @@ class Consumer:
 
                 self.metrics.connected = True
                 log.info(
-                    "consumer %s consuming %s from %s (%s mode, prefetch %d, %d handler "
-                    "threads)", cfg.name, cfg.queue, redact_url(self.amqp_url), cfg.mode,
-                    cfg.prefetch, cfg.concurrency,
-                )  # fmt: skip
+                    "consumer %s consuming %s from %s (%s mode, prefetch %d, %d handler threads)",
+                    cfg.name,
+                    cfg.queue,
+                    redact_url(self.amqp_url),
+                    cfg.mode,
+                    cfg.prefetch,
+                    cfg.concurrency,
+                )
                 ticker = asyncio.create_task(run.tick_forever())
                 sender = asyncio.create_task(run.send_forever())
                 stopping = asyncio.create_task(stop.wait())
@@ -419,8 +460,13 @@ Lane = Literal["window", "single", "suspect"]
 class _Run:
     """The deliveries of one channel: which job handles each, the database outage, the acks."""
 
-    def __init__(self, consumer: Consumer, channel: AbstractChannel, underlay: Any,
-                 dead_letters: AbstractChannel | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        consumer: Consumer,
+        channel: AbstractChannel,
+        underlay: Any,
+        dead_letters: AbstractChannel | None,
+    ) -> None:
         self.c = consumer
         self.cfg = consumer.config
         self.channel = channel
@@ -457,27 +503,40 @@ class _Run:
         props = delivered.header.properties
         mid = props.message_id
         if not mid:
-            log.error("delivery %d on %s has no message_id: cannot deduplicate, dead-lettered",
-                      tag, self.cfg.queue)  # fmt: skip
+            log.error(
+                "delivery %d on %s has no message_id: cannot deduplicate, dead-lettered",
+                tag,
+                self.cfg.queue,
+            )
             m.add("dead_lettered")
             self._reject(tag)
             return
         message = Message(
-            message_id=mid, body=delivered.body, routing_key=deliver.routing_key or "",
-            exchange=deliver.exchange or "", headers=dict(props.headers or {}),
-            content_type=props.content_type, redelivered=redelivered,
-        )  # fmt: skip
+            message_id=mid,
+            body=delivered.body,
+            routing_key=deliver.routing_key or "",
+            exchange=deliver.exchange or "",
+            headers=dict(props.headers or {}),
+            content_type=props.content_type,
+            redelivered=redelivered,
+        )
         count = _delivery_count(message.headers)
-        held = Held(tag=tag, message=message, redelivered=redelivered or count > 0,
-                    broker_count=count)  # fmt: skip
+        held = Held(
+            tag=tag, message=message, redelivered=redelivered or count > 0, broker_count=count
+        )
         self.held[tag] = held
         m.in_flight = len(self.held)
         self._route(held)
         self._schedule_pump()
 
     def _route(self, held: Held, *, front: bool = False) -> None:
-        lane = (self.singles if held.failure is not None else
-                self.suspects if held.redelivered else self.fresh)  # fmt: skip
+        lane = (
+            self.singles
+            if held.failure is not None
+            else self.suspects
+            if held.redelivered
+            else self.fresh
+        )
         if front:
             lane.appendleft(held)
         else:
@@ -554,13 +613,25 @@ class _Run:
         c = self.c
         window = Window(items, clock=c.clock)
         if lane == "window":
-            job = functools.partial(run_window, c.engine, consumer=self.cfg.name, window=window,
-                                    handler=c.handler, batch_handler=c.batch_handler)  # fmt: skip
+            job = functools.partial(
+                run_window,
+                c.engine,
+                consumer=self.cfg.name,
+                window=window,
+                handler=c.handler,
+                batch_handler=c.batch_handler,
+            )
         else:
-            job = functools.partial(run_single, c.engine, consumer=self.cfg.name, window=window,
-                                    handler=c.handler, limit=self.cfg.delivery_limit,
-                                    charge=lane == "suspect",
-                                    broker_limit=self.cfg.broker_delivery_limit)  # fmt: skip
+            job = functools.partial(
+                run_single,
+                c.engine,
+                consumer=self.cfg.name,
+                window=window,
+                handler=c.handler,
+                limit=self.cfg.delivery_limit,
+                charge=lane == "suspect",
+                broker_limit=self.cfg.broker_delivery_limit,
+            )
         self.jobs[window] = lane
         future = self._loop.run_in_executor(c.pool, job)
         future.add_done_callback(functools.partial(self._done, window))
@@ -578,8 +649,11 @@ class _Run:
             return
         error = future.exception()
         if error is not None:  # a bug of the kit: the broker gives them again
-            log.error("the consumer kit failed on %d deliveries: requeued", len(window.items),
-                      exc_info=error)  # fmt: skip
+            log.error(
+                "the consumer kit failed on %d deliveries: requeued",
+                len(window.items),
+                exc_info=error,
+            )
             for held in window.items:
                 self._settle(held, requeue=True)
             self._after()
@@ -597,8 +671,9 @@ class _Run:
             m.handler_seconds.observe_many(took, done)
             if out.handled and out.handler_seconds:  # a handler's time sizes the next windows
                 per = out.handler_seconds / len(out.handled)
-                c.seconds_per_message = per if c.seconds_per_message <= 0 else (
-                    0.8 * c.seconds_per_message + 0.2 * per)  # fmt: skip
+                c.seconds_per_message = (
+                    per if c.seconds_per_message <= 0 else (0.8 * c.seconds_per_message + 0.2 * per)
+                )
         for held in out.handled:
             self._finish(held, "handled")
         for held in out.deduplicated:  # a commit whose reply was lost did commit
@@ -607,8 +682,12 @@ class _Run:
             m.add("handler_failures")
             self._route(held)
         for held in out.requeue:
-            log.warning("handler failed on %s (attempt %d of %d): requeued", held.message_id,
-                        held.attempts, self.cfg.delivery_limit)  # fmt: skip
+            log.warning(
+                "handler failed on %s (attempt %d of %d): requeued",
+                held.message_id,
+                held.attempts,
+                self.cfg.delivery_limit,
+            )
             self._settle(held, requeue=True)
         for held in out.dead:
             self._dead_letter(held)
@@ -638,8 +717,11 @@ class _Run:
             log.warning(
                 "consumer %s: the database does not answer (%s): consumption paused, %d "
                 "deliveries held and retried with backoff; none counts against its delivery "
-                "limit", self.cfg.name, _first_line(exc), len(self.held),
-            )  # fmt: skip
+                "limit",
+                self.cfg.name,
+                _first_line(exc),
+                len(self.held),
+            )
         self._loop.call_later(max(0.0, c.outage.next_try - c.clock()), self._schedule_pump)
 
     def _database_answered(self) -> None:
@@ -648,8 +730,11 @@ class _Run:
         if took is not None:
             c.metrics.database_down = False
             c.metrics.add("reconnects")
-            log.info("consumer %s: the database answers again after %.1fs: consuming",
-                     self.cfg.name, took)  # fmt: skip
+            log.info(
+                "consumer %s: the database answers again after %.1fs: consuming",
+                self.cfg.name,
+                took,
+            )
 
     # ------------------------------------------------------------ settling
 
@@ -669,8 +754,7 @@ class _Run:
             self._reject(held.tag)
 
     def _dead_letter(self, held: Held) -> None:
-        log.error("consumer %s dead-letters %s: %s", self.cfg.name, held.message_id,
-                  held.failure)  # fmt: skip
+        log.error("consumer %s dead-letters %s: %s", self.cfg.name, held.message_id, held.failure)
         if held.broker_limited:
             self.c.metrics.add("broker_limited")
         if self.dead_letters is None:
@@ -696,18 +780,29 @@ class _Run:
         }
         try:
             assert self.dead_letters is not None and cfg.dead_letter_exchange is not None
-            exchange = (self.dead_letters.default_exchange if cfg.dead_letter_exchange == ""
-                        else await self.dead_letters.get_exchange(cfg.dead_letter_exchange,
-                                                                  ensure=False))  # fmt: skip
+            exchange = (
+                self.dead_letters.default_exchange
+                if cfg.dead_letter_exchange == ""
+                else await self.dead_letters.get_exchange(cfg.dead_letter_exchange, ensure=False)
+            )
             await exchange.publish(
-                aio_pika.Message(msg.body, headers=headers, message_id=msg.message_id,
-                                 content_type=msg.content_type,
-                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                routing_key=cfg.dead_letter_routing_key or msg.routing_key, mandatory=True,
-            )  # fmt: skip
+                aio_pika.Message(
+                    msg.body,
+                    headers=headers,
+                    message_id=msg.message_id,
+                    content_type=msg.content_type,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
+                routing_key=cfg.dead_letter_routing_key or msg.routing_key,
+                mandatory=True,
+            )
         except Exception as exc:
-            log.error("consumer %s could not publish the dead letter of %s (%s): rejected",
-                      cfg.name, msg.message_id, _first_line(exc))  # fmt: skip
+            log.error(
+                "consumer %s could not publish the dead letter of %s (%s): rejected",
+                cfg.name,
+                msg.message_id,
+                _first_line(exc),
+            )
             self._reject(held.tag)
             return
         self.tracker.finished(held.tag)
@@ -798,9 +893,13 @@ class _Run:
         m.abandoned_handlers = len(c.abandoned)
         m.add("handler_timeouts")
         m.add("handler_failures")
-        log.error("consumer %s: the handler of %s ran past %.0fs: its attempt failed; the "
-                  "thread is left to return on its own", self.cfg.name, held.message_id,
-                  took)  # fmt: skip
+        log.error(
+            "consumer %s: the handler of %s ran past %.0fs: its attempt failed; the "
+            "thread is left to return on its own",
+            self.cfg.name,
+            held.message_id,
+            took,
+        )
         # the hung thread keeps its slot: the next jobs get a pool of their own
         c.pool.shutdown(wait=False)
         c.pool = c._new_pool()
@@ -817,8 +916,13 @@ class _Run:
         self.jobs.pop(window, None)
         c.abandoned.add(window)
         m.abandoned_handlers = len(c.abandoned)
-        log.warning("consumer %s: a batch handler ran past %.0fs over %d messages: they run "
-                    "again one at a time", self.cfg.name, took, len(window.items))  # fmt: skip
+        log.warning(
+            "consumer %s: a batch handler ran past %.0fs over %d messages: they run "
+            "again one at a time",
+            self.cfg.name,
+            took,
+            len(window.items),
+        )
         c.pool.shutdown(wait=False)
         c.pool = c._new_pool()
         for held in window.items:
@@ -835,8 +939,11 @@ class _Run:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), timeout)
         if self.held:
-            log.warning("%d deliveries not finished after %.0fs: not acked (the broker gives "
-                        "them again)", len(self.held), timeout)  # fmt: skip
+            log.warning(
+                "%d deliveries not finished after %.0fs: not acked (the broker gives them again)",
+                len(self.held),
+                timeout,
+            )
         if self._sends:
             await asyncio.wait(set(self._sends), timeout=5)
         self._flush()

@@ -194,27 +194,39 @@ def _describe(exc: BaseException) -> str:
 def handle(handler: Handler, message: Message, conn: Connection) -> None:
     """Run ``handler`` on one message, inside a span that continues the message's trace (its
     ``traceparent`` header) when OpenTelemetry is installed; just the call without it."""
-    with tracing.consumer_span(message.headers, name=f"{message.exchange or '(default)'} process",
-                               attributes={"messaging.system": "rabbitmq",
-                                           "messaging.operation.type": "process",
-                                           "messaging.message.id": message.message_id,
-                                           "messaging.destination.name": message.exchange,
-                                           "messaging.rabbitmq.destination.routing_key":
-                                               message.routing_key}):  # fmt: skip
+    with tracing.consumer_span(
+        message.headers,
+        name=f"{message.exchange or '(default)'} process",
+        attributes={
+            "messaging.system": "rabbitmq",
+            "messaging.operation.type": "process",
+            "messaging.message.id": message.message_id,
+            "messaging.destination.name": message.exchange,
+            "messaging.rabbitmq.destination.routing_key": message.routing_key,
+        },
+    ):
         handler(message, conn)
 
 
 def handle_batch(handler: BatchHandler, messages: list[Message], conn: Connection) -> None:
     """Run a batch handler inside one span linked to each message's trace (with
     OpenTelemetry and at least one ``traceparent``; just the call without)."""
-    with tracing.linked_span([m.headers for m in messages], name="outbox batch process",
-                             attributes={"messaging.system": "rabbitmq",
-                                         "messaging.operation.type": "process"}):  # fmt: skip
+    with tracing.linked_span(
+        [m.headers for m in messages],
+        name="outbox batch process",
+        attributes={"messaging.system": "rabbitmq", "messaging.operation.type": "process"},
+    ):
         handler(messages, conn)
 
 
-def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handler,
-               batch_handler: BatchHandler | None = None) -> Outcome:  # fmt: skip
+def run_window(
+    engine: Engine,
+    *,
+    consumer: str,
+    window: Window,
+    handler: Handler,
+    batch_handler: BatchHandler | None = None,
+) -> Outcome:
     """Handlers first, then the inbox rows of the window in one ``INSERT … ON CONFLICT DO
     NOTHING``: an id it did not insert had its effect already (a duplicate publish; redeliveries
     run alone and ask the inbox first), so the window is rolled back and run again without it.
@@ -297,8 +309,14 @@ def run_window(engine: Engine, *, consumer: str, window: Window, handler: Handle
         return out
 
 
-def _window_failed(conn: Connection, window: Window, out: Outcome, taken: list[Held],
-                   culprit: Held | None, exc: Exception) -> Outcome:  # fmt: skip
+def _window_failed(
+    conn: Connection,
+    window: Window,
+    out: Outcome,
+    taken: list[Held],
+    culprit: Held | None,
+    exc: Exception,
+) -> Outcome:
     others = [h for h in taken if h is not culprit] + window.untaken()
     if window.abandoned:
         conn.invalidate()
@@ -323,8 +341,16 @@ def _window_failed(conn: Connection, window: Window, out: Outcome, taken: list[H
 # ---------------------------------------------------------------- one message alone
 
 
-def run_single(engine: Engine, *, consumer: str, window: Window, handler: Handler,
-               limit: int, charge: bool, broker_limit: int | None = None) -> Outcome:  # fmt: skip
+def run_single(
+    engine: Engine,
+    *,
+    consumer: str,
+    window: Window,
+    handler: Handler,
+    limit: int,
+    charge: bool,
+    broker_limit: int | None = None,
+) -> Outcome:
     """One delivery (the window's only item): record a pending failure, or charge the attempt
     (``charge``: a redelivery, whose earlier try may have killed the process), then the inbox
     row, the handler and ``COMMIT``."""
@@ -349,12 +375,20 @@ def run_single(engine: Engine, *, consumer: str, window: Window, handler: Handle
         except Exception as exc:
             out.outage, out.again = exc, [held]
             return out
-        return _run_alone(conn, consumer=consumer, window=window, handler=handler, limit=limit,
-                          out=out)  # fmt: skip
+        return _run_alone(
+            conn, consumer=consumer, window=window, handler=handler, limit=limit, out=out
+        )
 
 
-def _charge(conn: Connection, consumer: str, held: Held, limit: int, out: Outcome, *,
-            broker_limit: int | None = None) -> bool:  # fmt: skip
+def _charge(
+    conn: Connection,
+    consumer: str,
+    held: Held,
+    limit: int,
+    out: Outcome,
+    *,
+    broker_limit: int | None = None,
+) -> bool:
     """Count the attempt about to start, committed before the handler runs. False when the
     delivery is decided already (done before, past its limit, or returned by the broker
     ``broker_limit`` times: dead)."""
@@ -367,8 +401,10 @@ def _charge(conn: Connection, consumer: str, held: Held, limit: int, out: Outcom
             # table cannot (another consumer name, kits killed before their charge committed)
             inbox.forget(conn, consumer=consumer, message_ids=[held.message_id])
             held.broker_limited = True
-            held.failure = (f"broker delivery limit {broker_limit} reached: the broker returned "
-                            f"it {held.broker_count} times (x-delivery-count)")  # fmt: skip
+            held.failure = (
+                f"broker delivery limit {broker_limit} reached: the broker returned "
+                f"it {held.broker_count} times (x-delivery-count)"
+            )
             out.dead.append(held)
             return False
         count = inbox.charge(conn, consumer=consumer, message_id=held.message_id)
@@ -379,26 +415,28 @@ def _charge(conn: Connection, consumer: str, held: Held, limit: int, out: Outcom
     held.charged, held.attempts = True, count - 1
     if before >= limit:
         held.attempts = before
-        held.failure = (
-            f"delivery limit {limit} reached: {before} attempts, the last "
-            + (f"failed: {error}" if error else "ended without an outcome (the consumer died "
-               "or lost its database while the handler ran)")
-        )  # fmt: skip
+        held.failure = f"delivery limit {limit} reached: {before} attempts, the last " + (
+            f"failed: {error}"
+            if error
+            else "ended without an outcome (the consumer died "
+            "or lost its database while the handler ran)"
+        )
         out.dead.append(held)
         return False
     return True
 
 
-def _record_failure(conn: Connection, *, consumer: str, held: Held, limit: int,
-                    out: Outcome) -> Outcome:  # fmt: skip
+def _record_failure(
+    conn: Connection, *, consumer: str, held: Held, limit: int, out: Outcome
+) -> Outcome:
     error = held.failure or "failed"
     with conn.begin():
         if held.charged:
-            count = inbox.note_error(conn, consumer=consumer, message_id=held.message_id,
-                                     error=error)  # fmt: skip
+            count = inbox.note_error(
+                conn, consumer=consumer, message_id=held.message_id, error=error
+            )
         else:
-            count = inbox.charge(conn, consumer=consumer, message_id=held.message_id,
-                                 error=error)  # fmt: skip
+            count = inbox.charge(conn, consumer=consumer, message_id=held.message_id, error=error)
         if count >= limit:
             inbox.forget(conn, consumer=consumer, message_ids=[held.message_id])
     held.attempts, held.charged = count, False
@@ -411,8 +449,9 @@ def _record_failure(conn: Connection, *, consumer: str, held: Held, limit: int,
     return out
 
 
-def _run_alone(conn: Connection, *, consumer: str, window: Window, handler: Handler,
-               limit: int, out: Outcome) -> Outcome:  # fmt: skip
+def _run_alone(
+    conn: Connection, *, consumer: str, window: Window, handler: Handler, limit: int, out: Outcome
+) -> Outcome:
     held = window.take()
     if held is None:  # abandoned before it started
         out.abandoned, out.again = True, list(window.items)

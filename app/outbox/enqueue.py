@@ -99,8 +99,15 @@ LATEST_NOT_BEFORE = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
 #: Headers that are not part of a message's content when a re-enqueue is compared.
 TRACE_HEADERS = frozenset({tracing.TRACEPARENT, tracing.TRACESTATE})
 #: Duplicates are compared on these columns (``headers`` without :data:`TRACE_HEADERS`).
-CONTENT_COLUMNS = ("exchange", "routing_key", "body", "content_type", "headers", "properties",
-                   "ordering_key")  # fmt: skip
+CONTENT_COLUMNS = (
+    "exchange",
+    "routing_key",
+    "body",
+    "content_type",
+    "headers",
+    "properties",
+    "ordering_key",
+)
 DEFAULT_LIMITS = Limits()
 #: How each backend names the unique index a racing insert violates.
 _UNIQUE_ID = ("uq_outbox_message_id", "UNIQUE constraint failed: outbox.message_id")
@@ -217,9 +224,10 @@ def enqueue_collector(metrics: EnqueueMetrics = METRICS) -> Any:
     class _Collector:
         def collect(self) -> Iterable[Any]:
             fam = CounterMetricFamily(
-                "outbox_enqueue_messages", "Messages handed to enqueue, by outcome",
+                "outbox_enqueue_messages",
+                "Messages handed to enqueue, by outcome",
                 labels=["outcome"],
-            )  # fmt: skip
+            )
             for outcome in ("inserted", "duplicates", "invalid", "conflicts", "delayed"):
                 fam.add_metric([outcome], getattr(metrics, outcome))
             yield fam
@@ -266,18 +274,28 @@ def _row(
         headers.update(_trace_headers(message, context))  # a traceparent header of its own stays
     properties = _mapping(message.properties, what="properties")
     checked = check_row(
-        exchange=message.exchange, routing_key=message.routing_key,
-        message_id=message.message_id, body=message.body, content_type=message.content_type,
-        headers=headers or None, properties=properties, limits=limits,
-    )  # fmt: skip
+        exchange=message.exchange,
+        routing_key=message.routing_key,
+        message_id=message.message_id,
+        body=message.body,
+        content_type=message.content_type,
+        headers=headers or None,
+        properties=properties,
+        limits=limits,
+    )
     return {
-        "message_id": checked.message_id, "batch_id": batch_id, "exchange": checked.exchange,
-        "routing_key": checked.routing_key, "mandatory": _mandatory(message.mandatory),
-        "body": bytes(message.body), "content_type": checked.content_type,
-        "headers": checked.headers or None, "properties": properties,
+        "message_id": checked.message_id,
+        "batch_id": batch_id,
+        "exchange": checked.exchange,
+        "routing_key": checked.routing_key,
+        "mandatory": _mandatory(message.mandatory),
+        "body": bytes(message.body),
+        "content_type": checked.content_type,
+        "headers": checked.headers or None,
+        "properties": properties,
         "ordering_key": _ordering_key(message.ordering_key),
         "not_before": _not_before(message.not_before),
-    }  # fmt: skip
+    }
 
 
 def _mapping(value: object, *, what: str) -> dict[str, Any] | None:
@@ -350,8 +368,16 @@ def _content(column: str, value: Any) -> Any:
 
 #: Always written; the optional columns below only when a row of the call sets them, so a call
 #: of plain messages sends what a hand-written INSERT would (defaults from the table).
-_COLUMNS = ("message_id", "batch_id", "exchange", "routing_key", "body", "content_type",
-            "headers", "properties")  # fmt: skip
+_COLUMNS = (
+    "message_id",
+    "batch_id",
+    "exchange",
+    "routing_key",
+    "body",
+    "content_type",
+    "headers",
+    "properties",
+)
 #: column -> its value when left to the table's default
 _OPTIONAL = {"mandatory": True, "ordering_key": None, "not_before": None}
 
@@ -395,9 +421,11 @@ def _lookup_page(dialect: str) -> int:
 
 def _stored_pg(ids: Sequence[str]) -> Select[Any]:
     return select(outbox.c.message_id, *(outbox.c[c] for c in CONTENT_COLUMNS)).where(
-        outbox.c.message_id == func.any(bindparam("ids", value=list(ids),
-                                                  type_=postgresql.ARRAY(outbox.c.message_id.type)))
-    )  # fmt: skip
+        outbox.c.message_id
+        == func.any(
+            bindparam("ids", value=list(ids), type_=postgresql.ARRAY(outbox.c.message_id.type))
+        )
+    )
 
 
 def _stored(dialect: str, ids: Sequence[str]) -> Iterable[Select[Any]]:
@@ -414,8 +442,11 @@ def sort_out(rows: Sequence[dict[str, Any]], stored: Iterable[Any]) -> list[dict
         columns = differing(mapping, by_id[mapping["message_id"]])
         if columns:
             METRICS.add(conflicts=1)
-            log.warning("enqueue refused message_id %r: stored with another %s",
-                        mapping["message_id"], ", ".join(columns))  # fmt: skip
+            log.warning(
+                "enqueue refused message_id %r: stored with another %s",
+                mapping["message_id"],
+                ", ".join(columns),
+            )
             raise MessageConflict(message_id=mapping["message_id"], columns=columns)
         del by_id[mapping["message_id"]]
     return list(by_id.values())
@@ -427,8 +458,9 @@ def outcome(rows: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> En
     duplicates = tuple(r["message_id"] for r in rows if r["message_id"] not in fresh)
     delayed = sum(1 for r in new if r["not_before"] is not None)
     METRICS.add(inserted=len(inserted), duplicates=len(duplicates), delayed=delayed)
-    log.debug("enqueued %d messages (%d delayed), %d duplicates", len(inserted), delayed,
-              len(duplicates))  # fmt: skip
+    log.debug(
+        "enqueued %d messages (%d delayed), %d duplicates", len(inserted), delayed, len(duplicates)
+    )
     return Enqueued(inserted=inserted, duplicates=duplicates)
 
 
@@ -539,8 +571,14 @@ def enqueue_psycopg(
         found = cur.execute(_PSYCOPG_STORED, ([r["message_id"] for r in rows],)).fetchall()
         new = sort_out(rows, [_Stored(f) for f in found])
         if new:
-            params = [{**r, "headers": _json(r["headers"], Json),
-                       "properties": _json(r["properties"], Json)} for r in new]  # fmt: skip
+            params = [
+                {
+                    **r,
+                    "headers": _json(r["headers"], Json),
+                    "properties": _json(r["properties"], Json),
+                }
+                for r in new
+            ]
             with _guarded(len(new)):
                 cur.executemany(psycopg_insert(optional_columns(new)), params)
     return outcome(rows, new)

@@ -40,22 +40,41 @@ class Verdict:
 def verdict(stats: OutboxStats, limits: Thresholds = Thresholds()) -> Verdict:
     crit: list[str] = []
     warn: list[str] = []
-    open_rows = (stats.counts.get(Status.PENDING, 0) - stats.parked - stats.delayed
-                 + stats.counts.get(Status.IN_FLIGHT, 0))  # fmt: skip
+    open_rows = (
+        stats.counts.get(Status.PENDING, 0)
+        - stats.parked
+        - stats.delayed
+        + stats.counts.get(Status.IN_FLIGHT, 0)
+    )
     if open_rows and stats.publishers_alive == 0:
         crit.append(f"{open_rows} rows waiting and no publisher alive")
     if stats.blocked_publishers:
-        crit.append(f"the broker blocks {len(stats.blocked_publishers)} publisher(s) (resource "
-                    "alarm)")  # fmt: skip
-    _age(stats.oldest_pending_age_seconds, "oldest pending row", limits.warn_pending_age,
-         limits.crit_pending_age, warn, crit)  # fmt: skip
-    _age(stats.oldest_in_flight_age_seconds, "oldest unconfirmed publish",
-         limits.warn_in_flight_age, limits.crit_in_flight_age, warn, crit)  # fmt: skip
+        crit.append(
+            f"the broker blocks {len(stats.blocked_publishers)} publisher(s) (resource alarm)"
+        )
+    _age(
+        stats.oldest_pending_age_seconds,
+        "oldest pending row",
+        limits.warn_pending_age,
+        limits.crit_pending_age,
+        warn,
+        crit,
+    )
+    _age(
+        stats.oldest_in_flight_age_seconds,
+        "oldest unconfirmed publish",
+        limits.warn_in_flight_age,
+        limits.crit_in_flight_age,
+        warn,
+        crit,
+    )
     parked_age = stats.oldest_parked_age_seconds
     if stats.parked and parked_age is not None and parked_age > limits.warn_pending_age:
-        warn.append(f"{stats.parked} rows parked by a Spark batch in fail mode that was "
-                    f"never recorded, oldest {parked_age:.0f}s (its driver died between the "
-                    "tasks and the commit?): re-run that batch to release them")  # fmt: skip
+        warn.append(
+            f"{stats.parked} rows parked by a Spark batch in fail mode that was "
+            f"never recorded, oldest {parked_age:.0f}s (its driver died between the "
+            "tasks and the commit?): re-run that batch to release them"
+        )
     failures = sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES)
     if failures:
         warn.append(f"{failures} rows returned, nacked or failed (see `outbox failures`)")
@@ -67,8 +86,9 @@ def verdict(stats: OutboxStats, limits: Thresholds = Thresholds()) -> Verdict:
     return Verdict(Level.WARNING, warn) if warn else Verdict(Level.OK)
 
 
-def _age(age: float | None, what: str, warn_at: float, crit_at: float, warn: list[str],
-         crit: list[str]) -> None:  # fmt: skip
+def _age(
+    age: float | None, what: str, warn_at: float, crit_at: float, warn: list[str], crit: list[str]
+) -> None:
     if age is None:
         return
     if age > crit_at:

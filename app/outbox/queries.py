@@ -336,12 +336,16 @@ def publisher_rows(
         stats = row["stats"] if isinstance(row["stats"], dict) else None
         out.append(
             PublisherInfo(
-                publisher_id=row["publisher_id"], hostname=row["hostname"], pid=row["pid"],
-                started_at=row["started_at"], heartbeat_at=row["heartbeat_at"],
-                stopped_at=row["stopped_at"], stats=stats,
+                publisher_id=row["publisher_id"],
+                hostname=row["hostname"],
+                pid=row["pid"],
+                started_at=row["started_at"],
+                heartbeat_at=row["heartbeat_at"],
+                stopped_at=row["stopped_at"],
+                stats=stats,
                 alive=row["stopped_at"] is None and beat_age <= alive_after,
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -385,9 +389,12 @@ def read_stats(
 
 def summarize_latency(ordered: Sequence[float], *, window: dt.timedelta) -> LatencySummary:
     return LatencySummary(
-        window_seconds=window.total_seconds(), samples=len(ordered),
-        p50=percentile(ordered, 0.5), p90=percentile(ordered, 0.9), p99=percentile(ordered, 0.99),
-    )  # fmt: skip
+        window_seconds=window.total_seconds(),
+        samples=len(ordered),
+        p50=percentile(ordered, 0.5),
+        p90=percentile(ordered, 0.9),
+        p99=percentile(ordered, 0.99),
+    )
 
 
 # ---------------------------------------------------------------- outstanding confirms
@@ -508,16 +515,22 @@ def outstanding_confirms(
 
 def _outstanding(row: Any, now: dt.datetime) -> OutstandingConfirm:
     return OutstandingConfirm(
-        id=row["id"], message_id=row["message_id"], batch_id=row["batch_id"],
-        publisher=row["lease_owner"], channel_id=row["channel_id"],
-        delivery_tag=row["delivery_tag"], attempt=row["attempts"],
-        max_attempts=row["max_attempts"], exchange=row["exchange"],
-        routing_key=row["routing_key"], published_at=row["sent_at"],
+        id=row["id"],
+        message_id=row["message_id"],
+        batch_id=row["batch_id"],
+        publisher=row["lease_owner"],
+        channel_id=row["channel_id"],
+        delivery_tag=row["delivery_tag"],
+        attempt=row["attempts"],
+        max_attempts=row["max_attempts"],
+        exchange=row["exchange"],
+        routing_key=row["routing_key"],
+        published_at=row["sent_at"],
         claimed_at=row["claimed_at"],
         age_seconds=age_seconds(row["sent_at"] or row["claimed_at"], now),
         lease_until=row["lease_until"],
         lost_confirms=row["lost_confirms"],
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------------------- batches
@@ -589,7 +602,9 @@ def _summaries(conn: Connection, batch_ids: Sequence[str]) -> list[BatchSummary]
     confirmed_at = _when_status(Status.CONFIRMED, outbox.c.confirmed_at)
     agg = (
         select(
-            outbox.c.batch_id, func.count().label("rows"), *per_status,
+            outbox.c.batch_id,
+            func.count().label("rows"),
+            *per_status,
             func.min(outbox.c.created_at).label("first_created_at"),
             func.min(outbox.c.published_at).label("first_published_at"),
             func.max(outbox.c.published_at).label("last_published_at"),
@@ -599,7 +614,7 @@ def _summaries(conn: Connection, batch_ids: Sequence[str]) -> list[BatchSummary]
         )
         .where(outbox.c.batch_id.in_(list(batch_ids)))
         .group_by(outbox.c.batch_id)
-    )  # fmt: skip
+    )
     aggs = {row["batch_id"]: row for row in conn.execute(agg).mappings()}
     meta_stmt = select(batches).where(batches.c.batch_id.in_(list(batch_ids)))
     metas = {row["batch_id"]: row for row in conn.execute(meta_stmt).mappings()}
@@ -614,14 +629,22 @@ def _summary(batch_id: str, agg: Any, meta: Any) -> BatchSummary:
         return meta[key] if meta is not None else None
 
     return BatchSummary(
-        batch_id=batch_id, sink=m("sink"), spark_batch_id=m("spark_batch_id"),
-        query_id=m("query_id"), committed_at=m("committed_at"), row_count=m("row_count"),
-        rejected_count=m("rejected_count"), rows=int(a("rows") or 0),
+        batch_id=batch_id,
+        sink=m("sink"),
+        spark_batch_id=m("spark_batch_id"),
+        query_id=m("query_id"),
+        committed_at=m("committed_at"),
+        row_count=m("row_count"),
+        rejected_count=m("rejected_count"),
+        rows=int(a("rows") or 0),
         counts={s: int(a(s.value) or 0) for s in Status},
-        first_created_at=a("first_created_at"), first_published_at=a("first_published_at"),
-        last_published_at=a("last_published_at"), first_confirmed_at=a("first_confirmed_at"),
-        last_confirmed_at=a("last_confirmed_at"), republished=int(a("republished") or 0),
-    )  # fmt: skip
+        first_created_at=a("first_created_at"),
+        first_published_at=a("first_published_at"),
+        last_published_at=a("last_published_at"),
+        first_confirmed_at=a("first_confirmed_at"),
+        last_confirmed_at=a("last_confirmed_at"),
+        republished=int(a("republished") or 0),
+    )
 
 
 def encode_batch_cursor(batch_id: str) -> str:
@@ -765,18 +788,27 @@ def scope_conditions(flt: Scope) -> list[ColumnElement[bool]]:
     conds: list[ColumnElement[bool]] = []
     if flt.statuses:
         conds.append(outbox.c.status.in_(sorted(st.value for st in flt.statuses)))
-    for column, value in ((outbox.c.message_id, flt.message_id),
-                          (outbox.c.batch_id, flt.batch_id), (outbox.c.exchange, flt.exchange),
-                          (outbox.c.routing_key, flt.routing_key),
-                          (outbox.c.ordering_key, flt.ordering_key)):  # fmt: skip
+    for column, value in (
+        (outbox.c.message_id, flt.message_id),
+        (outbox.c.batch_id, flt.batch_id),
+        (outbox.c.exchange, flt.exchange),
+        (outbox.c.routing_key, flt.routing_key),
+        (outbox.c.ordering_key, flt.ordering_key),
+    ):
         if value is not None:
             conds.append(column == value)
     if flt.reason:
         needle = flt.reason.lower()
-        conds.append(or_(
-            func.lower(func.coalesce(outbox.c.last_error, "")).contains(needle, autoescape=True),
-            func.lower(func.coalesce(outbox.c.reply_text, "")).contains(needle, autoescape=True),
-        ))  # fmt: skip
+        conds.append(
+            or_(
+                func.lower(func.coalesce(outbox.c.last_error, "")).contains(
+                    needle, autoescape=True
+                ),
+                func.lower(func.coalesce(outbox.c.reply_text, "")).contains(
+                    needle, autoescape=True
+                ),
+            )
+        )
     if flt.cause is not None:
         conds.append(cause_of() == flt.cause)
     if flt.created_after is not None:
@@ -803,9 +835,18 @@ class MessageSlice:
 
 def _row_bytes() -> ColumnElement[int]:
     """Characters of a row's variable-size text: what it weighs in a page."""
-    sized = [cast(outbox.c.headers, Text), cast(outbox.c.properties, Text), outbox.c.last_error,
-             outbox.c.reply_text, outbox.c.message_id, outbox.c.batch_id, outbox.c.exchange,
-             outbox.c.routing_key, outbox.c.ordering_key, outbox.c.lease_owner]  # fmt: skip
+    sized = [
+        cast(outbox.c.headers, Text),
+        cast(outbox.c.properties, Text),
+        outbox.c.last_error,
+        outbox.c.reply_text,
+        outbox.c.message_id,
+        outbox.c.batch_id,
+        outbox.c.exchange,
+        outbox.c.routing_key,
+        outbox.c.ordering_key,
+        outbox.c.lease_owner,
+    ]
     total: ColumnElement[int] = literal(ROW_OVERHEAD_BYTES)
     for column in sized:
         total = total + func.coalesce(func.length(column), 0)
@@ -823,9 +864,13 @@ def within_budget(sizes: Sequence[int], *, max_bytes: int) -> int:
 
 
 def search_messages(
-    engine: Engine, *, flt: MessageFilter, limit: int = 50, after: int | None = None,
+    engine: Engine,
+    *,
+    flt: MessageFilter,
+    limit: int = 50,
+    after: int | None = None,
     max_bytes: int = MAX_PAGE_BYTES,
-) -> MessageSlice:  # fmt: skip
+) -> MessageSlice:
     """Messages matching ``flt`` in id order, without bodies (keyset pages: ``after`` the last
     id of the previous page), at most ``limit`` rows and about ``max_bytes`` of text: the rows'
     sizes are read first, and only the rows within the budget are read in full."""
@@ -840,15 +885,22 @@ def search_messages(
         taken = within_budget([int(m.size) for m in measured], max_bytes=max_bytes)
         ids = [m.id for m in measured[:taken]]
         cols = [*_MESSAGE_COLUMNS, func.length(outbox.c.body).label("body_size")]
-        rows = conn.execute(
-            select(*cols).where(outbox.c.id.in_(ids)).order_by(outbox.c.id)
-        ).mappings().all() if ids else []  # fmt: skip
+        rows = (
+            conn.execute(select(*cols).where(outbox.c.id.in_(ids)).order_by(outbox.c.id))
+            .mappings()
+            .all()
+            if ids
+            else []
+        )
     out = []
     for row in rows:
         values = dict(row)
-        values.update(body=None, status=Status(values["status"]),
-                      headers=_as_dict(values["headers"]),
-                      properties=_as_dict(values["properties"]))  # fmt: skip
+        values.update(
+            body=None,
+            status=Status(values["status"]),
+            headers=_as_dict(values["headers"]),
+            properties=_as_dict(values["properties"]),
+        )
         out.append(MessageRecord(**values))
     return MessageSlice(items=out, truncated=taken < len(measured))
 
@@ -900,11 +952,19 @@ def audit_trail(engine: Engine, *, limit: int = 50, before: int | None = None) -
     with engine.connect() as conn:
         rows = conn.execute(stmt).mappings().all()
     return [
-        AuditEntry(id=r["id"], at=r["at"], actor=r["actor"], principal=r["principal"],
-                   client_addr=r["client_addr"], action=r["action"], request_id=r["request_id"],
-                   filter=_as_dict(r["filter"]) or {}, count=r["count"])
+        AuditEntry(
+            id=r["id"],
+            at=r["at"],
+            actor=r["actor"],
+            principal=r["principal"],
+            client_addr=r["client_addr"],
+            action=r["action"],
+            request_id=r["request_id"],
+            filter=_as_dict(r["filter"]) or {},
+            count=r["count"],
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -934,11 +994,17 @@ def writer_rejects(
     with engine.connect() as conn:
         rows = conn.execute(stmt).mappings().all()
     return [
-        WriterReject(id=r["id"], batch_id=r["batch_id"], sink=r["sink"],
-                     message_id=r["message_id"], reason=r["reason"], row_json=r["row_json"],
-                     created_at=r["created_at"])
+        WriterReject(
+            id=r["id"],
+            batch_id=r["batch_id"],
+            sink=r["sink"],
+            message_id=r["message_id"],
+            reason=r["reason"],
+            row_json=r["row_json"],
+            created_at=r["created_at"],
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -960,23 +1026,36 @@ def failures_by_cause(engine: Engine, *, limit: int = 50) -> list[FailureGroup]:
     status index: terminal failures are few next to confirmed rows)."""
     reason = func.coalesce(outbox.c.last_error, outbox.c.reply_text, "")
     stmt = (
-        select(outbox.c.status, outbox.c.exchange, outbox.c.routing_key, reason.label("reason"),
-               func.count().label("n"), func.min(outbox.c.created_at).label("first"),
-               func.max(outbox.c.created_at).label("last"),
-               func.min(outbox.c.message_id).label("sample"))
+        select(
+            outbox.c.status,
+            outbox.c.exchange,
+            outbox.c.routing_key,
+            reason.label("reason"),
+            func.count().label("n"),
+            func.min(outbox.c.created_at).label("first"),
+            func.max(outbox.c.created_at).label("last"),
+            func.min(outbox.c.message_id).label("sample"),
+        )
         .where(outbox.c.status.in_([s.value for s in TERMINAL_FAILURES]))
         .group_by(outbox.c.status, outbox.c.exchange, outbox.c.routing_key, reason)
         .order_by(func.count().desc(), outbox.c.exchange)
         .limit(limit)
-    )  # fmt: skip
+    )
     with engine.connect() as conn:
         rows = conn.execute(stmt).all()
     return [
-        FailureGroup(status=Status(r.status), exchange=r.exchange, routing_key=r.routing_key,
-                     reason=r.reason[:500], rows=int(r.n), first_created=r.first,
-                     last_created=r.last, sample_message_id=r.sample)
+        FailureGroup(
+            status=Status(r.status),
+            exchange=r.exchange,
+            routing_key=r.routing_key,
+            reason=r.reason[:500],
+            rows=int(r.n),
+            first_created=r.first,
+            last_created=r.last,
+            sample_message_id=r.sample,
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -1027,18 +1106,22 @@ def failures_page(
     totals are the same moment's)."""
     terminal = outbox.c.status.in_(sorted(s.value for s in TERMINAL_FAILURES))
     cause = cause_of().label("cause")
-    grouped = select(outbox.c.status, outbox.c.exchange, cause).where(terminal).group_by(
-        *_cause_key()
-    )  # fmt: skip
+    grouped = (
+        select(outbox.c.status, outbox.c.exchange, cause).where(terminal).group_by(*_cause_key())
+    )
     counted = grouped.add_columns(func.count().label("n")).subquery()
     totals = select(func.count(), func.coalesce(func.sum(counted.c.n), 0)).select_from(counted)
     page = (
-        grouped.add_columns(func.count().label("n"), func.min(outbox.c.created_at).label("first"),
-                            func.max(outbox.c.created_at).label("last"),
-                            func.min(outbox.c.message_id).label("sample"))
+        grouped.add_columns(
+            func.count().label("n"),
+            func.min(outbox.c.created_at).label("first"),
+            func.max(outbox.c.created_at).label("last"),
+            func.min(outbox.c.message_id).label("sample"),
+        )
         .order_by(func.count().desc(), outbox.c.status, outbox.c.exchange, cause_of())
-        .limit(limit).offset(offset)
-    )  # fmt: skip
+        .limit(limit)
+        .offset(offset)
+    )
     with _snapshot(engine) as conn:
         n_groups, n_rows = conn.execute(totals).one()
         rows = conn.execute(page).all()
@@ -1047,13 +1130,23 @@ def failures_page(
     for r in rows:
         every = keys.get((r.status, r.exchange, r.cause), [])
         shown, rest = every[:keys_per_group], every[keys_per_group:]
-        groups.append(CauseGroup(
-            status=Status(r.status), exchange=r.exchange, cause=r.cause, rows=int(r.n),
-            first_created=r.first, last_created=r.last, sample_message_id=r.sample, keys=shown,
-            more_keys=len(rest), more_rows=sum(k.rows for k in rest),
-        ))  # fmt: skip
-    return FailuresPage(groups=groups, total_rows=int(n_rows), total_groups=int(n_groups),
-                        offset=offset)  # fmt: skip
+        groups.append(
+            CauseGroup(
+                status=Status(r.status),
+                exchange=r.exchange,
+                cause=r.cause,
+                rows=int(r.n),
+                first_created=r.first,
+                last_created=r.last,
+                sample_message_id=r.sample,
+                keys=shown,
+                more_keys=len(rest),
+                more_rows=sum(k.rows for k in rest),
+            )
+        )
+    return FailuresPage(
+        groups=groups, total_rows=int(n_rows), total_groups=int(n_groups), offset=offset
+    )
 
 
 def _keys_of(
@@ -1061,15 +1154,22 @@ def _keys_of(
 ) -> dict[tuple[str, str, str], list[KeyCount]]:
     """The routing keys of these causes, largest first."""
     cause = cause_of()
-    which = or_(*[and_(outbox.c.status == st, outbox.c.exchange == ex, cause == c)
-                  for st, ex, c in causes])  # fmt: skip
+    which = or_(
+        *[and_(outbox.c.status == st, outbox.c.exchange == ex, cause == c) for st, ex, c in causes]
+    )
     stmt = (
-        select(outbox.c.status, outbox.c.exchange, cause.label("cause"), outbox.c.routing_key,
-               func.count().label("n"), func.min(outbox.c.message_id).label("sample"))
+        select(
+            outbox.c.status,
+            outbox.c.exchange,
+            cause.label("cause"),
+            outbox.c.routing_key,
+            func.count().label("n"),
+            func.min(outbox.c.message_id).label("sample"),
+        )
         .where(which)
         .group_by(*_cause_key(), outbox.c.routing_key)
         .order_by(func.count().desc(), outbox.c.routing_key)
-    )  # fmt: skip
+    )
     out: dict[tuple[str, str, str], list[KeyCount]] = {}
     for r in conn.execute(stmt):
         out.setdefault((r.status, r.exchange, r.cause), []).append(
@@ -1103,9 +1203,14 @@ def audit_by_request_id(engine: Engine, *, request_id: str) -> AuditRecord | Non
     if row is None:
         return None
     return AuditRecord(
-        id=row["id"], at=row["at"], actor=row["actor"], action=row["action"],
-        request_id=row["request_id"], filter=dict(row["filter"] or {}), count=row["count"],
-    )  # fmt: skip
+        id=row["id"],
+        at=row["at"],
+        actor=row["actor"],
+        action=row["action"],
+        request_id=row["request_id"],
+        filter=dict(row["filter"] or {}),
+        count=row["count"],
+    )
 
 
 def batch_exists(engine: Engine, *, batch_id: str) -> bool:
@@ -1143,35 +1248,53 @@ def parked_keys(engine: Engine, *, limit: int = 100, after: str | None = None) -
     failures = [s.value for s in TERMINAL_FAILURES]
     earlier_open = (
         select(e.c.id)
-        .where(e.c.ordering_key == o.c.ordering_key, e.c.id < o.c.id,
-               e.c.status.notin_([Status.CONFIRMED.value, Status.SKIPPED.value]))
+        .where(
+            e.c.ordering_key == o.c.ordering_key,
+            e.c.id < o.c.id,
+            e.c.status.notin_([Status.CONFIRMED.value, Status.SKIPPED.value]),
+        )
         .exists()
-    )  # fmt: skip
+    )
     waiting = (
-        select(func.count()).select_from(e)
-        .where(e.c.ordering_key == o.c.ordering_key, e.c.id > o.c.id,
-               e.c.status == Status.PENDING.value)
+        select(func.count())
+        .select_from(e)
+        .where(
+            e.c.ordering_key == o.c.ordering_key,
+            e.c.id > o.c.id,
+            e.c.status == Status.PENDING.value,
+        )
         .scalar_subquery()
-    )  # fmt: skip
+    )
     stmt = (
-        select(o.c.ordering_key, o.c.message_id, o.c.status, o.c.last_error, o.c.reply_code,
-               func.coalesce(o.c.confirmed_at, o.c.published_at, o.c.claimed_at).label("since"),
-               waiting.label("waiting"))
+        select(
+            o.c.ordering_key,
+            o.c.message_id,
+            o.c.status,
+            o.c.last_error,
+            o.c.reply_code,
+            func.coalesce(o.c.confirmed_at, o.c.published_at, o.c.claimed_at).label("since"),
+            waiting.label("waiting"),
+        )
         .where(o.c.ordering_key.is_not(None), o.c.status.in_(failures), ~earlier_open)
         .order_by(o.c.ordering_key)
         .limit(limit)
-    )  # fmt: skip
+    )
     if after is not None:
         stmt = stmt.where(o.c.ordering_key > after)
     with engine.connect() as conn:
         rows = conn.execute(stmt).all()
     return [
-        ParkedKey(ordering_key=r.ordering_key, blocking_message_id=r.message_id,
-                  blocking_status=Status(r.status), blocking_error=r.last_error,
-                  blocking_reply_code=r.reply_code, parked_since=r.since,
-                  waiting=int(r.waiting))
+        ParkedKey(
+            ordering_key=r.ordering_key,
+            blocking_message_id=r.message_id,
+            blocking_status=Status(r.status),
+            blocking_error=r.last_error,
+            blocking_reply_code=r.reply_code,
+            parked_since=r.since,
+            waiting=int(r.waiting),
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -1197,16 +1320,22 @@ def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) ->
         pending_age, in_flight_age = oldest_ages(conn, now=now)
         pubs = conn.execute(select(publishers.c.heartbeat_at, publishers.c.stopped_at)).all()
         alive = sum(
-            1 for beat, stopped in pubs
+            1
+            for beat, stopped in pubs
             if stopped is None and (age_seconds(beat, now) or 0.0) <= alive_after
-        )  # fmt: skip
+        )
         counts, lost, _estimated = status_counts(conn)
         parked, parked_age = parked_rows(conn, now=now)
         delayed, _next = delayed_rows(conn, now=now)
         return MetricsSnapshot(
-            counts=counts, oldest_pending_age_seconds=pending_age,
-            oldest_in_flight_age_seconds=in_flight_age, possible_duplicates=lost,
-            operator_republished=operator_republished(conn), publishers_alive=alive,
-            publishers_known=len(pubs), parked=parked, oldest_parked_age_seconds=parked_age,
+            counts=counts,
+            oldest_pending_age_seconds=pending_age,
+            oldest_in_flight_age_seconds=in_flight_age,
+            possible_duplicates=lost,
+            operator_republished=operator_republished(conn),
+            publishers_alive=alive,
+            publishers_known=len(pubs),
+            parked=parked,
+            oldest_parked_age_seconds=parked_age,
             delayed=delayed,
-        )  # fmt: skip
+        )

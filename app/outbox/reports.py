@@ -18,12 +18,32 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 #: Counter fields (monotonic per publisher id).
 COUNTERS: tuple[str, ...] = (
-    "published", "confirmed", "returned", "nacked", "nacked_final", "retried", "failed",
-    "poison", "lost_confirms", "released", "channel_closes", "connection_closes", "reconnects",
-    "connect_failures", "protocol_errors", "destination_errors", "lease_lost", "claims",
-    "claimed", "flushes", "db_errors", "blocked_seconds", "destination_outages", "postponed",
+    "published",
+    "confirmed",
+    "returned",
+    "nacked",
+    "nacked_final",
+    "retried",
+    "failed",
+    "poison",
+    "lost_confirms",
+    "released",
+    "channel_closes",
+    "connection_closes",
+    "reconnects",
+    "connect_failures",
+    "protocol_errors",
+    "destination_errors",
+    "lease_lost",
+    "claims",
+    "claimed",
+    "flushes",
+    "db_errors",
+    "blocked_seconds",
+    "destination_outages",
+    "postponed",
     "confirm_timeouts",
-)  # fmt: skip
+)
 
 
 class PublisherReport(BaseModel):

@@ -175,8 +175,10 @@ class RequestIdReused(ValueError):
     repeating an id replays its first result only when the request is the same."""
 
     def __init__(self, request_id: str, audit_id: int) -> None:
-        super().__init__(f"request_id {request_id!r} was already used (audit row {audit_id}) "
-                         "with a different filter or limit; choose a new request_id")  # fmt: skip
+        super().__init__(
+            f"request_id {request_id!r} was already used (audit row {audit_id}) "
+            "with a different filter or limit; choose a new request_id"
+        )
         self.audit_id = audit_id
 
 
@@ -195,12 +197,20 @@ def _sqlite_json(value: Any) -> Any:
 #: The claim reads the JSON columns as text: decoding them here would let one row's content
 #: (3,000 levels of nesting, say) fail the whole claim, for every publisher, forever.
 CLAIM_COLUMNS = (
-    outbox.c.id, outbox.c.message_id, outbox.c.batch_id, outbox.c.exchange, outbox.c.routing_key,
-    outbox.c.mandatory, outbox.c.body, outbox.c.content_type,
+    outbox.c.id,
+    outbox.c.message_id,
+    outbox.c.batch_id,
+    outbox.c.exchange,
+    outbox.c.routing_key,
+    outbox.c.mandatory,
+    outbox.c.body,
+    outbox.c.content_type,
     cast(outbox.c.headers, Text).label("headers"),
-    cast(outbox.c.properties, Text).label("properties"), outbox.c.ordering_key,
-    outbox.c.attempts, outbox.c.max_attempts,
-)  # fmt: skip
+    cast(outbox.c.properties, Text).label("properties"),
+    outbox.c.ordering_key,
+    outbox.c.attempts,
+    outbox.c.max_attempts,
+)
 
 
 #: This transaction's commit does not wait for the disk (the publisher's outcomes only).
@@ -338,8 +348,14 @@ class OutboxRepository:
         counters continue from them). On SQLite, refuse when another live publisher holds the
         outbox."""
         now = self.clock()
-        row = {"publisher_id": publisher_id, "hostname": socket.gethostname(), "pid": os.getpid(),
-               "started_at": now, "heartbeat_at": now, "stopped_at": None}  # fmt: skip
+        row = {
+            "publisher_id": publisher_id,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": now,
+            "heartbeat_at": now,
+            "stopped_at": None,
+        }
         with self._begin() as conn:
             before = conn.execute(
                 select(publishers.c.stats).where(publishers.c.publisher_id == publisher_id)
@@ -485,8 +501,11 @@ class OutboxRepository:
         """
         check_transition(Status.PENDING, Status.IN_FLIGHT)
         now = self.clock()
-        params = {"claim_now": now, "claim_owner": owner,
-                  "claim_until": now + dt.timedelta(seconds=lease_seconds)}  # fmt: skip
+        params = {
+            "claim_now": now,
+            "claim_owner": owner,
+            "claim_until": now + dt.timedelta(seconds=lease_seconds),
+        }
         rows: list[Any] = []
         walking = False  # the unkeyed claim's settings are made
         with self._begin() as conn:
@@ -561,8 +580,10 @@ class OutboxRepository:
         now = bindparam("claim_now", type_=outbox.c.available_at.type)
         floor = None
         if floored:
-            floor = (bindparam("floor_at", type_=outbox.c.available_at.type),
-                     bindparam("floor_id", type_=BigInteger))  # fmt: skip
+            floor = (
+                bindparam("floor_at", type_=outbox.c.available_at.type),
+                bindparam("floor_id", type_=BigInteger),
+            )
         due = self._due(now, bindparam("claim_limit", type_=Integer), keyed=keyed, floor=floor)
         if self.is_postgres:
             cte = due.cte("due")
@@ -622,10 +643,13 @@ class OutboxRepository:
         bound = {name: bindparam(f"v_{name}", type_=outbox.c[name].type) for name in names}
         stmt = (
             update(outbox)
-            .where(outbox.c.id == v.c.id, outbox.c.status == Status.IN_FLIGHT,
-                   outbox.c.lease_owner == owner)
+            .where(
+                outbox.c.id == v.c.id,
+                outbox.c.status == Status.IN_FLIGHT,
+                outbox.c.lease_owner == owner,
+            )
             .values(**{c: v.c[c] for c in columns}, **bound)
-        )  # fmt: skip
+        )
         self._updates[key] = stmt
         return stmt
 
@@ -670,23 +694,34 @@ class OutboxRepository:
         Rows given in ``published`` also get their channel, delivery tag and publish time in the
         same statement (one row version: no separate "published" write per row).
         """
-        values = {"status": Status.CONFIRMED, "confirmed_at": self.clock(), "lease_owner": None,
-                  "lease_until": None, "last_error": None}  # fmt: skip
+        values = {
+            "status": Status.CONFIRMED,
+            "confirmed_at": self.clock(),
+            "lease_owner": None,
+            "lease_until": None,
+            "last_error": None,
+        }
         check_transition(Status.IN_FLIGHT, Status.CONFIRMED)
         with self.unit_of_work():
             return self._confirm(owner, ids, published, values)
 
     def _confirm(
-        self, owner: str, ids: Sequence[int], published: Sequence[Published],
+        self,
+        owner: str,
+        ids: Sequence[int],
+        published: Sequence[Published],
         values: dict[str, Any],
-    ) -> int:  # fmt: skip
+    ) -> int:
         moved = 0
         if ids:
             values_no_status = {k: v for k, v in values.items() if k != "status"}
             moved += self.transition(
-                ids=ids, source=Status.IN_FLIGHT, target=Status.CONFIRMED, owner=owner,
+                ids=ids,
+                source=Status.IN_FLIGHT,
+                target=Status.CONFIRMED,
+                owner=owner,
                 values=values_no_status,
-            )  # fmt: skip
+            )
         if published:  # each a tuple (id, *PUBLISH_FACTS)
             moved += self._update_rows(owner, published, PUBLISH_FACTS, values)
         return moved
@@ -699,8 +734,12 @@ class OutboxRepository:
         check_transition(Status.IN_FLIGHT, Status.RETURNED)
         facts = {p.id: (p.channel_id, p.delivery_tag, p.published_at) for p in published}
         now = self.clock()
-        values = {"status": Status.RETURNED, "confirmed_at": now, "lease_owner": None,
-                  "lease_until": None}  # fmt: skip
+        values = {
+            "status": Status.RETURNED,
+            "confirmed_at": now,
+            "lease_owner": None,
+            "lease_until": None,
+        }
         reply = ["reply_code", "reply_text", "last_error"]
         with_facts, without = [], []
         for r in returns:
@@ -714,9 +753,12 @@ class OutboxRepository:
             moved = self._update_rows(owner, with_facts, [*reply, *PUBLISH_FACTS], values) + (
                 self._update_rows(owner, without, reply, values)
             )
-            self._record(kind="returned", ids=[r.id for r in returns], at=now,
-                         where=[outbox.c.status == Status.RETURNED,
-                                outbox.c.confirmed_at == now])  # fmt: skip
+            self._record(
+                kind="returned",
+                ids=[r.id for r in returns],
+                at=now,
+                where=[outbox.c.status == Status.RETURNED, outbox.c.confirmed_at == now],
+            )
             return moved
 
     def mark_failed(self, *, owner: str, ids: Sequence[int], reason: str) -> int:
@@ -726,9 +768,15 @@ class OutboxRepository:
             moved = self.transition(
                 ids=ids, source=Status.IN_FLIGHT, target=Status.FAILED, owner=owner, values=values
             )
-            self._record(kind="failed", ids=ids, at=self.clock(),
-                         where=[outbox.c.status == Status.FAILED,
-                                outbox.c.last_error == values["last_error"]])  # fmt: skip
+            self._record(
+                kind="failed",
+                ids=ids,
+                at=self.clock(),
+                where=[
+                    outbox.c.status == Status.FAILED,
+                    outbox.c.last_error == values["last_error"],
+                ],
+            )
             return moved
 
     def retry(
@@ -766,28 +814,49 @@ class OutboxRepository:
             spent = [r.id for r in spent_rows]
             again = [r for r in rows if r not in spent_rows]
             if spent:
-                values: dict[str, Any] = {"status": exhausted, "last_error": error,
-                                          "lease_owner": None, "lease_until": None}  # fmt: skip
+                values: dict[str, Any] = {
+                    "status": exhausted,
+                    "last_error": error,
+                    "lease_owner": None,
+                    "lease_until": None,
+                }
                 if nack:
                     values["nacks"] = outbox.c.nacks + 1
                 conn.execute(update(outbox).where(self._held(owner, spent)).values(**values))
             if again:
                 self._reschedule(owner, again, now=now, error=error, backoff=backoff, nack=nack)
-            self._record(kind=exhausted.value, ids=spent, at=now,
-                         where=[outbox.c.status == exhausted])  # fmt: skip
-            self._record(kind="retry", ids=[r.id for r in again], at=now,
-                         where=[outbox.c.status == Status.PENDING])  # fmt: skip
+            self._record(
+                kind=exhausted.value, ids=spent, at=now, where=[outbox.c.status == exhausted]
+            )
+            self._record(
+                kind="retry",
+                ids=[r.id for r in again],
+                at=now,
+                where=[outbox.c.status == Status.PENDING],
+            )
         return RetryOutcome(retried=len(again), exhausted=len(spent))
 
     def _reschedule(
-        self, owner: str, rows: Sequence[Any], *, now: dt.datetime, error: str,
-        backoff: Backoff, nack: bool = False,
-    ) -> None:  # fmt: skip
-        values = {"status": Status.PENDING, "last_error": error, "lease_owner": None,
-                  "lease_until": None}  # fmt: skip
+        self,
+        owner: str,
+        rows: Sequence[Any],
+        *,
+        now: dt.datetime,
+        error: str,
+        backoff: Backoff,
+        nack: bool = False,
+    ) -> None:
+        values = {
+            "status": Status.PENDING,
+            "last_error": error,
+            "lease_owner": None,
+            "lease_until": None,
+        }
         if nack:  # the backoff grows with the nacks, not with lost confirms
-            due = [(r.id, now + dt.timedelta(seconds=backoff.delay(r.nacks + 1)), r.nacks + 1)
-                   for r in rows]  # fmt: skip
+            due = [
+                (r.id, now + dt.timedelta(seconds=backoff.delay(r.nacks + 1)), r.nacks + 1)
+                for r in rows
+            ]
             self._update_rows(owner, due, ["available_at", "nacks"], values)
             return
         plain = [(r.id, now + dt.timedelta(seconds=backoff.delay(r.attempts))) for r in rows]
@@ -798,9 +867,13 @@ class OutboxRepository:
         destination is out (it nacks everything), not the rows at fault."""
         if not ids:
             return 0
-        values = {"status": Status.PENDING, "last_error": storable(error), "lease_owner": None,
-                  "lease_until": None,
-                  "available_at": self.clock() + dt.timedelta(seconds=delay)}  # fmt: skip
+        values = {
+            "status": Status.PENDING,
+            "last_error": storable(error),
+            "lease_owner": None,
+            "lease_until": None,
+            "available_at": self.clock() + dt.timedelta(seconds=delay),
+        }
         with self._begin() as conn:
             return conn.execute(
                 update(outbox).where(self._held(owner, ids)).values(**values)
@@ -815,28 +888,43 @@ class OutboxRepository:
         connection gone), so the next publish may be a duplicate: count it in ``lost_confirms``.
         """
         values: dict[str, Any] = {
-            "available_at": self.clock(), "lease_owner": None, "lease_until": None,
+            "available_at": self.clock(),
+            "lease_owner": None,
+            "lease_until": None,
             "lost_confirms": outbox.c.lost_confirms + (1 if lost else 0),
-        }  # fmt: skip
+        }
         if error is not None:
             values["last_error"] = storable(error)
         with self.unit_of_work():
             moved = self.transition(
-                ids=ids, source=Status.IN_FLIGHT, target=Status.PENDING, owner=owner,
+                ids=ids,
+                source=Status.IN_FLIGHT,
+                target=Status.PENDING,
+                owner=owner,
                 values=values,
-            )  # fmt: skip
+            )
             if lost:
-                self._record(kind="lost", ids=ids, at=values["available_at"],
-                             where=[outbox.c.status == Status.PENDING,
-                                    outbox.c.available_at == values["available_at"]])  # fmt: skip
+                self._record(
+                    kind="lost",
+                    ids=ids,
+                    at=values["available_at"],
+                    where=[
+                        outbox.c.status == Status.PENDING,
+                        outbox.c.available_at == values["available_at"],
+                    ],
+                )
             if moved:
                 self._on_commit(self._walk_from_start)
             return moved
 
     def _record(
-        self, *, kind: str, ids: Sequence[int], at: dt.datetime,
+        self,
+        *,
+        kind: str,
+        ids: Sequence[int],
+        at: dt.datetime,
         where: Sequence[ColumnElement[bool]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Append a rare event for each of ``ids`` still matching ``where`` (the rows the
         change just moved), with its attempt, reply code and reason, in the change's
         transaction. The confirm path never calls this."""
@@ -846,19 +934,27 @@ class OutboxRepository:
         with self._begin() as conn:
             for chunk in self._chunks(ids):
                 rows = select(
-                    outbox.c.id, outbox.c.message_id, literal(at, events.c.at.type),
-                    literal(kind, Text), outbox.c.attempts, outbox.c.reply_code,
+                    outbox.c.id,
+                    outbox.c.message_id,
+                    literal(at, events.c.at.type),
+                    literal(kind, Text),
+                    outbox.c.attempts,
+                    outbox.c.reply_code,
                     outbox.c.last_error,
-                ).where(self._ids_in(chunk), *where)  # fmt: skip
+                ).where(self._ids_in(chunk), *where)
                 conn.execute(insert(events).from_select(names, rows))
 
     def resend(self, *, owner: str, ids: Sequence[int], error: str) -> int:
         """Held rows published again without a new claim (a quarantine's isolated publish): a
         new attempt, and the earlier publish counts as a possible duplicate. They stay
         ``in_flight`` with this owner."""
-        values = {"attempts": outbox.c.attempts + 1, "lost_confirms": outbox.c.lost_confirms + 1,
-                  "last_error": storable(error), "channel_id": None,
-                  "delivery_tag": None}  # fmt: skip
+        values = {
+            "attempts": outbox.c.attempts + 1,
+            "lost_confirms": outbox.c.lost_confirms + 1,
+            "last_error": storable(error),
+            "channel_id": None,
+            "delivery_tag": None,
+        }
         with self._begin() as conn:
             return sum(
                 conn.execute(
@@ -887,11 +983,14 @@ class OutboxRepository:
             update(outbox)
             .where(*where)
             .values(
-                status=Status.PENDING, available_at=now, lease_owner=None, lease_until=None,
+                status=Status.PENDING,
+                available_at=now,
+                lease_owner=None,
+                lease_until=None,
                 lost_confirms=outbox.c.lost_confirms + 1,
                 last_error="lease expired: publisher stopped without settling",
             )
-        )  # fmt: skip
+        )
         with self._begin() as conn:
             moved = int(conn.execute(stmt).rowcount)
         if moved:
@@ -931,8 +1030,14 @@ class OutboxRepository:
         if limit < 1:
             raise ValueError("limit must be at least 1")
         try:
-            return self._republish(actor=actor, flt=filter, limit=limit, dry_run=dry_run,
-                                   request_id=request_id, who=(principal, client_addr))  # fmt: skip
+            return self._republish(
+                actor=actor,
+                flt=filter,
+                limit=limit,
+                dry_run=dry_run,
+                request_id=request_id,
+                who=(principal, client_addr),
+            )
         except IntegrityError:  # a concurrent call with the same request id won the race
             if request_id is None:
                 raise
@@ -954,17 +1059,28 @@ class OutboxRepository:
         same_limit = res.get("limit", limit) == limit  # rows from before the limit was kept
         if row.action != "republish" or row.filter != flt.as_json() or not same_limit:
             raise RequestIdReused(request_id, int(row.id))
-        return RepublishResult(dry_run=False, count=res.get("count", 0),
-                               matched=res.get("matched", 0), sample=res.get("sample", []),
-                               audit_id=row.id, replayed=True)  # fmt: skip
+        return RepublishResult(
+            dry_run=False,
+            count=res.get("count", 0),
+            matched=res.get("matched", 0),
+            sample=res.get("sample", []),
+            audit_id=row.id,
+            replayed=True,
+        )
 
     def _filter_cond(self, flt: RepublishFilter) -> ColumnElement[bool]:
         return and_(*scope_conditions(flt))
 
     def _republish(
-        self, *, actor: str, flt: RepublishFilter, limit: int, dry_run: bool,
-        request_id: str | None, who: tuple[str | None, str | None] = (None, None),
-    ) -> RepublishResult:  # fmt: skip
+        self,
+        *,
+        actor: str,
+        flt: RepublishFilter,
+        limit: int,
+        dry_run: bool,
+        request_id: str | None,
+        who: tuple[str | None, str | None] = (None, None),
+    ) -> RepublishResult:
         cond = self._filter_cond(flt)
         pick = select(
             outbox.c.id,
@@ -979,16 +1095,18 @@ class OutboxRepository:
         if self.is_postgres and not dry_run:
             pick = pick.with_for_update(skip_locked=True)
         with self._begin() as conn:
-            previous = None if request_id is None else self._replay(conn, request_id, flt=flt,
-                                                                    limit=limit)  # fmt: skip
+            previous = (
+                None if request_id is None else self._replay(conn, request_id, flt=flt, limit=limit)
+            )
             if previous is not None and not dry_run:
                 return previous
             matched = int(conn.execute(select(func.count()).where(cond)).scalar_one())
             rows = conn.execute(pick).all()
             sample = [r.message_id for r in rows[:20]]
             if dry_run:
-                return RepublishResult(dry_run=True, count=len(rows), matched=matched,
-                                       sample=sample, audit_id=None)  # fmt: skip
+                return RepublishResult(
+                    dry_run=True, count=len(rows), matched=matched, sample=sample, audit_id=None
+                )
             for status in {Status(r.status) for r in rows}:
                 check_transition(status, Status.PENDING)
             ids = [r.id for r in rows]
@@ -996,37 +1114,71 @@ class OutboxRepository:
                 conn.execute(
                     update(outbox)
                     .where(self._ids_in(chunk), cond)
-                    .values(status=Status.PENDING, attempts=0, nacks=0, available_at=self.clock(),
-                            last_error=None, reply_code=None, reply_text=None)
-                )  # fmt: skip
+                    .values(
+                        status=Status.PENDING,
+                        attempts=0,
+                        nacks=0,
+                        available_at=self.clock(),
+                        last_error=None,
+                        reply_code=None,
+                        reply_text=None,
+                    )
+                )
             result = {"count": len(ids), "matched": matched, "sample": sample, "limit": limit}
             self._notify_new(conn)
             audit_id = conn.execute(
                 insert(audit)
-                .values(at=self.clock(), actor=actor, action="republish", request_id=request_id,
-                        filter=flt.as_json(), count=len(ids), result=result,
-                        principal=who[0], client_addr=who[1])
+                .values(
+                    at=self.clock(),
+                    actor=actor,
+                    action="republish",
+                    request_id=request_id,
+                    filter=flt.as_json(),
+                    count=len(ids),
+                    result=result,
+                    principal=who[0],
+                    client_addr=who[1],
+                )
                 .returning(audit.c.id)
-            ).scalar_one()  # fmt: skip
-            self._operator_events(conn, rows, kind="republished", actor=actor,
-                                  audit_id=int(audit_id))  # fmt: skip
-        return RepublishResult(dry_run=False, count=len(ids), matched=matched, sample=sample,
-                               audit_id=int(audit_id))  # fmt: skip
+            ).scalar_one()
+            self._operator_events(
+                conn, rows, kind="republished", actor=actor, audit_id=int(audit_id)
+            )
+        return RepublishResult(
+            dry_run=False, count=len(ids), matched=matched, sample=sample, audit_id=int(audit_id)
+        )
 
     def _operator_events(
-        self, conn: Connection, rows: Sequence[Any], *, kind: str, actor: str, audit_id: int,
+        self,
+        conn: Connection,
+        rows: Sequence[Any],
+        *,
+        kind: str,
+        actor: str,
+        audit_id: int,
         detail: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """An operator's republish or skip, one event per row, as the row was before it."""
         at = self.clock()
         if rows:
-            conn.execute(insert(events), [
-                {"outbox_id": r.id, "message_id": r.message_id, "at": at, "kind": kind,
-                 "from_status": r.status, "attempt": r.attempts, "reply_code": r.reply_code,
-                 "detail": detail if detail is not None else (r.last_error or r.reply_text),
-                 "actor": actor, "audit_id": audit_id}
-                for r in rows
-            ])  # fmt: skip
+            conn.execute(
+                insert(events),
+                [
+                    {
+                        "outbox_id": r.id,
+                        "message_id": r.message_id,
+                        "at": at,
+                        "kind": kind,
+                        "from_status": r.status,
+                        "attempt": r.attempts,
+                        "reply_code": r.reply_code,
+                        "detail": detail if detail is not None else (r.last_error or r.reply_text),
+                        "actor": actor,
+                        "audit_id": audit_id,
+                    }
+                    for r in rows
+                ],
+            )
 
     def _notify_new(self, conn: Connection) -> None:
         """Rows became due: wake listening publishers at commit (PostgreSQL; polled otherwise)."""
@@ -1034,9 +1186,14 @@ class OutboxRepository:
             conn.execute(text("SELECT pg_notify('outbox_new', '')"))
 
     def skip(
-        self, *, actor: str, message_id: str, reason: str, principal: str | None = None,
+        self,
+        *,
+        actor: str,
+        message_id: str,
+        reason: str,
+        principal: str | None = None,
         client_addr: str | None = None,
-    ) -> SkipResult:  # fmt: skip
+    ) -> SkipResult:
         """Mark one terminal failure ``skipped`` (audited with ``reason``): it will not be
         delivered, and the later rows of its ordering key, parked behind it, are released."""
         reason = reason.strip()
@@ -1046,14 +1203,17 @@ class OutboxRepository:
         for source in TERMINAL_FAILURES:
             check_transition(source, Status.SKIPPED)
         with self._begin() as conn:
-            pick = select(outbox.c.id, outbox.c.message_id, outbox.c.status,
-                          outbox.c.ordering_key, outbox.c.attempts, outbox.c.reply_code,
-                          outbox.c.last_error, outbox.c.reply_text).where(
-                outbox.c.message_id == message_id
-            )  # fmt: skip
-            found = conn.execute(
-                pick.with_for_update() if self.is_postgres else pick
-            ).first()  # fmt: skip
+            pick = select(
+                outbox.c.id,
+                outbox.c.message_id,
+                outbox.c.status,
+                outbox.c.ordering_key,
+                outbox.c.attempts,
+                outbox.c.reply_code,
+                outbox.c.last_error,
+                outbox.c.reply_text,
+            ).where(outbox.c.message_id == message_id)
+            found = conn.execute(pick.with_for_update() if self.is_postgres else pick).first()
             if found is None:
                 raise CannotSkip(f"no row with message_id {message_id!r}")
             if found.status not in sources:
@@ -1062,32 +1222,53 @@ class OutboxRepository:
                     f"({', '.join(sorted(sources))}) can be skipped"
                 )
             conn.execute(
-                update(outbox).where(outbox.c.id == found.id, outbox.c.status.in_(sources))
+                update(outbox)
+                .where(outbox.c.id == found.id, outbox.c.status.in_(sources))
                 .values(status=Status.SKIPPED, last_error=f"skipped by {actor}: {reason}")
-            )  # fmt: skip
+            )
             released = 0
             if found.ordering_key is not None:
                 released = conn.execute(
-                    select(func.count()).select_from(outbox).where(
-                        outbox.c.ordering_key == found.ordering_key, outbox.c.id > found.id,
-                        outbox.c.status == Status.PENDING)
-                ).scalar_one()  # fmt: skip
+                    select(func.count())
+                    .select_from(outbox)
+                    .where(
+                        outbox.c.ordering_key == found.ordering_key,
+                        outbox.c.id > found.id,
+                        outbox.c.status == Status.PENDING,
+                    )
+                ).scalar_one()
             if released:
                 self._notify_new(conn)
-            result = {"message_id": message_id, "previous": found.status,
-                      "ordering_key": found.ordering_key, "released": released}  # fmt: skip
+            result = {
+                "message_id": message_id,
+                "previous": found.status,
+                "ordering_key": found.ordering_key,
+                "released": released,
+            }
             audit_id = conn.execute(
                 insert(audit)
-                .values(at=self.clock(), actor=actor, action="skip",
-                        filter={"message_id": message_id, "reason": reason}, count=1,
-                        result=result, principal=principal, client_addr=client_addr)
+                .values(
+                    at=self.clock(),
+                    actor=actor,
+                    action="skip",
+                    filter={"message_id": message_id, "reason": reason},
+                    count=1,
+                    result=result,
+                    principal=principal,
+                    client_addr=client_addr,
+                )
                 .returning(audit.c.id)
-            ).scalar_one()  # fmt: skip
-            self._operator_events(conn, [found], kind="skipped", actor=actor,
-                                  audit_id=int(audit_id), detail=reason)  # fmt: skip
-        return SkipResult(message_id=message_id, previous=Status(found.status),
-                          ordering_key=found.ordering_key, released=released,
-                          audit_id=int(audit_id))  # fmt: skip
+            ).scalar_one()
+            self._operator_events(
+                conn, [found], kind="skipped", actor=actor, audit_id=int(audit_id), detail=reason
+            )
+        return SkipResult(
+            message_id=message_id,
+            previous=Status(found.status),
+            ordering_key=found.ordering_key,
+            released=released,
+            audit_id=int(audit_id),
+        )
 
     def count_purgeable(self, *, older_than: dt.timedelta, chunk: int = 10_000) -> int:
         """How many rows :meth:`purge_confirmed` would delete now (a dry run, the same walk)."""
@@ -1102,22 +1283,33 @@ class OutboxRepository:
                     return total
                 after = window[-1].id
 
-    def record_purge(self, *, actor: str, older_than: dt.timedelta, deleted: int,
-                     inbox_deleted: int = 0) -> int:  # fmt: skip
+    def record_purge(
+        self, *, actor: str, older_than: dt.timedelta, deleted: int, inbox_deleted: int = 0
+    ) -> int:
         """An audit row for a purge (who, the retention, what was deleted)."""
         with self._begin() as conn:
-            return int(conn.execute(
-                insert(audit).values(
-                    at=self.clock(), actor=actor, action="purge", count=deleted,
-                    filter={"older_than_days": older_than.total_seconds() / 86400},
-                    result={"deleted": deleted, "inbox_deleted": inbox_deleted},
-                ).returning(audit.c.id)
-            ).scalar_one())  # fmt: skip
+            return int(
+                conn.execute(
+                    insert(audit)
+                    .values(
+                        at=self.clock(),
+                        actor=actor,
+                        action="purge",
+                        count=deleted,
+                        filter={"older_than_days": older_than.total_seconds() / 86400},
+                        result={"deleted": deleted, "inbox_deleted": inbox_deleted},
+                    )
+                    .returning(audit.c.id)
+                ).scalar_one()
+            )
 
     def purge_confirmed(
-        self, *, older_than: dt.timedelta, chunk: int = 1000,
+        self,
+        *,
+        older_than: dt.timedelta,
+        chunk: int = 1000,
         on_chunk: Callable[[int], None] | None = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Delete ``confirmed`` rows confirmed before ``now - older_than``.
 
         Walks the primary key from the oldest row, ``chunk`` rows per transaction (so that no
@@ -1136,10 +1328,11 @@ class OutboxRepository:
                 if doomed:
                     deleted = conn.execute(
                         delete(outbox).where(
-                            outbox.c.id.in_(doomed), outbox.c.status == Status.CONFIRMED,
+                            outbox.c.id.in_(doomed),
+                            outbox.c.status == Status.CONFIRMED,
                             outbox.c.confirmed_at < cutoff,
                         )
-                    ).rowcount  # fmt: skip
+                    ).rowcount
                     gone = ~select(outbox.c.id).where(outbox.c.id == events.c.outbox_id).exists()
                     conn.execute(delete(events).where(events.c.outbox_id.in_(doomed), gone))
             total += deleted

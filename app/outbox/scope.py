@@ -21,11 +21,26 @@ from app.outbox.states import TERMINAL_FAILURES, Status
 #: ``reply_text``): the failures view groups by it, and a group's republish matches it exactly.
 CAUSE_LENGTH = 500
 #: The conditions besides statuses, in the order they are described.
-CRITERIA = ("message_id", "batch_id", "exchange", "routing_key", "ordering_key", "reason",
-            "cause", "created_after", "created_before")  # fmt: skip
-_WORDS = {"message_id": "message", "batch_id": "batch", "exchange": "exchange",
-          "routing_key": "routing key", "ordering_key": "ordering key",
-          "reason": "reason containing", "cause": "reason"}  # fmt: skip
+CRITERIA = (
+    "message_id",
+    "batch_id",
+    "exchange",
+    "routing_key",
+    "ordering_key",
+    "reason",
+    "cause",
+    "created_after",
+    "created_before",
+)
+_WORDS = {
+    "message_id": "message",
+    "batch_id": "batch",
+    "exchange": "exchange",
+    "routing_key": "routing key",
+    "ordering_key": "ordering key",
+    "reason": "reason containing",
+    "cause": "reason",
+}
 
 
 class ScopeError(ValueError):
@@ -71,8 +86,11 @@ class Scope:
 
     def describe(self) -> str:
         """The filter in words, every condition named (what a preview states)."""
-        parts = ([f"status {' or '.join(sorted(s.value for s in self.statuses))}"]
-                 if self.statuses else ["any status"])  # fmt: skip
+        parts = (
+            [f"status {' or '.join(sorted(s.value for s in self.statuses))}"]
+            if self.statuses
+            else ["any status"]
+        )
         for name, value in self.criteria().items():
             if name == "created_after":
                 parts.append(f"written from {_when(value)}")
@@ -102,9 +120,12 @@ class RepublishFilter(Scope):
 
     @classmethod
     def of(
-        cls, *, statuses: Iterable[str] | None = None, everything: bool = False,
+        cls,
+        *,
+        statuses: Iterable[str] | None = None,
+        everything: bool = False,
         **criteria: Any,
-    ) -> RepublishFilter:  # fmt: skip
+    ) -> RepublishFilter:
         """The filter of an operator's request. ``statuses`` None means all three terminal
         failures and is no filter by itself: a request that names no condition is refused
         unless it says ``everything``, so that an empty form never moves every failure."""

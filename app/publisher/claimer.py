@@ -34,8 +34,10 @@ log = logging.getLogger("app.publisher")
 ORPHAN_ERROR = "claimed by a claim whose result was lost: released unpublished"
 #: Without notifications, the pause after a claim that caught up: the next rows gather meanwhile.
 CAUGHT_UP_PAUSE = 0.002
-UNDONE_ERROR = ("settled by a write-back that a database crash undid: published, so the next "
-                "publish may be a duplicate")  # fmt: skip
+UNDONE_ERROR = (
+    "settled by a write-back that a database crash undid: published, so the next "
+    "publish may be a duplicate"
+)
 
 
 @dataclass
@@ -76,8 +78,9 @@ class Claimer:
             if rows is None:
                 await self.room.wait(max(s.poll_interval, 1.0))
             elif len(rows) < limit:  # caught up
-                await self._caught_up(pause=min(s.poll_interval, CAUGHT_UP_PAUSE) if rows
-                                      else s.poll_interval)  # fmt: skip
+                await self._caught_up(
+                    pause=min(s.poll_interval, CAUGHT_UP_PAUSE) if rows else s.poll_interval
+                )
 
     def new_rows(self) -> None:
         """The listener's wake-up: rows were committed (or made due)."""
@@ -104,13 +107,15 @@ class Claimer:
                 await self.release_orphans()
             self.news.clear()  # what was announced until now, this claim sees
             started = time.perf_counter()
-            rows = await p.db.claim(p.repo.claim, owner=p.owner, limit=limit,
-                                    lease_seconds=s.lease_seconds)  # fmt: skip
+            rows = await p.db.claim(
+                p.repo.claim, owner=p.owner, limit=limit, lease_seconds=s.lease_seconds
+            )
         except Exception:
             self.orphans_possible = True
             p.metrics.db_errors += 1
-            log.debug("claim failed; retrying (rows it may have leased are released first)",
-                      exc_info=True)  # fmt: skip
+            log.debug(
+                "claim failed; retrying (rows it may have leased are released first)", exc_info=True
+            )
             return None
         p.metrics.claim_seconds.observe(time.perf_counter() - started)
         if rows:
@@ -129,9 +134,13 @@ class Claimer:
         if waited:
             seconds = time.perf_counter() - started
             self.p.metrics.claim_wait_seconds.observe(seconds)
-            log.info("a claim returned %d row(s) that the running write-back was settling "
-                     "(released, or put back for a retry); accepted them %.1f ms later, once it "
-                     "had finished", waited, seconds * 1000)  # fmt: skip
+            log.info(
+                "a claim returned %d row(s) that the running write-back was settling "
+                "(released, or put back for a retry); accepted them %.1f ms later, once it "
+                "had finished",
+                waited,
+                seconds * 1000,
+            )
 
     def orphans_suspected(self) -> bool:
         """A claim failed (it may have leased rows unseen), or any database call failed since
@@ -143,8 +152,9 @@ class Claimer:
         """Give back rows leased to this publisher that it does not hold (never published)."""
         p = self.p
         failures = p.db.failures
-        unseen, undone = await p.db.claim(self._write_orphans, held=frozenset(p.holdings.held),
-                                          undoable=p.undoable())  # fmt: skip
+        unseen, undone = await p.db.claim(
+            self._write_orphans, held=frozenset(p.holdings.held), undoable=p.undoable()
+        )
         self.orphans_possible = False
         self._failures_seen = failures
         p.db.orphans_checked(failures_seen=failures)
@@ -153,9 +163,11 @@ class Claimer:
             log.warning("released %d rows a failed claim had leased to us unseen", unseen)
         if undone:
             p.metrics.lost_confirms += undone
-            log.warning("%d rows we had settled are in flight again (a database crash undid the "
-                        "write-back): released to be published again, each a possible duplicate",
-                        undone)  # fmt: skip
+            log.warning(
+                "%d rows we had settled are in flight again (a database crash undid the "
+                "write-back): released to be published again, each a possible duplicate",
+                undone,
+            )
 
     def _write_orphans(self, *, held: frozenset[int], undoable: frozenset[int]) -> tuple[int, int]:
         """DB thread. Safe only between claims: every row a finished claim returned is in
@@ -168,8 +180,14 @@ class Claimer:
         undone = [i for i in orphans if i in undoable]
         unseen = [i for i in orphans if i not in undoable]
         with p.repo.unit_of_work():
-            released = p.repo.release(owner=p.owner, ids=unseen, lost=False,
-                                      error=ORPHAN_ERROR) if unseen else 0  # fmt: skip
-            lost = p.repo.release(owner=p.owner, ids=undone, lost=True,
-                                  error=UNDONE_ERROR) if undone else 0  # fmt: skip
+            released = (
+                p.repo.release(owner=p.owner, ids=unseen, lost=False, error=ORPHAN_ERROR)
+                if unseen
+                else 0
+            )
+            lost = (
+                p.repo.release(owner=p.owner, ids=undone, lost=True, error=UNDONE_ERROR)
+                if undone
+                else 0
+            )
         return released, lost

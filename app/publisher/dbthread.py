@@ -36,8 +36,9 @@ log = logging.getLogger("app.publisher")
 
 
 class DbThread:
-    def __init__(self, *, claims_apart: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, *, claims_apart: bool = False, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.claims_apart = claims_apart
         self.clock = clock
         self._executor: ThreadPoolExecutor | None = None
@@ -55,8 +56,9 @@ class DbThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-db")
         self._claims = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-db-claims")
-            if self.claims_apart else self._executor
-        )  # fmt: skip
+            if self.claims_apart
+            else self._executor
+        )
 
     def stop(self) -> None:
         if self._claims is not None and self._claims is not self._executor:
@@ -72,8 +74,9 @@ class DbThread:
         """Run ``fn(**kwargs)`` on the claims' lane (the main lane on SQLite)."""
         return await self._run(self._claims, fn, kwargs)
 
-    async def _run(self, executor: ThreadPoolExecutor | None, fn: Callable[..., T],
-                   kwargs: dict[str, Any]) -> T:  # fmt: skip
+    async def _run(
+        self, executor: ThreadPoolExecutor | None, fn: Callable[..., T], kwargs: dict[str, Any]
+    ) -> T:
         loop = asyncio.get_running_loop()
         try:
             result = await loop.run_in_executor(executor, functools.partial(fn, **kwargs))
@@ -85,14 +88,20 @@ class DbThread:
                 self.failed_at = now
             if self._down_since is None:
                 self._down_since = now
-                log.warning("a database call failed (%s); retrying, quietly until it answers",
-                            self.last_error, exc_info=exc)  # fmt: skip
+                log.warning(
+                    "a database call failed (%s); retrying, quietly until it answers",
+                    self.last_error,
+                    exc_info=exc,
+                )
             raise
         self.last_ok = time.monotonic()
         self.last_error = None
         if self._down_since is not None:
-            log.info("the database answers again after %.1fs (%d calls failed meanwhile)",
-                     self.clock() - self._down_since, self.failures)  # fmt: skip
+            log.info(
+                "the database answers again after %.1fs (%d calls failed meanwhile)",
+                self.clock() - self._down_since,
+                self.failures,
+            )
             self._down_since = None
         return result
 

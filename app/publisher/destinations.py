@@ -66,8 +66,9 @@ class Destinations:
 
     def clear(self) -> None:
         """A new connection: checks in flight on the old one will never answer."""
-        self._entries = {k: e for k, e in self._entries.items()
-                         if e.state is not DestinationState.CHECKING}  # fmt: skip
+        self._entries = {
+            k: e for k, e in self._entries.items() if e.state is not DestinationState.CHECKING
+        }
 
     def ok(self, exchange: str, now: float) -> None:
         self._entries[exchange] = _Entry(DestinationState.OK, now + self._ok_ttl)
@@ -78,8 +79,9 @@ class Destinations:
         entry = self._entries.get(exchange)
         failures = (entry.failures if entry is not None else 0) + 1
         delay = self._backoff.delay(failures)
-        self._entries[exchange] = _Entry(DestinationState.CHECKING, now + delay, failures,
-                                         "check did not run")  # fmt: skip
+        self._entries[exchange] = _Entry(
+            DestinationState.CHECKING, now + delay, failures, "check did not run"
+        )
         return delay
 
     def recheck(self, exchange: str) -> None:
@@ -98,32 +100,43 @@ class Destinations:
 
     def paused(self, now: float) -> dict[str, float]:
         """Exchanges backing off or in an outage now -> seconds left (0: probing)."""
-        out = {name: max(0.0, entry.until - now) for name, entry in self._entries.items()
-               if entry.state is DestinationState.OUTAGE}  # fmt: skip
-        out.update((name, entry.until - now) for name, entry in self._entries.items()
-                   if entry.state is DestinationState.PAUSED and now < entry.until)  # fmt: skip
+        out = {
+            name: max(0.0, entry.until - now)
+            for name, entry in self._entries.items()
+            if entry.state is DestinationState.OUTAGE
+        }
+        out.update(
+            (name, entry.until - now)
+            for name, entry in self._entries.items()
+            if entry.state is DestinationState.PAUSED and now < entry.until
+        )
         return out
 
     # ------------------------------------------------------------ outages (nacks everything)
 
     def in_outage(self, exchange: str) -> bool:
         entry = self._entries.get(exchange)
-        return entry is not None and entry.state in (DestinationState.OUTAGE,
-                                                     DestinationState.PROBING)  # fmt: skip
+        return entry is not None and entry.state in (
+            DestinationState.OUTAGE,
+            DestinationState.PROBING,
+        )
 
     def outage(self, exchange: str, reason: str, now: float) -> tuple[float, bool]:
         """The exchange nacks everything: pause it. Returns (the pause in seconds, whether this
         begins a new outage: False when a probe failed or late nacks of the same came)."""
         entry = self._entries.get(exchange)
-        ongoing = entry is not None and entry.state in (DestinationState.OUTAGE,
-                                                        DestinationState.PROBING)  # fmt: skip
+        ongoing = entry is not None and entry.state in (
+            DestinationState.OUTAGE,
+            DestinationState.PROBING,
+        )
         if ongoing and entry is not None and entry.state is DestinationState.OUTAGE:
             return max(0.0, entry.until - now), False  # late nacks of the same outage
         failures = (entry.failures if ongoing and entry is not None else 0) + 1
         delay = self._backoff.delay(failures)
         since = entry.since if ongoing and entry is not None else now
-        self._entries[exchange] = _Entry(DestinationState.OUTAGE, now + delay, failures, reason,
-                                         since)  # fmt: skip
+        self._entries[exchange] = _Entry(
+            DestinationState.OUTAGE, now + delay, failures, reason, since
+        )
         return delay, not ongoing
 
     def left(self, exchange: str, now: float) -> float:
@@ -161,5 +174,8 @@ class Destinations:
         return now - entry.since
 
     def outages(self) -> list[str]:
-        return [n for n, e in self._entries.items()
-                if e.state in (DestinationState.OUTAGE, DestinationState.PROBING)]  # fmt: skip
+        return [
+            n
+            for n, e in self._entries.items()
+            if e.state in (DestinationState.OUTAGE, DestinationState.PROBING)
+        ]

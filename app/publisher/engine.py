@@ -86,44 +86,88 @@ class Publisher:
         self.publisher_id = publisher_id or settings.publisher_id or default_publisher_id()
         self.metrics = metrics or PublisherMetrics()
         self.clock = clock
-        self.backoff = Backoff(base=settings.backoff_base, cap=settings.backoff_max,
-                               rng=rng or random.Random())  # fmt: skip
-        self.limits = Limits(max_body_bytes=settings.max_body_bytes,
-                             max_header_bytes=settings.max_header_bytes)  # fmt: skip
+        self.backoff = Backoff(
+            base=settings.backoff_base, cap=settings.backoff_max, rng=rng or random.Random()
+        )
+        self.limits = Limits(
+            max_body_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes
+        )
         self.holdings = Holdings()
         self.quarantine = Quarantine()
         self.destinations = Destinations(backoff=self.backoff, ok_ttl=EXCHANGE_OK_TTL)
         self.db = DbThread(claims_apart=repository.is_postgres, clock=clock)
-        self.session = Session(settings=settings, metrics=self.metrics, events=self,
-                               name=f"outbox-publisher {self.publisher_id}", clock=clock,
-                               rng=self.backoff.rng)  # fmt: skip
-        self.writeback = Writeback(WritebackParts(
-            settings=settings, repo=repository, db=self.db, owner=self.publisher_id,
-            holdings=self.holdings, due_notes=self.session.due_notes,
-            next_note_at=self.session.next_note_at, metrics=self.metrics, backoff=self.backoff,
-            freed=self._freed, clock=clock,
-            made_due=self._made_due,
-        ))  # fmt: skip
-        self.sender = Sender(SenderParts(
-            holdings=self.holdings, session=self.session, destinations=self.destinations,
-            quarantine=self.quarantine, metrics=self.metrics,
-            outcomes=self.writeback.buffer, written=self.writeback.wake.set,
-            wall_clock=repository.clock, clock=clock,
-        ), batch=settings.claim_batch, limits=self.limits)  # fmt: skip
-        self.outages = Outages(OutageParts(
-            destinations=self.destinations, holdings=self.holdings, quarantine=self.quarantine,
-            metrics=self.metrics, outcomes=self.writeback.buffer,
-            written=self.writeback.wake.set, unpark=self.sender.unpark, clock=clock,
-            reconnect=self.session.reconnect,
-        ), burst=settings.destination_nack_burst)  # fmt: skip
-        self.claimer = Claimer(ClaimerParts(
-            settings=settings, repo=repository, db=self.db, owner=self.publisher_id,
-            holdings=self.holdings, session=self.session, metrics=self.metrics,
-            accepted=self.sender.work.set, clock=clock, undoable=self.writeback.undoable,
-            notified=lambda: self.listener.listening, settled=self.writeback.settled,
-        ))  # fmt: skip
-        self.listener = Listener(url=settings.database_url.get_secret_value(),
-                                 wake=self.claimer.new_rows)  # fmt: skip
+        self.session = Session(
+            settings=settings,
+            metrics=self.metrics,
+            events=self,
+            name=f"outbox-publisher {self.publisher_id}",
+            clock=clock,
+            rng=self.backoff.rng,
+        )
+        self.writeback = Writeback(
+            WritebackParts(
+                settings=settings,
+                repo=repository,
+                db=self.db,
+                owner=self.publisher_id,
+                holdings=self.holdings,
+                due_notes=self.session.due_notes,
+                next_note_at=self.session.next_note_at,
+                metrics=self.metrics,
+                backoff=self.backoff,
+                freed=self._freed,
+                clock=clock,
+                made_due=self._made_due,
+            )
+        )
+        self.sender = Sender(
+            SenderParts(
+                holdings=self.holdings,
+                session=self.session,
+                destinations=self.destinations,
+                quarantine=self.quarantine,
+                metrics=self.metrics,
+                outcomes=self.writeback.buffer,
+                written=self.writeback.wake.set,
+                wall_clock=repository.clock,
+                clock=clock,
+            ),
+            batch=settings.claim_batch,
+            limits=self.limits,
+        )
+        self.outages = Outages(
+            OutageParts(
+                destinations=self.destinations,
+                holdings=self.holdings,
+                quarantine=self.quarantine,
+                metrics=self.metrics,
+                outcomes=self.writeback.buffer,
+                written=self.writeback.wake.set,
+                unpark=self.sender.unpark,
+                clock=clock,
+                reconnect=self.session.reconnect,
+            ),
+            burst=settings.destination_nack_burst,
+        )
+        self.claimer = Claimer(
+            ClaimerParts(
+                settings=settings,
+                repo=repository,
+                db=self.db,
+                owner=self.publisher_id,
+                holdings=self.holdings,
+                session=self.session,
+                metrics=self.metrics,
+                accepted=self.sender.work.set,
+                clock=clock,
+                undoable=self.writeback.undoable,
+                notified=lambda: self.listener.listening,
+                settled=self.writeback.settled,
+            )
+        )
+        self.listener = Listener(
+            url=settings.database_url.get_secret_value(), wake=self.claimer.new_rows
+        )
         self.housekeeping: Housekeeping | None = None
         self.probes: ProbeServer | None = None
         self.metrics.gauges = self._gauges
@@ -144,34 +188,51 @@ class Publisher:
         self.db.start()
         try:
             previous = await self.db.call(
-                self.repo.register_publisher, publisher_id=self.publisher_id,
+                self.repo.register_publisher,
+                publisher_id=self.publisher_id,
                 stale_after=3 * self.settings.publisher_heartbeat_interval,
-            )  # fmt: skip
+            )
             self.metrics.resume(read_report(previous))
             await self._start_probes()
             self._log_start()
             await self._run_tasks(stop, until_empty)
             with contextlib.suppress(Exception):
-                await self.db.call(self.repo.unregister_publisher, publisher_id=self.publisher_id,
-                                   stats=self.report().model_dump(mode="json"))  # fmt: skip
+                await self.db.call(
+                    self.repo.unregister_publisher,
+                    publisher_id=self.publisher_id,
+                    stats=self.report().model_dump(mode="json"),
+                )
         finally:
             if self.probes is not None:
                 await self.probes.close()
             self.db.stop()
         stats = self.metrics.stats()
-        log.info("publisher %s stopped after %.1fs: published %d, confirmed %d, returned %d, "
-                 "failed %d, possible duplicates %d", self.publisher_id, stats.elapsed_seconds,
-                 stats.published, stats.confirmed, stats.returned, stats.failed,
-                 stats.lost)  # fmt: skip
+        log.info(
+            "publisher %s stopped after %.1fs: published %d, confirmed %d, returned %d, "
+            "failed %d, possible duplicates %d",
+            self.publisher_id,
+            stats.elapsed_seconds,
+            stats.published,
+            stats.confirmed,
+            stats.returned,
+            stats.failed,
+            stats.lost,
+        )
         return stats
 
     def _log_start(self) -> None:
         s = self.settings
-        log.info("publisher %s started: database %s, broker %s, window %d, claim batch %d, "
-                 "channels %d, metrics and probes at %s", self.publisher_id,
-                 redact_url(s.database_url.get_secret_value()),
-                 redact_url(s.amqp_url.get_secret_value()), s.window, s.claim_batch, s.channels,
-                 self.probes.url if self.probes else "-")  # fmt: skip
+        log.info(
+            "publisher %s started: database %s, broker %s, window %d, claim batch %d, "
+            "channels %d, metrics and probes at %s",
+            self.publisher_id,
+            redact_url(s.database_url.get_secret_value()),
+            redact_url(s.amqp_url.get_secret_value()),
+            s.window,
+            s.claim_batch,
+            s.channels,
+            self.probes.url if self.probes else "-",
+        )
 
     async def _start_probes(self) -> None:
         s = self.settings
@@ -180,8 +241,9 @@ class Publisher:
             "/healthz": check_route(self._healthy),
             "/readyz": check_route(self._ready),
         }
-        self.probes = ProbeServer(routes, host=s.publisher_metrics_host,
-                                  port=s.publisher_metrics_port)  # fmt: skip
+        self.probes = ProbeServer(
+            routes, host=s.publisher_metrics_host, port=s.publisher_metrics_port
+        )
         try:
             await self.probes.start()
         except OSError as exc:
@@ -193,12 +255,22 @@ class Publisher:
             ) from exc
 
     async def _run_tasks(self, stop: asyncio.Event | None, until_empty: bool) -> None:
-        self.housekeeping = Housekeeping(HousekeepingParts(
-            settings=self.settings, repo=self.repo, db=self.db, owner=self.publisher_id,
-            holdings=self.holdings, session=self.session, metrics=self.metrics,
-            report=self.report, idle=self._idle, request_stop=self.request_stop,
-            clock=self.clock,
-        ), until_empty=until_empty)  # fmt: skip
+        self.housekeeping = Housekeeping(
+            HousekeepingParts(
+                settings=self.settings,
+                repo=self.repo,
+                db=self.db,
+                owner=self.publisher_id,
+                holdings=self.holdings,
+                session=self.session,
+                metrics=self.metrics,
+                report=self.report,
+                idle=self._idle,
+                request_stop=self.request_stop,
+                clock=self.clock,
+            ),
+            until_empty=until_empty,
+        )
         self._tasks = {
             "session": asyncio.create_task(self.session.run(), name="outbox-session"),
             "claimer": asyncio.create_task(self.claimer.run(), name="outbox-claimer"),
@@ -217,8 +289,9 @@ class Publisher:
             watchers.append(asyncio.create_task(stop.wait()))
         main = self._tasks
         try:
-            done, _ = await asyncio.wait([*main.values(), *watchers],
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            done, _ = await asyncio.wait(
+                [*main.values(), *watchers], return_when=asyncio.FIRST_COMPLETED
+            )
         except asyncio.CancelledError:  # cancelled from outside: no graceful stop, no leftovers
             for task in [*main.values(), *watchers]:
                 task.cancel()
@@ -240,8 +313,12 @@ class Publisher:
 
     async def _shutdown(self) -> None:
         """Stop claiming, release what was never published, settle the window, release the rest."""
-        log.info("publisher %s stopping: %d rows held, %d publishes unconfirmed",
-                 self.publisher_id, len(self.holdings), self.session.outstanding())  # fmt: skip
+        log.info(
+            "publisher %s stopping: %d rows held, %d publishes unconfirmed",
+            self.publisher_id,
+            len(self.holdings),
+            self.session.outstanding(),
+        )
         self._stop.set()
         self.session.stopping = True
         tasks = self._tasks
@@ -306,8 +383,13 @@ class Publisher:
 
     def lost(self, events: list[Event], cause: CloseCause) -> None:
         """A channel or the connection went away with publishes outstanding."""
-        tally = lose(events, self.writeback.out, cause=cause, rows=self.holdings.held,
-                     quarantine=self.quarantine)  # fmt: skip
+        tally = lose(
+            events,
+            self.writeback.out,
+            cause=cause,
+            rows=self.holdings.held,
+            quarantine=self.quarantine,
+        )
         self.outages.lost([i for e in events if isinstance(e, Lost) for i in e.row_ids])
         m = self.metrics
         m.returned += tally.returned
@@ -318,16 +400,22 @@ class Publisher:
         for row_id in tally.poison:
             m.poison += 1
             row = self.holdings.held.get(row_id)
-            log.error("row %d (message_id %r) fails as poison: the broker closed its channel or "
-                      "connection every time it was published alone", row_id,
-                      row.message_id if row else None)  # fmt: skip
+            log.error(
+                "row %d (message_id %r) fails as poison: the broker closed its channel or "
+                "connection every time it was published alone",
+                row_id,
+                row.message_id if row else None,
+            )
         if tally.paused is not None:
             self.sender.destination_failed(tally.paused, tally.paused_reason, [])
         if cause.max_size is not None:
             known = self.sender.broker_max_size
             if known is None or cause.max_size < known:
-                log.warning("the broker refuses bodies over %d bytes (max_message_size): larger "
-                            "rows fail with that reason", cause.max_size)  # fmt: skip
+                log.warning(
+                    "the broker refuses bodies over %d bytes (max_message_size): larger "
+                    "rows fail with that reason",
+                    cause.max_size,
+                )
                 self.sender.broker_max_size = cause.max_size
         self.writeback.wake.set()
         self._settled.set()
@@ -378,20 +466,26 @@ class Publisher:
         oldest = self.holdings.oldest_since()
         now = self.clock()
         return {
-            "held": len(self.holdings), "queued": len(self.holdings.queue),
-            "outstanding": self.session.outstanding(), "quarantined": len(self.quarantine.rows()),
+            "held": len(self.holdings),
+            "queued": len(self.holdings.queue),
+            "outstanding": self.session.outstanding(),
+            "quarantined": len(self.quarantine.rows()),
             "oldest_held_age_seconds": None if oldest is None else max(0.0, now - oldest),
             "window": self.settings.window,
             "paused_exchanges": sorted(self.destinations.paused(now)),
-        }  # fmt: skip
+        }
 
     def report(self) -> PublisherReport:
-        return self.metrics.report(metrics_url=self.probes.url + "/metrics" if self.probes and
-                                   self.probes.url else None)  # fmt: skip
+        return self.metrics.report(
+            metrics_url=self.probes.url + "/metrics" if self.probes and self.probes.url else None
+        )
 
     def _healthy(self) -> tuple[bool, dict[str, object]]:
-        dead = [n for n, t in self._tasks.items() if t.done() and not t.cancelled()
-                and t.exception() is not None]  # fmt: skip
+        dead = [
+            n
+            for n, t in self._tasks.items()
+            if t.done() and not t.cancelled() and t.exception() is not None
+        ]
         return not dead, {"publisher": self.publisher_id, "crashed_tasks": dead}
 
     def _ready(self) -> tuple[bool, dict[str, object]]:
@@ -399,10 +493,13 @@ class Publisher:
         last = self.db.last_ok
         db_ok = last is not None and time.monotonic() - last <= max(limit, 5.0)
         details: dict[str, object] = {
-            "publisher": self.publisher_id, "broker_connected": self.session.connected,
-            "broker_blocked": self.session.blocked, "database_ok": db_ok,
-            "database_error": self.db.last_error, "stopping": self.session.stopping,
-        }  # fmt: skip
+            "publisher": self.publisher_id,
+            "broker_connected": self.session.connected,
+            "broker_blocked": self.session.blocked,
+            "database_ok": db_ok,
+            "database_error": self.db.last_error,
+            "stopping": self.session.stopping,
+        }
         ok = self.session.connected and db_ok and not self.session.stopping
         return ok, details
 
@@ -416,8 +513,9 @@ async def _finish(task: asyncio.Task[Any]) -> None:
         async with asyncio.timeout(TASK_STOP_TIMEOUT):
             await asyncio.shield(task)
     except TimeoutError:
-        log.error("publisher task %s did not stop in %.0fs: cancelled", task.get_name(),
-                  TASK_STOP_TIMEOUT)  # fmt: skip
+        log.error(
+            "publisher task %s did not stop in %.0fs: cancelled", task.get_name(), TASK_STOP_TIMEOUT
+        )
         task.cancel()
     except Exception:
         log.exception("publisher task failed")

@@ -25,10 +25,15 @@ def to_message(row: ClaimedRow, *, limits: Limits = DEFAULT_LIMITS) -> OutgoingM
     set, headers ``x-outbox-id`` / ``x-outbox-attempt`` added. Raises EnvelopeError."""
     try:
         checked = check_row(
-            exchange=row.exchange, routing_key=row.routing_key, message_id=row.message_id,
-            body=row.body, content_type=row.content_type, headers=row.headers,
-            properties=row.properties, limits=limits,
-        )  # fmt: skip
+            exchange=row.exchange,
+            routing_key=row.routing_key,
+            message_id=row.message_id,
+            body=row.body,
+            content_type=row.content_type,
+            headers=row.headers,
+            properties=row.properties,
+            limits=limits,
+        )
     except ContentError as exc:
         raise EnvelopeError(str(exc)) from None
     headers = dict(checked.headers)

@@ -80,9 +80,13 @@ class Housekeeping:
         """Renew the leases of the rows we hold and write our report. Only rows we know we hold:
         one leased to us unseen (a claim whose reply was lost) must expire and come back."""
         p = self.p
-        await p.db.call(p.repo.heartbeat, publisher_id=p.owner,
-                        lease_seconds=p.settings.lease_seconds, held=list(p.holdings.held),
-                        stats=p.report().model_dump(mode="json"))  # fmt: skip
+        await p.db.call(
+            p.repo.heartbeat,
+            publisher_id=p.owner,
+            lease_seconds=p.settings.lease_seconds,
+            held=list(p.holdings.held),
+            stats=p.report().model_dump(mode="json"),
+        )
 
     async def _sweep(self) -> None:
         p = self.p
@@ -91,8 +95,11 @@ class Housekeeping:
             # each swept row may have been on the wire: a possible duplicate, as the row's own
             # lost_confirms says (ours too, after an outage longer than the lease)
             p.metrics.lost_confirms += swept
-            log.warning("released %d rows of expired leases (a publisher died holding them; "
-                        "each may be published twice)", swept)  # fmt: skip
+            log.warning(
+                "released %d rows of expired leases (a publisher died holding them; "
+                "each may be published twice)",
+                swept,
+            )
 
     async def _drained(self) -> bool:
         p = self.p

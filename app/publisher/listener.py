@@ -61,16 +61,22 @@ class Listener:
                 delay = RETRY_MIN
             except (psycopg.Error, OSError) as exc:
                 self.listening = False
-                log.warning("LISTEN %s on %s failed (%s); polling meanwhile, again in %.0fs",
-                            CHANNEL, redact_url(self.url), exc, delay)  # fmt: skip
+                log.warning(
+                    "LISTEN %s on %s failed (%s); polling meanwhile, again in %.0fs",
+                    CHANNEL,
+                    redact_url(self.url),
+                    exc,
+                    delay,
+                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopped.wait(), delay)
                 delay = min(RETRY_MAX, delay * 2)
 
     async def _listen(self) -> None:
         assert self.conninfo is not None
-        conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True,
-                                                     connect_timeout=10)  # fmt: skip
+        conn = await psycopg.AsyncConnection.connect(
+            self.conninfo, autocommit=True, connect_timeout=10
+        )
         async with conn:
             await conn.execute(f"LISTEN {CHANNEL}")
             self.listening = True

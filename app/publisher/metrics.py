@@ -29,8 +29,23 @@ import app
 from app.histogram import Histogram
 from app.outbox.reports import COUNTERS, PublisherReport
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
@@ -126,8 +141,9 @@ class PublisherMetrics:
             value += time.monotonic() - self.blocked_since
         return value + self._base.get(name, 0.0)
 
-    def set_blocked(self, blocked: bool, *, reason: str | None = None,
-                    now: float | None = None) -> None:  # fmt: skip
+    def set_blocked(
+        self, blocked: bool, *, reason: str | None = None, now: float | None = None
+    ) -> None:
         now = time.monotonic() if now is None else now
         if blocked and self.blocked_since is None:
             self.blocked_since = now
@@ -142,23 +158,34 @@ class PublisherMetrics:
         gauges = self.gauges()
         values: dict[str, object] = {name: self.total(name) for name in COUNTERS}
         values.update(
-            connected=self.connected, blocked=self.blocked, blocked_reason=self.blocked_reason,
+            connected=self.connected,
+            blocked=self.blocked,
+            blocked_reason=self.blocked_reason,
             broker_node=self.broker_node,
             confirm_latency_p50=self.confirm_latency.quantile(0.5),
             confirm_latency_p99=self.confirm_latency.quantile(0.99),
-            version=app.__version__, **gauges, **extra,
-        )  # fmt: skip
+            version=app.__version__,
+            **gauges,
+            **extra,
+        )
         return PublisherReport.model_validate(values)
 
     def stats(self) -> PublisherStats:
         return PublisherStats(
-            published=self.published, confirmed=self.confirmed, returned=self.returned,
-            nacked=self.nacked, retried=self.retried, failed=self.failed,
-            lost=self.lost_confirms, released=self.released,
-            protocol_errors=self.protocol_errors, channel_closes=self.channel_closes,
-            reconnects=self.reconnects, lease_lost=self.lease_lost,
+            published=self.published,
+            confirmed=self.confirmed,
+            returned=self.returned,
+            nacked=self.nacked,
+            retried=self.retried,
+            failed=self.failed,
+            lost=self.lost_confirms,
+            released=self.released,
+            protocol_errors=self.protocol_errors,
+            channel_closes=self.channel_closes,
+            reconnects=self.reconnects,
+            lease_lost=self.lease_lost,
             elapsed_seconds=time.monotonic() - self.started_at,
-        )  # fmt: skip
+        )
 
 
 #: counter -> (metric name without _total, help); every counter of COUNTERS is exported
@@ -210,8 +237,9 @@ class PublisherCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m, label = self.m, [self.publisher_id]
         for name in COUNTERS:
-            family = CounterMetricFamily(f"outbox_publisher_{name}", COUNTER_HELP[name],
-                                         labels=["publisher"])  # fmt: skip
+            family = CounterMetricFamily(
+                f"outbox_publisher_{name}", COUNTER_HELP[name], labels=["publisher"]
+            )
             family.add_metric(label, m.total(name))
             yield family
         gauges = m.gauges()
@@ -227,27 +255,35 @@ class PublisherCollector(Collector):
             flag.add_metric(label, 1.0 if value else 0.0)
             yield flag
         yield from self._histograms(label)
-        info = InfoMetricFamily("outbox_publisher_build", "Version of the running publisher.",
-                                labels=["publisher"])  # fmt: skip
-        info.add_metric(label, {"version": app.__version__,
-                                "python": platform.python_version()})  # fmt: skip
+        info = InfoMetricFamily(
+            "outbox_publisher_build", "Version of the running publisher.", labels=["publisher"]
+        )
+        info.add_metric(label, {"version": app.__version__, "python": platform.python_version()})
         yield info
-        node = InfoMetricFamily("outbox_publisher_broker_node",
-                                "The broker node of the current (or last) connection.",
-                                labels=["publisher"])  # fmt: skip
+        node = InfoMetricFamily(
+            "outbox_publisher_broker_node",
+            "The broker node of the current (or last) connection.",
+            labels=["publisher"],
+        )
         node.add_metric(label, {"node": m.broker_node or ""})
         yield node
 
     def _histograms(self, label: list[str]) -> Iterator[Metric]:
         m = self.m
         for name, hist, doc in (
-            ("confirm_latency_seconds", m.confirm_latency,
-             "Publish (socket write) to broker confirm, per confirmed row."),
+            (
+                "confirm_latency_seconds",
+                m.confirm_latency,
+                "Publish (socket write) to broker confirm, per confirmed row.",
+            ),
             ("flush_seconds", m.flush_seconds, "Write-back transaction time."),
             ("claim_seconds", m.claim_seconds, "Claim statement time."),
-            ("claim_wait_seconds", m.claim_wait_seconds,
-             "Time a claim waited for the running write-back to settle rows it returned."),
-        ):  # fmt: skip
+            (
+                "claim_wait_seconds",
+                m.claim_wait_seconds,
+                "Time a claim waited for the running write-back to settle rows it returned.",
+            ),
+        ):
             family = HistogramMetricFamily(f"outbox_publisher_{name}", doc, labels=["publisher"])
             family.add_metric(label, hist.cumulative(), sum_value=hist.sum)
             yield family

@@ -117,8 +117,9 @@ class Outages:
             lasted = p.destinations.recovered(exchange, now)
             if lasted is not None:
                 self._refreshed.discard(exchange)
-                log.warning("exchange %r takes publishes again: its outage lasted %.1fs",
-                            exchange, lasted)  # fmt: skip
+                log.warning(
+                    "exchange %r takes publishes again: its outage lasted %.1fs", exchange, lasted
+                )
                 p.unpark(exchange)
         if charged:
             p.outcomes().nacked.extend(charged)
@@ -130,9 +131,14 @@ class Outages:
         delay, new = p.destinations.outage(exchange, reason, now)
         if new:
             p.metrics.destination_outages += 1
-            log.warning("exchange %r is out (%s: a queue without a quorum, or full with "
-                        "reject-publish): paused, its rows wait without spending attempts; "
-                        "probing again in %.1fs", exchange, reason, delay)  # fmt: skip
+            log.warning(
+                "exchange %r is out (%s: a queue without a quorum, or full with "
+                "reject-publish): paused, its rows wait without spending attempts; "
+                "probing again in %.1fs",
+                exchange,
+                reason,
+                delay,
+            )
         else:
             log.debug("exchange %r still out; probing again in %.1fs", exchange, delay)
         parked = [r.id for r in p.holdings.unpark(exchange)]
@@ -157,8 +163,9 @@ class Outages:
         self._arm()
 
 
-def _by_exchange(ids: Sequence[int], exchange_of: Callable[[int], str | None]
-                 ) -> dict[str | None, list[int]]:  # fmt: skip
+def _by_exchange(
+    ids: Sequence[int], exchange_of: Callable[[int], str | None]
+) -> dict[str | None, list[int]]:
     out: dict[str | None, list[int]] = {}
     for row_id in ids:
         out.setdefault(exchange_of(row_id), []).append(row_id)

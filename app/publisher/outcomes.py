@@ -49,9 +49,18 @@ class Outcomes:
     sent: dict[int, Sent] = field(default_factory=dict)
 
     def empty(self) -> bool:
-        return not (self.published or self.confirmed or self.returned or self.nacked
-                    or self.lost or self.released or self.failed or self.destination
-                    or self.resent or self.postponed)  # fmt: skip
+        return not (
+            self.published
+            or self.confirmed
+            or self.returned
+            or self.nacked
+            or self.lost
+            or self.released
+            or self.failed
+            or self.destination
+            or self.resent
+            or self.postponed
+        )
 
     def lose(self, reason: str, ids: Iterable[int]) -> None:
         _add(self.lost, reason, ids)
@@ -83,9 +92,14 @@ class Outcomes:
     def rows(self) -> int:
         """How many row outcomes are waiting (tag notes not counted)."""
         grouped = (self.lost, self.failed, self.destination, self.resent)
-        return (len(self.confirmed) + len(self.returned) + len(self.nacked) + len(self.released)
-                + sum(len(ids) for g in grouped for ids in g.values())
-                + sum(len(ids) for ids in self.postponed.values()))  # fmt: skip
+        return (
+            len(self.confirmed)
+            + len(self.returned)
+            + len(self.nacked)
+            + len(self.released)
+            + sum(len(ids) for g in grouped for ids in g.values())
+            + sum(len(ids) for ids in self.postponed.values())
+        )
 
     def merge(self, older: Outcomes) -> None:
         """Put a failed write-back's outcomes back in front of the newer ones."""
@@ -96,9 +110,12 @@ class Outcomes:
         self.returned[:0] = older.returned
         self.nacked[:0] = older.nacked
         self.released[:0] = older.released
-        for mine, theirs in ((self.lost, older.lost), (self.failed, older.failed),
-                             (self.destination, older.destination),
-                             (self.resent, older.resent)):  # fmt: skip
+        for mine, theirs in (
+            (self.lost, older.lost),
+            (self.failed, older.failed),
+            (self.destination, older.destination),
+            (self.resent, older.resent),
+        ):
             for key, ids in theirs.items():
                 mine[key] = ids + mine.get(key, [])
         for pkey, ids in older.postponed.items():

@@ -91,8 +91,9 @@ class Sender:
         if group is None:
             return
         rows = p.holdings.rows(group)
-        log.info("publishing %d suspect row(s) alone to find which one the broker refuses",
-                 len(rows))  # fmt: skip
+        log.info(
+            "publishing %d suspect row(s) alone to find which one the broker refuses", len(rows)
+        )
         if not self._send(rows, self.p.clock()):
             p.quarantine.requeue(group)
             await self.work.wait(0.05)
@@ -114,14 +115,20 @@ class Sender:
                 p.outcomes().back_off(reason, [row.id])
                 p.written()
             elif state is DestinationState.OUTAGE:
-                p.outcomes().postpone(outage_reason(row.exchange, dest.reason(row.exchange)),
-                                      dest.left(row.exchange, now), [row.id])  # fmt: skip
+                p.outcomes().postpone(
+                    outage_reason(row.exchange, dest.reason(row.exchange)),
+                    dest.left(row.exchange, now),
+                    [row.id],
+                )
                 p.written()
             elif state is DestinationState.PROBING:
                 if dest.probe(row.exchange) is None:  # this row is the probe: alone
                     dest.probing(row.exchange, row.id, now)
-                    log.info("exchange %r: publishing row %d alone, to learn whether the outage "
-                             "is over", row.exchange, row.id)  # fmt: skip
+                    log.info(
+                        "exchange %r: publishing row %d alone, to learn whether the outage is over",
+                        row.exchange,
+                        row.id,
+                    )
                     if not self._send([row], now):
                         dest.probing(row.exchange, None, now)
                         p.holdings.put_back([row])
@@ -147,8 +154,9 @@ class Sender:
             reason = None
         except (WireError, TimeoutError, OSError) as exc:
             delay = p.destinations.unchecked(exchange, p.clock())
-            log.warning("check of exchange %r did not run (%s); again in %.1fs", exchange, exc,
-                        delay)  # fmt: skip
+            log.warning(
+                "check of exchange %r did not run (%s); again in %.1fs", exchange, exc, delay
+            )
             asyncio.get_running_loop().call_later(delay, self._recheck, exchange)
             return
         if reason is None:
@@ -175,8 +183,12 @@ class Sender:
         p = self.p
         delay = p.destinations.failed(exchange, reason, p.clock())
         p.metrics.destination_errors += 1
-        log.warning("exchange %r unusable (%s): its rows back off, exchange paused %.1fs",
-                    exchange, reason, delay)  # fmt: skip
+        log.warning(
+            "exchange %r unusable (%s): its rows back off, exchange paused %.1fs",
+            exchange,
+            reason,
+            delay,
+        )
         if ids:
             p.outcomes().back_off(destination_reason(exchange, reason), ids)
             p.written()

@@ -42,8 +42,9 @@ async def run_publisher(
     engine = make_engine(url, pool_pre_ping=False, **extra)
     try:
         await asyncio.to_thread(check_schema, engine)  # never publish on a schema we don't know
-        publisher = Publisher(settings=settings, repository=OutboxRepository(engine),
-                              metrics=metrics)  # fmt: skip
+        publisher = Publisher(
+            settings=settings, repository=OutboxRepository(engine), metrics=metrics
+        )
         return await publisher.run(stop=stop, until_empty=until_empty)
     finally:
         engine.dispose()

@@ -163,8 +163,14 @@ class Session:
 
     def can_publish(self) -> bool:
         conn = self.conn
-        return (conn is not None and conn.is_open and not self.blocked and not self.stopping
-                and not self.checking_on_channel and bool(self.channels))  # fmt: skip
+        return (
+            conn is not None
+            and conn.is_open
+            and not self.blocked
+            and not self.stopping
+            and not self.checking_on_channel
+            and bool(self.channels)
+        )
 
     @property
     def connected(self) -> bool:
@@ -174,8 +180,11 @@ class Session:
         return sum(ch.ledger.outstanding for ch in self.channels.values())
 
     def oldest_outstanding_at(self) -> float | None:
-        oldest = [at for ch in self.channels.values()
-                  if (at := ch.ledger.oldest_outstanding_at()) is not None]  # fmt: skip
+        oldest = [
+            at
+            for ch in self.channels.values()
+            if (at := ch.ledger.oldest_outstanding_at()) is not None
+        ]
         return min(oldest, default=None)
 
     def due_notes(self, cutoff: float, into: TagNoteMap) -> int:
@@ -185,8 +194,9 @@ class Session:
 
     def next_note_at(self) -> float | None:
         """The write time of the oldest publish no note has looked at yet, on any channel."""
-        times = [at for ch in self.channels.values()
-                 if (at := ch.ledger.next_note_at()) is not None]  # fmt: skip
+        times = [
+            at for ch in self.channels.values() if (at := ch.ledger.next_note_at()) is not None
+        ]
         return min(times, default=None)
 
     # ------------------------------------------------------------ connecting
@@ -228,9 +238,13 @@ class Session:
         url = s.amqp_url.get_secret_value()
         try:
             conn = await AMQPConnection.connect(
-                url, listener=link, heartbeat=s.heartbeat, name=self._name,
-                timeout=SETUP_TIMEOUT, shuffle=self._rng,
-            )  # fmt: skip
+                url,
+                listener=link,
+                heartbeat=s.heartbeat,
+                name=self._name,
+                timeout=SETUP_TIMEOUT,
+                shuffle=self._rng,
+            )
             async with asyncio.timeout(SETUP_TIMEOUT):
                 ids = [await conn.open_channel() for _ in range(self._channel_count(conn))]
         except (OSError, WireError, TimeoutError) as exc:
@@ -244,9 +258,14 @@ class Session:
         self.channels = {cid: Channel(cid, ChannelLedger(channel_id=cid)) for cid in ids}
         self._metrics.connected = True
         node = f"{conn.address[0]}:{conn.address[1]}" if conn.address else "?"
-        log.info("connected to the broker at %s (node %s, frame_max %d, channel_max %d), "
-                 "channels %s", redact_url(url), node, conn.frame_max, conn.channel_max,
-                 ids)  # fmt: skip
+        log.info(
+            "connected to the broker at %s (node %s, frame_max %d, channel_max %d), channels %s",
+            redact_url(url),
+            node,
+            conn.frame_max,
+            conn.channel_max,
+            ids,
+        )
         self._metrics.broker_node = node
         self._events.connection_changed()
         return conn
@@ -259,8 +278,13 @@ class Session:
         usable = want if want < allowed else allowed
         if usable < want and not self._warned_channel_max:
             self._warned_channel_max = True
-            log.warning("the broker allows %d channel(s) per connection: publishing on %d, not "
-                        "OUTBOX_CHANNELS=%d", allowed, usable, want)  # fmt: skip
+            log.warning(
+                "the broker allows %d channel(s) per connection: publishing on %d, not "
+                "OUTBOX_CHANNELS=%d",
+                allowed,
+                usable,
+                want,
+            )
         return max(1, usable)
 
     # ------------------------------------------------------------ publishing
@@ -351,8 +375,11 @@ class Session:
         if ch is None:
             return
         try:
-            events = ch.ledger.nack(tag, multiple=multiple) if nack else ch.ledger.ack(
-                tag, multiple=multiple)  # fmt: skip
+            events = (
+                ch.ledger.nack(tag, multiple=multiple)
+                if nack
+                else ch.ledger.ack(tag, multiple=multiple)
+            )
         except RemoteProtocolError as exc:
             self._protocol_error(ch, exc)
             return
@@ -363,8 +390,11 @@ class Session:
         if ch is None:
             return
         try:
-            ch.ledger.returned(message_id=message.message_id or "", reply_code=message.reply_code,
-                               reply_text=message.reply_text)  # fmt: skip
+            ch.ledger.returned(
+                message_id=message.message_id or "",
+                reply_code=message.reply_code,
+                reply_text=message.reply_text,
+            )
         except RemoteProtocolError as exc:
             self._protocol_error(ch, exc)
 
@@ -416,8 +446,13 @@ class Session:
             self._reopening = False
 
     def _wants_channel(self, conn: AMQPConnection | None) -> bool:
-        return (conn is not None and conn is self.conn and conn.is_open and not self.stopping
-                and len(self.channels) < self._channel_count(conn))  # fmt: skip
+        return (
+            conn is not None
+            and conn is self.conn
+            and conn.is_open
+            and not self.stopping
+            and len(self.channels) < self._channel_count(conn)
+        )
 
     def _blocked(self, blocked: bool, reason: str | None) -> None:
         if blocked:
@@ -437,8 +472,9 @@ class Session:
         cause = classify_connection_loss(reason)
         self._last_cause = cause
         if cause.kind is CloseKind.UNEXPLAINED:
-            log.error("the broker closed the connection: %s; blaming its outstanding publishes",
-                      reason)  # fmt: skip
+            log.error(
+                "the broker closed the connection: %s; blaming its outstanding publishes", reason
+            )
         self._abandon(f"connection lost: {reason}", cause)
         self._events.connection_changed()
 
@@ -468,9 +504,11 @@ class Session:
             return
         oldest = self.oldest_outstanding_at()
         if oldest is not None and now - oldest > self._settings.confirm_timeout:
-            log.error("no confirm for %.1fs: dropping the connection (its unconfirmed publishes "
-                      "go again, counted as lost confirms, no nack budget spent)",
-                      now - oldest)  # fmt: skip
+            log.error(
+                "no confirm for %.1fs: dropping the connection (its unconfirmed publishes "
+                "go again, counted as lost confirms, no nack budget spent)",
+                now - oldest,
+            )
             self._metrics.confirm_timeouts += 1
             conn.abort(reason=f"confirm timeout ({self._settings.confirm_timeout}s)")
 

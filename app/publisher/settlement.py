@@ -270,9 +270,14 @@ def oversized_reason(max_size: int) -> str:
 
 
 def _lost(
-    event: Lost, out: Outcomes, tally: Tally, *, cause: CloseCause, rows: Mapping[int, HeldRow],
+    event: Lost,
+    out: Outcomes,
+    tally: Tally,
+    *,
+    cause: CloseCause,
+    rows: Mapping[int, HeldRow],
     quarantine: Quarantine,
-) -> None:  # fmt: skip
+) -> None:
     ids = list(event.row_ids)
     if cause.kind is CloseKind.DESTINATION and cause.exchange is not None:
         mine = [i for i in ids if _exchange(rows, i) == cause.exchange]
@@ -295,8 +300,10 @@ def _lost(
             out.resend(f"suspect in an unexplained close: {event.reason}", again)
             tally.resent += again
         if poison:
-            why = (f"closed its channel or connection alone {quarantine.strikes_to_fail} "
-                   f"times: {event.reason}")  # fmt: skip
+            why = (
+                f"closed its channel or connection alone {quarantine.strikes_to_fail} "
+                f"times: {event.reason}"
+            )
             out.fail(why, poison)
             tally.poison += poison
         return

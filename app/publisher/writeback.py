@@ -120,8 +120,12 @@ class Writeback:
         except Exception:
             self._finished()
             p.metrics.db_errors += 1  # the outage is logged once, by the database lane
-            log.debug("writing %d outcomes failed; retrying in %.0fs", out.rows(), RETRY_PAUSE,
-                      exc_info=True)  # fmt: skip
+            log.debug(
+                "writing %d outcomes failed; retrying in %.0fs",
+                out.rows(),
+                RETRY_PAUSE,
+                exc_info=True,
+            )
             self.out.merge(out)
             await asyncio.sleep(RETRY_PAUSE)
             return False
@@ -143,8 +147,9 @@ class Writeback:
         """Did a row with an ordering key settle? Then its key's next row may be due now, and
         no notification says so."""
         held = self.p.holdings.held
-        return any((row := held.get(i)) is not None and row.ordering_key is not None
-                   for i in settled)  # fmt: skip
+        return any(
+            (row := held.get(i)) is not None and row.ordering_key is not None for i in settled
+        )
 
     def _finished(self) -> None:
         self.settling = frozenset()
@@ -190,8 +195,9 @@ class Writeback:
         m.postponed += w.postponed
         if w.moved < w.expected:
             m.lease_lost += w.expected - w.moved
-            log.warning("%d rows were no longer held by this publisher (lease lost)",
-                        w.expected - w.moved)  # fmt: skip
+            log.warning(
+                "%d rows were no longer held by this publisher (lease lost)", w.expected - w.moved
+            )
 
     # ------------------------------------------------------------ on the DB thread
 
@@ -210,22 +216,39 @@ class Writeback:
         for (channel_id, at), tags in out.published.items():
             still_out = [pair for pair in tags if pair[0] not in settled]
             if still_out:
-                repo.record_published(owner=owner, channel_id=channel_id, tags=still_out,
-                                      published_at=at)  # fmt: skip
+                repo.record_published(
+                    owner=owner, channel_id=channel_id, tags=still_out, published_at=at
+                )
         confirmed = self._confirm(out.confirmed, out.sent) if out.confirmed else 0
-        returned = repo.mark_returned(
-            owner=owner, returns=out.returned,
-            published=_published((r.id for r in out.returned), out.sent)[0],
-        ) if out.returned else 0  # fmt: skip
+        returned = (
+            repo.mark_returned(
+                owner=owner,
+                returns=out.returned,
+                published=_published((r.id for r in out.returned), out.sent)[0],
+            )
+            if out.returned
+            else 0
+        )
         retried = final = failed = lost = released = 0
         if out.nacked:
-            r = repo.retry(owner=owner, ids=out.nacked, error="nacked by the broker",
-                           backoff=p.backoff, exhausted=Status.NACKED, nack=True)  # fmt: skip
+            r = repo.retry(
+                owner=owner,
+                ids=out.nacked,
+                error="nacked by the broker",
+                backoff=p.backoff,
+                exhausted=Status.NACKED,
+                nack=True,
+            )
             retried, final = r.retried, r.exhausted
         for reason, ids in out.destination.items():
-            r = repo.retry(owner=owner, ids=ids, error=reason, backoff=p.backoff,
-                           exhausted=Status.FAILED,
-                           max_attempts=p.settings.destination_retry_budget)  # fmt: skip
+            r = repo.retry(
+                owner=owner,
+                ids=ids,
+                error=reason,
+                backoff=p.backoff,
+                exhausted=Status.FAILED,
+                max_attempts=p.settings.destination_retry_budget,
+            )
             retried, failed = retried + r.retried, failed + r.exhausted
         for reason, ids in out.failed.items():
             failed += repo.mark_failed(owner=owner, ids=ids, reason=reason)
@@ -237,8 +260,18 @@ class Writeback:
         for (reason, delay), ids in out.postponed.items():
             postponed += repo.postpone(owner=owner, ids=ids, error=reason, delay=delay)
         moved = confirmed + returned + retried + final + failed + lost + released + postponed
-        return Written(len(settled), moved, confirmed, returned, retried, final, failed, lost,
-                       released, postponed)  # fmt: skip
+        return Written(
+            len(settled),
+            moved,
+            confirmed,
+            returned,
+            retried,
+            final,
+            failed,
+            lost,
+            released,
+            postponed,
+        )
 
     def _confirm(self, ids: list[int], sent: dict[int, Sent]) -> int:
         published, bare = _published(ids, sent)

@@ -135,8 +135,9 @@ class _Timed(_Acks):
         super()._settle(tag, multiple)
 
 
-async def _paced(services: Services, exchange: str, key: str, rate_per_s: float,
-                 seconds: float) -> list[float]:  # fmt: skip
+async def _paced(
+    services: Services, exchange: str, key: str, rate_per_s: float, seconds: float
+) -> list[float]:
     """Publish at ``rate_per_s`` (a batch every 20 ms, like the latency run's producer) for
     ``seconds``; the publish -> ack latency of every message, in seconds, in tag order."""
     acks = _Timed()
@@ -169,23 +170,34 @@ async def _paced(services: Services, exchange: str, key: str, rate_per_s: float,
         await conn.close()
 
 
-def run_confirm_floor(services: Services, *, rate_per_s: float, seconds: float,
-                      warmup: float) -> list[Measured]:  # fmt: skip
+def run_confirm_floor(
+    services: Services, *, rate_per_s: float, seconds: float, warmup: float
+) -> list[Measured]:
     """The broker's own confirm latency for this message shape at the latency run's rate, from
     the product's wire layer with no database: the floor under ``confirm_latency_*``."""
-    with topology(services, "floor") as topo, \
-            RunCpu("client", rabbitmq=services.broker_port) as used:  # fmt: skip
-        lat = asyncio.run(_paced(services, topo.exchange, topo.routing_key, rate_per_s,
-                                 warmup + seconds))  # fmt: skip
+    with (
+        topology(services, "floor") as topo,
+        RunCpu("client", rabbitmq=services.broker_port) as used,
+    ):
+        lat = asyncio.run(
+            _paced(services, topo.exchange, topo.routing_key, rate_per_s, warmup + seconds)
+        )
     cpu = used.per_message(max(1, len(lat)))
     steady = sorted(lat[int(rate_per_s * warmup) :]) or sorted(lat)
     p50 = steady[len(steady) // 2] * 1000
     p99 = steady[min(len(steady) - 1, int(len(steady) * 0.99))] * 1000
-    print(f"  broker confirm latency (wire layer, no database) at {rate_per_s:,.0f} msg/s over "
-          f"{len(steady):,} messages: p50 {p50:.1f} ms, p99 {p99:.1f} ms; CPU per message: "
-          f"{describe(cpu)}", flush=True)  # fmt: skip
+    print(
+        f"  broker confirm latency (wire layer, no database) at {rate_per_s:,.0f} msg/s over "
+        f"{len(steady):,} messages: p50 {p50:.1f} ms, p99 {p99:.1f} ms; CPU per message: "
+        f"{describe(cpu)}",
+        flush=True,
+    )
     return [
-        Measured(key="diag_broker_confirm_p50_ms", unit="ms", runs=[p50],
-                 extra={"rate_msg_per_s": rate_per_s, "cpu_us_per_msg_by_process": [cpu]}),
+        Measured(
+            key="diag_broker_confirm_p50_ms",
+            unit="ms",
+            runs=[p50],
+            extra={"rate_msg_per_s": rate_per_s, "cpu_us_per_msg_by_process": [cpu]},
+        ),
         Measured(key="diag_broker_confirm_p99_ms", unit="ms", runs=[p99]),
-    ]  # fmt: skip
+    ]

@@ -46,8 +46,9 @@ async def _fill(services: Services, queue: str, n: int) -> None:
         ch = await conn.channel(publisher_confirms=True)
         pending = []
         for i in range(n):
-            msg = aio_pika.Message(BODY, message_id=f"c-{i}",
-                                   delivery_mode=aio_pika.DeliveryMode.PERSISTENT)  # fmt: skip
+            msg = aio_pika.Message(
+                BODY, message_id=f"c-{i}", delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+            )
             pending.append(ch.default_exchange.publish(msg, routing_key=queue))
             if len(pending) >= 1000:
                 await asyncio.gather(*pending)
@@ -98,15 +99,27 @@ async def _inbox_loop(services: Services, url: str, queue: str, n: int) -> float
                     (message.message_id,),
                 )
                 if await new.fetchone() is not None:
-                    await db.execute("INSERT INTO bench_effects (message_id, body) VALUES (%s, %s)",
-                                     (message.message_id, message.body))  # fmt: skip
+                    await db.execute(
+                        "INSERT INTO bench_effects (message_id, body) VALUES (%s, %s)",
+                        (message.message_id, message.body),
+                    )
             await message.ack()
         return time.perf_counter() - start
 
 
-async def _kit(services: Services, url: str, queue: str, n: int, *, mode: str, prefetch: int,
-               concurrency: int, handler_ms: float = 0.0, batches: bool = False,
-               effect: bool = True) -> float:  # fmt: skip
+async def _kit(
+    services: Services,
+    url: str,
+    queue: str,
+    n: int,
+    *,
+    mode: str,
+    prefetch: int,
+    concurrency: int,
+    handler_ms: float = 0.0,
+    batches: bool = False,
+    effect: bool = True,
+) -> float:
     engine = consumer_engine(url, concurrency=concurrency)  # as `outbox consume` makes it
 
     def handler(message: Message, conn: Connection) -> None:
@@ -118,8 +131,13 @@ async def _kit(services: Services, url: str, queue: str, n: int, *, mode: str, p
     def batch_handler(messages: Sequence[Message], conn: Connection) -> None:
         conn.execute(INSERT_EFFECT, [{"m": m.message_id, "b": m.body} for m in messages])
 
-    cfg = ConsumerConfig(name=f"bench-{queue}", queue=queue, prefetch=prefetch, mode=mode,  # type: ignore[arg-type]
-                         concurrency=concurrency)  # fmt: skip
+    cfg = ConsumerConfig(
+        name=f"bench-{queue}",
+        queue=queue,
+        prefetch=prefetch,
+        mode=mode,  # type: ignore[arg-type]
+        concurrency=concurrency,
+    )
     given: dict[str, Any] = {"batch_handler": batch_handler} if batches else {"handler": handler}
     consumer = Consumer(config=cfg, amqp_url=services.amqp_url, engine=engine, **given)
     stop = asyncio.Event()
@@ -137,8 +155,9 @@ async def _kit(services: Services, url: str, queue: str, n: int, *, mode: str, p
         engine.dispose()
 
 
-def _measure(services: Services, key: str, n: int, consume: Callable[[str], Any],
-             *, database: bool) -> Measured:  # fmt: skip
+def _measure(
+    services: Services, key: str, n: int, consume: Callable[[str], Any], *, database: bool
+) -> Measured:
     cpu: list[dict[str, float]] = []
     ports = {"rabbitmq": services.broker_port}
     if database:
@@ -162,16 +181,33 @@ def _measure(services: Services, key: str, n: int, consume: Callable[[str], Any]
 def run(services: Services, sizes: Sizes) -> list[Measured]:
     n = max(2000, sizes.publish // 4)
     out = [
-        _measure(services, "consume_aio_pika_autoack", n,
-                 lambda q: _plain(services, q, n, no_ack=True), database=False),
-        _measure(services, "consume_aio_pika_manual_ack", n,
-                 lambda q: _plain(services, q, n, no_ack=False), database=False),
-    ]  # fmt: skip
+        _measure(
+            services,
+            "consume_aio_pika_autoack",
+            n,
+            lambda q: _plain(services, q, n, no_ack=True),
+            database=False,
+        ),
+        _measure(
+            services,
+            "consume_aio_pika_manual_ack",
+            n,
+            lambda q: _plain(services, q, n, no_ack=False),
+            database=False,
+        ),
+    ]
     with temp_postgres(services) as url:
         with psycopg.connect(libpq_url(url), autocommit=True) as db:
             db.execute(EFFECTS)
-        out.append(_measure(services, "consume_inbox_loop_per_message", n,
-                            lambda q: _inbox_loop(services, url, q, n), database=True))  # fmt: skip
+        out.append(
+            _measure(
+                services,
+                "consume_inbox_loop_per_message",
+                n,
+                lambda q: _inbox_loop(services, url, q, n),
+                database=True,
+            )
+        )
         defaults = ConsumerConfig(name="-", queue="-")  # what `outbox consume` runs
         base = {"prefetch": defaults.prefetch, "concurrency": defaults.concurrency}
         kits: list[tuple[str, dict[str, Any]]] = [
@@ -182,11 +218,16 @@ def run(services: Services, sizes: Sizes) -> list[Measured]:
             ("consume_kit_batch_handler", {**base, "mode": "batch", "batches": True}),
             ("consume_kit_per_message", {**base, "mode": "message"}),
             ("consume_kit_batched_handler_5ms", {**base, "mode": "batch", "handler_ms": 5}),
-            ("consume_kit_per_message_handler_5ms", {**base, "mode": "message",
-                                                     "handler_ms": 5}),
-        ]  # fmt: skip
+            ("consume_kit_per_message_handler_5ms", {**base, "mode": "message", "handler_ms": 5}),
+        ]
         for key, options in kits:
-            out.append(_measure(services, key, n,
-                                lambda q, o=options: _kit(services, url, q, n, **o),
-                                database=True))  # fmt: skip
+            out.append(
+                _measure(
+                    services,
+                    key,
+                    n,
+                    lambda q, o=options: _kit(services, url, q, n, **o),
+                    database=True,
+                )
+            )
     return out

@@ -85,17 +85,19 @@ def start_publisher(
     services: Services, db_url: str, logdir: Path, *, until_empty: bool, name: str
 ) -> Proc:
     env = dict(os.environ)
-    env.update(OUTBOX_DATABASE_URL=db_url, OUTBOX_AMQP_URL=services.amqp_url,
-               OUTBOX_PUBLISHER_METRICS_PORT="0",
-               OUTBOX_PUBLISHER_ID=f"bench-{name}-{os.getpid()}")  # fmt: skip
+    env.update(
+        OUTBOX_DATABASE_URL=db_url,
+        OUTBOX_AMQP_URL=services.amqp_url,
+        OUTBOX_PUBLISHER_METRICS_PORT="0",
+        OUTBOX_PUBLISHER_ID=f"bench-{name}-{os.getpid()}",
+    )
     for pair in filter(None, PUBLISHER_ENV.split(",")):
         key, _, value = pair.partition("=")
         env[key.strip()] = value.strip()
     args = [sys.executable, "-m", "app.publisher"] + (["--until-empty"] if until_empty else [])
     log = logdir / f"publisher-{name}.log"
     with log.open("wb") as out:
-        popen = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=out,
-                                 stderr=subprocess.STDOUT)  # fmt: skip
+        popen = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     return Proc(popen=popen, log=log)
 
 
@@ -126,24 +128,30 @@ class DrainResult:
     service_cpu: dict[str, float] = field(default_factory=dict)
 
 
-def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
-               keys: int | None = None) -> DrainResult:  # fmt: skip
+def drain_once(
+    services: Services, *, backend: str, n: int, publishers: int = 1, keys: int | None = None
+) -> DrainResult:
     """Seed ``n`` rows, run ``publishers`` processes with ``--until-empty``, time the drain.
     ``keys``: rows carry one of that many ordering keys (PostgreSQL), published in key order."""
     make_db = temp_postgres(services) if backend == "postgresql" else temp_sqlite()
-    with make_db as db_url, topology(services, f"drain-{backend}") as topo, \
-            tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir:  # fmt: skip
+    with (
+        make_db as db_url,
+        topology(services, f"drain-{backend}") as topo,
+        tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir,
+    ):
         if backend == "postgresql":
-            seed_postgres(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key,
-                          keys=keys)  # fmt: skip
+            seed_postgres(
+                db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key, keys=keys
+            )
         else:
             seed_sqlite(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key)
-        services_cpu = ServiceCpu(postgresql=services.database_port,
-                                  rabbitmq=services.broker_port)  # fmt: skip
+        services_cpu = ServiceCpu(postgresql=services.database_port, rabbitmq=services.broker_port)
         services_cpu.start()
         start = dt.datetime.now(dt.UTC)
-        procs = [start_publisher(services, db_url, Path(logdir), until_empty=True, name=str(i))
-                 for i in range(publishers)]  # fmt: skip
+        procs = [
+            start_publisher(services, db_url, Path(logdir), until_empty=True, name=str(i))
+            for i in range(publishers)
+        ]
         timeout = 120 + n / 500
         for proc in procs:
             proc.wait(timeout)
@@ -157,11 +165,15 @@ def drain_once(services: Services, *, backend: str, n: int, publishers: int = 1,
     if depth < n:
         raise RuntimeError(f"drain {backend}: {n} rows confirmed but the queue holds {depth}")
     seconds = (last - start).total_seconds()
-    return DrainResult(rows_per_s=n / seconds, seconds=seconds,
-                       first_confirm_s=(first - start).total_seconds(),
-                       peak_rss_mb=[p.peak_rss_kb / 1024 for p in procs],
-                       cpu_seconds=[p.cpu_seconds for p in procs],
-                       duplicates=depth - n, service_cpu=used)  # fmt: skip
+    return DrainResult(
+        rows_per_s=n / seconds,
+        seconds=seconds,
+        first_confirm_s=(first - start).total_seconds(),
+        peak_rss_mb=[p.peak_rss_kb / 1024 for p in procs],
+        cpu_seconds=[p.cpu_seconds for p in procs],
+        duplicates=depth - n,
+        service_cpu=used,
+    )
 
 
 def _drain_repeat(key: str, run: Callable[[], DrainResult]) -> Measured:
@@ -174,11 +186,17 @@ def _drain_repeat(key: str, run: Callable[[], DrainResult]) -> Measured:
         cpu = ", ".join(f"{s:.1f}" for s in result.cpu_seconds)
         rows = result.rows_per_s * result.seconds
         per_row = {"publisher": sum(result.cpu_seconds), **result.service_cpu}
-        print("    CPU per row: " + ", ".join(f"{k} {v / rows * 1e6:.0f} us"
-                                            for k, v in per_row.items()), flush=True)  # fmt: skip
-        print(f"    {result.seconds:.2f}s (first confirm at {result.first_confirm_s:.2f}s), "
-              f"publisher CPU {cpu}s, peak RSS {rss} MB, "
-              f"duplicates {result.duplicates}", flush=True)  # fmt: skip
+        print(
+            "    CPU per row: "
+            + ", ".join(f"{k} {v / rows * 1e6:.0f} us" for k, v in per_row.items()),
+            flush=True,
+        )
+        print(
+            f"    {result.seconds:.2f}s (first confirm at {result.first_confirm_s:.2f}s), "
+            f"publisher CPU {cpu}s, peak RSS {rss} MB, "
+            f"duplicates {result.duplicates}",
+            flush=True,
+        )
         return result.rows_per_s
 
     measured = repeat(key, "rows/s", one)
@@ -187,10 +205,12 @@ def _drain_repeat(key: str, run: Callable[[], DrainResult]) -> Measured:
     measured.extra["first_confirm_s"] = [r.first_confirm_s for r in results]
     measured.extra["publisher_cpu_s"] = [r.cpu_seconds for r in results]
     measured.extra["cpu_us_per_row"] = [
-        {"publisher": sum(r.cpu_seconds) / (r.rows_per_s * r.seconds) * 1e6,
-         **{k: v / (r.rows_per_s * r.seconds) * 1e6 for k, v in r.service_cpu.items()}}
+        {
+            "publisher": sum(r.cpu_seconds) / (r.rows_per_s * r.seconds) * 1e6,
+            **{k: v / (r.rows_per_s * r.seconds) * 1e6 for k, v in r.service_cpu.items()},
+        }
         for r in results
-    ]  # fmt: skip
+    ]
     return measured
 
 
@@ -198,18 +218,23 @@ def run_drains(services: Services, sizes: Sizes) -> list[Measured]:
     n = sizes.drain
     hot = max(200, n // 100)
     return [
-        _drain_repeat("drain_postgres",
-                      lambda: drain_once(services, backend="postgresql", n=n)),
+        _drain_repeat("drain_postgres", lambda: drain_once(services, backend="postgresql", n=n)),
         _drain_repeat("drain_sqlite", lambda: drain_once(services, backend="sqlite", n=n)),
-        _drain_repeat("drain_postgres_2_publishers",
-                      lambda: drain_once(services, backend="postgresql", n=n, publishers=2)),
+        _drain_repeat(
+            "drain_postgres_2_publishers",
+            lambda: drain_once(services, backend="postgresql", n=n, publishers=2),
+        ),
         # per-key order (docs/guarantees.md section 5): many keys in parallel, and one hot key
         # whose rate is bounded by one publish -> confirm -> write-back -> claim cycle per row
-        _drain_repeat("drain_postgres_ordered_10k_keys",
-                      lambda: drain_once(services, backend="postgresql", n=n, keys=10_000)),
-        _drain_repeat("drain_postgres_ordered_hot_key",
-                      lambda: drain_once(services, backend="postgresql", n=hot, keys=1)),
-    ]  # fmt: skip
+        _drain_repeat(
+            "drain_postgres_ordered_10k_keys",
+            lambda: drain_once(services, backend="postgresql", n=n, keys=10_000),
+        ),
+        _drain_repeat(
+            "drain_postgres_ordered_hot_key",
+            lambda: drain_once(services, backend="postgresql", n=hot, keys=1),
+        ),
+    ]
 
 
 def run_memory(services: Services, sizes: Sizes, *, one_x: list[float] | None = None) -> Measured:
@@ -222,14 +247,20 @@ def run_memory(services: Services, sizes: Sizes, *, one_x: list[float] | None = 
         out.runs.extend(one_x)
     else:
         out.runs.append(drain_once(services, backend="postgresql", n=sizes.drain).peak_rss_mb[0])
-    print(f"  publisher peak RSS draining {sizes.drain:,} rows: "
-          + ", ".join(f"{mb:.1f}" for mb in out.runs) + " MB", flush=True)  # fmt: skip
+    print(
+        f"  publisher peak RSS draining {sizes.drain:,} rows: "
+        + ", ".join(f"{mb:.1f}" for mb in out.runs)
+        + " MB",
+        flush=True,
+    )
     result = drain_once(services, backend="postgresql", n=sizes.drain * 4)
     four = result.peak_rss_mb[0]
-    out.extra.update(peak_rss_mb_1x=out.value, peak_rss_mb_4x=four,
-                     rows_per_s_4x=result.rows_per_s)  # fmt: skip
-    print(f"  publisher peak RSS draining {sizes.drain * 4:,} rows: {four:.1f} MB "
-          f"({result.rows_per_s:,.0f} rows/s)", flush=True)  # fmt: skip
+    out.extra.update(peak_rss_mb_1x=out.value, peak_rss_mb_4x=four, rows_per_s_4x=result.rows_per_s)
+    print(
+        f"  publisher peak RSS draining {sizes.drain * 4:,} rows: {four:.1f} MB "
+        f"({result.rows_per_s:,.0f} rows/s)",
+        flush=True,
+    )
     return out
 
 
@@ -250,8 +281,17 @@ def _produce(db_url: str, *, rate: float, seconds: float, exchange: str, key: st
         while (elapsed := time.monotonic() - start) < seconds:
             due = int(elapsed * rate) - done
             if due > 0:
-                conn.execute(insert, {"prefix": "lat-", "ex": exchange, "rk": key, "body": body,
-                                      "lo": done, "hi": done + due - 1})  # fmt: skip
+                conn.execute(
+                    insert,
+                    {
+                        "prefix": "lat-",
+                        "ex": exchange,
+                        "rk": key,
+                        "body": body,
+                        "lo": done,
+                        "hi": done + due - 1,
+                    },
+                )
                 done += due
             time.sleep(0.02)
     return done
@@ -273,15 +313,22 @@ def _percentiles(db_url: str, since: dt.datetime) -> dict[str, float]:
     """p50 and p99 in ms of created → confirmed (``total``), and of its two legs: created →
     claimed (``claim``: the wake-up and the claim) and claimed → confirmed (``settle``: the
     publish, the broker's confirm and the write-back)."""
-    legs = {"total": ("created_at", "confirmed_at"), "claim": ("created_at", "claimed_at"),
-            "settle": ("claimed_at", "confirmed_at"), "publish": ("claimed_at", "published_at"),
-            "ack": ("published_at", "confirmed_at")}  # fmt: skip
+    legs = {
+        "total": ("created_at", "confirmed_at"),
+        "claim": ("created_at", "claimed_at"),
+        "settle": ("claimed_at", "confirmed_at"),
+        "publish": ("claimed_at", "published_at"),
+        "ack": ("published_at", "confirmed_at"),
+    }
     cols = ", ".join(
         f"percentile_cont({q}) WITHIN GROUP (ORDER BY extract(epoch FROM {b} - {a}) * 1000)"
-        for a, b in legs.values() for q in (0.5, 0.99)
-    )  # fmt: skip
-    query = (f"SELECT count(*), {cols} FROM outbox "
-             "WHERE status = 'confirmed' AND created_at >= %(since)s")  # fmt: skip
+        for a, b in legs.values()
+        for q in (0.5, 0.99)
+    )
+    query = (
+        f"SELECT count(*), {cols} FROM outbox "
+        "WHERE status = 'confirmed' AND created_at >= %(since)s"
+    )
     with psycopg.connect(libpq_url(db_url)) as conn:
         row = conn.execute(query, {"since": since}).fetchone()
         # the publisher's own histogram of publish -> broker ack (bucket bounds, seconds)
@@ -302,17 +349,22 @@ def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[
     """Rows committed at 50% of the measured drain rate; latency = created_at → confirmed_at."""
     rate = 0.5 * drain_rate
     seconds = LATENCY_WARMUP + sizes.latency_seconds
-    with temp_postgres(services) as db_url, topology(services, "latency") as topo, \
-            tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir:  # fmt: skip
+    with (
+        temp_postgres(services) as db_url,
+        topology(services, "latency") as topo,
+        tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir,
+    ):
         # CPU over the whole run (warm-up and start-up included), per row produced
-        with RunCpu("producer", postgresql=services.database_port,
-                    rabbitmq=services.broker_port) as used:  # fmt: skip
+        with RunCpu(
+            "producer", postgresql=services.database_port, rabbitmq=services.broker_port
+        ) as used:
             proc = start_publisher(services, db_url, Path(logdir), until_empty=False, name="lat")
             try:
                 time.sleep(1.0)  # let it connect before rows arrive
                 steady_from = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=LATENCY_WARMUP)
-                produced = _produce(db_url, rate=rate, seconds=seconds, exchange=topo.exchange,
-                                    key=topo.routing_key)  # fmt: skip
+                produced = _produce(
+                    db_url, rate=rate, seconds=seconds, exchange=topo.exchange, key=topo.routing_key
+                )
                 _wait_drained(db_url, timeout=60 + produced / 1000)
             finally:
                 proc.stop()
@@ -321,17 +373,24 @@ def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[
     rows = max(1, produced)
     cpu = {"publisher": proc.cpu_seconds / rows * 1e6, **used.per_message(rows)}
     p50, p99, count = got["total_p50"], got["total_p99"], int(got["count"])
-    print(f"  confirm latency at {rate:,.0f} rows/s over {count:,} rows: "
-          f"p50 {p50:.1f} ms, p99 {p99:.1f} ms; created -> claimed p50 {got['claim_p50']:.1f}, "
-          f"p99 {got['claim_p99']:.1f}; claimed -> confirmed p50 {got['settle_p50']:.1f}, "
-          f"p99 {got['settle_p99']:.1f} (claimed -> published p50 {got['publish_p50']:.1f}, p99 "
-          f"{got['publish_p99']:.1f}; published -> confirmed written p50 {got['ack_p50']:.1f}, "
-          f"p99 {got['ack_p99']:.1f}); publish -> broker ack p50 "
-          f"{got.get('broker_p50', -1):.1f}, p99 {got.get('broker_p99', -1):.1f} "
-          f"(histogram bucket bounds); CPU per row: {describe(cpu)}", flush=True)  # fmt: skip
+    print(
+        f"  confirm latency at {rate:,.0f} rows/s over {count:,} rows: "
+        f"p50 {p50:.1f} ms, p99 {p99:.1f} ms; created -> claimed p50 {got['claim_p50']:.1f}, "
+        f"p99 {got['claim_p99']:.1f}; claimed -> confirmed p50 {got['settle_p50']:.1f}, "
+        f"p99 {got['settle_p99']:.1f} (claimed -> published p50 {got['publish_p50']:.1f}, p99 "
+        f"{got['publish_p99']:.1f}; published -> confirmed written p50 {got['ack_p50']:.1f}, "
+        f"p99 {got['ack_p99']:.1f}); publish -> broker ack p50 "
+        f"{got.get('broker_p50', -1):.1f}, p99 {got.get('broker_p99', -1):.1f} "
+        f"(histogram bucket bounds); CPU per row: {describe(cpu)}",
+        flush=True,
+    )
     legs = {f"latency_{k}_ms": round(v, 2) for k, v in got.items() if k != "count"}
-    extra = {"latency_rate_rows_per_s": rate, "latency_rows": count, **legs,
-             "cpu_us_per_msg_by_process": [cpu]}  # fmt: skip
+    extra = {
+        "latency_rate_rows_per_s": rate,
+        "latency_rows": count,
+        **legs,
+        "cpu_us_per_msg_by_process": [cpu],
+    }
     return [
         Measured(key="confirm_latency_p50_ms", unit="ms", runs=[p50], extra=extra),
         Measured(key="confirm_latency_p99_ms", unit="ms", runs=[p99]),

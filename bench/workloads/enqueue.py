@@ -38,20 +38,33 @@ PROPERTIES = {"type": "order.created"}
 
 def _messages(run: int) -> list[Message]:
     return [
-        Message(exchange="orders", routing_key="order.created", body=BODY,
-                message_id=f"r{run}-m{i}", content_type="application/json", headers=HEADERS,
-                properties=PROPERTIES)
+        Message(
+            exchange="orders",
+            routing_key="order.created",
+            body=BODY,
+            message_id=f"r{run}-m{i}",
+            content_type="application/json",
+            headers=HEADERS,
+            properties=PROPERTIES,
+        )
         for i in range(MESSAGES)
-    ]  # fmt: skip
+    ]
 
 
 def _rows(run: int) -> list[dict[str, Any]]:
     return [
-        {"message_id": f"r{run}-m{i}", "batch_id": "app", "exchange": "orders",
-         "routing_key": "order.created", "body": BODY, "content_type": "application/json",
-         "headers": HEADERS, "properties": PROPERTIES}
+        {
+            "message_id": f"r{run}-m{i}",
+            "batch_id": "app",
+            "exchange": "orders",
+            "routing_key": "order.created",
+            "body": BODY,
+            "content_type": "application/json",
+            "headers": HEADERS,
+            "properties": PROPERTIES,
+        }
         for i in range(MESSAGES)
-    ]  # fmt: skip
+    ]
 
 
 def _timed(engine: Engine, work: Callable[[], None]) -> float:
@@ -100,8 +113,10 @@ _RAW_SQL = (
 
 
 def _raw_psycopg(url: str, run: int) -> Callable[[], None]:
-    rows = [{**r, "headers": Json(r["headers"]), "properties": Json(r["properties"])}
-            for r in _rows(run)]  # fmt: skip
+    rows = [
+        {**r, "headers": Json(r["headers"]), "properties": Json(r["properties"])}
+        for r in _rows(run)
+    ]
 
     def work() -> None:
         with psycopg.connect(url) as conn, conn.cursor() as cur:
@@ -112,8 +127,12 @@ def _raw_psycopg(url: str, run: int) -> Callable[[], None]:
 
 def run(services: Services, sizes: Sizes) -> list[Measured]:
     del sizes  # the figure is for 10,000 messages at any scale
-    keys = ["enqueue_api_10k_ms", "enqueue_raw_executemany_10k_ms", "enqueue_psycopg_10k_ms",
-            "enqueue_raw_psycopg_executemany_10k_ms"]  # fmt: skip
+    keys = [
+        "enqueue_api_10k_ms",
+        "enqueue_raw_executemany_10k_ms",
+        "enqueue_psycopg_10k_ms",
+        "enqueue_raw_psycopg_executemany_10k_ms",
+    ]
     out = {key: Measured(key=key, unit="ms") for key in keys}
     with temp_postgres(services) as url:
         engine = make_engine(url)
@@ -121,8 +140,12 @@ def run(services: Services, sizes: Sizes) -> list[Measured]:
         try:
             _timed(engine, _api(engine, -1))  # warm up: connections, statement caches
             for i in range(REPEATS):
-                variants = [_api(engine, i), _raw(engine, i), _api_psycopg(libpq, i),
-                            _raw_psycopg(libpq, i)]  # fmt: skip
+                variants = [
+                    _api(engine, i),
+                    _raw(engine, i),
+                    _api_psycopg(libpq, i),
+                    _raw_psycopg(libpq, i),
+                ]
                 for key, work in zip(keys, variants, strict=True):
                     ms = _timed(engine, work)
                     out[key].runs.append(ms)

@@ -51,9 +51,11 @@ def _full_scan_counts(engine: Engine) -> object:
 def _old_purge(engine: Engine) -> int:
     """The purge before the primary-key walk: each chunk a search from the table's start."""
     cutoff = NOW - RETENTION
-    old = (select(outbox.c.id)
-           .where(outbox.c.status == Status.CONFIRMED.value, outbox.c.confirmed_at < cutoff)
-           .limit(CHUNK))  # fmt: skip
+    old = (
+        select(outbox.c.id)
+        .where(outbox.c.status == Status.CONFIRMED.value, outbox.c.confirmed_at < cutoff)
+        .limit(CHUNK)
+    )
     total = 0
     while True:
         with engine.begin() as conn:
@@ -97,6 +99,9 @@ def run(services: Services, sizes: Sizes) -> list[Measured]:
                 finally:
                     engine.dispose()
             print(f"  {target.key} run {i + 1}/{REPEATS}: {target.runs[-1]:,.0f} ms", flush=True)
-        print(f"  {stats.key}: {stats.runs[-1]:,.1f} ms, {scan.key}: {scan.runs[-1]:,.1f} ms "
-              f"({ROWS:,} rows)", flush=True)  # fmt: skip
+        print(
+            f"  {stats.key}: {stats.runs[-1]:,.1f} ms, {scan.key}: {scan.runs[-1]:,.1f} ms "
+            f"({ROWS:,} rows)",
+            flush=True,
+        )
     return [stats, scan, purge, old]

@@ -44,9 +44,11 @@ JDBC_TABLE = "bench_jdbc_plain"
 #: Like for like: the outbox's identity and uniqueness (a bigserial primary key, a unique
 #: ``message_id``), the same message columns, written by Spark's JDBC writer.
 JDBC_KEYS_TABLE = "bench_jdbc_keys"
-KEYS_DDL = (f"CREATE TABLE {JDBC_KEYS_TABLE} (id bigserial PRIMARY KEY, message_id text NOT NULL "
-            "UNIQUE, batch_id text NOT NULL, exchange text NOT NULL, routing_key text NOT NULL, "
-            "body bytea NOT NULL)")  # fmt: skip
+KEYS_DDL = (
+    f"CREATE TABLE {JDBC_KEYS_TABLE} (id bigserial PRIMARY KEY, message_id text NOT NULL "
+    "UNIQUE, batch_id text NOT NULL, exchange text NOT NULL, routing_key text NOT NULL, "
+    "body bytea NOT NULL)"
+)
 WARMUP_ROWS = 2_000
 
 
@@ -109,10 +111,12 @@ def _write_jdbc_keys(df: Any, url: str, batch: int) -> None:
 
     jdbc_url, props = _jdbc_props(url)
     rows = df.select(
-        F.col("key").alias("message_id"), F.lit(f"bench:{batch}").alias("batch_id"),
-        F.lit("bench.spark").alias("exchange"), F.lit("bench").alias("routing_key"),
+        F.col("key").alias("message_id"),
+        F.lit(f"bench:{batch}").alias("batch_id"),
+        F.lit("bench.spark").alias("exchange"),
+        F.lit("bench").alias("routing_key"),
         F.col("payload").cast("binary").alias("body"),
-    )  # fmt: skip
+    )
     rows.write.mode("append").jdbc(jdbc_url, JDBC_KEYS_TABLE, properties=props)
 
 
@@ -121,10 +125,17 @@ def _write_outbox(
 ) -> None:
     from spark_writer import write_outbox
 
-    result = write_outbox(df, url=url, sink="bench", batch_id=batch, exchange="bench.spark",
-                          routing_key="bench", body_column="payload",
-                          message_id_column=None if derived else "key",
-                          on_invalid="reject" if reject else "fail")  # fmt: skip
+    result = write_outbox(
+        df,
+        url=url,
+        sink="bench",
+        batch_id=batch,
+        exchange="bench.spark",
+        routing_key="bench",
+        body_column="payload",
+        message_id_column=None if derived else "key",
+        on_invalid="reject" if reject else "fail",
+    )
     if result.written != result.rows:
         raise RuntimeError(f"write_outbox wrote {result.written} of {result.rows} rows")
 
@@ -142,8 +153,11 @@ def copy_data(n: int) -> list[list[bytes]]:
         constants = [Const.of("bench:floor"), Const.of("bench.spark"), Const.of("bench")]
         blocks = []
         for start in range(0, len(ids), 10_000):
-            fields = [pa.array(ids[start : start + 10_000]),
-                      pa.array(bodies[start : start + 10_000]), *constants]  # fmt: skip
+            fields = [
+                pa.array(ids[start : start + 10_000]),
+                pa.array(bodies[start : start + 10_000]),
+                *constants,
+            ]
             blocks.append(encode(fields).to_pybytes())
         halves.append(blocks)
     return halves
@@ -283,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"tmp {out['peak_tmp_mb'][k][-1]:.1f} MB)"
                 for k in names
             )
-            print(f"  spark run {i + 1}/{args.repeats} (rows/s): {figures}", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"  spark run {i + 1}/{args.repeats} (rows/s): {figures}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         spark.stop()
         shutil.rmtree(tmp, ignore_errors=True)

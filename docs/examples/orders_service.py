@@ -81,8 +81,11 @@ def create_app(*, database_url: str, exchange: str = "orders") -> FastAPI:
             raise HTTPException(status_code=422, detail="order refused by the database") from exc
         except MessageConflict as exc:  # the same order id again, with other content
             raise HTTPException(status_code=409, detail=str(exc)) from exc
-        return OrderOut(order_id=order.order_id, event_message_id=event.message_id,
-                        duplicate=bool(done.duplicates))  # fmt: skip
+        return OrderOut(
+            order_id=order.order_id,
+            event_message_id=event.message_id,
+            duplicate=bool(done.duplicates),
+        )
 
     @app.get("/orders/{order_id}")
     def get_order(order_id: str, s: Annotated[Session, Depends(session)]) -> dict[str, object]:
@@ -96,5 +99,7 @@ def create_app(*, database_url: str, exchange: str = "orders") -> FastAPI:
 
 
 def app_from_env() -> FastAPI:
-    return create_app(database_url=os.environ["ORDERS_DATABASE_URL"],
-                      exchange=os.environ.get("ORDERS_EXCHANGE", "orders"))  # fmt: skip
+    return create_app(
+        database_url=os.environ["ORDERS_DATABASE_URL"],
+        exchange=os.environ.get("ORDERS_EXCHANGE", "orders"),
+    )

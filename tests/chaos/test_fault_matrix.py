@@ -67,8 +67,12 @@ async def _purge_queue(ctx: Ctx) -> None:
     async with amqp.channel(ctx.amqp_url) as ch:
         purged = await ch.queue_purge(ctx.names["queue"])
     ctx.note(f"purged {purged.message_count} messages")
-    ctx.verifier = Verifier(amqp_url=ctx.amqp_url, db_url=ctx.env.verifier_db_url, run=ctx.run,
-                            queues=(ctx.names["queue"],))  # fmt: skip
+    ctx.verifier = Verifier(
+        amqp_url=ctx.amqp_url,
+        db_url=ctx.env.verifier_db_url,
+        run=ctx.run,
+        queues=(ctx.names["queue"],),
+    )
     await ctx.verifier.start()
     await ctx.landed()
 
@@ -78,10 +82,12 @@ async def _inject_copies(ctx: Ctx) -> None:
     await ctx.fault_now("5 foreign copies of confirmed rows")
     async with amqp.channel(ctx.amqp_url) as ch:
         for i in range(5):
-            props = Basic.Properties(message_id=f"{ctx.run}-{i:06d}",
-                                          headers={"x-outbox-attempt": 99})  # fmt: skip
-            await ch.basic_publish(b"copy", exchange=ctx.names["exchange"], routing_key="rk",
-                                   properties=props)  # fmt: skip
+            props = Basic.Properties(
+                message_id=f"{ctx.run}-{i:06d}", headers={"x-outbox-attempt": 99}
+            )
+            await ch.basic_publish(
+                b"copy", exchange=ctx.names["exchange"], routing_key="rk", properties=props
+            )
     await ctx.landed()
 
 
@@ -92,8 +98,15 @@ async def _inject_copies(ctx: Ctx) -> None:
 )
 async def test_the_accounting_catches(matrix: MatrixEnv, inject: Step, flaw: str) -> None:
     """Negative controls: a harness that cannot fail proves nothing."""
-    control = Scenario("control", f"control: {flaw}", "the accounting sees it", inject,
-                       trigger=0.5, flow=1.0, settle_timeout=5)  # fmt: skip
+    control = Scenario(
+        "control",
+        f"control: {flaw}",
+        "the accounting sees it",
+        inject,
+        trigger=0.5,
+        flow=1.0,
+        settle_timeout=5,
+    )
     result = await run_scenario(matrix, control, rows=500)
     assert result.error is None, result.explain()
     assert not result.ok, result.explain()

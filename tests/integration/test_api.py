@@ -62,20 +62,51 @@ class Seeded:
 
 
 LATENCY_STATS = {
-    "published": 120, "confirmed": 100, "nacked": 4, "returned": 2, "failed": 2,
-    "lost_confirms": 3, "channel_closes": 1, "reconnects": 1, "protocol_errors": 0,
+    "published": 120,
+    "confirmed": 100,
+    "nacked": 4,
+    "returned": 2,
+    "failed": 2,
+    "lost_confirms": 3,
+    "channel_closes": 1,
+    "reconnects": 1,
+    "protocol_errors": 0,
     "blocked_seconds": 1.5,
-    "confirm_latency_buckets": {"0.005": 10, "0.05": 60, "0.5": 95, "+Inf": 100,
-                                "sum": 9.5, "count": 100},
-}  # fmt: skip
+    "confirm_latency_buckets": {
+        "0.005": 10,
+        "0.05": 60,
+        "0.5": 95,
+        "+Inf": 100,
+        "sum": 9.5,
+        "count": 100,
+    },
+}
 
 
-def _published(repo: OutboxRepository, owner: str, engine: Engine, clock: Clock, *, n: int,
-               batch_id: str, channel: int, tag0: int, exchange: str = "orders",
-               publish: bool = True, prefix: str | None = None) -> list[str]:  # fmt: skip
+def _published(
+    repo: OutboxRepository,
+    owner: str,
+    engine: Engine,
+    clock: Clock,
+    *,
+    n: int,
+    batch_id: str,
+    channel: int,
+    tag0: int,
+    exchange: str = "orders",
+    publish: bool = True,
+    prefix: str | None = None,
+) -> list[str]:
     """``n`` new rows claimed by ``owner`` (and published on ``channel`` from ``tag0``)."""
-    ids = add_rows(engine, n=n, batch_id=batch_id, exchange=exchange, prefix=prefix,
-                   created_at=clock.now, available_at=clock.now)  # fmt: skip
+    ids = add_rows(
+        engine,
+        n=n,
+        batch_id=batch_id,
+        exchange=exchange,
+        prefix=prefix,
+        created_at=clock.now,
+        available_at=clock.now,
+    )
     got = repo.claim(owner=owner, limit=n, lease_seconds=600)
     assert len(got) == n
     if publish:
@@ -98,32 +129,51 @@ def seed_every_state(engine: Engine, clock: Clock) -> Seeded:
     repo = OutboxRepository(engine, clock=clock)
     s = Seeded()
     # "order-1-0" is the OpenAPI example of a message id: the fuzzer finds it
-    s.ids["confirmed"] = _published(repo, "p1", engine, clock, n=3, batch_id="orders:1",
-                                    channel=1, tag0=1, prefix="order-1")  # fmt: skip
+    s.ids["confirmed"] = _published(
+        repo, "p1", engine, clock, n=3, batch_id="orders:1", channel=1, tag0=1, prefix="order-1"
+    )
     clock.advance(0.25)
     repo.mark_confirmed(owner="p1", ids=_row_ids(engine, s["confirmed"]))
-    s.ids["returned"] = _published(repo, "p1", engine, clock, n=2, batch_id="orders:1",
-                                   channel=1, tag0=4)  # fmt: skip
-    repo.mark_returned(owner="p1", returns=[ReturnedRow(i, 312, "NO_ROUTE")
-                                            for i in _row_ids(engine, s["returned"])])  # fmt: skip
-    s.ids["nacked"] = _published(repo, "p1", engine, clock, n=2, batch_id="orders:1",
-                                 channel=1, tag0=6, exchange="payments")  # fmt: skip
-    repo.retry(owner="p1", ids=_row_ids(engine, s["nacked"]), error="nacked by broker",
-               backoff=Backoff(), exhausted=Status.NACKED, max_attempts=1)  # fmt: skip
+    s.ids["returned"] = _published(
+        repo, "p1", engine, clock, n=2, batch_id="orders:1", channel=1, tag0=4
+    )
+    repo.mark_returned(
+        owner="p1",
+        returns=[ReturnedRow(i, 312, "NO_ROUTE") for i in _row_ids(engine, s["returned"])],
+    )
+    s.ids["nacked"] = _published(
+        repo, "p1", engine, clock, n=2, batch_id="orders:1", channel=1, tag0=6, exchange="payments"
+    )
+    repo.retry(
+        owner="p1",
+        ids=_row_ids(engine, s["nacked"]),
+        error="nacked by broker",
+        backoff=Backoff(),
+        exhausted=Status.NACKED,
+        max_attempts=1,
+    )
     clock.advance(10)
-    s.ids["failed"] = _published(repo, "p1", engine, clock, n=2, batch_id="orders:2",
-                                 channel=2, tag0=1, publish=False)  # fmt: skip
+    s.ids["failed"] = _published(
+        repo, "p1", engine, clock, n=2, batch_id="orders:2", channel=2, tag0=1, publish=False
+    )
     repo.mark_failed(owner="p1", ids=_row_ids(engine, s["failed"]), reason="body too large")
     clock.advance(5)
-    s.ids["pending"] = add_rows(engine, n=1, batch_id="orders:2", created_at=clock.now,
-                                available_at=clock.now + dt.timedelta(hours=1))  # fmt: skip
+    s.ids["pending"] = add_rows(
+        engine,
+        n=1,
+        batch_id="orders:2",
+        created_at=clock.now,
+        available_at=clock.now + dt.timedelta(hours=1),
+    )
     s.ids["in_flight"] = []
     for i in range(3):
         clock.advance(1)
-        s.ids["in_flight"] += _published(repo, "p1", engine, clock, n=1, batch_id="orders:2",
-                                         channel=3, tag0=10 + i)  # fmt: skip
-    s.ids["claimed"] = _published(repo, "p2", engine, clock, n=1, batch_id="orders:2",
-                                  channel=0, tag0=0, publish=False)  # fmt: skip
+        s.ids["in_flight"] += _published(
+            repo, "p1", engine, clock, n=1, batch_id="orders:2", channel=3, tag0=10 + i
+        )
+    s.ids["claimed"] = _published(
+        repo, "p2", engine, clock, n=1, batch_id="orders:2", channel=0, tag0=0, publish=False
+    )
     # published, then its channel closed before the confirm: pending again, a possible duplicate
     s.lost = _published(repo, "p1", engine, clock, n=1, batch_id="orders:2", channel=2, tag0=1)[0]
     repo.release(owner="p1", ids=_row_ids(engine, [s.lost]), lost=True, error="channel closed")
@@ -135,24 +185,62 @@ def seed_every_state(engine: Engine, clock: Clock) -> Seeded:
 
 def _spark_batches(engine: Engine) -> None:
     with engine.begin() as conn:
-        conn.execute(insert(batches), [
-            {"batch_id": "orders:1", "sink": "orders", "spark_batch_id": 1, "query_id": "q",
-             "row_count": 7, "rejected_count": 0, "committed_at": T0},
-            {"batch_id": "orders:3", "sink": "orders", "spark_batch_id": 3, "query_id": "q",
-             "row_count": 0, "rejected_count": 5, "committed_at": T0},
-        ])  # fmt: skip
+        conn.execute(
+            insert(batches),
+            [
+                {
+                    "batch_id": "orders:1",
+                    "sink": "orders",
+                    "spark_batch_id": 1,
+                    "query_id": "q",
+                    "row_count": 7,
+                    "rejected_count": 0,
+                    "committed_at": T0,
+                },
+                {
+                    "batch_id": "orders:3",
+                    "sink": "orders",
+                    "spark_batch_id": 3,
+                    "query_id": "q",
+                    "row_count": 0,
+                    "rejected_count": 5,
+                    "committed_at": T0,
+                },
+            ],
+        )
 
 
 def _publishers(engine: Engine, clock: Clock) -> None:
-    old = {**LATENCY_STATS, "published": 10, "confirmed": 10,
-           "confirm_latency_buckets": {"0.05": 4, "1.0": 10, "sum": 2.0, "count": 10}}  # fmt: skip
+    old = {
+        **LATENCY_STATS,
+        "published": 10,
+        "confirmed": 10,
+        "confirm_latency_buckets": {"0.05": 4, "1.0": 10, "sum": 2.0, "count": 10},
+    }
     with engine.begin() as conn:
-        conn.execute(insert(publishers), [
-            {"publisher_id": "p1", "hostname": "h1", "pid": 11, "started_at": T0,
-             "heartbeat_at": clock.now, "stopped_at": None, "stats": LATENCY_STATS},
-            {"publisher_id": "p0", "hostname": "h0", "pid": 10, "started_at": T0,
-             "heartbeat_at": T0, "stopped_at": T0, "stats": old},
-        ])  # fmt: skip
+        conn.execute(
+            insert(publishers),
+            [
+                {
+                    "publisher_id": "p1",
+                    "hostname": "h1",
+                    "pid": 11,
+                    "started_at": T0,
+                    "heartbeat_at": clock.now,
+                    "stopped_at": None,
+                    "stats": LATENCY_STATS,
+                },
+                {
+                    "publisher_id": "p0",
+                    "hostname": "h0",
+                    "pid": 10,
+                    "started_at": T0,
+                    "heartbeat_at": T0,
+                    "stopped_at": T0,
+                    "stats": old,
+                },
+            ],
+        )
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -160,10 +248,13 @@ def _publishers(engine: Engine, clock: Clock) -> None:
 
 def settings_for(url: str, **kw: object) -> Settings:
     values: dict[str, object] = {
-        "database_url": SecretStr(url), "api_token": SecretStr(READ),
-        "operator_token": SecretStr(OPERATOR), "api_insecure": False,
-        "amqp_url": SecretStr("amqp://guest:guest@127.0.0.1:1/"), **kw,
-    }  # fmt: skip
+        "database_url": SecretStr(url),
+        "api_token": SecretStr(READ),
+        "operator_token": SecretStr(OPERATOR),
+        "api_insecure": False,
+        "amqp_url": SecretStr("amqp://guest:guest@127.0.0.1:1/"),
+        **kw,
+    }
     return Settings(**values)  # type: ignore[arg-type]
 
 
@@ -213,8 +304,14 @@ async def test_stats_show_every_state_ages_latency_and_publishers(
     r = await client.get("/v1/stats", headers=R)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["counts"] == {"pending": 2, "in_flight": 4, "confirmed": 3, "returned": 2,
-                              "nacked": 2, "failed": 2}  # fmt: skip
+    assert body["counts"] == {
+        "pending": 2,
+        "in_flight": 4,
+        "confirmed": 3,
+        "returned": 2,
+        "nacked": 2,
+        "failed": 2,
+    }
     assert body["total"] == 15
     # oldest pending: the one written at T0+15.25; oldest unconfirmed publish: T0+16.25
     assert body["oldest_pending_age_seconds"] == pytest.approx(
@@ -257,8 +354,10 @@ async def test_outstanding_confirms_show_publisher_channel_tag_attempt_and_age(
     assert unsent["age_seconds"] == pytest.approx((clock.now - claimed).total_seconds())
     assert unsent["age_seconds"] >= 2
     assert [(i["publisher"], i["channel_id"], i["delivery_tag"], i["attempt"]) for i in sent] == [
-        ("p1", 3, 10, 1), ("p1", 3, 11, 1), ("p1", 3, 12, 1),
-    ]  # fmt: skip
+        ("p1", 3, 10, 1),
+        ("p1", 3, 11, 1),
+        ("p1", 3, 12, 1),
+    ]
     assert sent[0]["exchange"] == "orders" and sent[0]["routing_key"] == "rk"
     assert sent[0]["age_seconds"] == pytest.approx((clock.now - T0).total_seconds() - 16.25)
 
@@ -321,10 +420,15 @@ async def test_crafted_cursors_are_422_too(client: httpx.AsyncClient, cursor: st
 
 @pytest.mark.parametrize(
     "cursor",
-    ["!!!!", "abcd", "e30", "eyJrIjoib3V0c3RhbmRpbmcifQ",  # "{}", {"k":"outstanding"}
-     "eyJpIjoxMDAwMDAwMDAwMDAwMDAwMDAwMDAwLCJrIjoib3V0c3RhbmRpbmciLCJzIjpudWxsfQ",  # i=10**21
-     "eyJpIjoxLCJrIjoib3V0c3RhbmRpbmciLCJzIjoieWVzdGVyZGF5In0"],  # s="yesterday"
-)  # fmt: skip
+    [
+        "!!!!",
+        "abcd",
+        "e30",
+        "eyJrIjoib3V0c3RhbmRpbmcifQ",  # "{}", {"k":"outstanding"}
+        "eyJpIjoxMDAwMDAwMDAwMDAwMDAwMDAwMDAwLCJrIjoib3V0c3RhbmRpbmciLCJzIjpudWxsfQ",  # i=10**21
+        "eyJpIjoxLCJrIjoib3V0c3RhbmRpbmciLCJzIjoieWVzdGVyZGF5In0",
+    ],  # s="yesterday"
+)
 async def test_a_cursor_not_made_by_the_endpoint_is_a_422_naming_cursor(
     client: httpx.AsyncClient, cursor: str
 ) -> None:
@@ -346,8 +450,14 @@ async def test_batches_show_rows_per_status_times_and_republished(
     by_id = {b["batch_id"]: b for b in r.json()["items"]}
     assert list(by_id) == ["orders:1", "orders:2", "orders:3"]
     one, two, three = by_id["orders:1"], by_id["orders:2"], by_id["orders:3"]
-    assert one["counts"] == {"pending": 0, "in_flight": 0, "confirmed": 3, "returned": 2,
-                             "nacked": 2, "failed": 0}  # fmt: skip
+    assert one["counts"] == {
+        "pending": 0,
+        "in_flight": 0,
+        "confirmed": 3,
+        "returned": 2,
+        "nacked": 2,
+        "failed": 0,
+    }
     assert (one["sink"], one["spark_batch_id"], one["row_count"], one["rows"]) == (
         "orders",
         1,
@@ -423,8 +533,11 @@ async def test_republish_a_nacked_batch_dry_run_then_real_then_replayed(
     assert set(statuses_of(engine, nacked).values()) == {"nacked"}, "a dry run moves nothing"
     assert audit_rows(engine) == []
 
-    real = await client.post("/v1/batches/orders:1/republish", json={**body, "dry_run": False},
-                             headers={**OP, "X-Outbox-Actor": "alice"})  # fmt: skip
+    real = await client.post(
+        "/v1/batches/orders:1/republish",
+        json={**body, "dry_run": False},
+        headers={**OP, "X-Outbox-Actor": "alice"},
+    )
     assert real.status_code == 200, real.text
     out = real.json()
     assert (out["count"], out["replayed"], out["filter"]["batch_id"]) == (2, False, "orders:1")
@@ -432,13 +545,23 @@ async def test_republish_a_nacked_batch_dry_run_then_real_then_replayed(
     assert set(statuses_of(engine, seeded["returned"]).values()) == {"returned"}, "filter held"
     [row] = audit_rows(engine)
     assert (row["id"], row["actor"], row["action"], row["count"], row["request_id"]) == (
-        out["audit_id"], "alice", "republish", 2, "incident-7",
-    )  # fmt: skip
-    assert row["filter"] == {"batch_id": "orders:1", "statuses": ["nacked"], "exchange": None,
-                             "created_after": None, "created_before": None}  # fmt: skip
+        out["audit_id"],
+        "alice",
+        "republish",
+        2,
+        "incident-7",
+    )
+    assert row["filter"] == {
+        "batch_id": "orders:1",
+        "statuses": ["nacked"],
+        "exchange": None,
+        "created_after": None,
+        "created_before": None,
+    }
 
-    again = await client.post("/v1/batches/orders:1/republish", json={**body, "dry_run": False},
-                              headers=OP)  # fmt: skip
+    again = await client.post(
+        "/v1/batches/orders:1/republish", json={**body, "dry_run": False}, headers=OP
+    )
     assert again.status_code == 200
     assert (again.json()["replayed"], again.json()["count"]) == (True, 2)
     assert again.json()["audit_id"] == out["audit_id"]
@@ -484,10 +607,20 @@ async def test_concurrent_republishes_with_one_request_id_never_answer_a_false_r
     app = create_app(settings_for(pg_url), engine=engine)
     async with client_for(app) as c:
         for round_ in range(20):
-            sides = {s: add_rows(engine, n=10, batch_id=f"race:{round_}:{s}", status="failed",
-                                 last_error="boom") for s in "ab"}  # fmt: skip
-            bodies = [{"request_id": f"race-{round_}", "batch_id": f"race:{round_}:{s}",
-                       "statuses": ["failed"]} for s in "ab"]  # fmt: skip
+            sides = {
+                s: add_rows(
+                    engine, n=10, batch_id=f"race:{round_}:{s}", status="failed", last_error="boom"
+                )
+                for s in "ab"
+            }
+            bodies = [
+                {
+                    "request_id": f"race-{round_}",
+                    "batch_id": f"race:{round_}:{s}",
+                    "statuses": ["failed"],
+                }
+                for s in "ab"
+            ]
             answers = await asyncio.gather(
                 *(c.post("/v1/republish", json=b, headers=OP) for b in bodies)
             )
@@ -511,8 +644,12 @@ async def test_republish_by_filter_honours_exchange_time_range_and_limit(
     r = await client.post("/v1/republish", json=by_exchange, headers=OP)
     assert sorted(r.json()["sample"]) == sorted(seeded["nacked"])
     # created in [T0+5, T0+11): only the failed rows (written at T0+10.25)
-    window = {"request_id": "b", "created_after": "2026-11-21T12:00:05Z",
-              "created_before": "2026-11-21T14:00:11+02:00", "dry_run": True}  # fmt: skip
+    window = {
+        "request_id": "b",
+        "created_after": "2026-11-21T12:00:05Z",
+        "created_before": "2026-11-21T14:00:11+02:00",
+        "dry_run": True,
+    }
     r = await client.post("/v1/republish", json=window, headers=OP)
     assert r.status_code == 200, r.text
     assert sorted(r.json()["sample"]) == sorted(seeded["failed"])
@@ -623,16 +760,36 @@ async def test_insecure_mode_answers_no_request_for_another_host(sqlite_url: str
         ("POST", "/v1/republish", {"request_id": "x", "statuses": []}, "statuses"),
         ("POST", "/v1/republish", {"request_id": "x", "limit": 10**9}, "limit"),
         ("POST", "/v1/republish", {"request_id": "x", "stauses": ["failed"]}, "stauses"),
-        ("POST", "/v1/republish", {"request_id": "x", "created_after": "2026-01-01T00:00:00"},
-         "created_after"),
-        ("POST", "/v1/republish", {"request_id": "x", "created_after": "yesterday"},
-         "created_after"),
-        ("POST", "/v1/republish", {"request_id": "x", "created_after": "0001-01-01T00:00:00+05:00"},
-         "created_after"),
-        ("POST", "/v1/republish", {"request_id": "x", "created_after": "2026-01-02T00:00:00Z",
-                                   "created_before": "2026-01-01T00:00:00Z"}, "created_after"),
+        (
+            "POST",
+            "/v1/republish",
+            {"request_id": "x", "created_after": "2026-01-01T00:00:00"},
+            "created_after",
+        ),
+        (
+            "POST",
+            "/v1/republish",
+            {"request_id": "x", "created_after": "yesterday"},
+            "created_after",
+        ),
+        (
+            "POST",
+            "/v1/republish",
+            {"request_id": "x", "created_after": "0001-01-01T00:00:00+05:00"},
+            "created_after",
+        ),
+        (
+            "POST",
+            "/v1/republish",
+            {
+                "request_id": "x",
+                "created_after": "2026-01-02T00:00:00Z",
+                "created_before": "2026-01-01T00:00:00Z",
+            },
+            "created_after",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_bad_requests_are_422_naming_the_field(
     client: httpx.AsyncClient, method: str, path: str, payload: object, field: str
 ) -> None:
@@ -647,8 +804,11 @@ async def test_malformed_json_and_wrong_types_are_4xx(client: httpx.AsyncClient)
             "/v1/republish", content=raw, headers={**OP, "Content-Type": "application/json"}
         )
         assert 400 <= r.status_code < 500, (raw, r.status_code, r.text)
-    r = await client.post("/v1/republish", content=b"request_id=x", headers={
-        **OP, "Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+    r = await client.post(
+        "/v1/republish",
+        content=b"request_id=x",
+        headers={**OP, "Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 415
 
 
@@ -659,18 +819,21 @@ async def test_malformed_json_and_wrong_types_are_4xx(client: httpx.AsyncClient)
         (b'{"request_id": "x", "batch_id": "b", "limit": 1e999999}', "out of range"),
         (b'{"request_id": "x", "batch_id": "b", "limit": NaN}', "NaN is not JSON"),
         (b'{"request_id": "x", "batch_id": "b", "limit": -Infinity}', "-Infinity is not JSON"),
-        (b'{"request_id": "x", "batch_id": "b", "dry_run": true, "dry_run": false}',
-         "duplicate key 'dry_run'"),
+        (
+            b'{"request_id": "x", "batch_id": "b", "dry_run": true, "dry_run": false}',
+            "duplicate key 'dry_run'",
+        ),
         (b'{"request_id": "x", "batch_id": "b\xff"}', "not UTF-8"),
     ],
-)  # fmt: skip
+)
 async def test_json_that_python_would_accept_but_is_not_json_is_a_400(
     client: httpx.AsyncClient, engine: Engine, raw: bytes, says: str
 ) -> None:
     """Each would otherwise be read: a duplicate key silently takes the last value (a real
     republish instead of the dry run asked for first), NaN and 1e999999 become floats."""
-    r = await client.post("/v1/republish", content=raw,
-                          headers={**OP, "Content-Type": "application/json"})  # fmt: skip
+    r = await client.post(
+        "/v1/republish", content=raw, headers={**OP, "Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and says in r.json()["detail"], r.text
     assert audit_rows(engine) == []  # nothing moved, nothing audited
 
@@ -680,8 +843,9 @@ async def test_a_large_body_is_refused_before_parsing_and_before_auth(
 ) -> None:
     big = b'{"request_id": "x", "batch_id": "' + b"a" * 200_000 + b'"}'
     for headers in ({}, OP):  # without any token: the size is checked first
-        r = await client.post("/v1/republish", content=big,
-                              headers={**headers, "Content-Type": "application/json"})  # fmt: skip
+        r = await client.post(
+            "/v1/republish", content=big, headers={**headers, "Content-Type": "application/json"}
+        )
         assert r.status_code == 413, r.text
         assert r.headers["content-type"] == "application/problem+json"
 
@@ -689,8 +853,9 @@ async def test_a_large_body_is_refused_before_parsing_and_before_auth(
         for _ in range(20):
             yield b"a" * 10_000
 
-    r = await client.post("/v1/republish", content=chunks(),
-                          headers={**OP, "Content-Type": "application/json"})  # fmt: skip
+    r = await client.post(
+        "/v1/republish", content=chunks(), headers={**OP, "Content-Type": "application/json"}
+    )
     assert r.status_code == 413
 
 
@@ -705,16 +870,20 @@ async def test_a_deeply_nested_body_is_a_4xx_and_without_a_token_counts_as_a_fai
     async with client_for(app) as c:
         r = await c.post("/v1/republish", content=nested, headers={**OP, **json_type})
         assert r.status_code == 400 and "nested too deeply" in r.json()["detail"], r.text
-        codes = [(await c.post("/v1/republish", content=nested, headers=json_type)).status_code
-                 for _ in range(5)]  # fmt: skip
+        codes = [
+            (await c.post("/v1/republish", content=nested, headers=json_type)).status_code
+            for _ in range(5)
+        ]
         assert codes == [401] * 3 + [429] * 2, "a body without a token is a failed sign-in"
 
 
 async def test_failed_authentications_are_rate_limited_per_client(sqlite_url: str) -> None:
     app = create_app(settings_for(sqlite_url, api_auth_failures_per_minute=5))
     async with client_for(app) as c:
-        codes = [(await c.get("/v1/stats", headers={"Authorization": f"Bearer wrong-{i}"}))
-                 .status_code for i in range(7)]  # fmt: skip
+        codes = [
+            (await c.get("/v1/stats", headers={"Authorization": f"Bearer wrong-{i}"})).status_code
+            for i in range(7)
+        ]
         assert codes == [401] * 5 + [429] * 2
         r = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong-again"})
         assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0  # this client waits
@@ -732,8 +901,9 @@ async def test_a_valid_token_is_never_refused_by_the_throttle(sqlite_url: str) -
             wrong = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
             assert wrong.status_code == 429, "the guesser is throttled"
             assert (await c.get("/v1/stats", headers=R)).status_code == 200
-            r = await c.post("/v1/republish", json={"request_id": "l-1", "statuses": ["failed"]},
-                             headers=OP)  # fmt: skip
+            r = await c.post(
+                "/v1/republish", json={"request_id": "l-1", "statuses": ["failed"]}, headers=OP
+            )
             assert r.status_code == 200 and r.json()["count"] == 2, r.text
             wrong = await c.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
             assert wrong.status_code == 429, "a valid token does not reset the guesser's budget"
@@ -745,8 +915,9 @@ async def test_the_audit_row_records_the_token_and_the_client_address(
     client: httpx.AsyncClient, seeded: Seeded, engine: Engine
 ) -> None:
     body = {"request_id": "who-1", "statuses": ["nacked"]}
-    r = await client.post("/v1/republish", json=body,
-                          headers={**OP, "X-Outbox-Actor": "mallory-claims-alice"})  # fmt: skip
+    r = await client.post(
+        "/v1/republish", json=body, headers={**OP, "X-Outbox-Actor": "mallory-claims-alice"}
+    )
     assert r.status_code == 200, r.text
     [row] = audit_rows(engine)
     assert row["actor"] == "mallory-claims-alice"  # what the client claims, kept as a claim
@@ -769,8 +940,9 @@ async def test_metrics_are_what_the_database_knows(client: httpx.AsyncClient) ->
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(r.text) for s in fam.samples
-    }  # fmt: skip
+        for fam in text_string_to_metric_families(r.text)
+        for s in fam.samples
+    }
 
     def v(name: str, **labels: str) -> float:
         return samples[(name, tuple(sorted(labels.items())))]
@@ -790,15 +962,27 @@ async def test_metrics_and_stats_survive_malformed_publisher_stats(sqlite_url: s
     answers, and shows the malformed report as absent."""
     engine = make_engine(sqlite_url)
     bad = [
-        None, [], {"published": "many", "confirmed": -1, "confirm_latency_buckets": "x"},
+        None,
+        [],
+        {"published": "many", "confirmed": -1, "confirm_latency_buckets": "x"},
         {"published": 5, "confirm_latency_buckets": {"abc": 1, "0.1": "two", "nan": 3}},
-    ]  # fmt: skip
+    ]
     try:
         with engine.begin() as conn:
-            conn.execute(insert(publishers), [
-                {"publisher_id": f"b{i}", "hostname": "h", "pid": i, "started_at": T0,
-                 "heartbeat_at": T0, "stats": stats} for i, stats in enumerate(bad)
-            ])  # fmt: skip
+            conn.execute(
+                insert(publishers),
+                [
+                    {
+                        "publisher_id": f"b{i}",
+                        "hostname": "h",
+                        "pid": i,
+                        "started_at": T0,
+                        "heartbeat_at": T0,
+                        "stats": stats,
+                    }
+                    for i, stats in enumerate(bad)
+                ],
+            )
         async with client_for(create_app(settings_for(sqlite_url), engine=engine)) as c:
             r = await c.get("/metrics", headers=R)
             assert r.status_code == 200, r.text
@@ -849,8 +1033,14 @@ def test_importing_the_api_needs_no_database() -> None:
     code = "import app.api, app.cli; print('ok')"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env["OUTBOX_DATABASE_URL"] = "postgresql+psycopg://nobody@127.0.0.1:1/none"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
     assert out.stdout.strip() == "ok"
 
 
@@ -863,8 +1053,11 @@ async def test_failures_are_grouped_by_cause_and_audit_is_listed(
     assert {g["status"] for g in body["groups"]} == {"returned", "nacked", "failed"}
     returned = next(g for g in body["groups"] if g["status"] == "returned")
     assert "NO_ROUTE" in returned["reason"] and returned["sample_message_id"] in seeded["returned"]
-    r = await client.post("/v1/republish", json={"request_id": "aud-1", "statuses": ["nacked"]},
-                          headers={**OP, "X-Outbox-Actor": "carol"})  # fmt: skip
+    r = await client.post(
+        "/v1/republish",
+        json={"request_id": "aud-1", "statuses": ["nacked"]},
+        headers={**OP, "X-Outbox-Actor": "carol"},
+    )
     assert r.status_code == 200, r.text
     r = await client.get("/v1/audit", headers=R)
     assert r.status_code == 200, r.text
@@ -927,8 +1120,13 @@ async def test_a_page_of_large_rows_stays_within_the_byte_budget_and_pages_on(
     """Issue 29, Medium 4: ``GET /v1/messages?batch_id=…&limit=500`` over 40 rows with 1 MB
     header and property documents answered 80 MB (RSS 109 -> 407 MB). A page now stops at
     about 4 MiB of row text, says so, and ``next_after`` reaches every row."""
-    big = add_rows(engine, n=12, batch_id="big:1", headers={"h": "x" * 900_000},
-                   properties={"correlation_id": "c", "type": "y" * 900_000})  # fmt: skip
+    big = add_rows(
+        engine,
+        n=12,
+        batch_id="big:1",
+        headers={"h": "x" * 900_000},
+        properties={"correlation_id": "c", "type": "y" * 900_000},
+    )
     small = add_rows(engine, n=3, batch_id="big:1")
     seen: list[str] = []
     after = None
@@ -978,13 +1176,17 @@ async def test_every_error_is_an_rfc9457_problem(client: httpx.AsyncClient) -> N
     )
     assert "query.limit" in str(invalid["detail"]), invalid
     assert invalid["errors"] == [  # type: ignore[comparison-overlap]
-        {"loc": ["query", "limit"], "msg": "Input should be a valid integer, unable to parse "
-         "string as an integer", "type": "int_parsing"}
-    ]  # fmt: skip
+        {
+            "loc": ["query", "limit"],
+            "msg": "Input should be a valid integer, unable to parse string as an integer",
+            "type": "int_parsing",
+        }
+    ]
     not_json = await client.post(
-        "/v1/republish", content=b'{"all": true, "all": false}', headers={**OP,
-        "content-type": "application/json"},
-    )  # fmt: skip
+        "/v1/republish",
+        content=b'{"all": true, "all": false}',
+        headers={**OP, "content-type": "application/json"},
+    )
     assert "duplicate key" in str(_is_problem(not_json, 400, "/v1/republish")["detail"])
 
 

@@ -51,8 +51,12 @@ def app(db_url: str, amqp_url: str) -> Iterator[FastAPI]:
     clock = Clock()
     seed_every_state(engine, clock)
     # the fuzzer sends many bad tokens from one client: a throttle would answer 429 to the rest
-    settings = settings_for(db_url, amqp_url=SecretStr(amqp_url), api_probe_timeout=5.0,
-                            api_auth_failures_per_minute=1_000_000)  # fmt: skip
+    settings = settings_for(
+        db_url,
+        amqp_url=SecretStr(amqp_url),
+        api_probe_timeout=5.0,
+        api_auth_failures_per_minute=1_000_000,
+    )
     yield create_app(settings, clock=clock, engine=engine)
     engine.dispose()
 
@@ -62,9 +66,11 @@ def app(db_url: str, amqp_url: str) -> Iterator[FastAPI]:
     max_examples=MAX_EXAMPLES,
     deadline=None,
     suppress_health_check=[
-        HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.function_scoped_fixture,
     ],
-)  # fmt: skip
+)
 def test_no_input_gets_a_5xx_or_an_answer_outside_the_schema(
     case: schemathesis.Case, app: FastAPI
 ) -> None:

@@ -45,8 +45,14 @@ class TLSBroker:
 
     def ctl(self, *args: str) -> str:
         """``rabbitmqctl`` on this node."""
-        done = subprocess.run([str(SERVICES), "ctl", "-q", *args], env=self.env, check=True,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [str(SERVICES), "ctl", "-q", *args],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return done.stdout
 
     def url(self, query: str = "", *, hosts: str | None = None, auth: str = "guest:guest@") -> str:
@@ -70,22 +76,87 @@ def make_certificates(d: Path) -> None:
     """A CA, a server certificate for localhost and 127.0.0.1, a client certificate and an
     unrelated CA, all by openssl."""
     for ca in ("ca", "other-ca"):
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                 "-subj", f"/CN=outbox test {ca}", "-keyout", f"{ca}.key", "-out", f"{ca}.pem",
-                 cwd=d)  # fmt: skip
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=outbox test {ca}",
+            "-keyout",
+            f"{ca}.key",
+            "-out",
+            f"{ca}.pem",
+            cwd=d,
+        )
     (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name, cn, ext in (("server", "localhost", ["-extfile", "server.ext"]),
-                          ("client", CLIENT_CN, [])):  # fmt: skip
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}",
-                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", *ext, cwd=d)  # fmt: skip
+    for name, cn, ext in (
+        ("server", "localhost", ["-extfile", "server.ext"]),
+        ("client", CLIENT_CN, []),
+    ):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={cn}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            f"{name}.pem",
+            *ext,
+            cwd=d,
+        )
     # a client certificate with the right CN, signed by the CA the broker does not trust
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={CLIENT_CN}",
-             "-keyout", "stranger.key", "-out", "stranger.csr", cwd=d)  # fmt: skip
-    _openssl("x509", "-req", "-in", "stranger.csr", "-CA", "other-ca.pem",
-             "-CAkey", "other-ca.key", "-CAcreateserial", "-days", "2",
-             "-out", "stranger.pem", cwd=d)  # fmt: skip
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={CLIENT_CN}",
+        "-keyout",
+        "stranger.key",
+        "-out",
+        "stranger.csr",
+        cwd=d,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "stranger.csr",
+        "-CA",
+        "other-ca.pem",
+        "-CAkey",
+        "other-ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-out",
+        "stranger.pem",
+        cwd=d,
+    )
     for key in d.glob("*.key"):
         key.chmod(0o644)  # the broker runs as this user; test keys only
 
@@ -112,12 +183,17 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSBroker]:
     make_certificates(certs)
     port = _free_port()
     env = scrubbed_environ(os.environ)
-    env.update(OUTBOX_LOCAL_DIR=str(base / "local"), OUTBOX_LOCAL_AMQP_PORT=str(port),
-               OUTBOX_LOCAL_AMQPS_PORT=str(port + 1), OUTBOX_LOCAL_TLS_DIR=str(certs))  # fmt: skip
+    env.update(
+        OUTBOX_LOCAL_DIR=str(base / "local"),
+        OUTBOX_LOCAL_AMQP_PORT=str(port),
+        OUTBOX_LOCAL_AMQPS_PORT=str(port + 1),
+        OUTBOX_LOCAL_TLS_DIR=str(certs),
+    )
 
     def services(*args: str) -> None:
-        subprocess.run([str(SERVICES), *args], env=env, check=True, capture_output=True,
-                       timeout=180)  # fmt: skip
+        subprocess.run(
+            [str(SERVICES), *args], env=env, check=True, capture_output=True, timeout=180
+        )
 
     services("start", "rabbitmq")
     try:
@@ -194,8 +270,10 @@ async def test_no_verify_ssl_is_an_explicit_opt_out(tls_broker: TLSBroker) -> No
 
 async def test_external_auth_with_a_client_certificate(tls_broker: TLSBroker) -> None:
     certs = tls_broker.certs
-    query = (f"cafile={tls_broker.ca}&certfile={certs / 'client.pem'}"
-             f"&keyfile={certs / 'client.key'}&auth=external")  # fmt: skip
+    query = (
+        f"cafile={tls_broker.ca}&certfile={certs / 'client.pem'}"
+        f"&keyfile={certs / 'client.key'}&auth=external"
+    )
     conn = await _connect(tls_broker.url(query, auth=""))
     try:
         assert await conn.open_channel() >= 1
@@ -210,21 +288,29 @@ async def test_external_auth_is_refused_by_a_broker_without_it(tls_broker: TLSBr
     """The plain listener offers only PLAIN: the error says what to enable."""
     certs = tls_broker.certs
     with pytest.raises((HandshakeError, BrokerUnreachableError)):
-        await _connect(tls_broker.url(
-            f"cafile={tls_broker.ca}&certfile={certs / 'client.pem'}"
-            f"&keyfile={certs / 'client.key'}&auth=external",
-            hosts=f"127.0.0.1:{tls_broker.amqp_port}", auth=""))  # fmt: skip
+        await _connect(
+            tls_broker.url(
+                f"cafile={tls_broker.ca}&certfile={certs / 'client.pem'}"
+                f"&keyfile={certs / 'client.key'}&auth=external",
+                hosts=f"127.0.0.1:{tls_broker.amqp_port}",
+                auth="",
+            )
+        )
 
 
 async def test_a_dead_first_host_fails_over_to_the_next(tls_broker: TLSBroker) -> None:
     dead = _free_port()
-    url = tls_broker.url(f"cafile={tls_broker.ca}",
-                         hosts=f"localhost:{dead},localhost:{tls_broker.amqps_port}")  # fmt: skip
+    url = tls_broker.url(
+        f"cafile={tls_broker.ca}", hosts=f"localhost:{dead},localhost:{tls_broker.amqps_port}"
+    )
     conn = await _connect(url)
     conn.abort()
     with pytest.raises(BrokerUnreachableError, match=rf"localhost:{dead}: .*; localhost:"):
-        await _connect(tls_broker.url(f"cafile={tls_broker.ca}",
-                                      hosts=f"localhost:{dead},localhost:{dead + 1}"))  # fmt: skip
+        await _connect(
+            tls_broker.url(
+                f"cafile={tls_broker.ca}", hosts=f"localhost:{dead},localhost:{dead + 1}"
+            )
+        )
 
 
 def test_unsupported_or_unusable_url_options_are_errors(tls_broker: TLSBroker) -> None:
@@ -270,8 +356,11 @@ def _connections(broker: TLSBroker) -> set[tuple[str, ...]]:
 
 def _external_url(broker: TLSBroker, name: str) -> str:
     certs = broker.certs
-    return broker.url(f"cafile={broker.ca}&certfile={certs / f'{name}.pem'}"
-                      f"&keyfile={certs / f'{name}.key'}&auth=external", auth="")  # fmt: skip
+    return broker.url(
+        f"cafile={broker.ca}&certfile={certs / f'{name}.pem'}"
+        f"&keyfile={certs / f'{name}.key'}&auth=external",
+        auth="",
+    )
 
 
 async def test_external_logs_in_as_the_certificates_common_name(tls_broker: TLSBroker) -> None:

@@ -33,13 +33,16 @@ SMALL, BACKLOG, CLAIM = 50, 20_000, 200
 
 def add(engine: Engine, first: int, last: int) -> None:
     with engine.begin() as conn:
-        conn.execute(text("""
+        conn.execute(
+            text("""
             INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body,
                                 available_at, created_at)
             SELECT 'm-' || g, 'b:1', 'orders', 'r', convert_to(repeat('x', 200), 'UTF8'),
                    :now - make_interval(secs => 100000 - g), :now
             FROM generate_series(CAST(:first AS bigint), CAST(:last AS bigint)) AS g
-        """), {"now": NOW, "first": first, "last": last})  # fmt: skip
+        """),
+            {"now": NOW, "first": first, "last": last},
+        )
 
 
 def generic_plan(engine: Engine, sent: list[tuple[str, Any]]) -> list[dict[str, Any]]:
@@ -73,8 +76,9 @@ def generic_plan(engine: Engine, sent: list[tuple[str, Any]]) -> list[dict[str, 
 
 
 def walks_the_due_index(nodes: list[dict[str, Any]]) -> bool:
-    scans = {(n["Node Type"], n.get("Index Name")) for n in nodes
-             if n.get("Relation Name") == "outbox"}  # fmt: skip
+    scans = {
+        (n["Node Type"], n.get("Index Name")) for n in nodes if n.get("Relation Name") == "outbox"
+    }
     return (
         ("Index Scan", "ix_outbox_due") in scans
         and not {kind for kind, _ in scans} & {"Seq Scan", "Bitmap Heap Scan"}
@@ -88,22 +92,25 @@ def test_the_claim_walks_the_due_index_at_any_size_of_the_outbox(engine: Engine)
     add(engine, 1, SMALL)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("ANALYZE outbox"))
-    first, sent = captured(engine, lambda: repo.claim(owner="p1", limit=10,
-                                                      lease_seconds=30))  # fmt: skip
+    first, sent = captured(engine, lambda: repo.claim(owner="p1", limit=10, lease_seconds=30))
     assert [r.id for r in first] == list(range(1, 11))
     # as the product sends it, the claim's generic plan walks the index
     assert walks_the_due_index(generic_plan(engine, sent))
     # the hazard: with 'pending' bound as a parameter, as it was, the generic plan cannot use
     # ix_outbox_due (its predicate is not provable) and reads the whole table and sorts it
-    bound = [(s.replace("outbox.status = 'pending'", "outbox.status = %(due_status)s::VARCHAR"),
-              {**p, "due_status": "pending"}) for s, p in sent]  # fmt: skip
+    bound = [
+        (
+            s.replace("outbox.status = 'pending'", "outbox.status = %(due_status)s::VARCHAR"),
+            {**p, "due_status": "pending"},
+        )
+        for s, p in sent
+    ]
     assert bound != sent
     kinds = {n["Node Type"] for n in generic_plan(engine, bound)}
     assert "Sort" in kinds and "Seq Scan" in kinds, kinds
 
     add(engine, SMALL + 1, SMALL + BACKLOG)  # a backlog arrives; no ANALYZE since
-    claimed, sent = captured(engine, lambda: repo.claim(owner="p1", limit=CLAIM,
-                                                        lease_seconds=30))  # fmt: skip
+    claimed, sent = captured(engine, lambda: repo.claim(owner="p1", limit=CLAIM, lease_seconds=30))
     assert [r.id for r in claimed] == list(range(11, CLAIM + 11))  # the oldest, in order
     assert walks_the_due_index(generic_plan(engine, sent))
 
@@ -120,24 +127,30 @@ def test_delayed_rows_stay_out_of_the_claims_walk(engine: Engine) -> None:
     100,000 rows read and removed by the filter. Operators' count of the delayed rows reads
     ``ix_outbox_delayed`` alone (an index-only scan, 14 ms for the 100,000)."""
     with engine.begin() as conn:
-        conn.execute(text("""
+        conn.execute(
+            text("""
             INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body, not_before,
                                 available_at, created_at)
             SELECT 'd-' || g, 'app', 'orders', 'r', convert_to(repeat('x', 200), 'UTF8'),
                    :now + make_interval(secs => 60 + g), :now + make_interval(secs => 60 + g),
                    :now - interval '1 hour'
             FROM generate_series(1, CAST(:n AS bigint)) AS g
-        """), {"now": NOW, "n": DELAYED})  # fmt: skip
+        """),
+            {"now": NOW, "n": DELAYED},
+        )
     add(engine, 1, SMALL)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE outbox"))
     repo = OutboxRepository(engine, clock=lambda: NOW)
-    claimed, sent = captured(engine, lambda: repo.claim(owner="p1", limit=CLAIM,
-                                                        lease_seconds=30))  # fmt: skip
+    claimed, sent = captured(engine, lambda: repo.claim(owner="p1", limit=CLAIM, lease_seconds=30))
     assert [r.message_id for r in claimed] == [f"m-{g}" for g in range(1, SMALL + 1)]
     with engine.begin() as conn:  # the same claim again, explained, on the same rows
-        conn.execute(text("UPDATE outbox SET status = 'pending', lease_owner = NULL, "
-                          "lease_until = NULL WHERE status = 'in_flight'"))  # fmt: skip
+        conn.execute(
+            text(
+                "UPDATE outbox SET status = 'pending', lease_owner = NULL, "
+                "lease_until = NULL WHERE status = 'in_flight'"
+            )
+        )
     claim, params = next((s, p) for s, p in sent if s.lstrip().upper().startswith("WITH"))
     with engine.begin() as conn:
         for statement, values in sent:
@@ -153,6 +166,9 @@ def test_delayed_rows_stay_out_of_the_claims_walk(engine: Engine) -> None:
         assert delayed == DELAYED
         statement, values = counted[0]
         count = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", values).scalar()
-    scans = {(n["Node Type"], n.get("Index Name")) for n in _nodes(count[0]["Plan"])
-             if n.get("Relation Name") == "outbox"}  # fmt: skip
+    scans = {
+        (n["Node Type"], n.get("Index Name"))
+        for n in _nodes(count[0]["Plan"])
+        if n.get("Relation Name") == "outbox"
+    }
     assert scans == {("Index Only Scan", "ix_outbox_delayed")}, scans

@@ -100,8 +100,12 @@ def test_the_console_script_runs_and_publish_help_needs_no_publisher() -> None:
     top = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert top.returncode == 0 and all(c in top.stdout for c in COMMANDS)
     code = "import sys; sys.modules['app.publisher'] = None; from app.cli import main; main()"
-    pub = subprocess.run([sys.executable, "-c", code, "publish", "--help"], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    pub = subprocess.run(
+        [sys.executable, "-c", code, "publish", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert pub.returncode == 0, pub.stderr
     assert "usage: outbox publish" in pub.stdout
 
@@ -130,8 +134,16 @@ def test_batches_table_json_one_batch_and_unknown_batch(
     rc, out, _ = run(capsys, "batches")
     assert rc == EXIT_OK
     lines = out.splitlines()
-    assert lines[0].split()[:8] == ["batch", "rows", "pending", "in_flight", "confirmed",
-                                    "returned", "nacked", "failed"]  # fmt: skip
+    assert lines[0].split()[:8] == [
+        "batch",
+        "rows",
+        "pending",
+        "in_flight",
+        "confirmed",
+        "returned",
+        "nacked",
+        "failed",
+    ]
     assert lines[1].split()[:8] == ["orders:1", "7", "0", "0", "3", "2", "2", "0"]
     rc, out, _ = run(capsys, "batches", "--status", "failed", "--json")
     assert [b["batch_id"] for b in json.loads(out)] == ["orders:2"]
@@ -168,8 +180,16 @@ def test_republish_dry_run_then_real_then_replayed(
 
 def test_republish_usage_errors_exit_2(env: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "republish")[0] == EXIT_USAGE  # no filter: refuse to move everything
-    rc, _, err = run(capsys, "republish", "--status", "failed", "--created-after", "2026-01-02",
-                     "--created-before", "2026-01-01")  # fmt: skip
+    rc, _, err = run(
+        capsys,
+        "republish",
+        "--status",
+        "failed",
+        "--created-after",
+        "2026-01-02",
+        "--created-before",
+        "2026-01-01",
+    )
     assert rc == EXIT_USAGE and "earlier" in err
     for bad in (["--status", "confirmed"], ["--limit", "0"], ["--created-after", "yesterday"]):
         with pytest.raises(SystemExit) as stop:
@@ -232,12 +252,17 @@ def _free_port() -> int:
 def test_serve_really_starts_under_uvicorn_and_answers(sqlite_url: str) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_API_TOKEN=READ,
-               OUTBOX_OPERATOR_TOKEN=OPERATOR)  # fmt: skip
+    env.update(
+        OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_API_TOKEN=READ, OUTBOX_OPERATOR_TOKEN=OPERATOR
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
@@ -269,14 +294,20 @@ class Served:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        self.env.update(OUTBOX_DATABASE_URL=db_url, OUTBOX_API_TOKEN=READ,
-                        OUTBOX_OPERATOR_TOKEN=OPERATOR, **env)  # fmt: skip
+        self.env.update(
+            OUTBOX_DATABASE_URL=db_url, OUTBOX_API_TOKEN=READ, OUTBOX_OPERATOR_TOKEN=OPERATOR, **env
+        )
         self.args = ["serve", "--port", str(self.port), "--log-level", "warning", *args]
 
     def __enter__(self) -> Served:
-        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", *self.args], env=self.env,
-                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", *self.args],
+            env=self.env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -326,14 +357,26 @@ def test_serve_trusts_no_forwarded_header_unless_told(sqlite_url: str) -> None:
             forged = {"Authorization": f"Bearer {OPERATOR}", "X-Forwarded-For": "203.0.113.9"}
             r = httpx.post(f"{srv.base}/v1/republish", json=body, headers=forged, timeout=5)
             assert r.status_code == 200, r.text
-            codes = [httpx.get(f"{srv.base}/v1/stats", timeout=5, headers={
-                "Authorization": f"Bearer wrong-token-{i:04d}-xxxxxxxx",
-                "X-Forwarded-For": f"198.51.100.{i}"}).status_code for i in range(8)]  # fmt: skip
+            codes = [
+                httpx.get(
+                    f"{srv.base}/v1/stats",
+                    timeout=5,
+                    headers={
+                        "Authorization": f"Bearer wrong-token-{i:04d}-xxxxxxxx",
+                        "X-Forwarded-For": f"198.51.100.{i}",
+                    },
+                ).status_code
+                for i in range(8)
+            ]
             assert codes == [401] * 5 + [429] * 3, codes
         assert _audit_addresses(engine) == ["127.0.0.1"]
         with Served(sqlite_url, "--forwarded-allow-ips", "127.0.0.1") as srv:  # behind a proxy
-            r = httpx.post(f"{srv.base}/v1/republish", json={**body, "request_id": "fwd-2"},
-                           headers=forged, timeout=5)  # fmt: skip
+            r = httpx.post(
+                f"{srv.base}/v1/republish",
+                json={**body, "request_id": "fwd-2"},
+                headers=forged,
+                timeout=5,
+            )
             assert r.status_code == 200, r.text
         assert _audit_addresses(engine) == ["127.0.0.1", "203.0.113.9"]
     finally:
@@ -345,11 +388,17 @@ def test_serve_trusts_no_forwarded_header_unless_told(sqlite_url: str) -> None:
 
 def test_table_and_duration_render_for_people() -> None:
     assert plain_table(["a", "n"], [("x", 1), ("long", 22)]).splitlines() == [
-        "a      n", "x      1", "long  22",
-    ]  # fmt: skip
+        "a      n",
+        "x      1",
+        "long  22",
+    ]
     assert [duration(s) for s in (None, 0.25, 59, 3600 + 61, 90000)] == [
-        "-", "250 ms", "59s", "1h 1m", "1d 1h",
-    ]  # fmt: skip
+        "-",
+        "250 ms",
+        "59s",
+        "1h 1m",
+        "1d 1h",
+    ]
 
 
 def test_purge_deletes_only_confirmed_rows_past_retention(
@@ -444,8 +493,13 @@ def test_a_closed_pipe_is_not_an_error(env: str, seeded: Seeded) -> None:
     envv["OUTBOX_DATABASE_URL"] = env
     proc = subprocess.run(
         f"{sys.executable} -m app.cli batches --limit 500 | head -c 1 >/dev/null",
-        shell=True, env=envv, cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        shell=True,
+        env=envv,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
@@ -455,21 +509,41 @@ def test_serve_speaks_https_with_its_certificate(sqlite_url: str, tmp_path: Path
     make_certificates(tmp_path)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_API_TOKEN=READ,
-               OUTBOX_OPERATOR_TOKEN=OPERATOR)  # fmt: skip
+    env.update(
+        OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_API_TOKEN=READ, OUTBOX_OPERATOR_TOKEN=OPERATOR
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning",
-         "--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--tls-cert",
+            str(tmp_path / "server.pem"),
+            "--tls-key",
+            str(tmp_path / "server.key"),
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         stats = None
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                stats = httpx.get(f"https://localhost:{port}/v1/stats", timeout=2,
-                                  verify=ssl.create_default_context(cafile=tmp_path / "ca.pem"),
-                                  headers={"Authorization": f"Bearer {READ}"})  # fmt: skip
+                stats = httpx.get(
+                    f"https://localhost:{port}/v1/stats",
+                    timeout=2,
+                    verify=ssl.create_default_context(cafile=tmp_path / "ca.pem"),
+                    headers={"Authorization": f"Bearer {READ}"},
+                )
                 break
             except httpx.ConnectError:
                 time.sleep(0.2)
@@ -543,8 +617,9 @@ def test_republish_says_when_its_limit_left_rows_behind_and_all_moves_them_in_ch
 # ----------------------------------------------------------------- terminals, pipes, --json
 
 
-def _on_a_terminal(argv: list[str], db: str, *, extra: dict[str, str] | None = None,
-                   timeout: float = 60) -> tuple[int, str]:  # fmt: skip
+def _on_a_terminal(
+    argv: list[str], db: str, *, extra: dict[str, str] | None = None, timeout: float = 60
+) -> tuple[int, str]:
     """``outbox ARGV`` with stdout and stderr on a pseudo-terminal: (exit code, what it drew)."""
     import pty
     import select as select_
@@ -553,9 +628,13 @@ def _on_a_terminal(argv: list[str], db: str, *, extra: dict[str, str] | None = N
     env.update(OUTBOX_DATABASE_URL=db, TERM="xterm-256color", COLUMNS="160", **(extra or {}))
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", *argv], stdout=follower, stderr=follower,
-        stdin=subprocess.DEVNULL, env=env, cwd=REPO,
-    )  # fmt: skip
+        [sys.executable, "-m", "app.cli", *argv],
+        stdout=follower,
+        stderr=follower,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=REPO,
+    )
     os.close(follower)
     drawn = b""
     deadline = time.monotonic() + timeout
@@ -588,14 +667,31 @@ def test_tables_and_colour_on_a_terminal_plain_when_piped_or_no_color(
     assert rc == EXIT_OK and "\x1b[" not in drawn and "payments" in drawn
     rc, out, _ = run(capsys, "failures")  # captured: not a terminal
     assert "\x1b[" not in out and out.splitlines()[0].split() == [
-        "rows", "status", "exchange", "routing", "key", "reason"]  # fmt: skip
+        "rows",
+        "status",
+        "exchange",
+        "routing",
+        "key",
+        "reason",
+    ]
 
 
-@pytest.mark.parametrize("argv", [
-    ["status"], ["batches"], ["batches", "orders:1"], ["failures"], ["audit"], ["parked"],
-    ["outstanding"], ["message", "order-1-0"], ["purge", "--dry-run"], ["migrate"],
-    ["republish", "--status", "nacked", "--dry-run"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status"],
+        ["batches"],
+        ["batches", "orders:1"],
+        ["failures"],
+        ["audit"],
+        ["parked"],
+        ["outstanding"],
+        ["message", "order-1-0"],
+        ["purge", "--dry-run"],
+        ["migrate"],
+        ["republish", "--status", "nacked", "--dry-run"],
+    ],
+)
 def test_every_reporting_command_speaks_json(
     env: str, seeded: Seeded, capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
@@ -683,9 +779,15 @@ def test_declare_makes_the_exchange_and_a_bound_queue_idempotently(
     try:
         rc, out, err = run(capsys, *argv)
         assert rc == EXIT_OK, err
-        assert json.loads(out) == {"exchange": name, "kind": "topic", "queue": name,
-                                   "bindings": ["orders.#"], "queue_messages": 0,
-                                   "queue_type": "classic", "delivery_limit": None}  # fmt: skip
+        assert json.loads(out) == {
+            "exchange": name,
+            "kind": "topic",
+            "queue": name,
+            "bindings": ["orders.#"],
+            "queue_messages": 0,
+            "queue_type": "classic",
+            "delivery_limit": None,
+        }
         asyncio.run(_publish_to(amqp_url, name, "orders.eu"))  # mandatory: routed to the queue
         rc, out, _ = run(capsys, *argv)  # again: nothing changes, the message is still there
         assert rc == EXIT_OK and json.loads(out)["queue_messages"] == 1

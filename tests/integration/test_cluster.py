@@ -36,8 +36,9 @@ def engine(pg_url: str) -> Iterator[Engine]:
 
 
 def queue_info(cluster: Cluster, name: str) -> dict[str, Any]:
-    out = cluster.run("ctl", "1", "list_queues", "name", "type", "arguments", "leader",
-                      "--formatter", "json")  # fmt: skip
+    out = cluster.run(
+        "ctl", "1", "list_queues", "name", "type", "arguments", "leader", "--formatter", "json"
+    )
     found = [q for q in json.loads(out) if q["name"] == name]
     assert found, f"queue {name} not on the cluster"
     info = dict(found[0])
@@ -57,7 +58,9 @@ async def delete_queues(url: str, *names: str) -> None:
 
 def test_queue_arguments_refuse_a_delivery_limit_on_a_classic_queue() -> None:
     assert queue_arguments("quorum", delivery_limit=20) == {
-        "x-queue-type": "quorum", "x-delivery-limit": 20}  # fmt: skip
+        "x-queue-type": "quorum",
+        "x-delivery-limit": 20,
+    }
     with pytest.raises(ValueError, match="quorum"):
         queue_arguments("classic", delivery_limit=20)
     with pytest.raises(ValueError, match="queue type"):
@@ -68,8 +71,14 @@ async def test_declare_makes_a_replicated_quorum_queue_with_its_delivery_limit(
     cluster: Cluster,
 ) -> None:
     name = f"test-cluster-{uuid.uuid4().hex[:8]}"
-    done = await declare(cluster.url, exchange=name, kind="direct", queue=name,
-                         queue_type="quorum", delivery_limit=100)  # fmt: skip
+    done = await declare(
+        cluster.url,
+        exchange=name,
+        kind="direct",
+        queue=name,
+        queue_type="quorum",
+        delivery_limit=100,
+    )
     try:
         assert (done.queue_type, done.delivery_limit) == ("quorum", 100)
         info = queue_info(cluster, name)
@@ -77,8 +86,14 @@ async def test_declare_makes_a_replicated_quorum_queue_with_its_delivery_limit(
         assert info["arguments"]["x-delivery-limit"] == 100
         assert info["leader"].startswith("outbox-c")
         # the same again changes nothing; through another node of the cluster
-        again = await declare(cluster.node_url(3), exchange=name, kind="direct", queue=name,
-                              queue_type="quorum", delivery_limit=100)  # fmt: skip
+        again = await declare(
+            cluster.node_url(3),
+            exchange=name,
+            kind="direct",
+            queue=name,
+            queue_type="quorum",
+            delivery_limit=100,
+        )
         assert again.queue_type == "quorum"
     finally:
         await delete_queues(cluster.node_url(1), name)
@@ -108,8 +123,15 @@ async def test_the_kit_dead_letters_what_the_broker_returned_past_its_broker_lim
     same handler runs once."""
     url = cluster.node_url(2)  # aio-pika takes one host; the queue's leader may be elsewhere
     name = f"test-cluster-kit-{uuid.uuid4().hex[:8]}"
-    await declare(url, exchange=name, kind="direct", queue=name, queue_type="quorum",
-                  delivery_limit=100, bindings=[name])  # fmt: skip
+    await declare(
+        url,
+        exchange=name,
+        kind="direct",
+        queue=name,
+        queue_type="quorum",
+        delivery_limit=100,
+        bindings=[name],
+    )
     conn = await aio_pika.connect(url)
     async with conn:
         await (await conn.channel()).declare_queue(f"{name}.dlq", durable=True)
@@ -117,16 +139,23 @@ async def test_the_kit_dead_letters_what_the_broker_returned_past_its_broker_lim
         await publish(url, name, ["returned-4"])
         await _return_times(url, name, 4)
         await publish(url, name, ["fresh-1"])
-        cfg = ConsumerConfig(name="cluster", queue=name, delivery_limit=3,
-                             broker_delivery_limit=4, dead_letter_exchange="",
-                             dead_letter_routing_key=f"{name}.dlq")  # fmt: skip
+        cfg = ConsumerConfig(
+            name="cluster",
+            queue=name,
+            delivery_limit=3,
+            broker_delivery_limit=4,
+            dead_letter_exchange="",
+            dead_letter_routing_key=f"{name}.dlq",
+        )
         consumer = Consumer(config=cfg, amqp_url=url, engine=engine, handler=record)
         stop = asyncio.Event()
         task = asyncio.create_task(consumer.run(stop))
         try:
             counts = consumer.metrics.counts
-            await until(lambda: counts["dead_lettered"] == 1 and "fresh-1" in effects(engine),
-                        what="the letter and the effect")  # fmt: skip
+            await until(
+                lambda: counts["dead_lettered"] == 1 and "fresh-1" in effects(engine),
+                what="the letter and the effect",
+            )
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
@@ -152,8 +181,9 @@ async def test_a_multi_host_url_is_tried_in_a_shuffled_order(cluster: Cluster) -
     rng = random.Random(7)
     nodes = collections.Counter()
     for _ in range(12):
-        conn = await AMQPConnection.connect(cluster.url, listener=Quiet(), shuffle=rng,
-                                            name="test-cluster-shuffle")  # fmt: skip
+        conn = await AMQPConnection.connect(
+            cluster.url, listener=Quiet(), shuffle=rng, name="test-cluster-shuffle"
+        )
         assert conn.address is not None
         nodes[cluster.node_of_port(conn.address[1])] += 1
         await conn.close()
@@ -167,17 +197,21 @@ async def test_two_publishers_start_on_different_nodes_and_move_on_failover(
     nodes) drain a quorum queue from two nodes; kill -9 of the first one's node moves it to
     another, every row confirmed; the node back, it takes connections again."""
     name = f"test-cluster-spread-{uuid.uuid4().hex[:8]}"
-    await declare(cluster.url, exchange=name, kind="direct", queue=name, queue_type="quorum",
-                  bindings=["rk"])  # fmt: skip
+    await declare(
+        cluster.url, exchange=name, kind="direct", queue=name, queue_type="quorum", bindings=["rk"]
+    )
     engine = make_engine(pg_url)
     add_rows(engine, n=3000, exchange=name, routing_key="rk")
     settings = settings_for(db_url=pg_url, amqp_url=cluster.url, heartbeat=2)
     killed = None
     try:
-        async with (running_publisher(settings, engine, rng=random.Random(3)) as a,
-                    running_publisher(settings, engine, rng=random.Random(4)) as b):  # fmt: skip
-            await until(lambda: a.metrics.broker_node and b.metrics.broker_node,
-                        what="both connected")  # fmt: skip
+        async with (
+            running_publisher(settings, engine, rng=random.Random(3)) as a,
+            running_publisher(settings, engine, rng=random.Random(4)) as b,
+        ):
+            await until(
+                lambda: a.metrics.broker_node and b.metrics.broker_node, what="both connected"
+            )
             first = {a.metrics.broker_node, b.metrics.broker_node}
             assert len(first) == 2, first
             assert a.metrics.broker_node is not None

@@ -57,9 +57,17 @@ def browser() -> Iterator[webdriver.Chrome]:
     if not (shutil.which("chromium") and Path(CHROMEDRIVER).exists()):
         pytest.fail("chromium and chromium-driver are needed (make tools installs them)")
     options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1400,1000", "--no-first-run", "--disable-extensions",
-                "--disable-background-networking", "--disable-component-update"):  # fmt: skip
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,1000",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-component-update",
+    ):
         options.add_argument(arg)
     options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -82,8 +90,9 @@ class Server:
         self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)  # fmt: skip
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
 
     def __enter__(self) -> Server:
         self.thread.start()
@@ -135,8 +144,9 @@ def _gone(element: WebElement) -> bool:
     return False
 
 
-def submit(browser: webdriver.Chrome, by: str, value: str, within: WebElement | None = None
-           ) -> None:  # fmt: skip
+def submit(
+    browser: webdriver.Chrome, by: str, value: str, within: WebElement | None = None
+) -> None:
     """Click a submit button and wait for the page the form leads to (a click returns before
     the navigation it starts has finished)."""
     old = browser.find_element(By.TAG_NAME, "html")
@@ -173,11 +183,12 @@ def test_every_page_renders_for_the_read_token_which_cannot_republish(
     assert browser.current_url == server.base + "/ui/failures"  # back where it was asked for
     assert "read-token (read only)" in text(browser, "who")
     groups = browser.find_elements(By.CSS_SELECTOR, "#failures tr.group")
-    causes = {tuple(g.find_elements(By.TAG_NAME, "td")[i].text for i in (0, 1, 3))
-              for g in groups}  # fmt: skip
-    assert causes == {("returned", "orders", "returned by broker: 312 NO_ROUTE"),
-                      ("nacked", "payments", "nacked by broker"),
-                      ("failed", "orders", "body too large")}, causes  # fmt: skip
+    causes = {tuple(g.find_elements(By.TAG_NAME, "td")[i].text for i in (0, 1, 3)) for g in groups}
+    assert causes == {
+        ("returned", "orders", "returned by broker: 312 NO_ROUTE"),
+        ("nacked", "payments", "nacked by broker"),
+        ("failed", "orders", "body too large"),
+    }, causes
     assert not browser.find_elements(By.CSS_SELECTOR, "button.go"), "no republish for readers"
 
     browser.get(server.base + "/ui")
@@ -186,11 +197,13 @@ def test_every_page_renders_for_the_read_token_which_cannot_republish(
     assert text(browser, "alive") == "1 of 2 known"
     assert text(browser, "duplicates") == "1"
     shot(browser, "overview", tmp_path)
-    for path, table, name in [("/ui/batches", "batches", "batches"),
-                              ("/ui/outstanding", "outstanding", "outstanding"),
-                              ("/ui/failures", "failures", "failures"),
-                              ("/ui/messages?status=returned", "messages", "messages"),
-                              ("/ui/audit", "audit", "audit")]:  # fmt: skip
+    for path, table, name in [
+        ("/ui/batches", "batches", "batches"),
+        ("/ui/outstanding", "outstanding", "outstanding"),
+        ("/ui/failures", "failures", "failures"),
+        ("/ui/messages?status=returned", "messages", "messages"),
+        ("/ui/audit", "audit", "audit"),
+    ]:
         browser.get(server.base + path)
         assert browser.find_element(By.ID, table).is_displayed(), path
         shot(browser, name, tmp_path)
@@ -217,8 +230,11 @@ def test_the_operator_republishes_from_the_failures_view_with_preview_and_audit(
     browser: webdriver.Chrome, server: Server, seeded: Seeded, engine: Engine, tmp_path: Path
 ) -> None:
     sign_in(browser, server, OPERATOR, "/ui/failures")
-    group = next(g for g in browser.find_elements(By.CSS_SELECTOR, "#failures tr.group")
-                 if g.text.startswith("nacked"))  # fmt: skip
+    group = next(
+        g
+        for g in browser.find_elements(By.CSS_SELECTOR, "#failures tr.group")
+        if g.text.startswith("nacked")
+    )
     submit(browser, By.CSS_SELECTOR, "button.go", within=group)
     assert "status nacked, exchange 'payments'" in text(browser, "filter")
     assert text(browser, "count") == "2 rows would move back to pending."
@@ -234,15 +250,22 @@ def test_the_operator_republishes_from_the_failures_view_with_preview_and_audit(
     assert set(statuses_of(engine, seeded["nacked"]).values()) == {"pending"}
     (row,) = audit_rows(engine)
     assert (row["actor"], row["principal"], row["client_addr"], row["count"]) == (
-        "alice", "operator-token", "127.0.0.1", 2)  # fmt: skip
+        "alice",
+        "operator-token",
+        "127.0.0.1",
+        2,
+    )
     assert f"#{row['id']}" in done
 
     # the same confirmation sent again (a double click, a resubmitted page): replayed
     cookie = {"outbox_session": str(browser.get_cookie("outbox_session")["value"])}  # type: ignore[index]
     again = httpx.post(
-        server.base + "/ui/republish", content=urlencode([*confirmation, ("actor", "alice")]),
-        headers={"content-type": "application/x-www-form-urlencoded"}, cookies=cookie, timeout=15,
-    )  # fmt: skip
+        server.base + "/ui/republish",
+        content=urlencode([*confirmation, ("actor", "alice")]),
+        headers={"content-type": "application/x-www-form-urlencoded"},
+        cookies=cookie,
+        timeout=15,
+    )
     assert again.status_code == 200 and "Already done with this request id: 2 rows" in again.text
     assert len(audit_rows(engine)) == 1
     # the name for the audit row is untrusted text: a NUL (PostgreSQL's text refuses it), a
@@ -250,10 +273,12 @@ def test_the_operator_republishes_from_the_failures_view_with_preview_and_audit(
     for n, bad in enumerate(("al\x00ice", "alice\nconsole: republish forged", "a" * 65)):
         fresh = [(k, f"ui-bad-actor-{n}" if k == "request_id" else v) for k, v in confirmation]
         refused = httpx.post(
-            server.base + "/ui/republish", content=urlencode([*fresh, ("actor", bad)]),
-            headers={"content-type": "application/x-www-form-urlencoded"}, cookies=cookie,
+            server.base + "/ui/republish",
+            content=urlencode([*fresh, ("actor", bad)]),
+            headers={"content-type": "application/x-www-form-urlencoded"},
+            cookies=cookie,
             timeout=15,
-        )  # fmt: skip
+        )
         assert refused.status_code == 400, (bad, refused.status_code)
         assert "must be one line of at most 64 characters" in refused.text
     assert len(audit_rows(engine)) == 1
@@ -297,16 +322,20 @@ def test_bad_input_gets_a_clear_message_and_changes_nothing(
     assert "CSRF token is missing or stale" in text(browser, "message")
 
     # a form posted from another site: the SameSite=Strict cookie stays home, no session
-    forged = (f"<form method=post action='{server.base}/ui/republish/preview'>"
-              "<input name=all value=yes><button id=go>go</button></form>")  # fmt: skip
+    forged = (
+        f"<form method=post action='{server.base}/ui/republish/preview'>"
+        "<input name=all value=yes><button id=go>go</button></form>"
+    )
     browser.get("data:text/html," + forged)
     submit(browser, By.ID, "go")
     assert "/ui/login" in browser.current_url
 
     # a sign-in posted from another site (login CSRF): refused, no session set
     browser.delete_all_cookies()
-    forged = (f"<form method=post action='{server.base}/ui/login'><input name=token "
-              f"value={OPERATOR}><button id=go>go</button></form>")  # fmt: skip
+    forged = (
+        f"<form method=post action='{server.base}/ui/login'><input name=token "
+        f"value={OPERATOR}><button id=go>go</button></form>"
+    )
     browser.get("data:text/html," + forged)
     submit(browser, By.ID, "go")
     assert "not sent from this console" in text(browser, "message")

@@ -37,13 +37,27 @@ class Parked:
 
     def __init__(self, engine: Engine, clock: Clock) -> None:
         repo = OutboxRepository(engine, clock=clock)
-        self.rows = {key: add_rows(engine, n=3, prefix=key, ordering_key=key,
-                                   created_at=clock.now, available_at=clock.now)
-                     for key in ("k-1", "k-2")}  # fmt: skip
+        self.rows = {
+            key: add_rows(
+                engine,
+                n=3,
+                prefix=key,
+                ordering_key=key,
+                created_at=clock.now,
+                available_at=clock.now,
+            )
+            for key in ("k-1", "k-2")
+        }
         heads = repo.claim(owner="p1", limit=10, lease_seconds=60)
         assert sorted(r.message_id for r in heads) == ["k-1-0", "k-2-0"]  # the rest wait
-        repo.retry(owner="p1", ids=[r.id for r in heads], error="nacked by the broker",
-                   backoff=Backoff(), exhausted=Status.NACKED, max_attempts=1)  # fmt: skip
+        repo.retry(
+            owner="p1",
+            ids=[r.id for r in heads],
+            error="nacked by the broker",
+            backoff=Backoff(),
+            exhausted=Status.NACKED,
+            max_attempts=1,
+        )
 
 
 @pytest.fixture
@@ -66,8 +80,11 @@ def test_parked_keys_show_and_resume_by_republish_or_skip(
     assert text(browser, "parked-keys") == "2: resume or skip them"
     browser.get(server.base + "/ui/parked")
     rows = browser.find_elements(By.CSS_SELECTOR, "#parked tr.parked")
-    shown = [[td.text for td in r.find_elements(By.TAG_NAME, "td")[:3]] + [
-        r.find_elements(By.TAG_NAME, "td")[5].text] for r in rows]  # fmt: skip
+    shown = [
+        [td.text for td in r.find_elements(By.TAG_NAME, "td")[:3]]
+        + [r.find_elements(By.TAG_NAME, "td")[5].text]
+        for r in rows
+    ]
     assert shown == [["k-1", "k-1-0", "nacked", "2"], ["k-2", "k-2-0", "nacked", "2"]]
     assert "UTC (30.0 s ago)" in rows[0].text
 
@@ -111,8 +128,10 @@ def test_a_dead_publisher_s_holdings_say_when_they_return_to_pending(
     add_rows(engine, n=1, prefix="live", created_at=clock.now, available_at=clock.now)
     (live,) = repo.claim(owner="p2", limit=1, lease_seconds=600)
     sign_in(browser, server, READ, "/ui/outstanding")
-    holders = {r.find_element(By.TAG_NAME, "a").text: r.find_element(By.CLASS_NAME, "holder").text
-               for r in browser.find_elements(By.CSS_SELECTOR, "#outstanding tr")[1:]}  # fmt: skip
+    holders = {
+        r.find_element(By.TAG_NAME, "a").text: r.find_element(By.CLASS_NAME, "holder").text
+        for r in browser.find_elements(By.CSS_SELECTOR, "#outstanding tr")[1:]
+    }
     assert holders[held.message_id] == "dead: back to pending in 8 min"
     assert holders[live.message_id] == "alive"
 

@@ -42,24 +42,48 @@ from tests.integration.test_console import (  # noqa: F401 (fixtures)
 pytestmark = pytest.mark.browser
 
 
-def _settle(repo: OutboxRepository, engine: Engine, *, n: int, exchange: str, routing_key: str,
-            batch_id: str, outcome: str, prefix: str | None = None,
-            reason: str = "") -> list[str]:  # fmt: skip
+def _settle(
+    repo: OutboxRepository,
+    engine: Engine,
+    *,
+    n: int,
+    exchange: str,
+    routing_key: str,
+    batch_id: str,
+    outcome: str,
+    prefix: str | None = None,
+    reason: str = "",
+) -> list[str]:
     """``n`` rows written, claimed, published and settled as the publisher settles them."""
     now = repo.clock()
-    ids = add_rows(engine, n=n, exchange=exchange, routing_key=routing_key, batch_id=batch_id,
-                   prefix=prefix, created_at=now, available_at=now)  # fmt: skip
+    ids = add_rows(
+        engine,
+        n=n,
+        exchange=exchange,
+        routing_key=routing_key,
+        batch_id=batch_id,
+        prefix=prefix,
+        created_at=now,
+        available_at=now,
+    )
     got = repo.claim(owner="p1", limit=n, lease_seconds=600)
     assert sorted(r.message_id for r in got) == sorted(ids)
     rows = [r.id for r in got]
     if outcome != "failed":
-        repo.record_published(owner="p1", channel_id=1, tags=[(i, k + 1) for k, i in
-                                                               enumerate(rows)])  # fmt: skip
+        repo.record_published(
+            owner="p1", channel_id=1, tags=[(i, k + 1) for k, i in enumerate(rows)]
+        )
     if outcome == "returned":
         repo.mark_returned(owner="p1", returns=[ReturnedRow(i, 312, "NO_ROUTE") for i in rows])
     elif outcome == "nacked":
-        repo.retry(owner="p1", ids=rows, error="nacked by broker", backoff=Backoff(),
-                   exhausted=Status.NACKED, max_attempts=1)  # fmt: skip
+        repo.retry(
+            owner="p1",
+            ids=rows,
+            error="nacked by broker",
+            backoff=Backoff(),
+            exhausted=Status.NACKED,
+            max_attempts=1,
+        )
     else:
         repo.mark_failed(owner="p1", ids=rows, reason=reason)
     return ids
@@ -68,18 +92,46 @@ def _settle(repo: OutboxRepository, engine: Engine, *, n: int, exchange: str, ro
 class Incident:
     def __init__(self, engine: Engine, clock: Clock) -> None:
         repo = OutboxRepository(engine, clock=clock)
-        self.apac = _settle(repo, engine, n=3, exchange="orders", routing_key="apac",
-                            batch_id="orders:7", outcome="returned")  # fmt: skip
-        self.latam = _settle(repo, engine, n=2, exchange="orders", routing_key="latam",
-                             batch_id="orders:7", outcome="returned")  # fmt: skip
+        self.apac = _settle(
+            repo,
+            engine,
+            n=3,
+            exchange="orders",
+            routing_key="apac",
+            batch_id="orders:7",
+            outcome="returned",
+        )
+        self.latam = _settle(
+            repo,
+            engine,
+            n=2,
+            exchange="orders",
+            routing_key="latam",
+            batch_id="orders:7",
+            outcome="returned",
+        )
         self.gone = {
-            key: _settle(repo, engine, n=1 + i, exchange="gone", routing_key=key,
-                         batch_id="orders:8", outcome="failed",
-                         reason="exchange 'gone' not found (404) past its retry budget")
+            key: _settle(
+                repo,
+                engine,
+                n=1 + i,
+                exchange="gone",
+                routing_key=key,
+                batch_id="orders:8",
+                outcome="failed",
+                reason="exchange 'gone' not found (404) past its retry budget",
+            )
             for i, key in enumerate(("k1", "k2", "k3", "k4"))
-        }  # fmt: skip
-        self.nacked = _settle(repo, engine, n=2, exchange="payments", routing_key="pay",
-                              batch_id="orders:7", outcome="nacked")  # fmt: skip
+        }
+        self.nacked = _settle(
+            repo,
+            engine,
+            n=2,
+            exchange="payments",
+            routing_key="pay",
+            batch_id="orders:7",
+            outcome="nacked",
+        )
 
 
 @pytest.fixture
@@ -137,8 +189,11 @@ def test_a_routing_key_of_a_cause_moves_that_key_only(
     assert moved(before, statuses(engine)) == set(incident.apac)
     assert {statuses(engine)[m] for m in incident.latam} == {"returned"}
     doc = last_audit_filter(engine)
-    assert (doc["routing_key"], doc["exchange"], doc["statuses"]) == ("apac", "orders",
-                                                                      ["returned"])  # fmt: skip
+    assert (doc["routing_key"], doc["exchange"], doc["statuses"]) == (
+        "apac",
+        "orders",
+        ["returned"],
+    )
     assert doc["cause"] == "returned by broker: 312 NO_ROUTE"
 
 
@@ -219,8 +274,16 @@ def test_failure_totals_equal_the_database_on_every_page(
 ) -> None:
     repo = OutboxRepository(engine, clock=clock)
     for i in range(55):  # 55 more causes: 58 in all, two pages of 50
-        _settle(repo, engine, n=1, exchange="x", routing_key="rk", batch_id="orders:9",
-                outcome="failed", reason=f"cause number {i:02d}")  # fmt: skip
+        _settle(
+            repo,
+            engine,
+            n=1,
+            exchange="x",
+            routing_key="rk",
+            batch_id="orders:9",
+            outcome="failed",
+            reason=f"cause number {i:02d}",
+        )
     with engine.connect() as conn:
         terminal = outbox.c.status.in_([s.value for s in TERMINAL_FAILURES])
         in_sql = conn.execute(select(func.count()).where(terminal)).scalar_one()
@@ -281,8 +344,13 @@ def test_the_history_of_a_message_keeps_every_fact_in_the_broker_s_words(
     shows, in order; a returned row says the broker returned it, then acked."""
     repo = OutboxRepository(engine, clock=clock)
     (mid,) = add_rows(engine, n=1, exchange="gone", created_at=clock.now, available_at=clock.now)
-    retry = {"owner": "p1", "error": "exchange 'gone' not found (404)", "max_attempts": 2,
-             "backoff": Backoff(base=0.01, cap=0.01), "exhausted": Status.FAILED}  # fmt: skip
+    retry = {
+        "owner": "p1",
+        "error": "exchange 'gone' not found (404)",
+        "max_attempts": 2,
+        "backoff": Backoff(base=0.01, cap=0.01),
+        "exhausted": Status.FAILED,
+    }
     for _ in range(2):
         clock.advance(1)
         (row,) = repo.claim(owner="p1", limit=1, lease_seconds=60)
@@ -295,8 +363,10 @@ def test_the_history_of_a_message_keeps_every_fact_in_the_broker_s_words(
     clock.advance(1)
     repo.mark_confirmed(owner="p1", ids=[row.id])
     browser.get(server.base + "/ui/messages/" + quote(mid))
-    steps = [r.find_elements(By.TAG_NAME, "td")[1].text
-             for r in browser.find_elements(By.CSS_SELECTOR, "#history tr")]  # fmt: skip
+    steps = [
+        r.find_elements(By.TAG_NAME, "td")[1].text
+        for r in browser.find_elements(By.CSS_SELECTOR, "#history tr")
+    ]
     assert steps == [
         "written to the outbox",
         "attempt 1 failed: exchange 'gone' not found (404); retried after a backoff",

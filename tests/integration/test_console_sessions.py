@@ -54,8 +54,11 @@ async def test_a_cookie_copied_before_sign_out_is_refused_after_it(
         shown = await page(c, cookie)
         assert shown.status_code == 200, shown.text
         copied = cookie  # taken from the browser before sign-out (a shared machine, a proxy log)
-        r = await c.post("/ui/logout", data={"csrf": csrf_of(shown.text)},
-                         headers={"Cookie": f"outbox_session={cookie}"})  # fmt: skip
+        r = await c.post(
+            "/ui/logout",
+            data={"csrf": csrf_of(shown.text)},
+            headers={"Cookie": f"outbox_session={cookie}"},
+        )
         assert r.status_code == 303 and r.headers["location"] == "/ui/login"
         for client in (c, replica):  # refused by every replica, not only the one signed out of
             r = await page(client, copied)
@@ -125,8 +128,11 @@ async def test_a_sign_in_posted_from_another_site_is_refused(db_url: str, engine
         r = await c.post("/ui/login", data={"token": "wrong"}, headers=ORIGIN)
         assert r.status_code == 401
         assert await sign_in(c, OPERATOR)
-        for same in ({"Referer": "http://outbox.test/ui/login"}, {"Sec-Fetch-Site": "same-origin"},
-                     {}):  # fmt: skip
+        for same in (
+            {"Referer": "http://outbox.test/ui/login"},
+            {"Sec-Fetch-Site": "same-origin"},
+            {},
+        ):
             r = await c.post("/ui/login", data={"token": READ}, headers=same)
             assert r.status_code == 303, same
     with engine.connect() as conn:
@@ -136,7 +142,9 @@ async def test_a_sign_in_posted_from_another_site_is_refused(db_url: str, engine
 async def test_failed_sign_ins_never_lock_out_the_valid_token(db_url: str, engine: Engine) -> None:
     """Issue 29, Medium 3: after 20 failures from an address the valid token got 429 too."""
     async with console(db_url, engine) as c:
-        codes = [(await c.post("/ui/login", data={"token": f"wrong-{i}"}, headers=ORIGIN))
-                 .status_code for i in range(25)]  # fmt: skip
+        codes = [
+            (await c.post("/ui/login", data={"token": f"wrong-{i}"}, headers=ORIGIN)).status_code
+            for i in range(25)
+        ]
         assert codes == [401] * 20 + [429] * 5
         assert await sign_in(c, OPERATOR)

@@ -59,8 +59,9 @@ async def depth(amqp_url: str, queue: str) -> int:
 
 
 @contextlib.asynccontextmanager
-async def consuming(amqp_url: str, engine: Engine, queue: str,
-                    **config: Any) -> AsyncIterator[Consumer]:  # fmt: skip
+async def consuming(
+    amqp_url: str, engine: Engine, queue: str, **config: Any
+) -> AsyncIterator[Consumer]:
     cfg = ConsumerConfig(name=config.pop("name", "test"), queue=queue, **config)
     consumer = Consumer(config=cfg, amqp_url=amqp_url, engine=engine, handler=record)
     stop = asyncio.Event()
@@ -149,8 +150,13 @@ async def test_a_poison_message_is_dead_lettered_and_never_blocks_the_rest(
     await publish(amqp_url, queue, ["poison-1"], poison=True)
     await publish(amqp_url, queue, good)
     async with consuming(amqp_url, engine, queue, prefetch=20, delivery_limit=3) as consumer:
-        await until(lambda: consumer.metrics.counts["dead_lettered"] == 1
-                    and consumer.metrics.counts["handled"] == 100, what="drain")  # fmt: skip
+        await until(
+            lambda: (
+                consumer.metrics.counts["dead_lettered"] == 1
+                and consumer.metrics.counts["handled"] == 100
+            ),
+            what="drain",
+        )
     assert sorted(effects(engine)) == sorted(good)
     assert consumer.metrics.counts["requeued"] == 2  # tried 3 times in all
     assert await depth(amqp_url, f"{queue}.dlq") == 1
@@ -194,10 +200,24 @@ def _spawn(pg_url: str, amqp_url: str, queue: str) -> subprocess.Popen[bytes]:
     env = scrubbed_environ(os.environ)
     env.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_AMQP_URL=amqp_url, PYTHONPATH=str(REPO))
     return subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "consume", queue, "--handler",
-         "tests.consumer_support:record", "--name", "killed", "--prefetch", "200"],
-        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "consume",
+            queue,
+            "--handler",
+            "tests.consumer_support:record",
+            "--name",
+            "killed",
+            "--prefetch",
+            "200",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 async def test_kill_9_mid_batch_then_restart_every_effect_exactly_once(
@@ -212,10 +232,10 @@ async def test_kill_9_mid_batch_then_restart_every_effect_exactly_once(
         first.wait(timeout=30)
         second = _spawn(pg_url, amqp_url, queue)
         try:
-            await until(lambda: len(set(effects(engine))) == 2000, timeout=120,
-                        what="every effect")  # fmt: skip
-            await until(lambda: asyncio.run(depth(amqp_url, queue)) == 0, timeout=30,
-                        what="an empty queue")  # fmt: skip
+            await until(lambda: len(set(effects(engine))) == 2000, timeout=120, what="every effect")
+            await until(
+                lambda: asyncio.run(depth(amqp_url, queue)) == 0, timeout=30, what="an empty queue"
+            )
         finally:
             second.send_signal(signal.SIGTERM)
             _, err = second.communicate(timeout=30)

@@ -71,8 +71,12 @@ def exactly_once(engine: Engine, ids: list[str]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def consuming(amqp_url: str, engine: Engine, queue: str, **config: Any,
-                    ) -> AsyncIterator[Consumer]:  # fmt: skip
+async def consuming(
+    amqp_url: str,
+    engine: Engine,
+    queue: str,
+    **config: Any,
+) -> AsyncIterator[Consumer]:
     cfg = ConsumerConfig(name=config.pop("name", "faults"), queue=queue, **config)
     consumer = Consumer(config=cfg, amqp_url=amqp_url, engine=engine, handler=record)
     stop = asyncio.Event()
@@ -96,9 +100,13 @@ async def database_refusing(service_urls: dict[str, str], pg_url: str) -> AsyncI
     try:
         with admin.connect() as conn:
             conn.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false'))
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                              "WHERE datname = :d AND pid <> pg_backend_pid()"),
-                         {"d": name})  # fmt: skip
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :d AND pid <> pg_backend_pid()"
+                ),
+                {"d": name},
+            )
         yield
     finally:
         with admin.connect() as conn:
@@ -108,9 +116,14 @@ async def database_refusing(service_urls: dict[str, str], pg_url: str) -> AsyncI
 
 @pytest.mark.parametrize(("fault", "seconds"), [("refused", 10.0), ("tcp-cut", 5.0)])
 async def test_a_database_outage_pauses_the_kit_and_dead_letters_nothing(
-    service_urls: dict[str, str], pg_url: str, amqp_url: str, engine: Engine, fault: str,
-    seconds: float, caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+    service_urls: dict[str, str],
+    pg_url: str,
+    amqp_url: str,
+    engine: Engine,
+    fault: str,
+    seconds: float,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Before: a connection error was a handler failure, requeued at once: each message burnt
     its delivery limit in milliseconds (97-1,865 of 3,000 good messages dead-lettered)."""
     ids = [f"o-{i}" for i in range(3000)]
@@ -123,8 +136,9 @@ async def test_a_database_outage_pauses_the_kit_and_dead_letters_nothing(
         async with queue_named(amqp_url) as queue:
             await publish(amqp_url, queue, ids, sleep_ms=1)
             with caplog.at_level(logging.INFO, logger="app.consumer"):
-                async with consuming(amqp_url, kit_engine, queue, prefetch=200, concurrency=4,
-                                     delivery_limit=2) as consumer:  # fmt: skip
+                async with consuming(
+                    amqp_url, kit_engine, queue, prefetch=200, concurrency=4, delivery_limit=2
+                ) as consumer:
                     await until(lambda: len(effects(engine)) >= 600, what="600 effects")
                     if fault == "refused":
                         async with database_refusing(service_urls, pg_url):
@@ -137,10 +151,14 @@ async def test_a_database_outage_pauses_the_kit_and_dead_letters_nothing(
                         ready_during.append(consumer.ready()[0])
                         await asyncio.sleep(seconds - 1.0)
                         await proxy.accept()
-                    await until(lambda: len(set(effects(engine))) == len(ids), timeout=120,
-                                what="every effect")  # fmt: skip
-                    await until(lambda: consumer.metrics.counts["acked"] >= len(ids),
-                                what="every ack")  # fmt: skip
+                    await until(
+                        lambda: len(set(effects(engine))) == len(ids),
+                        timeout=120,
+                        what="every effect",
+                    )
+                    await until(
+                        lambda: consumer.metrics.counts["acked"] >= len(ids), what="every ack"
+                    )
                     assert consumer.ready()[0]
             assert await dead_letters(amqp_url, queue) == []
     finally:
@@ -166,15 +184,29 @@ async def test_a_database_outage_pauses_the_kit_and_dead_letters_nothing(
 CRASHING = "tests.consumer_support:crash_or_record"
 
 
-def _spawn(pg_url: str, amqp_url: str, queue: str, *extra: str,
-           handler: str = CRASHING) -> subprocess.Popen[bytes]:  # fmt: skip
+def _spawn(
+    pg_url: str, amqp_url: str, queue: str, *extra: str, handler: str = CRASHING
+) -> subprocess.Popen[bytes]:
     env = scrubbed_environ(os.environ)
     env.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_AMQP_URL=amqp_url, PYTHONPATH=str(REPO))
     return subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "consume", queue, "--handler", handler,
-         "--name", "faults", *extra],
-        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "consume",
+            queue,
+            "--handler",
+            handler,
+            "--name",
+            "faults",
+            *extra,
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 @pytest.mark.parametrize("quorum", [False, True], ids=["classic", "quorum"])
@@ -237,14 +269,19 @@ async def test_a_slow_handler_delays_only_itself(amqp_url: str, engine: Engine, 
         await publish(amqp_url, queue, before)
         await publish(amqp_url, queue, ["slow-1"], sleep_ms=6000)
         await publish(amqp_url, queue, after)
-        async with consuming(amqp_url, engine, queue, mode=mode, prefetch=100, batch_size=20,
-                             concurrency=4) as consumer:  # fmt: skip
+        async with consuming(
+            amqp_url, engine, queue, mode=mode, prefetch=100, batch_size=20, concurrency=4
+        ) as consumer:
             hostages = 20 if mode == "batch" else 0
-            await until(lambda: len(effects(engine)) >= 1000 - hostages, timeout=4.5,
-                        what="the others' effects while the slow handler runs")  # fmt: skip
+            await until(
+                lambda: len(effects(engine)) >= 1000 - hostages,
+                timeout=4.5,
+                what="the others' effects while the slow handler runs",
+            )
             assert "slow-1" not in effects(engine)
-            await until(lambda: consumer.metrics.counts["acked"] == 1001, timeout=30,
-                        what="every ack")  # fmt: skip
+            await until(
+                lambda: consumer.metrics.counts["acked"] == 1001, timeout=30, what="every ack"
+            )
     exactly_once(engine, [*before, "slow-1", *after])
 
 
@@ -257,17 +294,33 @@ async def test_a_hung_handler_fails_its_attempt_and_the_kit_is_not_ready_meanwhi
         await publish(amqp_url, queue, good[:150])
         await publish(amqp_url, queue, ["hung-1"], sleep_ms=4000)
         await publish(amqp_url, queue, good[150:])
-        async with consuming(amqp_url, engine, queue, handler_timeout=1.0, delivery_limit=2,
-                             prefetch=100, batch_size=20) as consumer:  # fmt: skip
-            await until(lambda: consumer.metrics.oldest_handler_seconds() > 1.2, timeout=10,
-                        what="a handler past its timeout")  # fmt: skip
+        async with consuming(
+            amqp_url,
+            engine,
+            queue,
+            handler_timeout=1.0,
+            delivery_limit=2,
+            prefetch=100,
+            batch_size=20,
+        ) as consumer:
+            await until(
+                lambda: consumer.metrics.oldest_handler_seconds() > 1.2,
+                timeout=10,
+                what="a handler past its timeout",
+            )
             ready, details = consumer.ready()
             assert not ready and float(str(details["oldest_handler_seconds"])) > 1.0
-            await until(lambda: consumer.metrics.counts["dead_lettered"] == 1, timeout=30,
-                        what="the hung message dead-lettered")  # fmt: skip
+            await until(
+                lambda: consumer.metrics.counts["dead_lettered"] == 1,
+                timeout=30,
+                what="the hung message dead-lettered",
+            )
             await until(lambda: len(effects(engine)) == len(good), what="the others' effects")
-            await until(lambda: consumer.metrics.abandoned_handlers == 0, timeout=15,
-                        what="the hung threads back")  # fmt: skip
+            await until(
+                lambda: consumer.metrics.abandoned_handlers == 0,
+                timeout=15,
+                what="the hung threads back",
+            )
             assert consumer.ready()[0]
             assert consumer.metrics.counts["handler_timeouts"] == 2
         assert [m.message_id for m in await dead_letters(amqp_url, queue)] == ["hung-1"]
@@ -287,14 +340,21 @@ async def test_kill_9_a_database_outage_and_a_broker_close_in_one_run(
     kit_url = proxy.url_for(pg_url)
     async with queue_named(amqp_url) as queue:
         await publish(amqp_url, queue, ids, sleep_ms=2)
-        proc = _spawn(kit_url, amqp_url, queue, "--prefetch", "200",
-                      handler="tests.consumer_support:record")  # fmt: skip
+        proc = _spawn(
+            kit_url, amqp_url, queue, "--prefetch", "200", handler="tests.consumer_support:record"
+        )
         try:
             await until(lambda: len(effects(engine)) >= 1000, timeout=90, what="1,000 effects")
             proc.send_signal(signal.SIGKILL)  # effects committed, acks not all sent
             proc.wait(timeout=30)
-            proc = _spawn(kit_url, amqp_url, queue, "--prefetch", "200",
-                          handler="tests.consumer_support:record")  # fmt: skip
+            proc = _spawn(
+                kit_url,
+                amqp_url,
+                queue,
+                "--prefetch",
+                "200",
+                handler="tests.consumer_support:record",
+            )
             await until(lambda: len(set(effects(engine))) >= 2500, timeout=90, what="2,500")
             closed = await asyncio.to_thread(close_broker_connections, "outbox-consumer faults")
             assert closed == 1
@@ -302,8 +362,9 @@ async def test_kill_9_a_database_outage_and_a_broker_close_in_one_run(
             await proxy.refuse()
             await asyncio.sleep(10)
             await proxy.accept()
-            await until(lambda: len(set(effects(engine))) == len(ids), timeout=120,
-                        what="every effect")  # fmt: skip
+            await until(
+                lambda: len(set(effects(engine))) == len(ids), timeout=120, what="every effect"
+            )
         finally:
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=30)
@@ -316,8 +377,9 @@ async def test_kill_9_a_database_outage_and_a_broker_close_in_one_run(
     # the kit logs no traceback and dead-letters nothing (aiormq logs one of its own when the
     # broker forces the connection closed)
     assert not [line for line in lines if " app." in line and "ERROR" in line], err[-3000:]
-    assert all("aiormq" in lines[i - 1] for i, line in enumerate(lines)
-               if line.startswith("Traceback")), err[-3000:]  # fmt: skip
+    assert all(
+        "aiormq" in lines[i - 1] for i, line in enumerate(lines) if line.startswith("Traceback")
+    ), err[-3000:]
     assert b"dead-letters" not in err, err[-2000:]
 
 
@@ -343,8 +405,9 @@ async def test_a_batch_handler_handles_windows_and_a_poison_fails_alone(
         task = asyncio.create_task(consumer.run(stop))
         try:
             counts = consumer.metrics.counts
-            await until(lambda: counts["acked"] + counts["dead_lettered"] == 2101,
-                        what="all settled")  # fmt: skip
+            await until(
+                lambda: counts["acked"] + counts["dead_lettered"] == 2101, what="all settled"
+            )
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)

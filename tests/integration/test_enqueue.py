@@ -33,8 +33,12 @@ LATER = dt.timedelta(hours=1)
 
 
 def msg(n: int | str, **kw: Any) -> Message:
-    base: dict[str, Any] = {"exchange": "orders", "routing_key": "order.created",
-                            "body": f'{{"n": "{n}"}}'.encode(), "message_id": f"m-{n}"}  # fmt: skip
+    base: dict[str, Any] = {
+        "exchange": "orders",
+        "routing_key": "order.created",
+        "body": f'{{"n": "{n}"}}'.encode(),
+        "message_id": f"m-{n}",
+    }
     return Message(**{**base, **kw})
 
 
@@ -47,8 +51,9 @@ def stored(engine: Engine) -> dict[str, dict[str, Any]]:
 def test_messages_commit_and_roll_back_with_the_callers_transaction(engine: Engine) -> None:
     with Session(engine) as session:
         with session.begin():
-            got = enqueue(session, [msg(1), msg(2, headers={"tenant": "t1"},
-                                                  properties={"type": "order"})])  # fmt: skip
+            got = enqueue(
+                session, [msg(1), msg(2, headers={"tenant": "t1"}, properties={"type": "order"})]
+            )
             assert got.inserted == ("m-1", "m-2") and got.duplicates == ()
             assert stored(engine) == {}  # not committed: invisible to others
         with session.begin():
@@ -77,9 +82,15 @@ def test_re_enqueueing_a_message_is_a_duplicate_not_a_second_row(engine: Engine)
         enqueue(session, [msg(1), msg(2)])
     with Session(engine) as session, session.begin():
         # a retried request: same messages, another trace, a delay computed again
-        got = enqueue(session, [msg(1, traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
-                                msg(2, not_before=dt.datetime.now(dt.UTC) + LATER), msg(3),
-                                msg(3)])  # fmt: skip
+        got = enqueue(
+            session,
+            [
+                msg(1, traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+                msg(2, not_before=dt.datetime.now(dt.UTC) + LATER),
+                msg(3),
+                msg(3),
+            ],
+        )
     assert got.inserted == ("m-3",) and got.duplicates == ("m-1", "m-2")
     assert list(stored(engine)) == ["m-1", "m-2", "m-3"]
 
@@ -91,8 +102,9 @@ def test_the_same_id_with_other_content_is_refused_and_the_call_leaves_nothing(
         enqueue(session, [msg(1)])
     with Session(engine) as session, session.begin():
         enqueue(session, [msg(2)])  # an earlier call of the same transaction
-        with pytest.raises(MessageConflict, match="'m-1' is already in the outbox with another "
-                           "routing_key, body") as caught:  # fmt: skip
+        with pytest.raises(
+            MessageConflict, match="'m-1' is already in the outbox with another routing_key, body"
+        ) as caught:
             enqueue(session, [msg(3), msg(1, routing_key="order.paid", body=b"other")])
         assert caught.value.message_id == "m-1"
     assert list(stored(engine)) == ["m-1", "m-2"]  # m-3 of the refused call was taken back
@@ -111,30 +123,48 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
     ("routing key not text", {"routing_key": 42}, "routing key must be a string, got int"),
     ("empty message id", {"message_id": ""}, "message_id is empty"),
     ("NUL in message id", {"message_id": "a\x00b"}, "message_id contains a NUL"),
-    ("reserved header", {"headers": {"x-outbox-id": 1}}, "header 'x-outbox-id' is set by the "
-     "publisher"),
+    (
+        "reserved header",
+        {"headers": {"x-outbox-id": 1}},
+        "header 'x-outbox-id' is set by the publisher",
+    ),
     ("header not finite", {"headers": {"n": float("nan")}}, "headers.n is not a finite number"),
-    ("header of a bad type", {"headers": {"when": dt.date(2026, 1, 1)}}, "headers.when has a "
-     "value of type date"),
-    ("headers nested too deep", {"headers": {"a": {"a": {"a": {"a": {"a": {"a": {"a": {"a": {
-        "a": 1}}}}}}}}}}, "nests deeper than 8 levels"),
+    (
+        "header of a bad type",
+        {"headers": {"when": dt.date(2026, 1, 1)}},
+        "headers.when has a value of type date",
+    ),
+    (
+        "headers nested too deep",
+        {"headers": {"a": {"a": {"a": {"a": {"a": {"a": {"a": {"a": {"a": 1}}}}}}}}}},
+        "nests deeper than 8 levels",
+    ),
     ("headers not a mapping", {"headers": [("a", 1)]}, "headers must be a mapping, got list"),
-    ("properties as JSON text", {"properties": '{"type": "x"}'}, "properties must be a mapping, "
-     "got str"),
+    (
+        "properties as JSON text",
+        {"properties": '{"type": "x"}'},
+        "properties must be a mapping, got str",
+    ),
     ("unknown property", {"properties": {"colour": "red"}}, "unknown properties ['colour']"),
     ("bad priority", {"properties": {"priority": 300}}, "property priority must be one of 0..255"),
     ("bad expiration", {"properties": {"expiration": "soon"}}, "expiration must be milliseconds"),
     ("ordering key too long", {"ordering_key": "k" * 300}, "ordering key is 300 bytes"),
-    ("naive not_before", {"not_before": dt.datetime(2030, 1, 1)}, "not_before must be "
-     "timezone-aware"),
+    (
+        "naive not_before",
+        {"not_before": dt.datetime(2030, 1, 1)},
+        "not_before must be timezone-aware",
+    ),
     ("not_before not a time", {"not_before": "tomorrow"}, "not_before must be a datetime"),
-    ("not_before parked", {"not_before": dt.datetime(9999, 6, 1, tzinfo=dt.UTC)}, "later than "
-     "the year 9998"),
+    (
+        "not_before parked",
+        {"not_before": dt.datetime(9999, 6, 1, tzinfo=dt.UTC)},
+        "later than the year 9998",
+    ),
     ("bad traceparent", {"traceparent": "00-abc-def-01"}, "is not W3C trace context"),
     ("zero trace id", {"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}, "a zero id"),
     ("tracestate alone", {"tracestate": "k=v"}, "tracestate given without a traceparent"),
     ("mandatory not a bool", {"mandatory": "yes"}, "mandatory must be a boolean"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("_case", "bad", "reason"), BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
@@ -273,8 +303,9 @@ async def test_a_commit_wakes_the_publisher_and_the_message_reaches_the_broker(
         await asyncio.sleep(SLOW_POLL + 0.5)  # the startup claims are over: the claimer idles
         began = time.monotonic()
         with Session(engine) as session, session.begin():
-            enqueue(session, [msg(n, exchange=topology["exchange"], routing_key="rk")
-                              for n in range(3)])  # fmt: skip
+            enqueue(
+                session, [msg(n, exchange=topology["exchange"], routing_key="rk") for n in range(3)]
+            )
         await wait_rows(engine, all_in("confirmed"), timeout=30)
         took = time.monotonic() - began
     assert took < 1.0, f"{took:.2f}s: the commit did not wake the publisher"
@@ -316,9 +347,14 @@ def test_an_id_committed_by_another_transaction_meanwhile_is_a_race_to_roll_back
 
 def test_a_hand_written_row_with_odd_json_is_a_conflict_not_a_crash(engine: Engine) -> None:
     with engine.begin() as conn:
-        conn.execute(text("INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body,"
-                          " headers) VALUES ('m-1', 'by-hand', 'orders', 'order.created',"
-                          " :body, '[1, 2]')"), {"body": b'{"n": "1"}'})  # fmt: skip
+        conn.execute(
+            text(
+                "INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body,"
+                " headers) VALUES ('m-1', 'by-hand', 'orders', 'order.created',"
+                " :body, '[1, 2]')"
+            ),
+            {"body": b'{"n": "1"}'},
+        )
     with (
         Session(engine) as session,
         session.begin(),

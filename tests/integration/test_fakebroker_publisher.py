@@ -359,13 +359,14 @@ async def test_slow_confirms_show_their_channel_and_tag(
         pubs[0].ack()
         late = await wait_rows(engine, lambda rs: rs[2].delivery_tag is not None, timeout=5)
         assert [(r.status, r.channel_id, r.delivery_tag) for r in late] == [
-            ("confirmed", pubs[0].channel_id, 1), ("in_flight", pubs[1].channel_id, 2),
-            ("in_flight", pubs[2].channel_id, 3)]  # fmt: skip
+            ("confirmed", pubs[0].channel_id, 1),
+            ("in_flight", pubs[1].channel_id, 2),
+            ("in_flight", pubs[2].channel_id, 3),
+        ]
         noted_at = late[2].published_at
         broker.start_auto_ack()
         final = await wait_rows(engine, all_in("confirmed"))
-    assert [(r.channel_id, r.delivery_tag) for r in final] == [
-        (p.channel_id, p.tag) for p in pubs]  # fmt: skip
+    assert [(r.channel_id, r.delivery_tag) for r in final] == [(p.channel_id, p.tag) for p in pubs]
     for row in final:
         assert row.published_at is not None and row.confirmed_at is not None
         assert row.published_at <= row.confirmed_at

@@ -73,8 +73,12 @@ async def test_handshake_announces_capabilities_and_honours_frame_max(broker: Fa
     try:
         caps = broker.connection.client_properties["capabilities"]
         assert isinstance(caps, dict)
-        for cap in ("publisher_confirms", "consumer_cancel_notify", "connection.blocked",
-                    "authentication_failure_close"):  # fmt: skip
+        for cap in (
+            "publisher_confirms",
+            "consumer_cancel_notify",
+            "connection.blocked",
+            "authentication_failure_close",
+        ):
             assert caps[cap] is True
         assert conn.frame_max == 4096
         assert conn.server_properties["product"] == "fakebroker"
@@ -126,8 +130,11 @@ async def test_acks_nacks_and_a_multi_frame_return_reach_the_listener(broker: Fa
         pubs[0].ack()
         pubs[2].nack(multiple=True)
         events = await rec.wait(3)
-        assert events == [("return", channel, "m1"), ("ack", channel, 1, False),
-                          ("nack", channel, 3, True)]  # fmt: skip
+        assert events == [
+            ("return", channel, "m1"),
+            ("ack", channel, 1, False),
+            ("nack", channel, 3, True),
+        ]
         returned = rec.returns[0]
         assert (returned.reply_code, returned.reply_text, returned.body) == (312, "NO_ROUTE", big)
     finally:

@@ -101,13 +101,25 @@ def test_a_publisher_frozen_past_its_lease_costs_only_its_rows(
     asyncio.run(declare(amqp_url, exchange=names["exchange"], queue=names["exchange"] + "-q"))
     lease = 6.0
     env = scrubbed_environ(os.environ)
-    env.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_AMQP_URL=amqp_url, PYTHONPATH=str(REPO),
-               OUTBOX_LEASE_SECONDS=str(lease), OUTBOX_CLAIM_BATCH="5")  # fmt: skip
+    env.update(
+        OUTBOX_DATABASE_URL=pg_url,
+        OUTBOX_AMQP_URL=amqp_url,
+        PYTHONPATH=str(REPO),
+        OUTBOX_LEASE_SECONDS=str(lease),
+        OUTBOX_CLAIM_BATCH="5",
+    )
     # small claims: many short transactions, and rows left to drain while the freezes are tried
     add_rows(engine, n=60_000, exchange=names["exchange"])
-    procs = [subprocess.Popen([sys.executable, "-m", "app.cli", "publish"], env=env, cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "publish"],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(2)
+    ]
     frozen = procs[0]  # the other goes on
     try:
         caught = False
@@ -135,8 +147,9 @@ def test_a_publisher_frozen_past_its_lease_costs_only_its_rows(
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(timeout=60)
-        asyncio.run(delete(amqp_url, exchanges=(names["exchange"],),
-                           queues=(names["exchange"] + "-q",)))  # fmt: skip
+        asyncio.run(
+            delete(amqp_url, exchanges=(names["exchange"],), queues=(names["exchange"] + "-q",))
+        )
     assert ended_after <= lease / 3 + 1.5, f"the frozen session lived {ended_after:.1f}s"
     assert moved > 0, "the other publisher confirmed nothing while one was frozen"
 
@@ -144,13 +157,21 @@ def test_a_publisher_frozen_past_its_lease_costs_only_its_rows(
 def _idle_in_transaction(engine: Engine, pid: int) -> bool:
     """Does a session of process ``pid`` sit idle inside a transaction?"""
     with engine.connect() as conn:
-        return bool(conn.execute(text(
-            "SELECT count(*) FROM pg_stat_activity WHERE client_port IS NOT NULL "
-            "AND state = 'idle in transaction' AND application_name LIKE :p"
-        ), {"p": f"%{pid}%"}).scalar())  # fmt: skip
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE client_port IS NOT NULL "
+                    "AND state = 'idle in transaction' AND application_name LIKE :p"
+                ),
+                {"p": f"%{pid}%"},
+            ).scalar()
+        )
 
 
 def _confirmed(engine: Engine) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(text(
-            "SELECT count(*) FROM outbox WHERE status = 'confirmed'")).scalar_one())  # fmt: skip
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM outbox WHERE status = 'confirmed'")
+            ).scalar_one()
+        )

@@ -51,8 +51,14 @@ SQLITE_ONLY: list[tuple[str, str | None, str | None, str]] = [
 
 def insert_raw(engine: Engine, *, message_id: str, exchange: str, **columns: Any) -> None:
     """An INSERT the way a careless producer writes it: JSON columns as raw text."""
-    values = {"message_id": message_id, "batch_id": "hostile:1", "exchange": exchange,
-              "routing_key": "rk", "body": b"{}", **columns}  # fmt: skip
+    values = {
+        "message_id": message_id,
+        "batch_id": "hostile:1",
+        "exchange": exchange,
+        "routing_key": "rk",
+        "body": b"{}",
+        **columns,
+    }
     names = ", ".join(values)
     params = ", ".join(f":{k}" for k in values)
     if engine.dialect.name == "postgresql":
@@ -69,8 +75,13 @@ async def test_hostile_rows_fail_alone_and_good_rows_drain(
     cases = HOSTILE + (SQLITE_ONLY if engine.dialect.name == "sqlite" else [])
     good = add_rows(engine, n=GOOD // 2, exchange=exchange, prefix="good-a")
     for name, headers, properties, _ in cases:
-        insert_raw(engine, message_id=f"bad-{name}", exchange=exchange, headers=headers,
-                   properties=properties)  # fmt: skip
+        insert_raw(
+            engine,
+            message_id=f"bad-{name}",
+            exchange=exchange,
+            headers=headers,
+            properties=properties,
+        )
     good += add_rows(engine, n=GOOD // 2, exchange=exchange, prefix="good-b")
 
     stats = await run_until_empty(publisher_settings(db_url=db_url, amqp_url=amqp_url), engine)
@@ -134,8 +145,9 @@ def test_fuzzed_rows_never_stop_the_good_ones(
             conn.execute(text("DELETE FROM outbox"))
         good = add_rows(engine, n=20, exchange=exchange, prefix=uuid.uuid4().hex[:6])
         for i, columns in enumerate(batch):
-            insert_raw(engine, message_id=f"fuzz-{uuid.uuid4().hex[:6]}-{i}", exchange=exchange,
-                       **columns)  # fmt: skip
+            insert_raw(
+                engine, message_id=f"fuzz-{uuid.uuid4().hex[:6]}-{i}", exchange=exchange, **columns
+            )
         settings_ = publisher_settings(db_url=pg_url, amqp_url=amqp_url)
         asyncio.run(asyncio.wait_for(run_until_empty(settings_, engine), 60))
         final = {r.message_id: r for r in rows(engine)}

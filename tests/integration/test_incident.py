@@ -109,8 +109,14 @@ def write_batch(
 ) -> list[str]:
     """One batch as a Spark job writes it: each of two partitions in its own transaction, then
     the batch recorded. Returns the message ids."""
-    options = OutboxOptions(url=url, sink=sink, exchange=exchange, routing_key=routing_key,
-                            body_column="payload", message_id_column="event_id")  # fmt: skip
+    options = OutboxOptions(
+        url=url,
+        sink=sink,
+        exchange=exchange,
+        routing_key=routing_key,
+        body_column="payload",
+        message_id_column="event_id",
+    )
     check_schema(SCHEMA, options)
     batch = BatchRef(sink=sink, spark_batch_id=number)
     plan = WritePlan(options=options, schema=SCHEMA, batch=batch)
@@ -139,9 +145,15 @@ async def outbox(db_url: str, *args: str) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env["OUTBOX_DATABASE_URL"] = db_url
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "app.cli", *args, cwd=REPO, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "app.cli",
+        *args,
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         async with asyncio.timeout(60):
             out, err = await proc.communicate()
@@ -198,8 +210,9 @@ async def test_the_incident_three_causes_fixed_by_the_operator_every_row_confirm
     ]
     ids: dict[int, list[str]] = {}
     for number, exchange, key, n in plan:
-        ids[number] = write_batch(pg_url, sink=sink, number=number, exchange=exchange,
-                                  routing_key=key, n=n)  # fmt: skip
+        ids[number] = write_batch(
+            pg_url, sink=sink, number=number, exchange=exchange, routing_key=key, n=n
+        )
     batch_of = {m: f"{sink}:{number}" for number, ms in ids.items() for m in ms}
     assert len(batch_of) == 4700
 
@@ -221,8 +234,10 @@ async def test_the_incident_three_causes_fixed_by_the_operator_every_row_confirm
             f"{sink}:5": {"confirmed": 1000},
         }
         status_of = {r.message_id: r.status for r in during}
-        failing = {s: {m for m, st in status_of.items() if st == s}
-                   for s in ("failed", "returned", "nacked")}  # fmt: skip
+        failing = {
+            s: {m for m, st in status_of.items() if st == s}
+            for s in ("failed", "returned", "nacked")
+        }
 
         rc, out, err = await outbox(pg_url, "failures", "--json")
         assert rc == 0, err
@@ -258,8 +273,12 @@ async def test_the_incident_three_causes_fixed_by_the_operator_every_row_confirm
         assert (body["count"], body["matched"], body["replayed"]) == (900, 900, False), body
 
         # ------------------------------------------------ 2. the routing key with no binding
-        await declare(amqp_url, exchange=broker.name("events"), queue=broker.name("events-q"),
-                      routing_key="eu")  # fmt: skip
+        await declare(
+            amqp_url,
+            exchange=broker.name("events"),
+            queue=broker.name("events-q"),
+            routing_key="eu",
+        )
         unroutable = ["--batch", f"{sink}:3", "--status", "returned", "--limit", "300"]
         rc, body, err = await republish(pg_url, *unroutable, "--request-id", f"{sink}-events")
         assert rc == 3, (body, err)  # rows left behind: it says so, and how to move them
@@ -269,11 +288,22 @@ async def test_the_incident_three_causes_fixed_by_the_operator_every_row_confirm
         rc, body, err = await republish(pg_url, *unroutable, "--request-id", f"{sink}-events")
         assert rc == 0, err
         assert (body["count"], body["replayed"]) == (300, True), body
-        left = [r for r in await asyncio.to_thread(rows, engine)
-                if batch_of[r.message_id] == f"{sink}:3"]  # fmt: skip
+        left = [
+            r
+            for r in await asyncio.to_thread(rows, engine)
+            if batch_of[r.message_id] == f"{sink}:3"
+        ]
         assert sum(r.status == "returned" for r in left) == 500
-        rc, out, err = await outbox(pg_url, "republish", *unroutable, "--all", "--actor", ACTOR,
-                                    "--request-id", f"{sink}-events-rest")  # fmt: skip
+        rc, out, err = await outbox(
+            pg_url,
+            "republish",
+            *unroutable,
+            "--all",
+            "--actor",
+            ACTOR,
+            "--request-id",
+            f"{sink}-events-rest",
+        )
         assert rc == 0, err
         assert "in all: 500 rows republished in 2 chunks of at most 300" in out, out
 
@@ -283,8 +313,15 @@ async def test_the_incident_three_causes_fixed_by_the_operator_every_row_confirm
         )
         try:
             await wait_depth(amqp_url, broker.name("ledger-q"), 0)
-            rc, body, err = await republish(pg_url, "--batch", f"{sink}:4", "--status", "nacked",
-                                            "--request-id", f"{sink}-ledger")  # fmt: skip
+            rc, body, err = await republish(
+                pg_url,
+                "--batch",
+                f"{sink}:4",
+                "--status",
+                "nacked",
+                "--request-id",
+                f"{sink}-ledger",
+            )
             assert rc == 0, err
             assert (body["count"], body["replayed"]) == (1000 - QUEUE_LIMIT, False), body
 
@@ -318,6 +355,7 @@ async def test_the_incident_three_causes_fixed_by_the_operator_every_row_confirm
     for queue, n in (("orders-q", 2000), ("payments-q", 900), ("events-q", 800)):
         seen += await consume_ids(amqp_url, broker.name(queue), expect=n, timeout=60)
     assert set(seen) == set(batch_of), "a message missing from, or a stranger in, the queues"
-    extra = {r.message_id: seen[r.message_id] for r in final
-             if seen[r.message_id] > 1 + r.lost_confirms}  # fmt: skip
+    extra = {
+        r.message_id: seen[r.message_id] for r in final if seen[r.message_id] > 1 + r.lost_confirms
+    }
     assert not extra, f"delivered more often than 1 + lost_confirms: {extra}"

@@ -28,19 +28,26 @@ ROWS = 1_000_000
 NOW = dt.datetime(2026, 11, 24, 12, 0, tzinfo=dt.UTC)
 #: rows by id range: (first id, last id, status); the rest are confirmed
 ODD = [
-    (400_001, 400_500, "failed"), (400_501, 401_000, "returned"), (401_001, 401_200, "nacked"),
-    (401_201, 401_250, "skipped"), (999_001, 999_800, "pending"), (999_801, 1_000_000, "in_flight"),
-]  # fmt: skip
+    (400_001, 400_500, "failed"),
+    (400_501, 401_000, "returned"),
+    (401_001, 401_200, "nacked"),
+    (401_201, 401_250, "skipped"),
+    (999_001, 999_800, "pending"),
+    (999_801, 1_000_000, "in_flight"),
+]
 LOST_EVERY = 10_000  # every 10,000th row lost a confirm once
 
 
 def build(engine: Engine) -> None:
     """One row per second of the last ~11.6 days: row g written at NOW - (ROWS - g) s."""
-    status = "CASE " + " ".join(
-        f"WHEN g BETWEEN {lo} AND {hi} THEN '{st}'" for lo, hi, st in ODD
-    ) + " ELSE 'confirmed' END"  # fmt: skip
+    status = (
+        "CASE "
+        + " ".join(f"WHEN g BETWEEN {lo} AND {hi} THEN '{st}'" for lo, hi, st in ODD)
+        + " ELSE 'confirmed' END"
+    )
     with engine.begin() as conn:
-        conn.execute(text(f"""
+        conn.execute(
+            text(f"""
             INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body, status,
                                 attempts, lost_confirms, available_at, created_at, published_at,
                                 confirmed_at, lease_owner, lease_until, last_error)
@@ -57,7 +64,9 @@ def build(engine: Engine) -> None:
                    CASE WHEN {status} IN ('failed', 'returned', 'nacked')
                         THEN 'exchange ''orders'': 404 NOT_FOUND' END
             FROM generate_series(1, {ROWS}) AS g
-        """), {"now": NOW})  # fmt: skip
+        """),
+            {"now": NOW},
+        )
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE outbox"))
 
@@ -120,18 +129,30 @@ def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def test_stats_read_indexes_counts_exact_and_confirmed_estimated(large: Engine) -> None:
-    stats, sent = captured(large, lambda: queries.read_stats(
-        large, now=NOW, alive_after=15.0, latency_window=dt.timedelta(minutes=15),
-        latency_rows=1000,
-    ))  # fmt: skip
+    stats, sent = captured(
+        large,
+        lambda: queries.read_stats(
+            large,
+            now=NOW,
+            alive_after=15.0,
+            latency_window=dt.timedelta(minutes=15),
+            latency_rows=1000,
+        ),
+    )
     assert sum("outbox" in s for s, _ in sent) >= 6
     assert seq_scans_on_outbox(large, sent) == []
     # what it replaced reads every row (the check sees it)
     plain = [("SELECT status, count(*), sum(lost_confirms) FROM outbox GROUP BY status", {})]
     assert len(seq_scans_on_outbox(large, plain)) == 1
     odd = {st: hi - lo + 1 for lo, hi, st in ODD}
-    for status in (Status.PENDING, Status.IN_FLIGHT, Status.FAILED, Status.RETURNED,
-                   Status.NACKED, Status.SKIPPED):  # fmt: skip
+    for status in (
+        Status.PENDING,
+        Status.IN_FLIGHT,
+        Status.FAILED,
+        Status.RETURNED,
+        Status.NACKED,
+        Status.SKIPPED,
+    ):
         assert stats.counts[status] == odd[status.value], status
     assert stats.confirmed_estimated
     exact = ROWS - sum(odd.values())
@@ -158,15 +179,17 @@ def test_purge_walks_the_primary_key_and_deletes_exactly_the_rows_past_retention
     would, dry = captured(large, lambda: repo.count_purgeable(older_than=retention))
     assert would == cutoff_id
     assert seq_scans_on_outbox(large, dry) == []
-    deleted, sent = captured(large, lambda: repo.purge_confirmed(older_than=retention,
-                                                                 chunk=10_000))  # fmt: skip
+    deleted, sent = captured(
+        large, lambda: repo.purge_confirmed(older_than=retention, chunk=10_000)
+    )
     assert deleted == cutoff_id
     assert seq_scans_on_outbox(large, sent) == []
     assert sum(s.lstrip().upper().startswith("DELETE") for s, _ in sent) <= cutoff_id // 10_000 + 1
     with large.connect() as conn:
         left = conn.execute(text("SELECT min(id), count(*) FROM outbox")).one()
-        kept_old = conn.execute(text(
-            "SELECT count(*) FROM outbox WHERE id <= :c AND status <> 'confirmed'"
-        ), {"c": cutoff_id}).scalar_one()  # fmt: skip
+        kept_old = conn.execute(
+            text("SELECT count(*) FROM outbox WHERE id <= :c AND status <> 'confirmed'"),
+            {"c": cutoff_id},
+        ).scalar_one()
     assert left == (cutoff_id + 1, ROWS - cutoff_id) and kept_old == 0
     assert repo.purge_confirmed(older_than=retention, chunk=10_000) == 0  # nothing left to do

@@ -45,8 +45,7 @@ def _kinds(engine: Engine, message_id: str) -> list[tuple[str, int, str | None]]
     with engine.connect() as conn:
         oid = conn.execute(select(outbox.c.id).where(outbox.c.message_id == message_id)).scalar()
     assert oid is not None
-    return [(e.kind, e.attempt, e.detail)
-            for e in queries.message_events(engine, outbox_id=oid)]  # fmt: skip
+    return [(e.kind, e.attempt, e.detail) for e in queries.message_events(engine, outbox_id=oid)]
 
 
 def _count(engine: Engine) -> int:
@@ -59,26 +58,43 @@ def test_two_failures_a_republish_and_a_confirm_are_all_kept(
 ) -> None:
     (mid,) = _write(engine, clock)
     ids = _claim(repo)
-    retry = {"owner": "p1", "ids": ids, "error": GONE, "backoff": Backoff(base=0.1, cap=0.1),
-             "exhausted": Status.FAILED, "max_attempts": 2}  # fmt: skip
+    retry = {
+        "owner": "p1",
+        "ids": ids,
+        "error": GONE,
+        "backoff": Backoff(base=0.1, cap=0.1),
+        "exhausted": Status.FAILED,
+        "max_attempts": 2,
+    }
     assert repo.retry(**retry).retried == 1  # type: ignore[arg-type]
     clock.advance(1)
     _claim(repo)
     assert repo.retry(**retry).exhausted == 1  # type: ignore[arg-type]
     clock.advance(60)
-    moved = repo.republish(actor="alice", filter=RepublishFilter.of(message_id=mid), limit=10,
-                           dry_run=False, request_id="r-1")  # fmt: skip
+    moved = repo.republish(
+        actor="alice",
+        filter=RepublishFilter.of(message_id=mid),
+        limit=10,
+        dry_run=False,
+        request_id="r-1",
+    )
     assert moved.count == 1
     before_confirm = _count(engine)
     _claim(repo)
     repo.mark_confirmed(owner="p1", ids=ids)
     assert _count(engine) == before_confirm == 3  # the claim, publish and confirm add nothing
-    assert _kinds(engine, mid) == [("retry", 1, GONE), ("failed", 2, GONE),
-                                   ("republished", 2, GONE)]  # fmt: skip
+    assert _kinds(engine, mid) == [
+        ("retry", 1, GONE),
+        ("failed", 2, GONE),
+        ("republished", 2, GONE),
+    ]
     with engine.connect() as conn:
         last = conn.execute(select(events).order_by(events.c.id.desc()).limit(1)).mappings().one()
-    assert (last["actor"], last["audit_id"], last["from_status"]) == ("alice", moved.audit_id,
-                                                                      "failed")  # fmt: skip
+    assert (last["actor"], last["audit_id"], last["from_status"]) == (
+        "alice",
+        moved.audit_id,
+        "failed",
+    )
 
 
 def test_a_return_a_nack_a_lost_confirm_and_a_skip_are_kept(
@@ -87,13 +103,21 @@ def test_a_return_a_nack_a_lost_confirm_and_a_skip_are_kept(
     returned, nacked, lost = _write(engine, clock, 3)
     ids = _claim(repo, 3)
     repo.mark_returned(owner="p1", returns=[ReturnedRow(ids[0], 312, "NO_ROUTE")])
-    repo.retry(owner="p1", ids=[ids[1]], error="nacked by the broker", backoff=Backoff(),
-               exhausted=Status.NACKED, max_attempts=1)  # fmt: skip
+    repo.retry(
+        owner="p1",
+        ids=[ids[1]],
+        error="nacked by the broker",
+        backoff=Backoff(),
+        exhausted=Status.NACKED,
+        max_attempts=1,
+    )
     repo.release(owner="p1", ids=[ids[2]], lost=True, error="channel closed")
     repo.skip(actor="bob", message_id=nacked, reason="replaced by order 7")
     assert _kinds(engine, returned) == [("returned", 1, "returned by broker: 312 NO_ROUTE")]
-    assert _kinds(engine, nacked) == [("nacked", 1, "nacked by the broker"),
-                                      ("skipped", 1, "replaced by order 7")]  # fmt: skip
+    assert _kinds(engine, nacked) == [
+        ("nacked", 1, "nacked by the broker"),
+        ("skipped", 1, "replaced by order 7"),
+    ]
     assert _kinds(engine, lost) == [("lost", 1, "channel closed")]
     with engine.connect() as conn:
         code = conn.execute(select(events.c.reply_code).where(events.c.kind == "returned"))

@@ -34,9 +34,16 @@ T0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)
 
 
 def add_keyed(
-    engine: Engine, *, keys: int, per_key: int, exchange: str = "ex", routing_key: str = "rk",
-    prefix: str | None = None, max_attempts: int = 10, interleave: bool = True,
-) -> dict[str, list[str]]:  # fmt: skip
+    engine: Engine,
+    *,
+    keys: int,
+    per_key: int,
+    exchange: str = "ex",
+    routing_key: str = "rk",
+    prefix: str | None = None,
+    max_attempts: int = 10,
+    interleave: bool = True,
+) -> dict[str, list[str]]:
     """``per_key`` rows for each of ``keys`` keys, inserted so ids follow each key's sequence
     (interleaved across keys, like a real stream); returns message ids per key in order."""
     prefix = prefix or uuid.uuid4().hex[:6]
@@ -51,9 +58,18 @@ def add_keyed(
         key = f"{prefix}-k{k}"
         mid = f"{key}-{s}"
         by_key[key].append(mid)
-        batch.append({"message_id": mid, "batch_id": "ordered:1", "exchange": exchange,
-                      "routing_key": routing_key, "body": mid.encode(), "ordering_key": key,
-                      "max_attempts": max_attempts, "available_at": T0})  # fmt: skip
+        batch.append(
+            {
+                "message_id": mid,
+                "batch_id": "ordered:1",
+                "exchange": exchange,
+                "routing_key": routing_key,
+                "body": mid.encode(),
+                "ordering_key": key,
+                "max_attempts": max_attempts,
+                "available_at": T0,
+            }
+        )
     with engine.begin() as conn:
         for start in range(0, len(batch), 5000):
             conn.execute(insert(outbox), batch[start : start + 5000])
@@ -161,8 +177,13 @@ class TestKeyHeads:
             head = conn.execute(
                 select(outbox.c.id).where(outbox.c.message_id == "e-k0-0")
             ).scalar_one()
-        repo.retry(owner="p1", ids=[head], error="nacked", backoff=Backoff(base=60, cap=60),
-                   exhausted=Status.NACKED)  # fmt: skip
+        repo.retry(
+            owner="p1",
+            ids=[head],
+            error="nacked",
+            backoff=Backoff(base=60, cap=60),
+            exhausted=Status.NACKED,
+        )
         confirm(repo, engine, [keyed["e-k1"][0]])
         assert claim_ids(repo) == ["e-k1-1"]
 
@@ -294,9 +315,10 @@ async def test_a_returned_row_parks_its_key_until_skipped(pg_url: str, amqp_url:
         keyed = add_keyed(engine, keys=3, per_key=4, exchange=exchange)
         with engine.begin() as conn:  # the second row of k0 goes nowhere: returned 312
             conn.execute(
-                outbox.update().where(outbox.c.message_id == keyed[_key(keyed, 0)][1])
+                outbox.update()
+                .where(outbox.c.message_id == keyed[_key(keyed, 0)][1])
                 .values(routing_key="nowhere")
-            )  # fmt: skip
+            )
         k0 = _key(keyed, 0)
         settings = settings_for(db_url=pg_url, amqp_url=amqp_url)
         async with running_publisher(settings, engine):
@@ -352,19 +374,24 @@ async def test_parked_keys_and_skip_over_rest(db_url: str, engine: Engine) -> No
         # A reason is untrusted text: NUL (PostgreSQL's text refuses it) and other control
         # characters (they would forge lines in logs and tables) are refused with the field
         # named; a lone surrogate (not UTF-8) is refused with the body; the row waits, untouched.
-        for bad, status, why in ((r"bad\u0000payload", 422, "reason"),
-                                 (r"line one\nline two", 422, "reason"),
-                                 (r"\u001b[31mred", 422, "reason"),
-                                 # issue 29: C1 (NEL split a JSON log line), U+2028/9, bidi
-                                 (r"NEL\u0085split", 422, "reason"),
-                                 (r"csi\u009b2J", 422, "reason"),
-                                 (r"line\u2028separator", 422, "reason"),
-                                 (r"invoice\u202efdp.exe", 422, "reason"),
-                                 (r"isolate\u2067x\u2069", 422, "reason"),
-                                 (r"\ud800", 400, "lone surrogate")):  # fmt: skip
+        for bad, status, why in (
+            (r"bad\u0000payload", 422, "reason"),
+            (r"line one\nline two", 422, "reason"),
+            (r"\u001b[31mred", 422, "reason"),
+            # issue 29: C1 (NEL split a JSON log line), U+2028/9, bidi
+            (r"NEL\u0085split", 422, "reason"),
+            (r"csi\u009b2J", 422, "reason"),
+            (r"line\u2028separator", 422, "reason"),
+            (r"invoice\u202efdp.exe", 422, "reason"),
+            (r"isolate\u2067x\u2069", 422, "reason"),
+            (r"\ud800", 400, "lone surrogate"),
+        ):
             raw = f'{{"reason": "{bad}"}}'.encode()  # as a client may send it
-            r = await c.post("/v1/messages/g-k1-0/skip", content=raw,
-                             headers={**OP, "Content-Type": "application/json"})  # fmt: skip
+            r = await c.post(
+                "/v1/messages/g-k1-0/skip",
+                content=raw,
+                headers={**OP, "Content-Type": "application/json"},
+            )
             assert r.status_code == status and why in r.text, (bad, r.text)
         r = await c.get("/v1/keys/parked", headers=R)
         assert [k["blocking_message_id"] for k in r.json()["items"]] == ["g-k1-0"]
@@ -377,9 +404,11 @@ async def test_parked_keys_and_skip_over_rest(db_url: str, engine: Engine) -> No
 
 
 def test_parked_and_skip_from_the_cli(
-    db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch,
+    db_url: str,
+    engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     from app.cli import main
 
     monkeypatch.setenv("OUTBOX_DATABASE_URL", db_url)
@@ -414,12 +443,16 @@ async def test_connections_closed_mid_window_never_let_a_later_row_overtake(
     try:
         keyed = add_keyed(engine, keys=50, per_key=40, exchange=exchange)
         publisher_id = f"ordered-close-{uuid.uuid4().hex[:6]}"
-        settings = settings_for(db_url=pg_url, amqp_url=amqp_url, channels=2,
-                                publisher_id=publisher_id)  # fmt: skip
+        settings = settings_for(
+            db_url=pg_url, amqp_url=amqp_url, channels=2, publisher_id=publisher_id
+        )
         async with running_publisher(settings, engine) as publisher:
             for n in (300, 1000):
-                await wait_rows(engine, lambda rs, n=n: sum(r.status == "confirmed" for r in rs)
-                                >= n, timeout=60)  # fmt: skip
+                await wait_rows(
+                    engine,
+                    lambda rs, n=n: sum(r.status == "confirmed" for r in rs) >= n,
+                    timeout=60,
+                )
                 # >= 1: the connection closed at 300 may still be listed while it closes
                 closed = await asyncio.to_thread(close_broker_connections, publisher_id)
                 assert closed >= 1

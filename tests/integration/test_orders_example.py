@@ -38,8 +38,9 @@ def load_example() -> ModuleType:
 async def orders_topology(amqp_url: str) -> AsyncIterator[dict[str, str]]:
     names = {"exchange": f"test-orders-{uuid.uuid4().hex[:8]}"}
     names["queue"] = names["exchange"] + "-q"
-    await declare(amqp_url, exchange=names["exchange"], queue=names["queue"],
-                  routing_key="order.created")  # fmt: skip
+    await declare(
+        amqp_url, exchange=names["exchange"], queue=names["queue"], routing_key="order.created"
+    )
     yield names
     await delete(amqp_url, exchanges=(names["exchange"],), queues=(names["queue"],))
 
@@ -53,16 +54,19 @@ async def test_an_order_and_its_event_commit_together_or_not_at_all(
     async with httpx.AsyncClient(transport=transport, base_url="http://orders.test") as client:
 
         async def post(order_id: str, quantity: int) -> tuple[int, dict[str, object]]:
-            r = await client.post("/orders", json={"order_id": order_id, "item": "book",
-                                                   "quantity": quantity})  # fmt: skip
+            r = await client.post(
+                "/orders", json={"order_id": order_id, "item": "book", "quantity": quantity}
+            )
             return r.status_code, r.json()
 
         created = await post("o-1", 2)
         refused = await post("o-2", 0)  # the table's CHECK refuses it
         retried = await post("o-1", 2)  # a client retry after a timeout
         changed = await post("o-1", 5)  # the same order id, other content
-    assert created == (201, {"order_id": "o-1", "event_message_id": "order-o-1-created",
-                             "duplicate": False})  # fmt: skip
+    assert created == (
+        201,
+        {"order_id": "o-1", "event_message_id": "order-o-1-created", "duplicate": False},
+    )
     assert refused[0] == 422
     assert retried[0] == 201 and retried[1]["duplicate"] is True
     assert changed[0] == 409 and "order-o-1-created" in str(changed[1]["detail"])

@@ -151,8 +151,9 @@ async def test_rows_of_a_claim_whose_result_was_lost_are_released(
     """Rows the DB leased to us in a claim we saw fail are found and released (not renewed by
     the heartbeat forever): the drain finishes, well inside the lease, each message once."""
     ids = add_rows(engine, n=300, exchange=topology["exchange"], routing_key="rk")
-    settings = settings_for(db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300,
-                            lease_seconds=60.0)  # fmt: skip
+    settings = settings_for(
+        db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300, lease_seconds=60.0
+    )
     repo = _ClaimReplyLost(engine)
     publisher = Publisher(settings=settings, repository=repo)
     async with asyncio.timeout(30):  # the lease is 60 s: expiry cannot be what frees them
@@ -193,9 +194,16 @@ class _CrashUndoesAWriteback(OutboxRepository):
         if not durable and not self.undone:
             self.undone = sorted(set(self.confirmed_ids()) - before)
             with self.engine.begin() as conn:
-                conn.execute(update(outbox).where(outbox.c.id.in_(self.undone)).values(
-                    status="in_flight", confirmed_at=None, lease_owner=self.owner,
-                    lease_until=self.clock() + dt.timedelta(seconds=60)))  # fmt: skip
+                conn.execute(
+                    update(outbox)
+                    .where(outbox.c.id.in_(self.undone))
+                    .values(
+                        status="in_flight",
+                        confirmed_at=None,
+                        lease_owner=self.owner,
+                        lease_until=self.clock() + dt.timedelta(seconds=60),
+                    )
+                )
 
     def claim(self, **kwargs: Any) -> list[ClaimedRow]:
         self._crashed()
@@ -211,8 +219,9 @@ class _CrashUndoesAWriteback(OutboxRepository):
 
     def confirmed_ids(self) -> list[int]:
         with self.engine.connect() as conn:
-            return list(conn.execute(select(outbox.c.id).where(outbox.c.status == "confirmed"))
-                        .scalars())  # fmt: skip
+            return list(
+                conn.execute(select(outbox.c.id).where(outbox.c.status == "confirmed")).scalars()
+            )
 
 
 async def test_write_back_undone_by_a_database_crash_is_republished_and_counted(
@@ -225,8 +234,9 @@ async def test_write_back_undone_by_a_database_crash_is_republished_and_counted(
     engine = make_engine(db_url)
     try:
         ids = add_rows(engine, n=300, exchange=topology["exchange"], routing_key="rk")
-        settings = settings_for(db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300,
-                                lease_seconds=60.0)  # fmt: skip
+        settings = settings_for(
+            db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300, lease_seconds=60.0
+        )
         repo = _CrashUndoesAWriteback(engine)
         publisher = Publisher(settings=settings, repository=repo)
         repo.owner = publisher.publisher_id
@@ -284,10 +294,17 @@ async def test_nacks_among_acks_spend_the_rows_nack_budget_and_end_nacked(
     engine = make_engine(sqlite_url)
     try:
         for i in range(10):
-            add_rows(engine, n=2, exchange=exchange, routing_key="good", max_attempts=2,
-                     prefix=f"good-{i}")  # fmt: skip
-            add_rows(engine, n=1, exchange=exchange, routing_key="bad", max_attempts=2,
-                     prefix=f"bad-{i}")  # fmt: skip
+            add_rows(
+                engine,
+                n=2,
+                exchange=exchange,
+                routing_key="good",
+                max_attempts=2,
+                prefix=f"good-{i}",
+            )
+            add_rows(
+                engine, n=1, exchange=exchange, routing_key="bad", max_attempts=2, prefix=f"bad-{i}"
+            )
         settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url)
         async with running_publisher(settings, engine) as publisher:
             final = await wait_rows(engine, all_in("confirmed", "nacked"))
@@ -374,8 +391,13 @@ async def test_missing_exchange_does_not_stall_other_exchanges(
         for i in range(10):  # interleaved: 20 good rows, then 2 for the missing exchange, ...
             good += add_rows(engine, n=20, exchange=topology["exchange"], prefix=f"good{i}")
             add_rows(engine, n=2, exchange=missing, prefix=f"bad{i}")
-        settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url, destination_retry_budget=3,
-                                backoff_base=0.3, backoff_max=1.0)  # fmt: skip
+        settings = settings_for(
+            db_url=sqlite_url,
+            amqp_url=amqp_url,
+            destination_retry_budget=3,
+            backoff_base=0.3,
+            backoff_max=1.0,
+        )
         async with running_publisher(settings, engine) as publisher:
             during = await wait_rows(
                 engine, lambda rs: all(r.status == "confirmed" for r in rs if r.exchange != missing)
@@ -401,8 +423,9 @@ async def test_exchange_deleted_under_the_publisher(
     doomed, doomed_q = _name("doomed"), _name("doomed-q")
     await declare(amqp_url, exchange=doomed, queue=doomed_q)
     engine = pg_engine
-    settings = settings_for(db_url=pg_url, amqp_url=amqp_url, destination_retry_budget=2,
-                            window=200, claim_batch=200)  # fmt: skip
+    settings = settings_for(
+        db_url=pg_url, amqp_url=amqp_url, destination_retry_budget=2, window=200, claim_batch=200
+    )
     try:
         async with running_publisher(settings, engine) as publisher:
             add_rows(engine, n=5, exchange=doomed, prefix="first")
@@ -460,13 +483,13 @@ async def test_access_refused_exchange_backs_off_alone(
             good = add_rows(engine, n=50, exchange=topology["exchange"], prefix="a")
             add_rows(engine, n=3, exchange=forbidden, prefix="f")
             good += add_rows(engine, n=50, exchange=topology["exchange"], prefix="b")
-            settings = settings_for(db_url=sqlite_url, amqp_url=limited,
-                                    destination_retry_budget=2)  # fmt: skip
+            settings = settings_for(db_url=sqlite_url, amqp_url=limited, destination_retry_budget=2)
             async with running_publisher(settings, engine) as publisher:
                 final = await wait_rows(engine, all_in("confirmed", "failed"))
             refused = [r for r in final if r.exchange == forbidden]
-            assert all(r.status == "failed" and "ACCESS_REFUSED" in (r.last_error or "")
-                       for r in refused)  # fmt: skip
+            assert all(
+                r.status == "failed" and "ACCESS_REFUSED" in (r.last_error or "") for r in refused
+            )
             assert all(r.status == "confirmed" for r in final if r.exchange != forbidden)
             # The budget counts attempts: the broker refused the first; the second was refused
             # again or backed off at once while the exchange was still paused (a race between
@@ -550,8 +573,9 @@ async def test_cut_connection_republishes_on_a_fresh_one(
         via_proxy = f"amqp://{url.username}:{url.password}@127.0.0.1:{port}/"
         settings = settings_for(db_url=pg_url, amqp_url=via_proxy, window=1000)
         async with running_publisher(settings, pg_engine) as publisher:
-            await wait_rows(pg_engine, lambda rs: sum(r.status == "confirmed" for r in rs) > 500,
-                            timeout=30)  # fmt: skip
+            await wait_rows(
+                pg_engine, lambda rs: sum(r.status == "confirmed" for r in rs) > 500, timeout=30
+            )
             proxy.cut()
             final = await wait_rows(pg_engine, all_in("confirmed"), timeout=60)
         assert publisher.metrics.reconnects >= 1
@@ -570,8 +594,10 @@ async def test_two_publishers_share_one_postgres_outbox(
     settings = settings_for(db_url=pg_url, amqp_url=amqp_url, claim_batch=100, window=300)
     engines = [make_engine(pg_url) for _ in range(2)]
     try:
-        publishers = [Publisher(settings=settings, repository=OutboxRepository(e),
-                                publisher_id=f"p{i}") for i, e in enumerate(engines)]  # fmt: skip
+        publishers = [
+            Publisher(settings=settings, repository=OutboxRepository(e), publisher_id=f"p{i}")
+            for i, e in enumerate(engines)
+        ]
         async with asyncio.timeout(120):
             stats = await asyncio.gather(*(p.run(until_empty=True) for p in publishers))
     finally:
@@ -609,8 +635,9 @@ async def test_several_channels_share_the_window(
     engine = make_engine(sqlite_url)
     try:
         ids = add_rows(engine, n=3000, exchange=topology["exchange"])
-        settings = settings_for(db_url=sqlite_url, amqp_url=amqp_url, channels=3, window=900,
-                                claim_batch=100)  # fmt: skip
+        settings = settings_for(
+            db_url=sqlite_url, amqp_url=amqp_url, channels=3, window=900, claim_batch=100
+        )
         stats = await run_until_empty(settings, engine)
         assert stats.confirmed == 3000 and stats.lost == 0
         assert all(r.status == "confirmed" for r in rows(engine))

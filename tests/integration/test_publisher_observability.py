@@ -88,9 +88,13 @@ async def test_a_broker_that_never_acks_still_shows_every_outstanding_confirm(
         noted = await wait_rows(engine, lambda rs: all(r.delivery_tag for r in rs), timeout=5)
         assert time.monotonic() - sent_at <= settings.outstanding_after + 1.0
         assert [(r.channel_id, r.delivery_tag) for r in noted] == [
-            (p.channel_id, p.tag) for p in pubs]  # fmt: skip
-        r = await c.get("/v1/confirms/outstanding", params={"min_age_seconds": 0.5, "limit": 100},
-                        headers={"Authorization": f"Bearer {READ}"})  # fmt: skip
+            (p.channel_id, p.tag) for p in pubs
+        ]
+        r = await c.get(
+            "/v1/confirms/outstanding",
+            params={"min_age_seconds": 0.5, "limit": 100},
+            headers={"Authorization": f"Bearer {READ}"},
+        )
         items = r.json()["items"]
         assert [i["message_id"] for i in items] == ids
         assert all(i["delivery_tag"] and i["age_seconds"] >= 0.5 for i in items)
@@ -133,9 +137,14 @@ async def test_a_blocked_broker_shows_in_status_stats_and_metrics(
 
 def _outbox_status(db_url: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "status"], cwd=REPO, text=True,
-                          env={**env, "OUTBOX_DATABASE_URL": db_url}, capture_output=True,
-                          timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.cli", "status"],
+        cwd=REPO,
+        text=True,
+        env={**env, "OUTBOX_DATABASE_URL": db_url},
+        capture_output=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -208,10 +217,21 @@ def test_outbox_publish_logs_its_lifecycle(
     fmt: str, sqlite_url: str, amqp_url: str, tmp_path: object
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_AMQP_URL=amqp_url, OUTBOX_LOG_FORMAT=fmt,
-               OUTBOX_PUBLISHER_METRICS_PORT="0", OUTBOX_POLL_INTERVAL="0.05")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "publish"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    env.update(
+        OUTBOX_DATABASE_URL=sqlite_url,
+        OUTBOX_AMQP_URL=amqp_url,
+        OUTBOX_LOG_FORMAT=fmt,
+        OUTBOX_PUBLISHER_METRICS_PORT="0",
+        OUTBOX_POLL_INTERVAL="0.05",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "publish"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         lines: list[str] = []

@@ -73,9 +73,12 @@ async def test_headers_over_the_frame_size_fail_at_encode_that_row_only(
 
 
 async def test_a_connection_closed_by_the_broker_is_blamed_on_one_row(
-    db_url: str, engine: Engine, amqp_url: str, topology: dict[str, str],
+    db_url: str,
+    engine: Engine,
+    amqp_url: str,
+    topology: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """With the encoder's frame check switched off, the oversized header reaches the real
     broker, which closes the connection (501 FRAME_ERROR) with the window outstanding. The
     quarantine finds the row: it ends failed, every other row is confirmed exactly once."""
@@ -116,9 +119,13 @@ def test_the_encoder_refuses_what_one_frame_cannot_carry() -> None:
 
 @pytest.mark.parametrize("channels", [1, 3])
 async def test_a_broker_allowing_one_channel_still_drains(
-    channels: int, db_url: str, engine: Engine, amqp_url: str, topology: dict[str, str],
+    channels: int,
+    db_url: str,
+    engine: Engine,
+    amqp_url: str,
+    topology: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """channel_max 1 (negotiated with the real broker): publishing, exchange checks on the one
     channel, and a missing exchange backing off, with OUTBOX_CHANNELS 1 and 3."""
     real_connect = AMQPConnection.connect.__func__  # type: ignore[attr-defined]
@@ -131,8 +138,9 @@ async def test_a_broker_allowing_one_channel_still_drains(
     monkeypatch.setattr(AMQPConnection, "connect", classmethod(one_channel))
     good = add_rows(engine, n=500, exchange=topology["exchange"], prefix="good")
     add_rows(engine, n=5, exchange=f"missing-{uuid.uuid4().hex[:6]}", prefix="lost")
-    settings = settings_for(db_url=db_url, amqp_url=amqp_url, channels=channels,
-                            destination_retry_budget=2)  # fmt: skip
+    settings = settings_for(
+        db_url=db_url, amqp_url=amqp_url, channels=channels, destination_retry_budget=2
+    )
     async with asyncio.timeout(30):
         stats = await run_until_empty(settings, engine)
     final = _statuses(engine)

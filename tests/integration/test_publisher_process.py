@@ -40,21 +40,35 @@ def engine(pg_url: str) -> Iterator[Engine]:
 
 @pytest.fixture
 async def topology(amqp_url: str) -> AsyncIterator[dict[str, str]]:
-    names = {"exchange": f"test-proc-ex-{uuid.uuid4().hex[:8]}",
-             "queue": f"test-proc-q-{uuid.uuid4().hex[:8]}"}  # fmt: skip
+    names = {
+        "exchange": f"test-proc-ex-{uuid.uuid4().hex[:8]}",
+        "queue": f"test-proc-q-{uuid.uuid4().hex[:8]}",
+    }
     await declare(amqp_url, exchange=names["exchange"], queue=names["queue"])
     yield names
     await delete(amqp_url, exchanges=(names["exchange"],), queues=(names["queue"],))
 
 
 def _spawn(pg_url: str, amqp_url: str, *args: str, **env: str) -> subprocess.Popen[bytes]:
-    environ = {**os.environ, "OUTBOX_DATABASE_URL": pg_url, "OUTBOX_AMQP_URL": amqp_url,
-               "OUTBOX_WINDOW": str(WINDOW), "OUTBOX_CLAIM_BATCH": "250",
-               "OUTBOX_LEASE_SECONDS": "2", "OUTBOX_POLL_INTERVAL": "0.05",
-               "OUTBOX_SHUTDOWN_TIMEOUT": "5", "OUTBOX_PUBLISHER_METRICS_PORT": "0",
-               **env}  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "app.publisher", *args], cwd=REPO, env=environ,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    environ = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": pg_url,
+        "OUTBOX_AMQP_URL": amqp_url,
+        "OUTBOX_WINDOW": str(WINDOW),
+        "OUTBOX_CLAIM_BATCH": "250",
+        "OUTBOX_LEASE_SECONDS": "2",
+        "OUTBOX_POLL_INTERVAL": "0.05",
+        "OUTBOX_SHUTDOWN_TIMEOUT": "5",
+        "OUTBOX_PUBLISHER_METRICS_PORT": "0",
+        **env,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "app.publisher", *args],
+        cwd=REPO,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _confirmed(engine: Engine) -> int:
@@ -98,8 +112,10 @@ async def test_kill_9_mid_window_then_restart_loses_nothing(
     assert duplicates <= WINDOW, f"{duplicates} duplicates, more than the window"
     assert duplicates <= in_flight
     assert duplicates <= sum(r.lost_confirms for r in final), "a duplicate went uncounted"
-    print(f"kill -9 with {in_flight} rows in flight: {duplicates} duplicates, "
-          f"lost_confirms counted {sum(r.lost_confirms for r in final)}")  # fmt: skip
+    print(
+        f"kill -9 with {in_flight} rows in flight: {duplicates} duplicates, "
+        f"lost_confirms counted {sum(r.lost_confirms for r in final)}"
+    )
 
 
 async def test_sigterm_settles_the_window_and_releases_the_rest(

@@ -54,13 +54,26 @@ def seed_story(engine: Engine) -> None:
         engine, n=3, batch_id="orders-sink:41", prefix="orders-sink:41", sep=":", exchange="orders"
     )
     rows = repo.claim(owner="vm:2112:a7989a", limit=3, lease_seconds=300)
-    repo.record_published(owner="vm:2112:a7989a", channel_id=1,
-                          tags=[(r.id, i + 1) for i, r in enumerate(rows)])  # fmt: skip
-    add_rows(engine, n=5, batch_id="orders-sink:42", prefix="orders-sink:42", sep=":",
-             exchange="orders", max_attempts=1)  # fmt: skip
+    repo.record_published(
+        owner="vm:2112:a7989a", channel_id=1, tags=[(r.id, i + 1) for i, r in enumerate(rows)]
+    )
+    add_rows(
+        engine,
+        n=5,
+        batch_id="orders-sink:42",
+        prefix="orders-sink:42",
+        sep=":",
+        exchange="orders",
+        max_attempts=1,
+    )
     nacked = repo.claim(owner="p", limit=5, lease_seconds=30)
-    repo.retry(owner="p", ids=[r.id for r in nacked], error="nacked by the broker",
-               backoff=Backoff(), exhausted=Status.NACKED)  # fmt: skip
+    repo.retry(
+        owner="p",
+        ids=[r.id for r in nacked],
+        error="nacked by the broker",
+        backoff=Backoff(),
+        exhausted=Status.NACKED,
+    )
 
 
 @pytest.fixture
@@ -69,12 +82,18 @@ def api(sqlite_url: str) -> Iterator[str]:
     seed_story(engine)
     engine.dispose()
     port = free_port()
-    env = {**os.environ, "OUTBOX_DATABASE_URL": sqlite_url, "OUTBOX_API_TOKEN": READ,
-           "OUTBOX_OPERATOR_TOKEN": OPERATOR}  # fmt: skip
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": sqlite_url,
+        "OUTBOX_API_TOKEN": READ,
+        "OUTBOX_OPERATOR_TOKEN": OPERATOR,
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -105,8 +124,9 @@ def test_readme_console_session_runs_and_shows_what_it_says(api: str) -> None:
     assert len(steps) >= 6, "the README lost its operator session"
     env = {**os.environ, "API": api, "OUTBOX_API_TOKEN": READ, "OUTBOX_OPERATOR_TOKEN": OPERATOR}
     for command, shown in steps:
-        proc = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True,
-                              timeout=30)  # fmt: skip
+        proc = subprocess.run(
+            ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=30
+        )
         assert proc.returncode == 0, f"{command}\n{proc.stderr}"
         got = json.loads(proc.stdout)
         assert strip_volatile(got) == strip_volatile(json.loads(shown)), shlex.split(command)[-1]

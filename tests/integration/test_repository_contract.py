@@ -197,8 +197,9 @@ class TestRepositoryContract:
         seed(engine, 1, max_attempts=2)
         backoff = Backoff(base=4, cap=60)
         (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
-        out = repo.retry(owner="p1", ids=[r.id], error="nacked", backoff=backoff,
-                         exhausted=Status.NACKED)  # fmt: skip
+        out = repo.retry(
+            owner="p1", ids=[r.id], error="nacked", backoff=backoff, exhausted=Status.NACKED
+        )
         assert (out.retried, out.exhausted) == (1, 0)
         due = row(engine, r.id)["available_at"]
         assert isinstance(due, dt.datetime) and T0 + dt.timedelta(seconds=2) <= due
@@ -207,8 +208,9 @@ class TestRepositoryContract:
         clock.advance(4)
         (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
         assert r.attempts == 2
-        out = repo.retry(owner="p1", ids=[r.id], error="nacked", backoff=backoff,
-                         exhausted=Status.NACKED)  # fmt: skip
+        out = repo.retry(
+            owner="p1", ids=[r.id], error="nacked", backoff=backoff, exhausted=Status.NACKED
+        )
         assert (out.retried, out.exhausted) == (0, 1)
         assert (row(engine, r.id)["status"], row(engine, r.id)["last_error"]) == (
             "nacked",
@@ -226,16 +228,26 @@ class TestRepositoryContract:
             assert repo.release(owner="p1", ids=[r.id], lost=True, error="connection lost") == 1
         (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
         assert r.attempts == 4
-        out = repo.retry(owner="p1", ids=[r.id], error="nacked by the broker",
-                         backoff=Backoff(base=1, cap=1), exhausted=Status.NACKED,
-                         nack=True)  # fmt: skip
+        out = repo.retry(
+            owner="p1",
+            ids=[r.id],
+            error="nacked by the broker",
+            backoff=Backoff(base=1, cap=1),
+            exhausted=Status.NACKED,
+            nack=True,
+        )
         assert (out.retried, out.exhausted) == (1, 0)
         assert (row(engine, r.id)["nacks"], row(engine, r.id)["status"]) == (1, "pending")
         clock.advance(2)
         (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
-        out = repo.retry(owner="p1", ids=[r.id], error="nacked by the broker",
-                         backoff=Backoff(base=1, cap=1), exhausted=Status.NACKED,
-                         nack=True)  # fmt: skip
+        out = repo.retry(
+            owner="p1",
+            ids=[r.id],
+            error="nacked by the broker",
+            backoff=Backoff(base=1, cap=1),
+            exhausted=Status.NACKED,
+            nack=True,
+        )
         assert (out.retried, out.exhausted) == (0, 1)
         final = row(engine, r.id)
         assert (final["status"], final["nacks"], final["attempts"]) == ("nacked", 2, 5)
@@ -246,8 +258,14 @@ class TestRepositoryContract:
     ) -> None:
         seed(engine, 2)
         rows = repo.claim(owner="p1", limit=2, lease_seconds=30)
-        out = repo.retry(owner="p1", ids=[r.id for r in rows], error="404 no exchange",
-                         backoff=Backoff(), exhausted=Status.FAILED, max_attempts=1)  # fmt: skip
+        out = repo.retry(
+            owner="p1",
+            ids=[r.id for r in rows],
+            error="404 no exchange",
+            backoff=Backoff(),
+            exhausted=Status.FAILED,
+            max_attempts=1,
+        )
         assert (out.retried, out.exhausted) == (0, 2)
         assert statuses(engine) == {"failed": 2}
 
@@ -267,8 +285,14 @@ class TestRepositoryContract:
         seed(engine, 2, batch_id="orders:2")
         rows = repo.claim(owner="p1", limit=5, lease_seconds=30)
         one, two = rows[:3], rows[3:]
-        repo.retry(owner="p1", ids=[one[0].id], error="nack", backoff=Backoff(),
-                   exhausted=Status.NACKED, max_attempts=1)  # fmt: skip
+        repo.retry(
+            owner="p1",
+            ids=[one[0].id],
+            error="nack",
+            backoff=Backoff(),
+            exhausted=Status.NACKED,
+            max_attempts=1,
+        )
         repo.mark_returned(owner="p1", returns=[ReturnedRow(one[1].id, 312, "NO_ROUTE")])
         repo.mark_confirmed(owner="p1", ids=[one[2].id])
         repo.mark_failed(owner="p1", ids=[r.id for r in two], reason="404")
@@ -412,8 +436,9 @@ class TestRepositoryContract:
             repo.mark_confirmed(owner="p1", ids=[e.id])
             repo.mark_returned(owner="p1", returns=[ReturnedRow(a.id, 312, "NO\x00ROUTE")])
             repo.mark_failed(owner="p1", ids=[b.id], reason="closed: 406 x\x00y")
-            repo.retry(owner="p1", ids=[c.id], error="nack\x00", backoff=Backoff(),
-                       exhausted=Status.NACKED)  # fmt: skip
+            repo.retry(
+                owner="p1", ids=[c.id], error="nack\x00", backoff=Backoff(), exhausted=Status.NACKED
+            )
             repo.release(owner="p1", ids=[d.id], lost=True, error="gone\x00")
         assert row(engine, a.id)["reply_text"] == "NO\ufffdROUTE"
         assert row(engine, a.id)["last_error"] == "returned by broker: 312 NO\ufffdROUTE"
@@ -435,7 +460,11 @@ class TestRepositoryContract:
         assert n == 2
         ra, rb = row(engine, a.id), row(engine, b.id)
         assert (ra["status"], ra["reply_code"], ra["delivery_tag"], ra["published_at"]) == (
-            "returned", 312, 7, sent)  # fmt: skip
+            "returned",
+            312,
+            7,
+            sent,
+        )
         assert (rb["reply_text"], rb["published_at"]) == ("NO_CONSUMERS", None)
         assert rb["last_error"] == "returned by broker: 313 NO_CONSUMERS"
 
@@ -455,12 +484,20 @@ class TestDelayedDelivery:
         """(message_id, delay in seconds or None, ordering key) each."""
         now = dt.datetime.now(dt.UTC)
         with Session(engine) as session, session.begin():
-            enqueue(session, [
-                Message(exchange="ex", routing_key="rk", body=b"x", message_id=mid,
+            enqueue(
+                session,
+                [
+                    Message(
+                        exchange="ex",
+                        routing_key="rk",
+                        body=b"x",
+                        message_id=mid,
                         ordering_key=key,
-                        not_before=None if delay is None else now + dt.timedelta(seconds=delay))
-                for mid, delay, key in messages
-            ])  # fmt: skip
+                        not_before=None if delay is None else now + dt.timedelta(seconds=delay),
+                    )
+                    for mid, delay, key in messages
+                ],
+            )
 
     @staticmethod
     def claimed(repo: OutboxRepository) -> list[str]:
@@ -495,8 +532,13 @@ class TestDelayedDelivery:
         self, engine: Engine, now_clock: Clock
     ) -> None:
         self.enqueue(engine, ("later", 3600, None), ("due", None, None))
-        stats = read_stats(engine, now=now_clock.now + dt.timedelta(seconds=20), alive_after=30,
-                           latency_window=dt.timedelta(minutes=5), latency_rows=100)  # fmt: skip
+        stats = read_stats(
+            engine,
+            now=now_clock.now + dt.timedelta(seconds=20),
+            alive_after=30,
+            latency_window=dt.timedelta(minutes=5),
+            latency_rows=100,
+        )
         assert stats.counts[Status.PENDING] == 2 and stats.delayed == 1
         assert stats.next_delayed_at is not None
         assert 3500 < (stats.next_delayed_at - stats.at).total_seconds() < 3600
@@ -511,8 +553,13 @@ class TestDelayedDelivery:
         due = repo.claim(owner="p1", limit=10, lease_seconds=30)
         repo.mark_confirmed(owner="p1", ids=[r.id for r in due])
         # an hour and a minute on, the delayed row is late by a minute, not by its whole life
-        late = read_stats(engine, now=now_clock.now + dt.timedelta(seconds=3660), alive_after=30,
-                          latency_window=dt.timedelta(minutes=5), latency_rows=100)  # fmt: skip
+        late = read_stats(
+            engine,
+            now=now_clock.now + dt.timedelta(seconds=3660),
+            alive_after=30,
+            latency_window=dt.timedelta(minutes=5),
+            latency_rows=100,
+        )
         assert late.delayed == 0 and late.next_delayed_at is None
         assert late.oldest_pending_age_seconds is not None
         assert 55 < late.oldest_pending_age_seconds < 70, late.oldest_pending_age_seconds

@@ -19,13 +19,35 @@ from tests.integration.test_console_scopes import _settle
 def _incident(engine: Engine) -> dict[str, list[str]]:
     repo = OutboxRepository(engine, clock=Clock())
     return {
-        "apac": _settle(repo, engine, n=3, exchange="orders", routing_key="apac",
-                        batch_id="b:1", outcome="returned"),
-        "latam": _settle(repo, engine, n=2, exchange="orders", routing_key="latam",
-                         batch_id="b:1", outcome="returned"),
-        "gone": _settle(repo, engine, n=2, exchange="orders", routing_key="apac",
-                        batch_id="b:1", outcome="failed", reason="exchange gone"),
-    }  # fmt: skip
+        "apac": _settle(
+            repo,
+            engine,
+            n=3,
+            exchange="orders",
+            routing_key="apac",
+            batch_id="b:1",
+            outcome="returned",
+        ),
+        "latam": _settle(
+            repo,
+            engine,
+            n=2,
+            exchange="orders",
+            routing_key="latam",
+            batch_id="b:1",
+            outcome="returned",
+        ),
+        "gone": _settle(
+            repo,
+            engine,
+            n=2,
+            exchange="orders",
+            routing_key="apac",
+            batch_id="b:1",
+            outcome="failed",
+            reason="exchange gone",
+        ),
+    }
 
 
 def _pending(engine: Engine) -> set[str]:
@@ -39,8 +61,13 @@ async def test_the_api_moves_one_routing_key_and_audits_the_whole_filter(
 ) -> None:
     rows = _incident(engine)
     app = create_app(settings_for(db_url), engine=engine)
-    body = {"request_id": "r-1", "statuses": ["returned"], "exchange": "orders",
-            "routing_key": "apac", "reason": "NO_ROUTE"}  # fmt: skip
+    body = {
+        "request_id": "r-1",
+        "statuses": ["returned"],
+        "exchange": "orders",
+        "routing_key": "apac",
+        "reason": "NO_ROUTE",
+    }
     async with client_for(app) as client:
         r = await client.post("/v1/republish", json=body, headers=OP)
         assert r.status_code == 200, r.text
@@ -54,9 +81,11 @@ async def test_the_api_moves_one_routing_key_and_audits_the_whole_filter(
 
 
 def test_the_cli_moves_one_routing_key_and_refuses_what_the_api_refuses(
-    db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch,
+    db_url: str,
+    engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     for name in list(os.environ):
         if name.startswith("OUTBOX_"):
             monkeypatch.delenv(name)
@@ -78,8 +107,13 @@ async def test_a_group_of_get_failures_republishes_exactly_with_its_reason_as_ca
     async with client_for(app) as client:
         groups = (await client.get("/v1/failures", headers=OP)).json()["groups"]
         (gone,) = [g for g in groups if g["status"] == "failed"]
-        body = {"request_id": "r-3", "statuses": ["failed"], "exchange": gone["exchange"],
-                "routing_key": gone["routing_key"], "cause": gone["reason"]}  # fmt: skip
+        body = {
+            "request_id": "r-3",
+            "statuses": ["failed"],
+            "exchange": gone["exchange"],
+            "routing_key": gone["routing_key"],
+            "cause": gone["reason"],
+        }
         r = await client.post("/v1/republish", json=body, headers=OP)
     assert r.status_code == 200 and r.json()["count"] == gone["rows"] == 2, r.text
     assert _pending(engine) == set(rows["gone"])  # not the returned rows of the same key

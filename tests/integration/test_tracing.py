@@ -64,14 +64,27 @@ async def test_one_trace_from_enqueue_to_the_consumers_handler(
                 Session(engine) as session,
                 session.begin(),
             ):
-                enqueue(session, [
-                    Message(exchange="", routing_key=queue, body=b"{}", message_id="traced"),
-                    Message(exchange="", routing_key=queue, body=b"{}", message_id="given",
+                enqueue(
+                    session,
+                    [
+                        Message(exchange="", routing_key=queue, body=b"{}", message_id="traced"),
+                        Message(
+                            exchange="",
+                            routing_key=queue,
+                            body=b"{}",
+                            message_id="given",
                             traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
-                            tracestate="vendor=x"),
-                    Message(exchange="", routing_key=queue, body=b"{}", message_id="header",
-                            headers={"traceparent": "00-" + "4" * 32 + "-" + "5" * 16 + "-01"}),
-                ])  # fmt: skip
+                            tracestate="vendor=x",
+                        ),
+                        Message(
+                            exchange="",
+                            routing_key=queue,
+                            body=b"{}",
+                            message_id="header",
+                            headers={"traceparent": "00-" + "4" * 32 + "-" + "5" * 16 + "-01"},
+                        ),
+                    ],
+                )
             trace_id, span_id = hex_ids(request)  # type: ignore[arg-type]
             with engine.connect() as conn:
                 headers = dict(conn.execute(select(outbox.c.message_id, outbox.c.headers)).all())
@@ -80,8 +93,12 @@ async def test_one_trace_from_enqueue_to_the_consumers_handler(
             assert headers["given"]["tracestate"] == "vendor=x"
             assert headers["header"] == {"traceparent": "00-" + "4" * 32 + "-" + "5" * 16 + "-01"}
             await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
-            consumer = Consumer(config=ConsumerConfig(name="traced", queue=queue),
-                                amqp_url=amqp_url, engine=engine, handler=handler)  # fmt: skip
+            consumer = Consumer(
+                config=ConsumerConfig(name="traced", queue=queue),
+                amqp_url=amqp_url,
+                engine=engine,
+                handler=handler,
+            )
             stop = asyncio.Event()
             task = asyncio.create_task(consumer.run(stop))
             try:
@@ -115,15 +132,26 @@ async def test_a_batch_handler_runs_in_a_span_linked_to_each_messages_trace(
     try:
         async with declared_queue(amqp_url, prefix="test-tracing") as queue:
             with Session(engine) as session, session.begin():
-                enqueue(session, [
-                    Message(exchange="", routing_key=queue, body=b"{}", message_id=mid,
-                            traceparent=f"00-{tid}-{'3' * 16}-01")
-                    for mid, tid in traces.items()
-                ])  # fmt: skip
+                enqueue(
+                    session,
+                    [
+                        Message(
+                            exchange="",
+                            routing_key=queue,
+                            body=b"{}",
+                            message_id=mid,
+                            traceparent=f"00-{tid}-{'3' * 16}-01",
+                        )
+                        for mid, tid in traces.items()
+                    ],
+                )
             await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
-            consumer = Consumer(config=ConsumerConfig(name="batched", queue=queue),
-                                amqp_url=amqp_url, engine=engine,
-                                batch_handler=batch_handler)  # fmt: skip
+            consumer = Consumer(
+                config=ConsumerConfig(name="batched", queue=queue),
+                amqp_url=amqp_url,
+                engine=engine,
+                batch_handler=batch_handler,
+            )
             stop = asyncio.Event()
             task = asyncio.create_task(consumer.run(stop))
             try:

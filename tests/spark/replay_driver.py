@@ -18,8 +18,13 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from spark_writer import OutboxSink, PartitionResult
 
-SCHEMA = StructType([StructField("id", LongType()), StructField("region", StringType()),
-                     StructField("payload", StringType())])  # fmt: skip
+SCHEMA = StructType(
+    [
+        StructField("id", LongType()),
+        StructField("region", StringType()),
+        StructField("payload", StringType()),
+    ]
+)
 
 
 def main() -> None:
@@ -48,16 +53,23 @@ def main() -> None:
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
-    sink = OutboxSink(url=url, sink="replay", exchange="replay.x", routing_key_column="region",
-                      body_column="payload", message_id_column=key or None,
-                      on_partition_committed=kill_when_enough)  # fmt: skip
+    sink = OutboxSink(
+        url=url,
+        sink="replay",
+        exchange="replay.x",
+        routing_key_column="region",
+        body_column="payload",
+        message_id_column=key or None,
+        on_partition_committed=kill_when_enough,
+    )
     query = (
-        spark.readStream.schema(SCHEMA).json(source)
+        spark.readStream.schema(SCHEMA)
+        .json(source)
         .writeStream.foreachBatch(sink)
         .option("checkpointLocation", checkpoint)
         .trigger(availableNow=True)
         .start()
-    )  # fmt: skip
+    )
     query.awaitTermination(300)
     error = query.exception()
     spark.stop()

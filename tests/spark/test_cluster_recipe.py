@@ -56,16 +56,27 @@ def test_packed_environment_and_password_file_on_a_local_cluster(
     url, password = job_role
     source = tmp_path / "in"
     source.mkdir()
-    events = [{"event_id": f"e{i}", "event_type": "created", "order_id": f"o{i % 7}",
-               "customer_id": "c1", "amount_cents": i, "currency": "EUR", "items": 1,
-               "event_time": "2026-11-24T10:00:00Z"} for i in range(60)]  # fmt: skip
+    events = [
+        {
+            "event_id": f"e{i}",
+            "event_type": "created",
+            "order_id": f"o{i % 7}",
+            "customer_id": "c1",
+            "amount_cents": i,
+            "currency": "EUR",
+            "items": 1,
+            "event_time": "2026-11-24T10:00:00Z",
+        }
+        for i in range(60)
+    ]
     (source / "part-0.json").write_text("\n".join(json.dumps(e) for e in events))
     secret = tmp_path / "pg-password"
     secret.write_text(password + "\n")
     secret.chmod(0o600)
     archive = tmp_path / "outbox-env.tar.gz"
-    packed = subprocess.run([str(SPARK_DIR / "pack-env.sh"), str(archive)], capture_output=True,
-                            text=True, timeout=240)  # fmt: skip
+    packed = subprocess.run(
+        [str(SPARK_DIR / "pack-env.sh"), str(archive)], capture_output=True, text=True, timeout=240
+    )
     assert packed.returncode == 0, packed.stderr[-2000:]
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "PYSPARK_"))}
@@ -82,10 +93,19 @@ def test_packed_environment_and_password_file_on_a_local_cluster(
     }
     (tmp_path / "events").mkdir()
     job = subprocess.run(
-        [str(SPARK_DIR / "submit.sh"), "local-cluster[1,2,1024]", str(source),
-         str(tmp_path / "checkpoint"), "--once"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            str(SPARK_DIR / "submit.sh"),
+            "local-cluster[1,2,1024]",
+            str(source),
+            str(tmp_path / "checkpoint"),
+            "--once",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     rows = dbview.outbox(pg_url)
     assert sorted(r["message_id"] for r in rows) == sorted(e["event_id"] for e in events)
@@ -99,6 +119,11 @@ def test_packed_environment_and_password_file_on_a_local_cluster(
 
     # a URL with a password in it is refused before Spark starts
     env["OUTBOX_DATABASE_URL"] = url.replace("@", f":{password}@")
-    refused = subprocess.run([str(SPARK_DIR / "submit.sh"), "local[1]", "in", "cp"], env=env,
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    refused = subprocess.run(
+        [str(SPARK_DIR / "submit.sh"), "local[1]", "in", "cp"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert refused.returncode == 2 and "holds a password" in refused.stderr

@@ -16,11 +16,12 @@ pytestmark = pytest.mark.spark
 
 def save(df: DataFrame, url: str) -> None:
     (
-        df.write.format("outbox").mode("append")
+        df.write.format("outbox")
+        .mode("append")
         .options(url=url, sink="ds", batchId="5", exchange="x", routingKeyColumn="region")
         .option("onInvalid", "reject")  # no parking: a partition's rows are due at its commit
         .save()
-    )  # fmt: skip
+    )
 
 
 def test_a_replay_laid_out_otherwise_adds_nothing_and_drops_nothing(

@@ -30,13 +30,24 @@ ROWS = 3000
 
 
 def _publisher(pg_url: str, amqp_url: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OUTBOX_DATABASE_URL": pg_url, "OUTBOX_AMQP_URL": amqp_url,
-           "OUTBOX_LEASE_SECONDS": "2", "OUTBOX_FLUSH_INTERVAL": "0.5",  # acks wait: dups
-           "OUTBOX_CLAIM_BATCH": "250", "OUTBOX_WINDOW": "500",
-           "OUTBOX_PUBLISHER_METRICS_PORT": "0",
-           "OUTBOX_SHUTDOWN_TIMEOUT": "5"}  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "app.publisher"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": pg_url,
+        "OUTBOX_AMQP_URL": amqp_url,
+        "OUTBOX_LEASE_SECONDS": "2",
+        "OUTBOX_FLUSH_INTERVAL": "0.5",  # acks wait: dups
+        "OUTBOX_CLAIM_BATCH": "250",
+        "OUTBOX_WINDOW": "500",
+        "OUTBOX_PUBLISHER_METRICS_PORT": "0",
+        "OUTBOX_SHUTDOWN_TIMEOUT": "5",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "app.publisher"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def test_spark_to_consumer_effects_exactly_once_through_a_publisher_kill(
@@ -47,11 +58,23 @@ async def test_spark_to_consumer_effects_exactly_once_through_a_publisher_kill(
     name = f"test-e2e-{uuid.uuid4().hex[:8]}"
     await declare(amqp_url, exchange=name, queue=name)
     df = spark.range(ROWS).selectExpr("cast(id as string) as id", "concat('order ', id) as body")
-    result = write_outbox(df, url=pg_url, sink="e2e", batch_id=1, exchange=name,
-                          routing_key="rk", body_column="body", message_id_column="id")  # fmt: skip
+    result = write_outbox(
+        df,
+        url=pg_url,
+        sink="e2e",
+        batch_id=1,
+        exchange=name,
+        routing_key="rk",
+        body_column="body",
+        message_id_column="id",
+    )
     assert result.written == ROWS
-    consumer = Consumer(config=ConsumerConfig(name="e2e", queue=name, prefetch=200),
-                        amqp_url=amqp_url, engine=engine, handler=record)  # fmt: skip
+    consumer = Consumer(
+        config=ConsumerConfig(name="e2e", queue=name, prefetch=200),
+        amqp_url=amqp_url,
+        engine=engine,
+        handler=record,
+    )
     stop = asyncio.Event()
     consuming = asyncio.create_task(consumer.run(stop))
     first = _publisher(pg_url, amqp_url)

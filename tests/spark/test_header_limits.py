@@ -17,11 +17,21 @@ pytestmark = pytest.mark.spark
 def test_header_names_the_publisher_refuses_are_a_config_error() -> None:
     long_name = "h" * 129
     with pytest.raises(OutboxConfigError, match="longer than 128 bytes"):
-        OutboxSink(url="sqlite:///x.db", sink="s", exchange="e", routing_key="r",
-                   header_columns=[long_name])  # fmt: skip
+        OutboxSink(
+            url="sqlite:///x.db",
+            sink="s",
+            exchange="e",
+            routing_key="r",
+            header_columns=[long_name],
+        )
     with pytest.raises(OutboxConfigError, match="the publisher sets itself"):
-        OutboxSink(url="sqlite:///x.db", sink="s", exchange="e", routing_key="r",
-                   header_columns=["x-outbox-id"])  # fmt: skip
+        OutboxSink(
+            url="sqlite:///x.db",
+            sink="s",
+            exchange="e",
+            routing_key="r",
+            header_columns=["x-outbox-id"],
+        )
 
 
 def test_a_header_value_over_its_share_fails_the_batch_or_is_rejected_alone(
@@ -30,8 +40,13 @@ def test_a_header_value_over_its_share_fails_the_batch_or_is_rejected_alone(
     limit = header_value_limit(2)
     rows = [(i, f"t{i}", "n" if i != 3 else "x" * (limit + 1)) for i in range(6)]
     df = spark.createDataFrame(rows, "id long, tenant string, note string")
-    common = {"url": db_url, "exchange": "e", "routing_key": "r",
-              "header_columns": ["tenant", "note"], "message_id_column": "id"}  # fmt: skip
+    common = {
+        "url": db_url,
+        "exchange": "e",
+        "routing_key": "r",
+        "header_columns": ["tenant", "note"],
+        "message_id_column": "id",
+    }
     with pytest.raises(OutboxDataError, match=f"column 'note' \\(header\\) is longer than {limit}"):
         write_outbox(df, sink="fail", batch_id=1, **common)  # type: ignore[arg-type]
     assert dbview.count(db_url, "outbox") == 0

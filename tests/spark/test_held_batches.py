@@ -46,16 +46,23 @@ from tests.spark.test_spark_writer import (
 pytestmark = pytest.mark.spark
 
 SCHEMA = StructType(
-    [StructField("id", LongType()), StructField("region", StringType()),
-     StructField("payload", StringType())]
-)  # fmt: skip
+    [
+        StructField("id", LongType()),
+        StructField("region", StringType()),
+        StructField("payload", StringType()),
+    ]
+)
 
 
 def options_for(url: str, **kw: object) -> OutboxOptions:
     base: dict[str, object] = {
-        "url": url, "sink": "held", "exchange": "x", "routing_key_column": "region",
-        "body_column": "payload", "message_id_column": "id",
-    }  # fmt: skip
+        "url": url,
+        "sink": "held",
+        "exchange": "x",
+        "routing_key_column": "region",
+        "body_column": "payload",
+        "message_id_column": "id",
+    }
     return OutboxOptions(**(base | kw))  # type: ignore[arg-type]
 
 
@@ -125,11 +132,19 @@ def test_a_held_head_holds_its_ordering_key_back(db_url: str, repo: OutboxReposi
     keyed = options_for(db_url, ordering_key_column="region")
     held = BatchRef(sink="held", spark_batch_id=1)
     hold_batch(options=keyed, batch=held)
-    done = write_partition([rows([1], region="k")], partition=0, attempt=0,
-                           plan=WritePlan(options=keyed, schema=SCHEMA, batch=held))  # fmt: skip
+    done = write_partition(
+        [rows([1], region="k")],
+        partition=0,
+        attempt=0,
+        plan=WritePlan(options=keyed, schema=SCHEMA, batch=held),
+    )
     later = BatchRef(sink="held", spark_batch_id=2)  # the key's next row, in a batch not held
-    write_partition([rows([2], region="k")], partition=0, attempt=0,
-                    plan=WritePlan(options=keyed, schema=SCHEMA, batch=later))  # fmt: skip
+    write_partition(
+        [rows([2], region="k")],
+        partition=0,
+        attempt=0,
+        plan=WritePlan(options=keyed, schema=SCHEMA, batch=later),
+    )
     assert claimed_ids(repo) == []  # neither the held head nor the row behind it
     commit_batch(options=keyed, batch=held, results=[done], held=True)
     assert claimed_ids(repo) == ["1"]  # the head first; "2" once "1" is confirmed
@@ -179,15 +194,18 @@ def test_fail_mode_reads_each_micro_batch_once(
     """``numInputRows`` in Spark's progress equals the rows of each micro-batch (a check pass
     before the write used to read every batch twice: a Kafka source would be fetched twice)."""
     docs = write_order_files(tmp_path / "in", files=3, per_file=40)
-    sink = OutboxSink(url=pg_url, sink="once", exchange="x", routing_key_column="region",
-                      message_id_column=key)  # fmt: skip
+    sink = OutboxSink(
+        url=pg_url, sink="once", exchange="x", routing_key_column="region", message_id_column=key
+    )
     query = (
-        spark.readStream.schema(ORDERS).option("maxFilesPerTrigger", 1).json(str(tmp_path / "in"))
+        spark.readStream.schema(ORDERS)
+        .option("maxFilesPerTrigger", 1)
+        .json(str(tmp_path / "in"))
         .writeStream.foreachBatch(sink)
         .option("checkpointLocation", str(tmp_path / "cp"))
         .trigger(availableNow=True)
         .start()
-    )  # fmt: skip
+    )
     await_stream(query)
     assert [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]] == [40] * 3
     # what Spark's progress cannot carry for a foreachBatch sink, the sink object sums up
@@ -205,16 +223,18 @@ def test_fail_mode_stream_with_a_bad_row_publishes_nothing_of_its_batch(
     docs = write_order_files(tmp_path / "in", files=1, per_file=30)
     docs[17]["region"] = None  # one bad row among 30, in one of the batch's partitions
     (tmp_path / "in" / "part-000.json").write_text("\n".join(json.dumps(d) for d in docs))
-    sink = OutboxSink(url=pg_url, sink="bad", exchange="x", routing_key_column="region",
-                      message_id_column="id")  # fmt: skip
+    sink = OutboxSink(
+        url=pg_url, sink="bad", exchange="x", routing_key_column="region", message_id_column="id"
+    )
     query = (
-        spark.readStream.schema(ORDERS).json(str(tmp_path / "in"))
+        spark.readStream.schema(ORDERS)
+        .json(str(tmp_path / "in"))
         .repartition(2)
         .writeStream.foreachBatch(sink)
         .option("checkpointLocation", str(tmp_path / "cp"))
         .trigger(availableNow=True)
         .start()
-    )  # fmt: skip
+    )
     with pytest.raises(Exception) as caught:
         query.awaitTermination(120)
     error = str(caught.value)
@@ -241,8 +261,12 @@ def test_a_held_insert_wakes_no_publisher_and_lifting_the_hold_does(pg_url: str)
         assert done.inserted == 2
         assert list(listener.notifies(timeout=0.5)) == []
         free = BatchRef(sink="held", spark_batch_id=10)  # a batch not held still wakes them
-        write_partition([rows([3])], partition=0, attempt=0,
-                        plan=WritePlan(options=options, schema=SCHEMA, batch=free))  # fmt: skip
+        write_partition(
+            [rows([3])],
+            partition=0,
+            attempt=0,
+            plan=WritePlan(options=options, schema=SCHEMA, batch=free),
+        )
         assert [n.channel for n in listener.notifies(timeout=2, stop_after=1)] == ["outbox_new"]
         commit_batch(options=options, batch=batch, results=[done], held=True)
         assert [n.channel for n in listener.notifies(timeout=2, stop_after=1)] == ["outbox_new"]

@@ -67,26 +67,48 @@ KAFKA = StructType(
         ),
     ]
 )
-PROPERTIES = {"priority": "prio", "expiration": "ttl_ms", "correlation_id": "corr",
-              "type": "kind", "timestamp": "at"}  # fmt: skip
+PROPERTIES = {
+    "priority": "prio",
+    "expiration": "ttl_ms",
+    "correlation_id": "corr",
+    "type": "kind",
+    "timestamp": "at",
+}
 
 
 def rows(spark: SparkSession, n: int, bad: dict[int, dict[str, Any]] | None = None) -> DataFrame:
     out = []
     for i in range(n):
-        row = {"id": f"m{i}", "payload": f"body {i}", "attrs": {"tenant": f"t{i % 2}"},
-               "ctype": "text/csv" if i % 2 else None, "prio": i % 10, "ttl_ms": 60_000,
-               "corr": f"c{i}", "kind": "order.created", "at": AT}  # fmt: skip
+        row = {
+            "id": f"m{i}",
+            "payload": f"body {i}",
+            "attrs": {"tenant": f"t{i % 2}"},
+            "ctype": "text/csv" if i % 2 else None,
+            "prio": i % 10,
+            "ttl_ms": 60_000,
+            "corr": f"c{i}",
+            "kind": "order.created",
+            "at": AT,
+        }
         row.update((bad or {}).get(i, {}))
         out.append(tuple(row[f] for f in SCHEMA.fieldNames()))
     return spark.createDataFrame(out, SCHEMA).coalesce(2)
 
 
 def options(url: str, **kw: Any) -> dict[str, Any]:
-    base = {"url": url, "sink": "mm", "exchange": "mm.x", "routing_key": "rk",
-            "body_column": "payload", "message_id_column": "id", "headers_column": "attrs",
-            "header_columns": ["kind"], "content_type_column": "ctype",
-            "property_columns": PROPERTIES, "persistent": False}  # fmt: skip
+    base = {
+        "url": url,
+        "sink": "mm",
+        "exchange": "mm.x",
+        "routing_key": "rk",
+        "body_column": "payload",
+        "message_id_column": "id",
+        "headers_column": "attrs",
+        "header_columns": ["kind"],
+        "content_type_column": "ctype",
+        "property_columns": PROPERTIES,
+        "persistent": False,
+    }
     return base | kw
 
 
@@ -97,26 +119,41 @@ def test_every_message_attribute_lands_in_the_outbox_row(spark: SparkSession, db
     m1, m0 = by_id["m1"], by_id["m0"]
     assert m1["headers"] == {"tenant": "t1", "kind": "order.created"}
     assert (m1["content_type"], m0["content_type"]) == ("text/csv", "text/plain; charset=utf-8")
-    assert props(m1) == {"delivery_mode": 1, "priority": 1, "expiration": 60000,
-                         "correlation_id": "c1", "type": "order.created",
-                         "timestamp": "2026-11-24T12:30:00+00:00"}  # fmt: skip
+    assert props(m1) == {
+        "delivery_mode": 1,
+        "priority": 1,
+        "expiration": 60000,
+        "correlation_id": "c1",
+        "type": "order.created",
+        "timestamp": "2026-11-24T12:30:00+00:00",
+    }
 
     # the same through format("outbox"), its options as strings (new ids: ids are one namespace)
     (
-        rows(spark, 4).withColumn("id", F.concat(F.lit("ds-"), "id"))
-        .write.format("outbox").mode("append")
+        rows(spark, 4)
+        .withColumn("id", F.concat(F.lit("ds-"), "id"))
+        .write.format("outbox")
+        .mode("append")
         .options(url=db_url, sink="mm-ds", batchId="1", exchange="mm.x", routingKey="rk")
-        .options(bodyColumn="payload", headersColumn="attrs", headerColumns="kind",
-                 contentTypeColumn="ctype", persistent="false",
-                 propertyColumns=",".join(f"{p}={c}" for p, c in PROPERTIES.items()))
+        .options(
+            bodyColumn="payload",
+            headersColumn="attrs",
+            headerColumns="kind",
+            contentTypeColumn="ctype",
+            persistent="false",
+            propertyColumns=",".join(f"{p}={c}" for p, c in PROPERTIES.items()),
+        )
         .options(messageIdColumn="id")
         .save()
-    )  # fmt: skip
+    )
     ds = {r["message_id"]: r for r in dbview.outbox(db_url) if r["batch_id"] == "mm-ds:1"}
     for key, row in by_id.items():
         twin = ds[f"ds-{key}"]
         assert (twin["headers"], twin["content_type"], props(twin)) == (
-            row["headers"], row["content_type"], props(row))  # fmt: skip
+            row["headers"],
+            row["content_type"],
+            props(row),
+        )
 
 
 def props(row: dict[str, Any]) -> Any:
@@ -127,14 +164,22 @@ def props(row: dict[str, Any]) -> Any:
 def test_kafka_headers_are_decoded_and_bad_values_are_refused_or_rejected(
     spark: SparkSession, db_url: str
 ) -> None:
-    data = [("k0", "b0", [("trace", b"abc"), ("tenant", b"t0")]),
-            ("k1", "b1", [("trace", b"\xff\xfe")]),  # not UTF-8
-            ("k2", "b2", [("x-outbox-id", b"forged")]),  # the publisher's own header
-            ("k3", "b3", None)]  # fmt: skip
+    data = [
+        ("k0", "b0", [("trace", b"abc"), ("tenant", b"t0")]),
+        ("k1", "b1", [("trace", b"\xff\xfe")]),  # not UTF-8
+        ("k2", "b2", [("x-outbox-id", b"forged")]),  # the publisher's own header
+        ("k3", "b3", None),
+    ]
     df = spark.createDataFrame(data, KAFKA).coalesce(1)
-    kw = {"url": db_url, "sink": "kafka", "exchange": "x", "routing_key": "rk",
-          "body_column": "payload", "message_id_column": "id",
-          "headers_column": "headers"}  # fmt: skip
+    kw = {
+        "url": db_url,
+        "sink": "kafka",
+        "exchange": "x",
+        "routing_key": "rk",
+        "body_column": "payload",
+        "message_id_column": "id",
+        "headers_column": "headers",
+    }
     with pytest.raises(OutboxDataError) as err:
         write_outbox(df, batch_id=1, **kw)
     text = str(err.value)

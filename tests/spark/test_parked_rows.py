@@ -29,9 +29,12 @@ from tests.spark import dbview
 pytestmark = pytest.mark.spark
 
 SCHEMA = StructType(
-    [StructField("id", LongType()), StructField("region", StringType()),
-     StructField("payload", StringType())]
-)  # fmt: skip
+    [
+        StructField("id", LongType()),
+        StructField("region", StringType()),
+        StructField("payload", StringType()),
+    ]
+)
 
 
 def status(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -46,8 +49,14 @@ def test_parked_rows_of_an_uncommitted_batch_are_counted_apart_and_warned_about(
         if name.startswith("OUTBOX_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("OUTBOX_DATABASE_URL", db_url)
-    options = OutboxOptions(url=db_url, sink="ds", exchange="x", routing_key_column="region",
-                            body_column="payload", message_id_column="id")  # fmt: skip
+    options = OutboxOptions(
+        url=db_url,
+        sink="ds",
+        exchange="x",
+        routing_key_column="region",
+        body_column="payload",
+        message_id_column="id",
+    )
     batch = BatchRef(sink="ds", spark_batch_id=7)
     plan = WritePlan(options=options, schema=SCHEMA, batch=batch, park=True)
     rows = pa.RecordBatch.from_pydict(

@@ -37,24 +37,28 @@ def test_password_file_keeps_the_password_out_of_the_url(
     secret.write_text(password + "\n")
 
     # the batch job and the data source, both reading the secret in their tasks
-    result = write_outbox(orders(spark, 10), batch_id=1, password_file=str(secret),
-                          **sink_options(bare))  # fmt: skip
+    result = write_outbox(
+        orders(spark, 10), batch_id=1, password_file=str(secret), **sink_options(bare)
+    )
     assert result.written == 10
     (
-        orders(spark, 4).withColumn("id", F.col("id") + 100)
-        .write.format("outbox").mode("append")
+        orders(spark, 4)
+        .withColumn("id", F.col("id") + 100)
+        .write.format("outbox")
+        .mode("append")
         .options(url=bare, passwordFile=str(secret), sink="ds", batchId="1", exchange="x")
         .options(routingKeyColumn="region", bodyColumn="payload", messageIdColumn="id")
         .save()
-    )  # fmt: skip
+    )
     assert dbview.count(pg_url, "outbox") == 14
 
     # without it the server refuses the connection; a missing file is named, not its content
     with pytest.raises(psycopg.OperationalError, match="password"):
         write_outbox(orders(spark, 2), batch_id=2, **sink_options(bare))
     with pytest.raises(Exception, match=r"password_file '/nonexistent/pw' cannot be read here"):
-        write_outbox(orders(spark, 2), batch_id=3, password_file="/nonexistent/pw",
-                     **sink_options(bare))  # fmt: skip
+        write_outbox(
+            orders(spark, 2), batch_id=3, password_file="/nonexistent/pw", **sink_options(bare)
+        )
     assert dbview.count(pg_url, "outbox") == 14
 
 

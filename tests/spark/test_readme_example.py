@@ -20,8 +20,14 @@ def test_readme_python_example_runs_and_is_idempotent(tmp_path: Path) -> None:
     # the example's step 3 writes through format("outbox") (skipped where PySpark lacks it)
     (code,) = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPARK_LOCAL_IP": "127.0.0.1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=280)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with sqlite3.connect(tmp_path / "outbox.db") as db:
         rows = db.execute("SELECT batch_id, message_id FROM outbox ORDER BY id").fetchall()

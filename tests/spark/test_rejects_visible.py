@@ -23,15 +23,24 @@ from tests.integration.test_api import R, client_for, settings_for
 pytestmark = pytest.mark.spark
 
 SCHEMA = StructType(
-    [StructField("id", LongType()), StructField("region", StringType()),
-     StructField("payload", StringType())]
-)  # fmt: skip
+    [
+        StructField("id", LongType()),
+        StructField("region", StringType()),
+        StructField("payload", StringType()),
+    ]
+)
 
 
 def write(url: str, sink: str, ids: list[int], regions: list[str | None]) -> None:
-    options = OutboxOptions(url=url, sink=sink, exchange="x", routing_key_column="region",
-                            body_column="payload", message_id_column="id",
-                            on_invalid="reject")  # fmt: skip
+    options = OutboxOptions(
+        url=url,
+        sink=sink,
+        exchange="x",
+        routing_key_column="region",
+        body_column="payload",
+        message_id_column="id",
+        on_invalid="reject",
+    )
     plan = WritePlan(options=options, schema=SCHEMA, batch=BatchRef(sink=sink, spark_batch_id=1))
     rows = pa.RecordBatch.from_pydict(
         {"id": ids, "region": regions, "payload": [f"{sink} {i}" for i in ids]}

@@ -39,12 +39,23 @@ def write_input(directory: Path) -> list[dict[str, object]]:
     return rows
 
 
-def drive(url: str, src: Path, cp: Path, *, threads: int, max_bytes: str, key: str,
-          kill_at: int) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def drive(
+    url: str, src: Path, cp: Path, *, threads: int, max_bytes: str, key: str, kill_at: int
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
-    argv = [sys.executable, "-m", "tests.spark.replay_driver", url, str(src), str(cp),
-            str(threads), max_bytes, key, str(kill_at)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.spark.replay_driver",
+        url,
+        str(src),
+        str(cp),
+        str(threads),
+        max_bytes,
+        key,
+        str(kill_at),
+    ]
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -60,8 +71,7 @@ def test_a_replay_after_kill_9_on_other_parallelism_writes_every_row_exactly_onc
     # dies after the first partition's commit, or after the last one's (before the batch is
     # recorded and before Spark logs the micro-batch as done).
     mark = 1 if kill_at == "first-partition" else len(expected)
-    killed = drive(pg_url, tmp_path / "in", cp, threads=1, max_bytes="8192", key=key,
-                   kill_at=mark)  # fmt: skip
+    killed = drive(pg_url, tmp_path / "in", cp, threads=1, max_bytes="8192", key=key, kill_at=mark)
     assert killed.returncode == -9, killed.stderr[-3000:]
     before = dbview.counts(pg_url)
     assert before["outbox_batches"] == 0
@@ -72,8 +82,7 @@ def test_a_replay_after_kill_9_on_other_parallelism_writes_every_row_exactly_onc
         assert before["outbox"] < len(expected)
 
     # The same checkpoint, another parallelism and input split: Spark replays micro-batch 0.
-    again = drive(pg_url, tmp_path / "in", cp, threads=3, max_bytes="134217728", key=key,
-                  kill_at=0)  # fmt: skip
+    again = drive(pg_url, tmp_path / "in", cp, threads=3, max_bytes="134217728", key=key, kill_at=0)
     assert again.returncode == 0, again.stderr[-3000:]
     stored = dbview.outbox(pg_url)
     assert collections.Counter(r["body"].decode() for r in stored) == collections.Counter(

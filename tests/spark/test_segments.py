@@ -34,9 +34,15 @@ def batches(ids: range, *, size: int = 20, body: str = "row") -> Iterator[pa.Rec
 
 
 def plan(url: str, *, sink: str = "seg", on_invalid: str = "fail") -> WritePlan:
-    options = OutboxOptions(url=url, sink=sink, exchange="x", routing_key="rk",
-                            body_column="payload", message_id_column="id",
-                            on_invalid=on_invalid)  # type: ignore[arg-type]  # fmt: skip
+    options = OutboxOptions(
+        url=url,
+        sink=sink,
+        exchange="x",
+        routing_key="rk",
+        body_column="payload",
+        message_id_column="id",
+        on_invalid=on_invalid,
+    )  # type: ignore[arg-type]
     return WritePlan(options=options, schema=SCHEMA, batch=BatchRef(sink=sink, spark_batch_id=1))
 
 
@@ -56,16 +62,18 @@ def test_a_replayed_middle_is_staged_and_every_row_lands_once_in_order(pg_url: s
 
 
 def test_a_conflict_in_a_middle_segment(pg_url: str) -> None:
-    other = write_partition(batches(range(150, 151), body="other"), plan=plan(pg_url, sink="b"),
-                            partition=0, attempt=0)  # fmt: skip
+    other = write_partition(
+        batches(range(150, 151), body="other"), plan=plan(pg_url, sink="b"), partition=0, attempt=0
+    )
     assert other.inserted == 1
     # fail mode: the whole partition rolls back, the segments COPYed before it included
     failed = write_partition(batches(range(300)), plan=plan(pg_url), partition=0, attempt=0)
     assert (failed.inserted, failed.conflicts, failed.invalid) == (0, 1, 1)
     assert dbview.count(pg_url, "outbox") == 1
     # reject mode: the conflicting row is rejected, the 299 others written
-    ok = write_partition(batches(range(300)), plan=plan(pg_url, on_invalid="reject"),
-                         partition=0, attempt=0)  # fmt: skip
+    ok = write_partition(
+        batches(range(300)), plan=plan(pg_url, on_invalid="reject"), partition=0, attempt=0
+    )
     assert (ok.inserted, ok.conflicts, ok.rejected) == (299, 1, 1)
     assert [r["message_id"] for r in dbview.rejects(pg_url)] == ["150"]
     assert dbview.count(pg_url, "outbox") == 300

@@ -324,9 +324,14 @@ def test_nan_in_a_json_body_or_a_header_is_found_before_any_write(
     ]
     with pytest.raises(OutboxDataError) as err:
         OutboxSink(
-            url=sqlite_url, sink="s", exchange="x", routing_key_column="region",
-            body_column="tenant", header_columns=["score"], message_id_column="id",
-        )(df, 1)  # fmt: skip
+            url=sqlite_url,
+            sink="s",
+            exchange="x",
+            routing_key_column="region",
+            body_column="tenant",
+            header_columns=["score"],
+            message_id_column="id",
+        )(df, 1)
     assert [(p.summary, p.rows, p.first) for p in err.value.problems] == [
         ("header column 'score' is NaN or infinite", 1, "message id 3")
     ]
@@ -341,9 +346,14 @@ def test_json_body_over_the_maximum_is_caught_in_the_executor(
     df = orders(spark, 20, {17: {"payload": "x" * 100}})
     with pytest.raises(OutboxDataError) as err:
         write_outbox(
-            df, url=pg_url, sink="orders", batch_id=5, exchange="orders.x",
-            routing_key_column="region", max_body_bytes=100,
-        )  # fmt: skip
+            df,
+            url=pg_url,
+            sink="orders",
+            batch_id=5,
+            exchange="orders.x",
+            routing_key_column="region",
+            max_body_bytes=100,
+        )
     assert [(p.summary, p.rows) for p in err.value.problems] == [
         ("row JSON (body) is over the 100-byte maximum", 1)
     ]

@@ -23,7 +23,14 @@ def pem(tmp_path: Path) -> str:
 def test_defaults() -> None:
     p = parse_url("amqp://broker")
     assert (p.host, p.port, p.vhost, p.username, p.password, p.tls, p.auth) == (
-        "broker", 5672, "/", "guest", "guest", False, "plain")  # fmt: skip
+        "broker",
+        5672,
+        "/",
+        "guest",
+        "guest",
+        False,
+        "plain",
+    )
     assert p.addresses == (("broker", 5672),)
     assert (parse_url("amqps://broker").port, parse_url("amqps://broker").tls) == (5671, True)
     assert parse_url("amqps://broker").ssl_context() is not None
@@ -73,10 +80,13 @@ def test_vhost() -> None:
 
 
 def test_tls_options(pem: str) -> None:
-    p = parse_url(f"amqps://u:pw@10.0.0.5/?cafile={pem}&certfile={pem}&keyfile={pem}"
-                  "&server_hostname=rabbit.internal")  # fmt: skip
-    assert p.tls_options == TLSOptions(cafile=pem, certfile=pem, keyfile=pem,
-                                       server_hostname="rabbit.internal", verify=True)  # fmt: skip
+    p = parse_url(
+        f"amqps://u:pw@10.0.0.5/?cafile={pem}&certfile={pem}&keyfile={pem}"
+        "&server_hostname=rabbit.internal"
+    )
+    assert p.tls_options == TLSOptions(
+        cafile=pem, certfile=pem, keyfile=pem, server_hostname="rabbit.internal", verify=True
+    )
     assert p.server_hostname("10.0.0.5") == "rabbit.internal"
 
 

@@ -209,7 +209,10 @@ def test_tag_zero_multiple_acks_every_outstanding_tag() -> None:
     ret(ledger, 4)
     assert ledger.ack(0, multiple=True) == [Confirmed(row_ids=rows(1, 3, 6)), returned_event(4)]
     assert (ledger.outstanding, ledger.oldest_outstanding_at(), ledger.protocol_errors) == (
-        0, None, 0)  # fmt: skip
+        0,
+        None,
+        0,
+    )
     assert ledger.published(row_id=row(7), message_id=mid(7)) == 7
     assert ledger.ack(7) == [Confirmed(row_ids=rows(7))]
 

@@ -37,13 +37,16 @@ def test_a_session_reads_back_until_it_expires() -> None:
     assert caught.value.expired
 
 
-@pytest.mark.parametrize("mangle", [
-    lambda c: c.replace("UkVBREVS", "T1BFUkFUT1I"),  # READER -> OPERATOR in the payload
-    lambda c: c[:-2] + ("AA" if not c.endswith("AA") else "BB"),
-    lambda c: c.split(".")[0],
-    lambda c: "",
-    lambda c: "x.y",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda c: c.replace("UkVBREVS", "T1BFUkFUT1I"),  # READER -> OPERATOR in the payload
+        lambda c: c[:-2] + ("AA" if not c.endswith("AA") else "BB"),
+        lambda c: c.split(".")[0],
+        lambda c: "",
+        lambda c: "x.y",
+    ],
+)
 def test_a_tampered_or_missing_cookie_is_refused(mangle: object) -> None:
     s = signer()
     cookie, _ = s.issue(Role.READER, "read-token", now=0.0)
@@ -93,11 +96,14 @@ def test_the_session_secret_comes_from_the_setting_or_its_file(tmp_path: Path) -
     assert two.read(cookie, now=1.0).principal == "read-token"
 
 
-@pytest.mark.parametrize("values", [
-    {"session_secret": SecretStr("too-short")},
-    {"session_secret_file": "/nonexistent/secret"},
-    {"session_secret": SecretStr("f" * 64), "session_secret_file": "/nonexistent/secret"},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"session_secret": SecretStr("too-short")},
+        {"session_secret_file": "/nonexistent/secret"},
+        {"session_secret": SecretStr("f" * 64), "session_secret_file": "/nonexistent/secret"},
+    ],
+)
 def test_an_unusable_session_secret_is_refused_at_start(values: dict[str, object]) -> None:
     with pytest.raises(ApiConfigError, match=r"SESSION_SECRET|session secret"):
         ConsoleSessions(Settings(**values), NO_DATABASE)  # type: ignore[arg-type]
@@ -119,9 +125,15 @@ def test_csrf_tokens_belong_to_one_session() -> None:
     assert not s.csrf_ok(one, None) and not s.csrf_ok(one, "")
 
 
-@pytest.mark.parametrize(("target", "safe"), [
-    ("/ui/batches?status=failed", "/ui/batches?status=failed"), (None, "/ui"),
-    ("https://evil.example/ui", "/ui"), ("//evil.example/ui", "/ui"), ("/v1/stats", "/ui"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("target", "safe"),
+    [
+        ("/ui/batches?status=failed", "/ui/batches?status=failed"),
+        (None, "/ui"),
+        ("https://evil.example/ui", "/ui"),
+        ("//evil.example/ui", "/ui"),
+        ("/v1/stats", "/ui"),
+    ],
+)
 def test_sign_in_only_returns_to_console_pages(target: str | None, safe: str) -> None:
     assert safe_next(target) == safe

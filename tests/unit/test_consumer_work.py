@@ -11,8 +11,10 @@ from app.consumer.work import Held, Window
 
 
 def helds(n: int) -> list[Held]:
-    return [Held(tag=i + 1, message=Message(message_id=f"m{i}", body=b"", routing_key="",
-                                            exchange="")) for i in range(n)]  # fmt: skip
+    return [
+        Held(tag=i + 1, message=Message(message_id=f"m{i}", body=b"", routing_key="", exchange=""))
+        for i in range(n)
+    ]
 
 
 def test_a_cut_window_gives_up_what_it_has_not_started() -> None:

@@ -27,9 +27,14 @@ LIMITS = Limits(max_body_bytes=1000, max_header_bytes=2000)
 
 def row(**kw: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "exchange": "ex", "routing_key": "rk", "message_id": "m-1", "body": b"{}",
-        "content_type": "application/json", "headers": None, "properties": None,
-    }  # fmt: skip
+        "exchange": "ex",
+        "routing_key": "rk",
+        "message_id": "m-1",
+        "body": b"{}",
+        "content_type": "application/json",
+        "headers": None,
+        "properties": None,
+    }
     return base | kw
 
 
@@ -94,14 +99,24 @@ def test_headers_nested_past_the_parser_are_refused(depth: int) -> None:
 
 def test_properties_map_to_amqp_names() -> None:
     got = check_properties(
-        {"type": "order.created", "app_id": "spark", "expiration": 60000, "priority": 5,
-         "timestamp": "2026-11-24T10:00:00+01:00", "delivery_mode": 1, "correlation_id": None}
-    )  # fmt: skip
+        {
+            "type": "order.created",
+            "app_id": "spark",
+            "expiration": 60000,
+            "priority": 5,
+            "timestamp": "2026-11-24T10:00:00+01:00",
+            "delivery_mode": 1,
+            "correlation_id": None,
+        }
+    )
     assert got == {
-        "delivery_mode": 1, "message_type": "order.created", "app_id": "spark",
-        "expiration": "60000", "priority": 5,
+        "delivery_mode": 1,
+        "message_type": "order.created",
+        "app_id": "spark",
+        "expiration": "60000",
+        "priority": 5,
         "timestamp": dt.datetime(2026, 11, 24, 9, 0, tzinfo=dt.UTC),
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,14 @@ YAMLS = sorted([*DEPLOY.glob("*.yml"), *DEPLOY.glob("k8s/*.yaml")])
 ENV_FILES = sorted([*DEPLOY.glob("systemd/*"), DEPLOY / "Dockerfile"])
 KNOWN = {f"OUTBOX_{name.upper()}" for name in Settings.model_fields}
 # Variables the deploy scripts read themselves (not the service's settings).
-LOCAL_ONLY = {"OUTBOX_LOCAL_DIR", "OUTBOX_LOCAL_AMQP_PORT", "OUTBOX_LOCAL_PG_PORT",
-              "OUTBOX_LOCAL_RABBIT_NODE", "OUTBOX_PG_BIN", "OUTBOX_KEEP"}  # fmt: skip
+LOCAL_ONLY = {
+    "OUTBOX_LOCAL_DIR",
+    "OUTBOX_LOCAL_AMQP_PORT",
+    "OUTBOX_LOCAL_PG_PORT",
+    "OUTBOX_LOCAL_RABBIT_NODE",
+    "OUTBOX_PG_BIN",
+    "OUTBOX_KEEP",
+}
 
 
 def _docs(path: Path) -> list[object]:
@@ -432,6 +438,10 @@ def test_systemd_knows_every_directive(tmp_path: Path) -> None:
         )
     done = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", *(f"./{n}" for n in names)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert (done.returncode, done.stderr.strip()) == (0, "")

@@ -17,12 +17,26 @@ def test_no_outbox_variable_reaches_a_test() -> None:
 
 def test_an_operators_shell_cannot_point_the_suite_at_its_database() -> None:
     """Run the check above in a pytest whose shell exports a production database URL."""
-    env = {**os.environ, "OUTBOX_DATABASE_URL": "postgresql+psycopg://prod:pw@db.example/prod",
-           "OUTBOX_AMQP_URL": "amqp://prod:pw@mq.example/"}  # fmt: skip
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": "postgresql+psycopg://prod:pw@db.example/prod",
+        "OUTBOX_AMQP_URL": "amqp://prod:pw@mq.example/",
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/unit/test_hygiene.py::test_no_outbox_variable_reaches_a_test"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/unit/test_hygiene.py::test_no_outbox_variable_reaches_a_test",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout

@@ -18,12 +18,16 @@ def test_passwords_in_urls_are_redacted_anywhere_in_a_line() -> None:
 
 
 def test_secrets_in_query_strings_are_redacted() -> None:
-    line = ('127.0.0.1:5000 - "GET /ui?x=1&access_token=s3cret-token HTTP/1.1" 422 '
-            '"GET /v1/stats?TOKEN=abc;password=pw#f" '
-            '"GET /v1/keys/parked?ordering_key=k"')  # fmt: skip
-    assert redact(line) == ('127.0.0.1:5000 - "GET /ui?x=1&access_token=*** HTTP/1.1" 422 '
-                            '"GET /v1/stats?TOKEN=***;password=***#f" '
-                            '"GET /v1/keys/parked?ordering_key=k"')  # fmt: skip
+    line = (
+        '127.0.0.1:5000 - "GET /ui?x=1&access_token=s3cret-token HTTP/1.1" 422 '
+        '"GET /v1/stats?TOKEN=abc;password=pw#f" '
+        '"GET /v1/keys/parked?ordering_key=k"'
+    )
+    assert redact(line) == (
+        '127.0.0.1:5000 - "GET /ui?x=1&access_token=*** HTTP/1.1" 422 '
+        '"GET /v1/stats?TOKEN=***;password=***#f" '
+        '"GET /v1/keys/parked?ordering_key=k"'
+    )
 
 
 def _emit(fmt: str) -> str:

@@ -34,11 +34,18 @@ def exported() -> set[str]:
     families: list[Metric] = [
         *registry_for(pub, publisher_id="p").collect(),
         *consumer_registry(ConsumerMetrics(), consumer="c").collect(),
-        *SnapshotCollector(MetricsSnapshot(
-            counts={s: 0 for s in Status}, oldest_pending_age_seconds=None,
-            oldest_in_flight_age_seconds=None, possible_duplicates=0, operator_republished=0,
-            publishers_alive=0, publishers_known=0)).collect(),
-    ]  # fmt: skip
+        *SnapshotCollector(
+            MetricsSnapshot(
+                counts={s: 0 for s in Status},
+                oldest_pending_age_seconds=None,
+                oldest_in_flight_age_seconds=None,
+                possible_duplicates=0,
+                operator_republished=0,
+                publishers_alive=0,
+                publishers_known=0,
+            )
+        ).collect(),
+    ]
     for fam in families:
         names |= {s.name for s in fam.samples}
     return names
@@ -58,11 +65,17 @@ def _promtool() -> str:
 
 def test_the_rules_are_valid_and_their_unit_tests_pass() -> None:
     tool = _promtool()
-    check = subprocess.run([tool, "check", "rules", str(RULES)], capture_output=True, text=True,
-                           timeout=60)  # fmt: skip
+    check = subprocess.run(
+        [tool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
-    tests = subprocess.run([tool, "test", "rules", str(RULES_TEST)], capture_output=True,
-                           text=True, timeout=60, cwd=RULES.parent)  # fmt: skip
+    tests = subprocess.run(
+        [tool, "test", "rules", str(RULES_TEST)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=RULES.parent,
+    )
     assert tests.returncode == 0, tests.stdout + tests.stderr
 
 

@@ -22,13 +22,16 @@ def test_a_request_that_names_no_condition_is_refused_unless_it_says_everything(
     assert RepublishFilter.of(statuses=["nacked"]).statuses == {Status.NACKED}
 
 
-@pytest.mark.parametrize("bad", [
-    {"created_after": T, "created_before": T},
-    {"created_after": T.replace(tzinfo=None)},
-    {"statuses": ["confirmed"]},
-    {"statuses": ["nope"]},
-    {"cause": "x" * 501},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"created_after": T, "created_before": T},
+        {"created_after": T.replace(tzinfo=None)},
+        {"statuses": ["confirmed"]},
+        {"statuses": ["nope"]},
+        {"cause": "x" * 501},
+    ],
+)
 def test_the_rules_hold_whoever_builds_the_filter(bad: dict[str, object]) -> None:
     with pytest.raises(ScopeError):
         RepublishFilter.of(exchange="orders", **bad)  # type: ignore[arg-type]
@@ -36,10 +39,17 @@ def test_the_rules_hold_whoever_builds_the_filter(bad: dict[str, object]) -> Non
 
 def test_every_condition_is_in_the_words_and_in_the_audit_document() -> None:
     flt = RepublishFilter.of(
-        statuses=["returned"], exchange="orders", routing_key="apac", reason="no_route",
-        cause="returned by broker: 312 NO_ROUTE", batch_id="b:1", ordering_key="k",
-        message_id="m-1", created_after=T, created_before=T + dt.timedelta(hours=1),
-    )  # fmt: skip
+        statuses=["returned"],
+        exchange="orders",
+        routing_key="apac",
+        reason="no_route",
+        cause="returned by broker: 312 NO_ROUTE",
+        batch_id="b:1",
+        ordering_key="k",
+        message_id="m-1",
+        created_after=T,
+        created_before=T + dt.timedelta(hours=1),
+    )
     assert flt.describe() == (
         "status returned, message 'm-1', batch 'b:1', exchange 'orders', routing key 'apac', "
         "ordering key 'k', reason containing 'no_route', reason 'returned by broker: 312 "
@@ -47,14 +57,21 @@ def test_every_condition_is_in_the_words_and_in_the_audit_document() -> None:
     )
     doc = flt.as_json()
     assert {k: doc[k] for k in ("routing_key", "reason", "cause", "message_id")} == {
-        "routing_key": "apac", "reason": "no_route", "message_id": "m-1",
+        "routing_key": "apac",
+        "reason": "no_route",
+        "message_id": "m-1",
         "cause": "returned by broker: 312 NO_ROUTE",
-    }  # fmt: skip
+    }
     assert Scope(cause="").describe() == "any status, no reason recorded"
 
 
 def test_an_audit_document_of_before_the_new_conditions_still_compares_equal() -> None:
     """A request id of an older release replays: the new keys appear only when set."""
-    old = {"batch_id": "orders:1", "statuses": ["nacked"], "exchange": None,
-           "created_after": None, "created_before": None}  # fmt: skip
+    old = {
+        "batch_id": "orders:1",
+        "statuses": ["nacked"],
+        "exchange": None,
+        "created_after": None,
+        "created_before": None,
+    }
     assert RepublishFilter.of(batch_id="orders:1", statuses=["nacked"]).as_json() == old

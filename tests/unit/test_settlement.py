@@ -43,8 +43,11 @@ def test_channel_closes_blame_an_exchange_a_size_or_the_outstanding_rows() -> No
     text = "PRECONDITION_FAILED - message size 200 is larger than configured max size 100"
     c = classify_channel_close(CloseReason(406, text))
     assert (c.kind, c.max_size) == (CloseKind.OVERSIZED, 100)
-    for other in ((406, "PRECONDITION_FAILED - other"), (404, "NOT_FOUND - no queue 'q'"),
-                  (504, "CHANNEL_ERROR")):  # fmt: skip
+    for other in (
+        (406, "PRECONDITION_FAILED - other"),
+        (404, "NOT_FOUND - no queue 'q'"),
+        (504, "CHANNEL_ERROR"),
+    ):
         assert classify_channel_close(CloseReason(*other)).kind is CloseKind.UNEXPLAINED
     assert classify_channel_close(CloseReason(200, "bye", by_peer=False)) is PLAIN
 
@@ -52,7 +55,8 @@ def test_channel_closes_blame_an_exchange_a_size_or_the_outstanding_rows() -> No
 def test_only_frame_and_content_errors_blame_a_connections_publishes() -> None:
     assert classify_connection_loss(CloseReason(501, "FRAME_ERROR")).kind is CloseKind.UNEXPLAINED
     assert classify_connection_loss(CloseReason(505, "UNEXPECTED_FRAME")).kind is (
-        CloseKind.UNEXPLAINED)  # fmt: skip
+        CloseKind.UNEXPLAINED
+    )
     assert classify_connection_loss(CloseReason(320, "CONNECTION_FORCED")) is PLAIN
     assert classify_connection_loss(CloseReason(320, "connection lost: reset")) is PLAIN
     assert classify_connection_loss(CloseReason(501, "missed", by_peer=False)) is PLAIN
@@ -117,15 +121,21 @@ def run_quarantine(window: list[int], poison: set[int]) -> tuple[Outcomes, int]:
     outstanding row; anything else is confirmed. Returns the outcomes and the closes seen."""
     out, q = Outcomes(), Quarantine()
     closes = 1
-    lose([Lost(tuple(window), "504 CHANNEL_ERROR")], out, cause=UNEXPLAINED, rows={},
-         quarantine=q)  # the first close, with the whole window outstanding  # fmt: skip
+    lose(
+        [Lost(tuple(window), "504 CHANNEL_ERROR")], out, cause=UNEXPLAINED, rows={}, quarantine=q
+    )  # the first close, with the whole window outstanding
     while q:
         group = q.take()
         assert group is not None
         if poison & set(group):
             closes += 1
-            lose([Lost(tuple(group), "504 CHANNEL_ERROR")], out, cause=UNEXPLAINED, rows={},
-                 quarantine=q)  # fmt: skip
+            lose(
+                [Lost(tuple(group), "504 CHANNEL_ERROR")],
+                out,
+                cause=UNEXPLAINED,
+                rows={},
+                quarantine=q,
+            )
         else:
             settle([Confirmed(tuple(group))], out, q)
     return out, closes
@@ -141,8 +151,11 @@ def test_one_poison_row_in_a_full_window_fails_alone_in_log2_closes() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 300).flatmap(
-    lambda n: st.tuples(st.just(n), st.sets(st.integers(1, n), max_size=3))))  # fmt: skip
+@given(
+    st.integers(1, 300).flatmap(
+        lambda n: st.tuples(st.just(n), st.sets(st.integers(1, n), max_size=3))
+    )
+)
 def test_the_quarantine_fails_exactly_the_poison_rows(case: tuple[int, set[int]]) -> None:
     n, poison = case
     window = list(range(1, n + 1))

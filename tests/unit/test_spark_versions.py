@@ -37,7 +37,8 @@ def test_the_data_source_commit_logs_where_nobody_configured_logging() -> None:
         "_driver_log(); _driver_log()\n"
         "log.info('outbox batch ds:1: 3 rows, 3 written')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, check=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     lines = [line for line in proc.stderr.splitlines() if "outbox batch ds:1" in line]
     assert len(lines) == 1 and "INFO spark_writer: outbox batch ds:1: 3 rows" in lines[0]

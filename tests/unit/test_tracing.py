@@ -19,7 +19,9 @@ GOOD = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 def test_a_w3c_traceparent_and_tracestate_pass() -> None:
     assert checked_headers(GOOD) == {"traceparent": GOOD}
     assert checked_headers(GOOD, "congo=t61rcWkgMzE") == {
-        "traceparent": GOOD, "tracestate": "congo=t61rcWkgMzE"}  # fmt: skip
+        "traceparent": GOOD,
+        "tracestate": "congo=t61rcWkgMzE",
+    }
     assert checked_headers(GOOD, "") == {"traceparent": GOOD}
     assert trace_id_of(GOOD) == "4bf92f3577b34da6a3ce929d0e0e4736"
 

@@ -48,7 +48,13 @@ def message(body: bytes = b"hello", **props: object) -> OutgoingMessage:
 def test_parse_url_defaults_and_vhost() -> None:
     p = parse_url("amqp://u:p%40ss@broker:5673/")
     assert (p.host, p.port, p.vhost, p.username, p.password, p.tls) == (
-        "broker", 5673, "/", "u", "p@ss", False)  # fmt: skip
+        "broker",
+        5673,
+        "/",
+        "u",
+        "p@ss",
+        False,
+    )
     assert parse_url("amqp://h/prod%2Fa").vhost == "prod/a"
     assert parse_url("amqps://h").port == 5671 and parse_url("amqps://h").tls
     assert "p@ss" not in repr(parse_url("amqp://u:p%40ss@h/"))
@@ -81,8 +87,10 @@ def test_empty_body_sends_no_body_frame() -> None:
     assert len(decode_all(b"".join(out))) == 2
 
 
-@given(size=st.integers(min_value=0, max_value=20_000),
-       frame_max=st.integers(min_value=4096, max_value=9000))  # fmt: skip
+@given(
+    size=st.integers(min_value=0, max_value=20_000),
+    frame_max=st.integers(min_value=4096, max_value=9000),
+)
 def test_bodies_split_at_frame_max(size: int, frame_max: int) -> None:
     body = bytes(i % 251 for i in range(size))
     out: list[bytes] = []
@@ -99,10 +107,15 @@ json_values = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text
 
 
 @given(
-    content_type=short, correlation_id=short, message_id=short, expiration=short, app_id=short,
-    delivery_mode=st.sampled_from([None, 1, 2]), priority=st.integers(0, 255) | st.none(),
+    content_type=short,
+    correlation_id=short,
+    message_id=short,
+    expiration=short,
+    app_id=short,
+    delivery_mode=st.sampled_from([None, 1, 2]),
+    priority=st.integers(0, 255) | st.none(),
     headers=st.dictionaries(st.text(min_size=1, max_size=10), json_values, max_size=4) | st.none(),
-)  # fmt: skip
+)
 def test_marshal_properties_matches_pamqp(**values: object) -> None:
     """The hot path's property encoder writes exactly what pamqp's Basic.Properties writes."""
     assert marshal_properties(values) == commands.Basic.Properties(**values).marshal()
@@ -132,9 +145,20 @@ def test_unencodable_publishes_raise(bad: OutgoingMessage) -> None:
 
 def claimed(**kw: object) -> ClaimedRow:
     base: dict[str, object] = dict(
-        id=42, message_id="m-42", batch_id="b", exchange="ex", routing_key="rk", mandatory=True,
-        body=b"{}", content_type="application/json", headers={"tenant": "a"}, properties=None,
-        ordering_key=None, attempts=3, max_attempts=10)  # fmt: skip
+        id=42,
+        message_id="m-42",
+        batch_id="b",
+        exchange="ex",
+        routing_key="rk",
+        mandatory=True,
+        body=b"{}",
+        content_type="application/json",
+        headers={"tenant": "a"},
+        properties=None,
+        ordering_key=None,
+        attempts=3,
+        max_attempts=10,
+    )
     return ClaimedRow(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -147,12 +171,24 @@ def test_to_message_sets_id_headers_and_persistence() -> None:
 
 
 def test_to_message_maps_row_properties() -> None:
-    props = {"priority": 5, "expiration": 60000, "correlation_id": "c", "type": "order",
-             "delivery_mode": 1, "app_id": "spark", "reply_to": "replies",
-             "timestamp": 1_700_000_000}  # fmt: skip
+    props = {
+        "priority": 5,
+        "expiration": 60000,
+        "correlation_id": "c",
+        "type": "order",
+        "delivery_mode": 1,
+        "app_id": "spark",
+        "reply_to": "replies",
+        "timestamp": 1_700_000_000,
+    }
     p = properties_of(to_message(claimed(properties=props)))
     assert (p.priority, p.expiration, p.correlation_id, p.message_type, p.delivery_mode) == (
-        5, "60000", "c", "order", 1)  # fmt: skip
+        5,
+        "60000",
+        "c",
+        "order",
+        1,
+    )
     assert (p.app_id, p.reply_to, int(p.timestamp.timestamp())) == (
         "spark",
         "replies",

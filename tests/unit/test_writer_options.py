@@ -38,15 +38,27 @@ def test_bad_writer_options_get_a_clear_error(
 
 def test_data_source_keys_come_from_the_fields_in_any_case() -> None:
     raw = {
-        "url": BASE["url"], "SINK": "orders", "exchange": "x", "routingKey": "k",
-        "ordering_key_column": "customer", "sequenceColumn": "seq", "headerColumns": "a, b",
-        "propertyColumns": "priority=p", "MAXBODYBYTES": "10", "persistent": "false",
-    }  # fmt: skip
+        "url": BASE["url"],
+        "SINK": "orders",
+        "exchange": "x",
+        "routingKey": "k",
+        "ordering_key_column": "customer",
+        "sequenceColumn": "seq",
+        "headerColumns": "a, b",
+        "propertyColumns": "priority=p",
+        "MAXBODYBYTES": "10",
+        "persistent": "false",
+    }
     options, batch_id = from_spark_options({**raw, "batchId": "7"})
     assert options == OutboxOptions(
-        **BASE, ordering_key_column="customer", sequence_column="seq", header_columns=("a", "b"),
-        property_columns={"priority": "p"}, max_body_bytes=10, persistent=False,
-    )  # fmt: skip
+        **BASE,
+        ordering_key_column="customer",
+        sequence_column="seq",
+        header_columns=("a", "b"),
+        property_columns={"priority": "p"},
+        max_body_bytes=10,
+        persistent=False,
+    )
     assert batch_id == 7
     with pytest.raises(OutboxConfigError, match="coalesce"):  # a sink option, not a source one
         from_spark_options({**raw, "maxConnections": "2"})

@@ -42,10 +42,10 @@ router = page_router()
 FILTER_FIELDS = tuple(name for name in CRITERIA if name != "cause")
 
 
-def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_run: bool
-                       ) -> RepublishRequest:  # fmt: skip
-    doc: dict[str, Any] = {"request_id": request_id, "dry_run": dry_run,
-                           "limit": CHUNK}  # fmt: skip
+def _republish_request(
+    form: Mapping[str, list[str]], *, request_id: str, dry_run: bool
+) -> RepublishRequest:
+    doc: dict[str, Any] = {"request_id": request_id, "dry_run": dry_run, "limit": CHUNK}
     for name in FILTER_FIELDS:
         value = one(form, name)
         if value is not None:
@@ -55,8 +55,9 @@ def _republish_request(form: Mapping[str, list[str]], *, request_id: str, dry_ru
     statuses = [s for s in form.get("statuses", []) if s]
     unknown = [s for s in statuses if s not in REPUBLISH_STATUSES]
     if unknown:
-        raise ConsoleError(400, f"Only returned, nacked or failed rows are republished, "
-                           f"not {unknown[0]!r}.")  # fmt: skip
+        raise ConsoleError(
+            400, f"Only returned, nacked or failed rows are republished, not {unknown[0]!r}."
+        )
     if statuses:
         doc["statuses"] = sorted(set(statuses))
     if one(form, "all") == "yes":
@@ -77,8 +78,7 @@ def _problem(error: Mapping[str, Any]) -> str:
 def _filter_fields(req: RepublishRequest) -> dict[str, Any]:
     """The filter as form fields again (for the confirmation form): every condition."""
     flt = req.to_filter()
-    fields: dict[str, Any] = {"statuses": sorted(s.value for s in flt.statuses),
-                              **_as_fields(flt)}  # fmt: skip
+    fields: dict[str, Any] = {"statuses": sorted(s.value for s in flt.statuses), **_as_fields(flt)}
     if req.all_failures:
         fields["all"] = "yes"
     return fields
@@ -88,8 +88,9 @@ def _filter_fields(req: RepublishRequest) -> dict[str, Any]:
 def republish_form(request: Request) -> HTMLResponse:
     session = session_of(request)
     preset = {name: param(request, name) or "" for name in (*FILTER_FIELDS, "status")}
-    return render(request, "republish_form.html", session=session, preset=preset,
-                  statuses=REPUBLISH_STATUSES)  # fmt: skip
+    return render(
+        request, "republish_form.html", session=session, preset=preset, statuses=REPUBLISH_STATUSES
+    )
 
 
 @router.post("/republish/preview")
@@ -99,12 +100,23 @@ async def republish_preview(request: Request) -> HTMLResponse:
     req = _republish_request(form, request_id=f"ui-{uuid.uuid4()}", dry_run=True)
     flt = req.to_filter()
     result = await run_in_threadpool(
-        ctx.repo.republish, actor=session.principal, filter=flt, limit=req.limit, dry_run=True,
-        principal=session.principal, client_addr=client_address(request),
-    )  # fmt: skip
-    return render(request, "republish_preview.html", session=session, result=result,
-                  fields=_filter_fields(req), request_id=req.request_id,
-                  described=flt.describe())  # fmt: skip
+        ctx.repo.republish,
+        actor=session.principal,
+        filter=flt,
+        limit=req.limit,
+        dry_run=True,
+        principal=session.principal,
+        client_addr=client_address(request),
+    )
+    return render(
+        request,
+        "republish_preview.html",
+        session=session,
+        result=result,
+        fields=_filter_fields(req),
+        request_id=req.request_id,
+        described=flt.describe(),
+    )
 
 
 @router.post("/republish")
@@ -119,19 +131,37 @@ async def republish(request: Request) -> HTMLResponse:
     actor = actor_of(form, session)
     try:
         result = await run_in_threadpool(
-            ctx.repo.republish, actor=actor, filter=flt, limit=req.limit, dry_run=False,
-            request_id=req.request_id, principal=session.principal,
+            ctx.repo.republish,
+            actor=actor,
+            filter=flt,
+            limit=req.limit,
+            dry_run=False,
+            request_id=req.request_id,
+            principal=session.principal,
             client_addr=client_address(request),
-        )  # fmt: skip
+        )
     except RequestIdReused as exc:
         raise ConsoleError(409, str(exc)) from None
-    log.info("console: republish %s by %s (%s) moved %d of %d matching rows, audit %s, "
-             "filter %r", req.request_id, actor, session.principal, result.count,
-             result.matched, result.audit_id, flt.as_json())  # fmt: skip
-    return render(request, "republish_done.html", session=session, result=result,
-                  request_id=req.request_id, described=flt.describe(),
-                  left=max(0, result.matched - result.count),
-                  fields=_filter_fields(req))  # fmt: skip
+    log.info(
+        "console: republish %s by %s (%s) moved %d of %d matching rows, audit %s, filter %r",
+        req.request_id,
+        actor,
+        session.principal,
+        result.count,
+        result.matched,
+        result.audit_id,
+        flt.as_json(),
+    )
+    return render(
+        request,
+        "republish_done.html",
+        session=session,
+        result=result,
+        request_id=req.request_id,
+        described=flt.describe(),
+        left=max(0, result.matched - result.count),
+        fields=_filter_fields(req),
+    )
 
 
 @router.post("/skip")
@@ -143,17 +173,31 @@ async def skip(request: Request) -> HTMLResponse:
     if message_id is None or "\x00" in message_id:
         raise ConsoleError(400, "Say which message to skip.")
     if reason is None or len(reason) > MAX_REASON or has_control_characters(reason):
-        raise ConsoleError(400, f"A skip needs a reason: one line of at most {MAX_REASON} "
-                           "characters, without control characters.")  # fmt: skip
+        raise ConsoleError(
+            400,
+            f"A skip needs a reason: one line of at most {MAX_REASON} "
+            "characters, without control characters.",
+        )
     actor = actor_of(form, session)
     try:
         result = await run_in_threadpool(
-            get_ctx(request).repo.skip, actor=actor, message_id=message_id, reason=reason,
-            principal=session.principal, client_addr=client_address(request),
-        )  # fmt: skip
+            get_ctx(request).repo.skip,
+            actor=actor,
+            message_id=message_id,
+            reason=reason,
+            principal=session.principal,
+            client_addr=client_address(request),
+        )
     except CannotSkip as exc:
         raise ConsoleError(409, str(exc)) from None
-    log.info("console: skip of %r by %s (%s), was %s, key %r: %d rows released, audit %s",
-             message_id, actor, session.principal, result.previous.value, result.ordering_key,
-             result.released, result.audit_id)  # fmt: skip
+    log.info(
+        "console: skip of %r by %s (%s), was %s, key %r: %d rows released, audit %s",
+        message_id,
+        actor,
+        session.principal,
+        result.previous.value,
+        result.ordering_key,
+        result.released,
+        result.audit_id,
+    )
     return render(request, "skip_done.html", session=session, result=result)

@@ -39,8 +39,10 @@ MAX_FIELD = 1000
 NONE = "\N{EN DASH}"
 
 
-STALE_FORM = ("This form was not sent from this console session (its CSRF token is missing or "
-              "stale). Reload the page and try again.")  # fmt: skip
+STALE_FORM = (
+    "This form was not sent from this console session (its CSRF token is missing or "
+    "stale). Reload the page and try again."
+)
 
 
 PAGE = 50
@@ -94,8 +96,11 @@ class ConsoleRoute(APIRoute):
                 message = f"The database is unavailable ({type(exc).__name__}); try again."
                 return error_page(request, 503, message)
             except ProgrammingError:
-                return error_page(request, 503, "The database schema is missing or outdated: "
-                                   "run `outbox migrate`.")  # fmt: skip
+                return error_page(
+                    request,
+                    503,
+                    "The database schema is missing or outdated: run `outbox migrate`.",
+                )
 
         return guarded
 
@@ -155,8 +160,9 @@ def session_of(request: Request) -> Session:
     worker thread); :class:`LoginRequired` otherwise."""
     try:
         session = signer_of(request).read(request.cookies.get(COOKIE), now=now_ts(request))
-        if not store.session_live(sessions_of(request).engine, session_id=session.nonce,
-                                  now=get_ctx(request).now()):  # fmt: skip
+        if not store.session_live(
+            sessions_of(request).engine, session_id=session.nonce, now=get_ctx(request).now()
+        ):
             raise SessionError("the session ended (signed out on the server): sign in again")
         return session
     except SessionError as exc:
@@ -165,13 +171,18 @@ def session_of(request: Request) -> Session:
 
 
 def render(
-    request: Request, template: str, *, session: Session | None, code: int = 200,
+    request: Request,
+    template: str,
+    *,
+    session: Session | None,
+    code: int = 200,
     **values: Any,
-) -> HTMLResponse:  # fmt: skip
+) -> HTMLResponse:
     csrf = signer_of(request).csrf(session) if session else ""
     values.setdefault("now", get_ctx(request).now())
-    html = env.get_template(template).render(session=session, csrf=csrf, path=request.url.path,
-                                             **values)  # fmt: skip
+    html = env.get_template(template).render(
+        session=session, csrf=csrf, path=request.url.path, **values
+    )
     return HTMLResponse(html, code, headers=SECURITY_HEADERS)
 
 
@@ -234,8 +245,11 @@ def actor_of(form: Mapping[str, list[str]], session: Session) -> str:
     if value is None:
         return session.principal
     if len(value) > MAX_ACTOR or has_control_characters(value):
-        raise ConsoleError(400, f"Your name for the audit row must be one line of at most "
-                           f"{MAX_ACTOR} characters, without control characters.")  # fmt: skip
+        raise ConsoleError(
+            400,
+            f"Your name for the audit row must be one line of at most "
+            f"{MAX_ACTOR} characters, without control characters.",
+        )
     return value
 
 
@@ -265,8 +279,11 @@ async def acting(request: Request) -> tuple[Session, dict[str, list[str]]]:
         log.warning("console: form without a valid CSRF token from %s", client_address(request))
         raise ConsoleError(403, STALE_FORM)
     if not session.can_act:
-        raise ConsoleError(403, "Republish needs the operator token: you signed in with the "
-                           "read token, which can look but not act.")  # fmt: skip
+        raise ConsoleError(
+            403,
+            "Republish needs the operator token: you signed in with the "
+            "read token, which can look but not act.",
+        )
     return session, form
 
 
@@ -302,8 +319,10 @@ def time_param(request: Request, name: str) -> dt.datetime | None:
     except ValueError:
         stamp = None
     if stamp is None or stamp.tzinfo is None:
-        raise ConsoleError(400, f"The parameter {name!r} must be an ISO 8601 time with a zone "
-                           "(2026-11-24T10:00:00Z).")  # fmt: skip
+        raise ConsoleError(
+            400,
+            f"The parameter {name!r} must be an ISO 8601 time with a zone (2026-11-24T10:00:00Z).",
+        )
     return stamp.astimezone(dt.UTC)
 
 
@@ -313,8 +332,9 @@ def cause_param(request: Request) -> str | None:
         return None
     value = request.query_params["cause"]
     if len(value) > CAUSE_LENGTH or "\x00" in value:
-        raise ConsoleError(400, f"The parameter 'cause' must be at most {CAUSE_LENGTH} "
-                           "characters, without a NUL.")  # fmt: skip
+        raise ConsoleError(
+            400, f"The parameter 'cause' must be at most {CAUSE_LENGTH} characters, without a NUL."
+        )
     return value
 
 
@@ -325,9 +345,13 @@ def search_scope(request: Request) -> tuple[Scope, dict[str, Any]]:
     times = {name: time_param(request, name) for name in TIME_FIELDS}
     cause = cause_param(request)
     try:
-        scope = Scope(statuses=frozenset({status}) if status else frozenset(), cause=cause,
-                      created_after=times["created_after"],
-                      created_before=times["created_before"], **fields)  # fmt: skip
+        scope = Scope(
+            statuses=frozenset({status}) if status else frozenset(),
+            cause=cause,
+            created_after=times["created_after"],
+            created_before=times["created_before"],
+            **fields,
+        )
     except ScopeError as exc:
         raise ConsoleError(400, f"The search is not valid: {exc}.") from None
     shown = {k: v for k, v in fields.items() if v}

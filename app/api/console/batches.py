@@ -34,8 +34,9 @@ def batches(request: Request) -> HTMLResponse:
     except queries.BadCursor:
         raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
     page = queries.list_batches(ctx.engine, limit=PAGE, after=after, status=status)
-    return render(request, "batches.html", session=session, page=page, status=status,
-                  statuses=list(Status))  # fmt: skip
+    return render(
+        request, "batches.html", session=session, page=page, status=status, statuses=list(Status)
+    )
 
 
 @router.get("/batches/{batch_id}")
@@ -46,5 +47,6 @@ def batch(request: Request, batch_id: str) -> HTMLResponse:
     if found is None:
         raise ConsoleError(404, f"There is no batch {batch_id!r}.")
     failures = sum(found.counts.get(s, 0) for s in TERMINAL_FAILURES)
-    return render(request, "batch.html", session=session, b=found, failures=failures,
-                  statuses=list(Status))  # fmt: skip
+    return render(
+        request, "batch.html", session=session, b=found, failures=failures, statuses=list(Status)
+    )

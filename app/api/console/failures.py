@@ -27,10 +27,18 @@ CAUSES_PAGE = 50
 def failures(request: Request) -> HTMLResponse:
     session = session_of(request)
     number = int_param(request, "page") or 1
-    found = queries.failures_page(get_ctx(request).engine, limit=CAUSES_PAGE,
-                                  offset=(number - 1) * CAUSES_PAGE)  # fmt: skip
+    found = queries.failures_page(
+        get_ctx(request).engine, limit=CAUSES_PAGE, offset=(number - 1) * CAUSES_PAGE
+    )
     last = max(1, -(-found.total_groups // CAUSES_PAGE))
     if number > last:
         raise ConsoleError(404, f"There is no page {number} of the failures: there are {last}.")
-    return render(request, "failures.html", session=session, found=found, number=number,
-                  last=last, statuses=REPUBLISH_STATUSES)  # fmt: skip
+    return render(
+        request,
+        "failures.html",
+        session=session,
+        found=found,
+        number=number,
+        last=last,
+        statuses=REPUBLISH_STATUSES,
+    )

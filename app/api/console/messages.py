@@ -40,10 +40,21 @@ def messages(request: Request) -> HTMLResponse:
     found = page.items
     more = page.truncated or len(found) == PAGE
     nxt = {**shown, "after": found[-1].id} if more and found else None
-    return render(request, "messages.html", session=session, found=found, shown=shown,
-                  status=next(iter(scope.statuses), None), statuses=list(Status),
-                  fields=shown, next=nxt, total=total, more_than=more_than,
-                  described=scope.describe(), republish=_search_republish(scope))  # fmt: skip
+    return render(
+        request,
+        "messages.html",
+        session=session,
+        found=found,
+        shown=shown,
+        status=next(iter(scope.statuses), None),
+        statuses=list(Status),
+        fields=shown,
+        next=nxt,
+        total=total,
+        more_than=more_than,
+        described=scope.describe(),
+        republish=_search_republish(scope),
+    )
 
 
 def _search_republish(scope: Scope) -> dict[str, Any] | None:
@@ -56,8 +67,10 @@ def _search_republish(scope: Scope) -> dict[str, Any] | None:
 
 def _as_fields(scope: Scope) -> dict[str, Any]:
     """A scope's conditions as form fields (times in ISO 8601)."""
-    return {name: value.isoformat() if isinstance(value, dt.datetime) else value
-            for name, value in scope.criteria().items()}  # fmt: skip
+    return {
+        name: value.isoformat() if isinstance(value, dt.datetime) else value
+        for name, value in scope.criteria().items()
+    }
 
 
 @router.get("/messages/{message_id}")
@@ -68,16 +81,29 @@ def message(request: Request, message_id: str) -> HTMLResponse:
     found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD], include_body=True)
     if found is None:
         raise ConsoleError(404, f"There is no message {message_id!r}.")
-    own = {"batch_id": found.batch_id, "exchange": found.exchange, "message_id": found.message_id,
-           "routing_key": found.routing_key, "ordering_key": found.ordering_key}  # fmt: skip
+    own = {
+        "batch_id": found.batch_id,
+        "exchange": found.exchange,
+        "message_id": found.message_id,
+        "routing_key": found.routing_key,
+        "ordering_key": found.ordering_key,
+    }
     actions = [
-        e for e in queries.audit_trail(ctx.engine, limit=500)
+        e
+        for e in queries.audit_trail(ctx.engine, limit=500)
         if all(e.filter.get(name) in (None, value) for name, value in own.items())
-    ]  # fmt: skip
+    ]
     events = queries.message_events(ctx.engine, outbox_id=found.id)
-    return render(request, "message.html", session=session, m=found,
-                  history=_history(found, events), body=_body(found.body),
-                  actions=actions[:20], failed=found.status in TERMINAL_FAILURES)  # fmt: skip
+    return render(
+        request,
+        "message.html",
+        session=session,
+        m=found,
+        history=_history(found, events),
+        body=_body(found.body),
+        actions=actions[:20],
+        failed=found.status in TERMINAL_FAILURES,
+    )
 
 
 #: Most characters of a body the message page shows (the REST API has it whole).
@@ -105,16 +131,29 @@ def _history(m: queries.MessageRecord, events: list[queries.MessageEvent]) -> li
     steps: list[Step] = [(m.created_at, "written to the outbox")]
     steps += [(e.at, _event_words(e)) for e in events]
     if m.claimed_at:
-        steps.append((m.claimed_at, f"claimed by {m.lease_owner or 'a publisher'} "
-                                    f"(attempt {m.attempts} of {m.max_attempts})"))  # fmt: skip
+        steps.append(
+            (
+                m.claimed_at,
+                f"claimed by {m.lease_owner or 'a publisher'} "
+                f"(attempt {m.attempts} of {m.max_attempts})",
+            )
+        )
     if m.published_at:
-        where = (f" on channel {m.channel_id}, delivery tag {m.delivery_tag}"
-                 if m.delivery_tag is not None else "")  # fmt: skip
+        where = (
+            f" on channel {m.channel_id}, delivery tag {m.delivery_tag}"
+            if m.delivery_tag is not None
+            else ""
+        )
         steps.append((m.published_at, f"published to {m.exchange!r}{where}"))
     steps += _current(m, kinds)
     if m.lost_confirms and "lost" not in kinds:
-        steps.append((None, f"{m.lost_confirms} confirm(s) lost to a closed channel: the "
-                            "broker may hold a duplicate"))  # fmt: skip
+        steps.append(
+            (
+                None,
+                f"{m.lost_confirms} confirm(s) lost to a closed channel: the "
+                "broker may hold a duplicate",
+            )
+        )
     return sorted(steps, key=lambda s: (s[0] is None, s[0] or m.created_at))
 
 
@@ -125,8 +164,9 @@ def _current(m: queries.MessageRecord, kinds: set[str]) -> list[Step]:
     if m.status is Status.RETURNED and "returned" not in kinds:
         reply = f"{m.reply_code or ''} {m.reply_text or ''}".strip() or "no reply recorded"
         return [(m.confirmed_at, f"the broker returned it as unroutable ({reply}), then acked")]
-    if m.status.value not in kinds and (m.status in TERMINAL_FAILURES or
-                                        m.status is Status.SKIPPED):  # fmt: skip
+    if m.status.value not in kinds and (
+        m.status in TERMINAL_FAILURES or m.status is Status.SKIPPED
+    ):
         reason = m.last_error or m.reply_text or "no reason recorded"
         return [(None, f"now {m.status.value}: {reason}")]
     return []

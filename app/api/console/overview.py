@@ -20,14 +20,23 @@ def overview(request: Request) -> HTMLResponse:
     session = session_of(request)
     ctx = get_ctx(request)
     stats = queries.read_stats(
-        ctx.engine, now=ctx.now(), alive_after=ctx.alive_after,
+        ctx.engine,
+        now=ctx.now(),
+        alive_after=ctx.alive_after,
         latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
         latency_rows=ctx.settings.stats_latency_rows,
-    )  # fmt: skip
+    )
     parked_keys = len(queries.parked_keys(ctx.engine, limit=101))
-    return render(request, "overview.html", session=session, stats=stats,
-                  verdict=health.verdict(stats), statuses=list(Status), parked_keys=parked_keys,
-                  failures=sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES))  # fmt: skip
+    return render(
+        request,
+        "overview.html",
+        session=session,
+        stats=stats,
+        verdict=health.verdict(stats),
+        statuses=list(Status),
+        parked_keys=parked_keys,
+        failures=sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES),
+    )
 
 
 @router.get("/outstanding")
@@ -39,9 +48,9 @@ def outstanding(request: Request) -> HTMLResponse:
         after = queries.OutstandingKey.decode(cursor) if cursor else None
     except queries.BadCursor:
         raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
-    page = queries.outstanding_confirms(ctx.engine, now=ctx.now(),
-                                        flt=queries.OutstandingFilter(), limit=PAGE,
-                                        after=after)  # fmt: skip
+    page = queries.outstanding_confirms(
+        ctx.engine, now=ctx.now(), flt=queries.OutstandingFilter(), limit=PAGE, after=after
+    )
     with ctx.engine.connect() as conn:
         known = queries.publisher_rows(conn, now=ctx.now(), alive_after=ctx.alive_after)
     alive = {p.publisher_id for p in known if p.alive}

@@ -70,8 +70,12 @@ class SessionSigner:
         return _b64(hmac.new(self._key, f"{purpose}\0{data}".encode(), hashlib.sha256).digest())
 
     def issue(self, role: Role, principal: str, *, now: float) -> tuple[str, Session]:
-        session = Session(role=role, principal=principal, expires=int(now) + self.lifetime,
-                          nonce=secrets.token_urlsafe(16))  # fmt: skip
+        session = Session(
+            role=role,
+            principal=principal,
+            expires=int(now) + self.lifetime,
+            nonce=secrets.token_urlsafe(16),
+        )
         doc = {"r": role.name, "p": principal, "e": session.expires, "n": session.nonce}
         payload = _b64(json.dumps(doc, separators=(",", ":")).encode())
         return f"{payload}.{self._mac('session', payload)}", session
@@ -86,8 +90,12 @@ class SessionSigner:
             raise SessionError("the session is not valid here (signed with another token?)")
         try:
             doc = json.loads(_unb64(payload))
-            session = Session(role=Role[doc["r"]], principal=str(doc["p"]),
-                              expires=int(doc["e"]), nonce=str(doc["n"]))  # fmt: skip
+            session = Session(
+                role=Role[doc["r"]],
+                principal=str(doc["p"]),
+                expires=int(doc["e"]),
+                nonce=str(doc["n"]),
+            )
         except (ValueError, KeyError, TypeError):
             raise SessionError("the session cookie is unreadable") from None
         if session.expires <= now:
@@ -99,5 +107,6 @@ class SessionSigner:
 
     def csrf_ok(self, session: Session, given: str | None) -> bool:
         expected = self.csrf(session).encode()
-        return bool(given) and hmac.compare_digest(str(given).encode("utf-8", "surrogateescape"),
-                                                   expected)  # fmt: skip
+        return bool(given) and hmac.compare_digest(
+            str(given).encode("utf-8", "surrogateescape"), expected
+        )

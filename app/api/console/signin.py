@@ -36,17 +36,21 @@ router = page_router()
 @router.get("/console.css")
 def stylesheet() -> Response:
     css = (HERE / "console.css").read_text()
-    return PlainTextResponse(css, media_type="text/css",
-                             headers={"Cache-Control": "max-age=3600"})  # fmt: skip
+    return PlainTextResponse(css, media_type="text/css", headers={"Cache-Control": "max-age=3600"})
 
 
 @router.get("/login")
 def login_page(request: Request) -> HTMLResponse:
     ctx = get_ctx(request)
     expired = request.query_params.get("expired") == "1"
-    return render(request, "login.html", session=None, insecure=not _has_tokens(ctx.settings),
-                  next=safe_next(request.query_params.get("next")),
-                  message="Your session expired: sign in again." if expired else None)  # fmt: skip
+    return render(
+        request,
+        "login.html",
+        session=None,
+        insecure=not _has_tokens(ctx.settings),
+        next=safe_next(request.query_params.get("next")),
+        message="Your session expired: sign in again." if expired else None,
+    )
 
 
 def _posted_here(request: Request) -> bool:
@@ -74,32 +78,64 @@ async def login(request: Request) -> Response:
     insecure = not _has_tokens(ctx.settings)
     if not _posted_here(request):
         log.warning("console: sign-in posted from another site refused, from %s", client)
-        return render(request, "login.html", session=None, code=403, insecure=insecure,
-                      next=target, message="This sign-in was not sent from this console's page: "
-                      "open the console and sign in there.")  # fmt: skip
+        return render(
+            request,
+            "login.html",
+            session=None,
+            code=403,
+            insecure=insecure,
+            next=target,
+            message="This sign-in was not sent from this console's page: "
+            "open the console and sign in there.",
+        )
     try:
         creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token)
         role = role_of(ctx.settings, creds if token else None, ctx=ctx, client=client)
     except HTTPException as exc:
-        message = ("Too many failed sign-ins from your address: wait a minute."
-                   if exc.status_code == 429 else
-                   "That token is not valid here: use OUTBOX_API_TOKEN to look or "
-                   "OUTBOX_OPERATOR_TOKEN to act.")  # fmt: skip
-        return render(request, "login.html", session=None, code=exc.status_code,
-                      insecure=insecure, next=target, message=message)  # fmt: skip
-    principal = ("anonymous (insecure mode)" if insecure else
-                 "operator-token" if role >= Role.OPERATOR else "read-token")  # fmt: skip
+        message = (
+            "Too many failed sign-ins from your address: wait a minute."
+            if exc.status_code == 429
+            else "That token is not valid here: use OUTBOX_API_TOKEN to look or "
+            "OUTBOX_OPERATOR_TOKEN to act."
+        )
+        return render(
+            request,
+            "login.html",
+            session=None,
+            code=exc.status_code,
+            insecure=insecure,
+            next=target,
+            message=message,
+        )
+    principal = (
+        "anonymous (insecure mode)"
+        if insecure
+        else "operator-token"
+        if role >= Role.OPERATOR
+        else "read-token"
+    )
     signer = await run_in_threadpool(signer_of, request)
     cookie, session = signer.issue(role, principal, now=now_ts(request))
     expires = dt.datetime.fromtimestamp(session.expires, dt.UTC)
-    await run_in_threadpool(store.open_session, sessions_of(request).engine,
-                            session_id=session.nonce, principal=principal, expires=expires,
-                            now=ctx.now())  # fmt: skip
+    await run_in_threadpool(
+        store.open_session,
+        sessions_of(request).engine,
+        session_id=session.nonce,
+        principal=principal,
+        expires=expires,
+        now=ctx.now(),
+    )
     log.info("console: %s signed in from %s", principal, client)
     response = RedirectResponse(target, 303, headers=SECURITY_HEADERS)
-    response.set_cookie(COOKIE, cookie, max_age=session.expires - int(now_ts(request)),
-                        path=COOKIE_PATH, httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https")  # fmt: skip
+    response.set_cookie(
+        COOKIE,
+        cookie,
+        max_age=session.expires - int(now_ts(request)),
+        path=COOKIE_PATH,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
     return response
 
 
@@ -110,8 +146,12 @@ async def logout(request: Request) -> Response:
     form = await read_form(request)
     if not signer_of(request).csrf_ok(session, one(form, "csrf")):
         raise ConsoleError(403, "This form was not sent from this console session.")
-    await run_in_threadpool(store.end_session, sessions_of(request).engine,
-                            session_id=session.nonce, now=get_ctx(request).now())  # fmt: skip
+    await run_in_threadpool(
+        store.end_session,
+        sessions_of(request).engine,
+        session_id=session.nonce,
+        now=get_ctx(request).now(),
+    )
     response = RedirectResponse("/ui/login", 303, headers=SECURITY_HEADERS)
     response.delete_cookie(COOKIE, path=COOKIE_PATH, httponly=True, samesite="strict")
     return response

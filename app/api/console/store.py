@@ -38,15 +38,18 @@ def configured_secret(settings: Settings) -> bytes | None:
         try:
             text = Path(path).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ApiConfigError(f"OUTBOX_SESSION_SECRET_FILE {path} cannot be read "
-                                 f"({type(exc).__name__})") from None  # fmt: skip
+            raise ApiConfigError(
+                f"OUTBOX_SESSION_SECRET_FILE {path} cannot be read ({type(exc).__name__})"
+            ) from None
     elif settings.session_secret is not None:
         text = settings.session_secret.get_secret_value().strip()
     else:
         return None
     if len(text) < MIN_SECRET_LENGTH:
-        raise ApiConfigError(f"the session secret is shorter than {MIN_SECRET_LENGTH} "
-                             "characters: generate one with `openssl rand -hex 32`")  # fmt: skip
+        raise ApiConfigError(
+            f"the session secret is shorter than {MIN_SECRET_LENGTH} "
+            "characters: generate one with `openssl rand -hex 32`"
+        )
     return text.encode()
 
 
@@ -58,8 +61,11 @@ def stored_secret(engine: Engine, *, now: dt.datetime) -> bytes:
     if found is None:
         try:
             with engine.begin() as conn:
-                conn.execute(insert(api_secrets).values(name=SECRET_NAME, created_at=now,
-                                                        value=secrets.token_bytes(32)))  # fmt: skip
+                conn.execute(
+                    insert(api_secrets).values(
+                        name=SECRET_NAME, created_at=now, value=secrets.token_bytes(32)
+                    )
+                )
         except IntegrityError:
             pass  # another replica stored one first: use it
         with engine.connect() as conn:
@@ -77,15 +83,22 @@ def open_session(
     """Record a new session (and forget the sessions that expired)."""
     with engine.begin() as conn:
         conn.execute(delete(ui_sessions).where(ui_sessions.c.expires_at < now))
-        conn.execute(insert(ui_sessions).values(session_hash=_hash(session_id), principal=principal,
-                                                created_at=now, expires_at=expires))  # fmt: skip
+        conn.execute(
+            insert(ui_sessions).values(
+                session_hash=_hash(session_id),
+                principal=principal,
+                created_at=now,
+                expires_at=expires,
+            )
+        )
 
 
 def session_live(engine: Engine, *, session_id: str, now: dt.datetime) -> bool:
     stmt = select(ui_sessions.c.session_hash).where(
-        ui_sessions.c.session_hash == _hash(session_id), ui_sessions.c.ended_at.is_(None),
+        ui_sessions.c.session_hash == _hash(session_id),
+        ui_sessions.c.ended_at.is_(None),
         ui_sessions.c.expires_at > now,
-    )  # fmt: skip
+    )
     with engine.connect() as conn:
         return conn.execute(stmt).first() is not None
 
@@ -108,10 +121,14 @@ class ConsoleSessions:
         self._signer = self._build(configured) if configured is not None else None
 
     def _build(self, secret: bytes) -> SessionSigner:
-        tokens = [t.get_secret_value() for t in (self._settings.operator_token,
-                                                 self._settings.api_token) if t]  # fmt: skip
-        return SessionSigner(key=signing_key(secret, tokens=tokens),
-                             lifetime=self._settings.ui_session_seconds)  # fmt: skip
+        tokens = [
+            t.get_secret_value()
+            for t in (self._settings.operator_token, self._settings.api_token)
+            if t
+        ]
+        return SessionSigner(
+            key=signing_key(secret, tokens=tokens), lifetime=self._settings.ui_session_seconds
+        )
 
     def signer(self, *, now: dt.datetime) -> SessionSigner:
         with self._lock:
