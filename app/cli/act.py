@@ -1,0 +1,330 @@
+"""Commands that change rows, audited: republish, parked keys and skip, purge."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import uuid
+from collections.abc import Sequence
+
+from app.cli.common import (
+    EXIT_OK,
+    EXIT_PARTIAL,
+    MAX_REPUBLISH_LIMIT,
+    Failure,
+    Sub,
+    UsageError,
+    _bounded_int,
+    _default_actor,
+    _engine,
+    _json,
+    _line,
+    _positive_days,
+    _timestamp,
+)
+from app.cli.render import render_republish
+from app.cli_output import fancy, progress, show_table
+from app.outbox import queries
+from app.outbox.repository import (
+    MAX_ACTOR,
+    MAX_REASON,
+    CannotSkip,
+    OutboxRepository,
+    RequestIdReused,
+)
+from app.outbox.scope import RepublishFilter, ScopeError
+from app.outbox.states import TERMINAL_FAILURES
+from app.settings import Settings
+
+
+def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
+    flt = _republish_filter(args)
+    request_id = None if args.dry_run else (args.request_id or f"cli-{uuid.uuid4()}")
+    engine = _engine(settings)
+    try:
+        if flt.batch_id is not None and not queries.batch_exists(engine, batch_id=flt.batch_id):
+            raise Failure(f"no batch {flt.batch_id!r}")
+        repo = OutboxRepository(engine)
+        try:
+            result = repo.republish(
+                actor=args.actor,
+                filter=flt,
+                limit=args.limit,
+                dry_run=args.dry_run,
+                request_id=request_id,
+            )
+        except RequestIdReused as exc:
+            raise UsageError(str(exc)) from None
+        moved, chunk = result.count, 1
+        chunked = args.all and not args.dry_run and not result.replayed
+        with progress("republish", result.matched if chunked else None) as bar:
+            bar.advance(result.count)
+            while chunked and result.count == args.limit:
+                chunk += 1  # every chunk its own audited request id, derived from the first
+                result = repo.republish(
+                    actor=args.actor,
+                    filter=flt,
+                    limit=args.limit,
+                    dry_run=False,
+                    request_id=f"{request_id}#{chunk}",
+                )
+                moved += result.count
+                bar.advance(result.count)
+                if not fancy(sys.stderr):
+                    print(
+                        f"chunk {chunk}: republished {result.count} (total {moved})",
+                        file=sys.stderr,
+                    )
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.models import RepublishOut
+
+        out = RepublishOut.of(result, request_id=request_id or "", flt=flt)
+        print(out.model_dump_json(indent=2))
+    else:
+        print(render_republish(result, flt=flt, request_id=request_id))
+        if chunk > 1:
+            print(f"in all: {moved} rows republished in {chunk} chunks of at most {args.limit}")
+    left = result.matched - result.count
+    if not args.dry_run and not result.replayed and left > 0:
+        print(
+            f"outbox: {left} matching rows were left behind by --limit {args.limit}: run again "
+            "with --all (chunks of --limit, each audited) or a higher --limit",
+            file=sys.stderr,
+        )
+        return EXIT_PARTIAL
+    return EXIT_OK
+
+
+def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        items = queries.parked_keys(engine, limit=args.limit, after=args.after)
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.keys import ParkedKeyOut
+
+        print("[" + ",\n".join(ParkedKeyOut.of(k).model_dump_json(indent=2) for k in items) + "]")
+        return EXIT_OK
+    if not items:
+        print("no parked keys")
+        return EXIT_OK
+    if fancy():
+        show_table(
+            ["ordering key", "blocked by", "status", "waiting", "reason"],
+            [
+                (
+                    k.ordering_key,
+                    k.blocking_message_id,
+                    k.blocking_status.value,
+                    k.waiting,
+                    (k.blocking_error or "")[:60],
+                )
+                for k in items
+            ],
+        )
+    else:
+        _print_parked(items)
+    print("resume: outbox republish --ordering-key KEY")
+    print("release: outbox skip MESSAGE_ID --reason WHY")
+    return EXIT_OK
+
+
+def _print_parked(items: Sequence[queries.ParkedKey]) -> None:
+    print(f"{'ordering key':<24} {'blocked by':<28} {'status':<9} {'waiting':>7}  reason")
+    for k in items:
+        reason = (k.blocking_error or "")[:60]
+        print(
+            f"{k.ordering_key[:24]:<24} {k.blocking_message_id[:28]:<28} "
+            f"{k.blocking_status.value:<9} {k.waiting:>7}  {reason}"
+        )
+
+
+def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        result = OutboxRepository(engine).skip(
+            actor=args.actor, message_id=args.message_id, reason=args.reason
+        )
+    except CannotSkip as exc:
+        raise Failure(str(exc)) from None
+    finally:
+        engine.dispose()
+    if args.json:
+        _json(
+            {
+                "message_id": result.message_id,
+                "previous": result.previous.value,
+                "ordering_key": result.ordering_key,
+                "released": result.released,
+                "audit_id": result.audit_id,
+            }
+        )
+        return EXIT_OK
+    print(
+        f"skipped {result.message_id} (was {result.previous.value}); key "
+        f"{result.ordering_key!r}: {result.released} waiting rows released; audit "
+        f"{result.audit_id}"
+    )
+    return EXIT_OK
+
+
+def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
+    from app.consumer import purge_inbox
+
+    days = settings.retention_days if args.older_than_days is None else args.older_than_days
+    inbox_days = settings.inbox_retention_days
+    engine = _engine(settings)
+    repo = OutboxRepository(engine)
+    try:
+        if args.dry_run:
+            would = repo.count_purgeable(older_than=dt.timedelta(days=days))
+            if args.json:
+                _json({"dry_run": True, "older_than_days": days, "would_delete": would})
+                return EXIT_OK
+            print(
+                f"would delete {would} confirmed rows confirmed more than {days:g} days ago "
+                "(dry run: nothing deleted)"
+            )
+            return EXIT_OK
+        live = fancy(sys.stderr) and not args.json
+        total = repo.count_purgeable(older_than=dt.timedelta(days=days)) if live else None
+        with progress("purge", total) as bar:
+            deleted = repo.purge_confirmed(
+                older_than=dt.timedelta(days=days), chunk=args.chunk, on_chunk=bar.advance
+            )
+        forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days), chunk=args.chunk)
+        audit_id = repo.record_purge(
+            actor=args.actor,
+            older_than=dt.timedelta(days=days),
+            deleted=deleted,
+            inbox_deleted=forgotten,
+        )
+    finally:
+        engine.dispose()
+    if args.json:
+        _json(
+            {
+                "dry_run": False,
+                "older_than_days": days,
+                "deleted": deleted,
+                "inbox_older_than_days": inbox_days,
+                "inbox_deleted": forgotten,
+                "audit_id": audit_id,
+            }
+        )
+        return EXIT_OK
+    print(f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago")
+    print(
+        f"deleted {forgotten} consumer inbox rows older than {inbox_days:g} days "
+        "(OUTBOX_INBOX_RETENTION_DAYS)"
+    )
+    return EXIT_OK
+
+
+def _republish_filter(args: argparse.Namespace) -> RepublishFilter:
+    """The filter's own rules (:meth:`RepublishFilter.of`), as the API and the console apply."""
+    try:
+        return RepublishFilter.of(
+            statuses=args.status or None,
+            batch_id=args.batch,
+            exchange=args.exchange,
+            routing_key=args.routing_key,
+            ordering_key=args.ordering_key,
+            reason=args.reason,
+            created_after=args.created_after,
+            created_before=args.created_before,
+        )
+    except ScopeError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _add_republish(sub: Sub) -> None:
+    rep = sub.add_parser(
+        "republish",
+        help="move returned/nacked/failed rows back to pending (audited)",
+        description="Move terminal-failure rows back to pending so the publisher sends them "
+        "again. Every real run writes an audit row; repeating a --request-id replays its result "
+        "and moves nothing.",
+    )
+    rep.add_argument("--batch", help="only this batch id")
+    rep.add_argument(
+        "--status",
+        action="append",
+        choices=sorted(s.value for s in TERMINAL_FAILURES),
+        help="only rows in this status (repeatable; default all three)",
+    )
+    rep.add_argument("--exchange", help="only rows for this exchange")
+    rep.add_argument("--routing-key", help="only rows with this routing key")
+    rep.add_argument("--reason", help="only rows whose error or reply text holds this, any case")
+    rep.add_argument(
+        "--ordering-key", help="only rows of this ordering key (a parked key's blocking row)"
+    )
+    rep.add_argument("--created-after", type=_timestamp, help="ISO time, inclusive; naive = UTC")
+    rep.add_argument("--created-before", type=_timestamp, help="ISO time, exclusive; naive = UTC")
+    rep.add_argument(
+        "--limit",
+        type=_bounded_int(1, MAX_REPUBLISH_LIMIT),
+        default=1000,
+        help="most rows moved (default 1000)",
+    )
+    rep.add_argument("--dry-run", action="store_true", help="count and sample; move nothing")
+    rep.add_argument(
+        "--all",
+        action="store_true",
+        help="repeat in chunks of --limit until every matching row moved",
+    )
+    rep.add_argument("--request-id", help="idempotency key (default: a new one, printed)")
+    rep.add_argument(
+        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who acts (audit row)"
+    )
+    rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")
+    rep.set_defaults(func=_cmd_republish)
+
+
+def _add_keys(sub: Sub) -> None:
+    park = sub.add_parser("parked", help="ordering keys parked behind a returned/nacked/failed row")
+    park.add_argument("--limit", type=_bounded_int(1, 1000), default=100)
+    park.add_argument("--after", help="the last key of the previous page")
+    park.add_argument("--json", action="store_true", help="as JSON (like GET /v1/keys/parked)")
+    park.set_defaults(func=_cmd_parked)
+    skip = sub.add_parser(
+        "skip",
+        help="skip a terminal failure (audited): not delivered, its ordering key goes on",
+    )
+    skip.add_argument("message_id", help="the blocking row (see `outbox parked`)")
+    skip.add_argument(
+        "--reason", required=True, type=_line(MAX_REASON), help="why (kept in the audit trail)"
+    )
+    skip.add_argument(
+        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who acts (audit row)"
+    )
+    skip.add_argument("--json", action="store_true", help="as JSON (like POST .../skip)")
+    skip.set_defaults(func=_cmd_skip)
+
+
+def _add_purge(sub: Sub) -> None:
+    pur = sub.add_parser(
+        "purge",
+        help="delete confirmed rows past the retention period (bounded chunks)",
+        description="Delete confirmed rows confirmed longer ago than the retention period, "
+        "a bounded chunk per transaction so publishers never wait on it. Run it periodically.",
+    )
+    pur.add_argument(
+        "--older-than-days",
+        type=_positive_days,
+        default=None,
+        help="retention in days (default OUTBOX_RETENTION_DAYS)",
+    )
+    pur.add_argument(
+        "--chunk", type=_bounded_int(1, 100_000), default=1000, help="rows per transaction"
+    )
+    pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    pur.add_argument(
+        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who purges (audit row)"
+    )
+    pur.add_argument("--json", action="store_true", help="what was (or would be) deleted, as JSON")
+    pur.set_defaults(func=_cmd_purge)

@@ -1,0 +1,375 @@
+"""Commands that look: status, message, outstanding, failures, rejects, audit, batches."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+
+from app.cli.common import (
+    EXIT_OK,
+    Failure,
+    Sub,
+    UsageError,
+    _bounded_int,
+    _engine,
+    _positive_seconds,
+    json_compact,
+)
+from app.cli.render import (
+    BATCH_HEADERS,
+    _batch_row,
+    duration,
+    render_batches,
+    render_stats,
+    show_stats,
+)
+from app.cli_output import fancy, say, show_table
+from app.outbox import queries
+from app.outbox.repository import (
+    utcnow,
+)
+from app.outbox.states import Status
+from app.settings import Settings
+
+
+def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        stats = queries.read_stats(
+            engine,
+            now=utcnow(),
+            alive_after=3 * settings.publisher_heartbeat_interval,
+            latency_window=dt.timedelta(seconds=settings.stats_latency_window),
+            latency_rows=settings.stats_latency_rows,
+        )
+    finally:
+        engine.dispose()
+    from app.outbox.health import Thresholds, verdict
+
+    limits = Thresholds(
+        warn_pending_age=args.warn_pending_age,
+        crit_pending_age=args.crit_pending_age,
+        warn_in_flight_age=args.warn_in_flight_age,
+        crit_in_flight_age=args.crit_in_flight_age,
+    )
+    found = verdict(stats, limits)
+    if args.check:  # monitoring: one line, exit 0 OK / 1 WARNING / 2 CRITICAL
+        print(found.line())
+        return int(found.level)
+    if args.json:
+        from app.api.models import StatsOut
+
+        print(StatsOut.of(stats).model_dump_json(indent=2))
+    elif fancy():
+        show_stats(stats)
+        say(f"verdict: {found.line()}", level=found.level.name)
+    else:
+        print(render_stats(stats))
+        print(f"verdict: {found.line()}")
+    return EXIT_OK
+
+
+def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
+    from app.api.models import MessageOut
+
+    engine = _engine(settings)
+    try:
+        found = queries.message(engine, message_id=args.message_id, include_body=args.body)
+    finally:
+        engine.dispose()
+    if found is None:
+        raise Failure(f"no message {args.message_id!r}")
+    out = MessageOut.of(found)
+    if args.json:
+        print(out.model_dump_json(indent=2))
+        return EXIT_OK
+    for name, value in out.model_dump().items():
+        if value not in (None, {}, []):
+            print(f"{name:<16} {value}")
+    return EXIT_OK
+
+
+def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    flt = queries.OutstandingFilter(
+        publisher=args.publisher,
+        exchange=args.exchange,
+        batch_id=args.batch,
+        min_age_seconds=args.min_age,
+    )
+    try:
+        after = queries.OutstandingKey.decode(args.cursor) if args.cursor else None
+        page = queries.outstanding_confirms(
+            engine, now=utcnow(), flt=flt, limit=args.limit, after=after
+        )
+    except queries.BadCursor as exc:
+        raise UsageError(f"--cursor: {exc}") from None
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.models import OutstandingOut, OutstandingPage
+
+        out = OutstandingPage(
+            items=[OutstandingOut.of(o) for o in page.items], next_cursor=page.next_cursor
+        )
+        print(out.model_dump_json(indent=2))
+        return EXIT_OK
+    if not page.items:
+        print("nothing awaits a broker confirm")
+        return EXIT_OK
+    show_table(
+        ["message", "publisher", "channel", "tag", "attempt", "exchange", "routing key", "age"],
+        [
+            (
+                o.message_id,
+                o.publisher,
+                o.channel_id,
+                o.delivery_tag if o.delivery_tag is not None else "not sent",
+                f"{o.attempt}/{o.max_attempts}",
+                o.exchange,
+                o.routing_key,
+                duration(o.age_seconds),
+            )
+            for o in page.items
+        ],
+    )
+    if page.next_cursor:
+        print(f"more: outbox outstanding --cursor {page.next_cursor}")
+    return EXIT_OK
+
+
+def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        groups = queries.failures_by_cause(engine, limit=args.limit)
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.operators import FailureGroupOut, FailuresOut
+
+        out = FailuresOut(
+            groups=[
+                FailureGroupOut(
+                    status=g.status.value,
+                    exchange=g.exchange,
+                    routing_key=g.routing_key,
+                    reason=g.reason,
+                    rows=g.rows,
+                    first_created=g.first_created,
+                    last_created=g.last_created,
+                    sample_message_id=g.sample_message_id,
+                )
+                for g in groups
+            ],
+            rows=sum(g.rows for g in groups),
+        )
+        print(out.model_dump_json(indent=2))
+        return EXIT_OK
+    if not groups:
+        print("no returned, nacked or failed rows")
+        return EXIT_OK
+    if fancy():
+        show_table(
+            ["rows", "status", "exchange", "routing key", "reason", "sample"],
+            [
+                (
+                    g.rows,
+                    g.status.value,
+                    g.exchange,
+                    g.routing_key,
+                    g.reason[:70],
+                    g.sample_message_id,
+                )
+                for g in groups
+            ],
+        )
+        say(
+            "a message: outbox message ID; fix the cause, then outbox republish --status ... "
+            "--exchange ..."
+        )
+        return EXIT_OK
+    print(f"{'rows':>6}  {'status':<9} {'exchange':<20} {'routing key':<20} reason")
+    for g in groups:
+        print(
+            f"{g.rows:>6}  {g.status.value:<9} {g.exchange[:20]:<20} {g.routing_key[:20]:<20} "
+            f"{g.reason[:70]}"
+        )
+    print(
+        "a message: outbox message ID; fix the cause, then outbox republish --status ... "
+        "--exchange ..."
+    )
+    return EXIT_OK
+
+
+def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        found = queries.writer_rejects(engine, batch_id=args.batch, limit=args.limit)
+    finally:
+        engine.dispose()
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps([dataclasses.asdict(r) for r in found], indent=2, default=str))
+        return EXIT_OK
+    if not found:
+        print(
+            "no rows refused by the Spark writer"
+            + (f" in batch {args.batch}" if args.batch else "")
+        )
+        return EXIT_OK
+    if fancy():
+        show_table(
+            ["at", "batch", "message id", "reason", "row"],
+            [(r.created_at, r.batch_id, r.message_id, r.reason, r.row_json[:60]) for r in found],
+        )
+        return EXIT_OK
+    for r in found:
+        print(
+            f"{r.created_at:%Y-%m-%d %H:%M:%S}  {r.batch_id:<24} {r.message_id or '-':<20} "
+            f"{r.reason}"
+        )
+    return EXIT_OK
+
+
+def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        entries = queries.audit_trail(engine, limit=args.limit)
+    finally:
+        engine.dispose()
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps([dataclasses.asdict(e) for e in entries], indent=2, default=str))
+        return EXIT_OK
+    if not entries:
+        print("no operator actions recorded")
+        return EXIT_OK
+    if fancy():
+        show_table(
+            ["at", "#", "action", "rows", "actor", "verified as", "from", "filter"],
+            [
+                (
+                    e.at,
+                    e.id,
+                    e.action,
+                    e.count,
+                    e.actor,
+                    e.principal,
+                    e.client_addr,
+                    json_compact(e.filter),
+                )
+                for e in entries
+            ],
+        )
+        return EXIT_OK
+    for e in entries:
+        who = e.actor if e.principal in (None, e.actor) else f"{e.actor} (as {e.principal})"
+        where = f" from {e.client_addr}" if e.client_addr else ""
+        print(
+            f"{e.at:%Y-%m-%d %H:%M:%S}  #{e.id:<5} {e.action:<10} {e.count:>6} rows  "
+            f"{who}{where}  {json_compact(e.filter)}"
+        )
+    return EXIT_OK
+
+
+def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
+    engine = _engine(settings)
+    try:
+        if args.batch_id is not None:
+            one = queries.batch_summary(engine, batch_id=args.batch_id)
+            if one is None:
+                raise Failure(f"no batch {args.batch_id!r}")
+            items = [one]
+        else:
+            status = Status(args.status) if args.status else None
+            items = queries.list_batches(engine, limit=args.limit, status=status).items
+    finally:
+        engine.dispose()
+    if args.json:
+        from app.api.models import BatchOut
+
+        print("[" + ",\n".join(BatchOut.of(b).model_dump_json(indent=2) for b in items) + "]")
+    elif fancy() and items:
+        show_table(BATCH_HEADERS, [_batch_row(b) for b in items])
+    else:
+        print(render_batches(items))
+    return EXIT_OK
+
+
+def _add_status(sub: Sub) -> None:
+    st = sub.add_parser("status", help="rows per status, oldest ages, confirm latency, publishers")
+    st.add_argument("--json", action="store_true", help="the same as GET /v1/stats, as JSON")
+    st.add_argument(
+        "--check",
+        action="store_true",
+        help="one verdict line; exit 0 OK, 1 WARNING, 2 CRITICAL (for monitoring)",
+    )
+    for name, default in (
+        ("warn-pending-age", 60.0),
+        ("crit-pending-age", 300.0),
+        ("warn-in-flight-age", 30.0),
+        ("crit-in-flight-age", 120.0),
+    ):
+        st.add_argument(
+            f"--{name}",
+            type=_positive_seconds,
+            default=default,
+            metavar="SECONDS",
+            help=f"threshold in seconds (default {default:g})",
+        )
+    st.set_defaults(func=_cmd_status)
+    msg = sub.add_parser("message", help="one outbox row: status, attempts, reason, publish facts")
+    msg.add_argument("message_id")
+    msg.add_argument("--body", action="store_true", help="include the body (base64)")
+    msg.add_argument("--json", action="store_true", help="as JSON (like GET /v1/messages/{id})")
+    msg.set_defaults(func=_cmd_message)
+    fail = sub.add_parser("failures", help="returned/nacked/failed rows grouped by cause")
+    fail.add_argument("--limit", type=_bounded_int(1, 500), default=50, help="most groups shown")
+    fail.add_argument("--json", action="store_true", help="as JSON (like GET /v1/failures)")
+    fail.set_defaults(func=_cmd_failures)
+    out = sub.add_parser(
+        "outstanding", help="publishes awaiting a broker confirm: publisher, channel, tag, age"
+    )
+    out.add_argument("--publisher", help="only rows held by this publisher id")
+    out.add_argument("--exchange", help="only rows for this exchange")
+    out.add_argument("--batch", help="only rows of this batch id")
+    out.add_argument(
+        "--min-age",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="only rows waiting at least this long",
+    )
+    out.add_argument("--limit", type=_bounded_int(1, 1000), default=100, help="most rows shown")
+    out.add_argument("--cursor", help="the `more:` cursor of the previous page")
+    out.add_argument(
+        "--json", action="store_true", help="as JSON (like GET /v1/confirms/outstanding)"
+    )
+    out.set_defaults(func=_cmd_outstanding)
+    rej = sub.add_parser(
+        "rejects",
+        help="rows the Spark writer refused (reject mode): bad values and message id "
+        "conflicts, with the reason, newest first",
+    )
+    rej.add_argument("--batch", help="only this batch id")
+    rej.add_argument("--limit", type=_bounded_int(1, 500), default=50)
+    rej.add_argument("--json", action="store_true", help="as JSON (like GET /v1/rejects)")
+    rej.set_defaults(func=_cmd_rejects)
+    aud = sub.add_parser("audit", help="operator actions (republish, skip), newest first")
+    aud.add_argument("--limit", type=_bounded_int(1, 500), default=50)
+    aud.add_argument("--json", action="store_true", help="as JSON")
+    aud.set_defaults(func=_cmd_audit)
+
+
+def _add_batches(sub: Sub) -> None:
+    bat = sub.add_parser("batches", help="rows per status for each batch")
+    bat.add_argument("batch_id", nargs="?", help="show this batch only")
+    bat.add_argument(
+        "--status", choices=[s.value for s in Status], help="only batches with rows in it"
+    )
+    bat.add_argument("--limit", type=_bounded_int(1, 500), default=50, help="most batches shown")
+    bat.add_argument("--json", action="store_true", help="as JSON (like GET /v1/batches)")
+    bat.set_defaults(func=_cmd_batches)

@@ -1,0 +1,172 @@
+"""How the commands show things to people: tables, durations, the status report."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from app.cli.common import _cell
+from app.cli_output import plain_table, say, show_table
+from app.outbox import queries
+from app.outbox.scope import RepublishFilter
+from app.outbox.states import Status
+
+
+def duration(seconds: float | None) -> str:
+    """``None`` -> "-"; else a short human duration (ms below one second)."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
+    shown = [f"{n}{unit}" for n, unit in parts if n][:2]
+    return " ".join(shown) or "0s"
+
+
+def render_stats(s: queries.OutboxStats) -> str:
+    lat = s.confirm_latency
+    counts = [(status.value, n) for status, n in s.counts.items()]
+    pubs = [
+        (
+            p.publisher_id,
+            p.hostname,
+            p.pid,
+            duration(_ago(p.heartbeat_at, s.at)) + " ago",
+            ("blocked" if p.blocked else "alive")
+            if p.alive
+            else ("stopped" if p.stopped_at else "silent"),
+        )
+        for p in s.publishers
+    ]
+    lines = [
+        f"outbox at {_cell(s.at)} UTC",
+        "",
+        plain_table(["status", "rows"], [*counts, ("total", sum(s.counts.values()))]),
+        "",
+        *(
+            ["confirmed is PostgreSQL's estimate (a large outbox is not counted row by row)"]
+            if s.confirmed_estimated
+            else []
+        ),
+        f"oldest pending        {duration(s.oldest_pending_age_seconds)}",
+        f"oldest unconfirmed    {duration(s.oldest_in_flight_age_seconds)}",
+        f"confirm latency       p50 {duration(lat.p50)}, p90 {duration(lat.p90)}, "
+        f"p99 {duration(lat.p99)} ({lat.samples} confirms, last {duration(lat.window_seconds)})",
+        f"possible duplicates   {s.possible_duplicates}",
+        f"operator republished  {s.operator_republished}",
+        f"parked (uncommitted)  {s.parked}"
+        + (f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else ""),
+        f"delayed (not due yet) {s.delayed}" + _next_delayed(s),
+        "",
+        f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known",
+    ]
+    if s.blocked_publishers:
+        reasons = {p.report.blocked_reason for p in s.publishers if p.blocked and p.report}
+        why = ", ".join(sorted(r for r in reasons if r)) or "no reason given"
+        lines.append(
+            f"BROKER BLOCKED: it blocks publishing ({why}) for {', '.join(s.blocked_publishers)}"
+        )
+    if pubs:
+        lines.append(plain_table(["publisher", "host", "pid", "heartbeat", "state"], pubs))
+    return "\n".join(lines)
+
+
+def _next_delayed(s: queries.OutboxStats) -> str:
+    if not s.delayed or s.next_delayed_at is None:
+        return ""
+    return f", next due in {duration((s.next_delayed_at - s.at).total_seconds())}"
+
+
+def show_stats(s: queries.OutboxStats) -> None:
+    """:func:`render_stats` for a terminal: tables and coloured states."""
+    lat = s.confirm_latency
+    say(f"outbox at {_cell(s.at)} UTC", level="bold")
+    show_table(
+        ["status", "rows"],
+        [*((st.value, n) for st, n in s.counts.items()), ("total", sum(s.counts.values()))],
+    )
+    show_table(
+        ["figure", "value"],
+        [
+            ("oldest pending", duration(s.oldest_pending_age_seconds)),
+            ("oldest unconfirmed", duration(s.oldest_in_flight_age_seconds)),
+            (
+                "confirm latency",
+                f"p50 {duration(lat.p50)}, p90 {duration(lat.p90)}, "
+                f"p99 {duration(lat.p99)} ({lat.samples} confirms, last "
+                f"{duration(lat.window_seconds)})",
+            ),
+            ("possible duplicates", str(s.possible_duplicates)),
+            ("operator republished", str(s.operator_republished)),
+            (
+                "parked (uncommitted Spark batches)",
+                str(s.parked)
+                + (f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else ""),
+            ),
+            ("delayed (not due yet)", str(s.delayed) + _next_delayed(s)),
+        ],
+    )
+    if s.blocked_publishers:
+        say(f"BROKER BLOCKED for {', '.join(s.blocked_publishers)}", level="CRITICAL")
+    pubs = [
+        (
+            p.publisher_id,
+            p.hostname,
+            p.pid,
+            duration(_ago(p.heartbeat_at, s.at)) + " ago",
+            ("blocked" if p.blocked else "alive")
+            if p.alive
+            else ("stopped" if p.stopped_at else "silent"),
+        )
+        for p in s.publishers
+    ]
+    alive = f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known"
+    show_table(["publisher", "host", "pid", "heartbeat", "state"], pubs, title=alive)
+
+
+def _ago(then: dt.datetime, now: dt.datetime) -> float:
+    return max(0.0, (now - then).total_seconds())
+
+
+#: "rejected": rows the Spark writer refused (bad values, id conflicts: `outbox rejects`)
+BATCH_HEADERS = ["batch", "rows", *(s.value for s in Status), "dup", "rejected", "last confirmed"]
+
+
+def _batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
+    rejected = "-" if b.rejected_count is None else b.rejected_count
+    return (
+        b.batch_id,
+        b.rows,
+        *(b.counts[s] for s in Status),
+        b.republished,
+        rejected,
+        b.last_confirmed_at,
+    )
+
+
+def render_batches(items: Sequence[queries.BatchSummary]) -> str:
+    rows = [_batch_row(b) for b in items]
+    return plain_table(BATCH_HEADERS, rows) if rows else "no batches"
+
+
+def render_republish(r: Any, *, flt: RepublishFilter, request_id: str | None) -> str:
+    what = flt.describe()
+    if r.dry_run:
+        head = f"dry run: would republish {r.count} of {r.matched} matching rows ({what})"
+    elif r.replayed:
+        head = (
+            f"request id {request_id} was already used: it republished {r.count} rows "
+            f"(audit {r.audit_id}); nothing moved now"
+        )
+    else:
+        head = (
+            f"republished {r.count} of {r.matched} matching rows ({what}); "
+            f"audit {r.audit_id}, request id {request_id}"
+        )
+    sample = ", ".join(r.sample) if r.sample else "-"
+    return f"{head}\nsample: {sample}"

@@ -1,0 +1,394 @@
+"""Commands that run something: migrate, publish, serve, consume, declare, demo."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from pathlib import Path
+
+from app.cli.common import EXIT_OK, Failure, Sub, UsageError, _bounded_int, _json, _positive_seconds
+from app.db import SchemaMismatch, check_schema, head_revision, migrate
+from app.logs import redact
+from app.outbox.repository import (
+    RepositoryError,
+)
+from app.settings import Settings
+
+
+def _cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    migrate(settings.database_url.get_secret_value(), args.revision)
+    if args.json:
+        _json({"revision": args.revision, "head": head_revision()})
+        return EXIT_OK
+    print(f"outbox schema at revision {args.revision}")
+    return EXIT_OK
+
+
+def _cmd_publish(settings: Settings, args: argparse.Namespace) -> int:
+    from app.publisher.service import main as run_publisher_main  # lazy: the CLI imports without it
+
+    try:
+        rc = run_publisher_main(settings)
+    except SchemaMismatch as exc:
+        raise Failure(str(exc)) from None
+    except RepositoryError as exc:  # e.g. another publisher holds this SQLite outbox
+        raise Failure(str(exc)) from None
+    return rc if isinstance(rc, int) else EXIT_OK
+
+
+def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.api import ApiConfigError, create_app
+
+    host = args.host or settings.api_host
+    port = args.port or settings.api_port
+    if args.insecure or settings.api_insecure:  # one rule, whichever way it is switched on
+        if not _loopback(host):
+            raise UsageError(
+                f"insecure mode (--insecure / OUTBOX_API_INSECURE) serves on loopback addresses "
+                f"only, not {host}"
+            )
+        settings = settings.model_copy(update={"api_insecure": True})
+        print("outbox: serving WITHOUT authentication (insecure local mode)", file=sys.stderr)
+    cert = args.tls_cert or settings.api_tls_cert
+    key = args.tls_key or settings.api_tls_key
+    if (cert is None) != (key is None):
+        raise UsageError("TLS needs both --tls-cert and --tls-key (OUTBOX_API_TLS_CERT/_KEY)")
+    for what, path in (("certificate", cert), ("key", key)):
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"TLS {what} {path} is not a readable file")
+    if cert is None and not _loopback(host):
+        print(
+            f"outbox: serving plain HTTP on {host}: bearer tokens cross the network in clear; "
+            "use --tls-cert/--tls-key or a TLS-terminating proxy (docs/security.md)",
+            file=sys.stderr,
+        )
+    try:
+        app = create_app(settings)
+    except ApiConfigError as exc:
+        raise UsageError(str(exc)) from None
+    # explicit: uvicorn's default trusts X-Forwarded-For from 127.0.0.1 (any local process,
+    # or a forged header through a local proxy, would choose the audited and throttled address)
+    proxies = args.forwarded_allow_ips or settings.api_forwarded_allow_ips or ""
+    # log_config=None: uvicorn's access and error lines go to our handler (text or JSON, redacted)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=args.log_level,
+        ssl_certfile=cert,
+        ssl_keyfile=key,
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies,
+        log_config=None,
+    )
+    return EXIT_OK
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
+    """Run the consumer kit on QUEUE with the handler MODULE:FUNCTION until SIGTERM/SIGINT."""
+    import asyncio
+    import importlib
+    import signal
+
+    from app.consumer import Consumer, ConsumerConfig, consumer_engine
+
+    module_name, _, attr = args.handler.partition(":")
+    try:
+        handler = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise UsageError(f"cannot load handler {args.handler!r}: {exc}") from None
+    if not callable(handler):
+        raise UsageError(f"handler {args.handler!r} is not callable")
+    config = ConsumerConfig(
+        name=args.name or args.queue,
+        queue=args.queue,
+        mode=args.mode or settings.consumer_mode,
+        prefetch=args.prefetch or settings.consumer_prefetch,
+        concurrency=args.concurrency or settings.consumer_concurrency,
+        batch_size=args.batch_size or settings.consumer_batch_size,
+        delivery_limit=args.delivery_limit or settings.consumer_delivery_limit,
+        handler_timeout=args.handler_timeout or settings.consumer_handler_timeout,
+        dead_letter_exchange=args.dead_letter_exchange,
+        dead_letter_routing_key=args.dead_letter_routing_key,
+    )
+    engine = consumer_engine(
+        settings.database_url.get_secret_value(), concurrency=config.concurrency
+    )
+    check_schema(engine)
+
+    async def consume() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        given = {"batch_handler" if args.batches else "handler": handler}
+        consumer = Consumer(
+            config=config, amqp_url=settings.amqp_url.get_secret_value(), engine=engine, **given
+        )
+        probes = None
+        if args.metrics_port is not None:  # /metrics, /healthz, /readyz of this process
+            from app.consumer import registry_for
+            from app.probes import ProbeServer, check_route, metrics_route
+
+            def alive() -> tuple[bool, dict[str, object]]:
+                return True, {"consumer": config.name}
+
+            probes = ProbeServer(
+                {
+                    "/metrics": metrics_route(registry_for(consumer.metrics, consumer=config.name)),
+                    "/healthz": check_route(alive),
+                    "/readyz": check_route(consumer.ready),
+                },
+                host=args.metrics_host,
+                port=args.metrics_port,
+            )
+            await probes.start()
+            print(f"outbox consume: metrics on {probes.url}/metrics", file=sys.stderr)
+        try:
+            await consumer.run(stop)
+        finally:
+            if probes is not None:
+                await probes.close()
+
+    try:
+        asyncio.run(consume())
+    finally:
+        engine.dispose()
+    return EXIT_OK
+
+
+def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from app.amqp.errors import ChannelClosedError, WireError
+    from app.topology import declare, queue_arguments
+
+    if args.bind and args.queue is None:
+        raise UsageError("--bind needs --queue (the queue to bind)")
+    try:
+        queue_arguments(args.queue_type, delivery_limit=args.delivery_limit)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        url = settings.amqp_url.get_secret_value()
+        done = asyncio.run(
+            declare(
+                url,
+                exchange=args.exchange,
+                kind=args.type,
+                queue=args.queue,
+                bindings=args.bind or (),
+                queue_type=args.queue_type,
+                delivery_limit=args.delivery_limit,
+            )
+        )
+    except ChannelClosedError as exc:
+        raise Failure(f"the broker refused: {exc.reason}") from None
+    except (WireError, TimeoutError) as exc:
+        raise Failure(f"broker: {redact(str(exc)) or type(exc).__name__}") from None
+    if args.json:
+        import dataclasses
+
+        _json(dataclasses.asdict(done))
+        return EXIT_OK
+    print(f"exchange {done.exchange!r} ({done.kind}, durable) is declared")
+    if done.queue is not None:
+        keys = ", ".join(repr(k) for k in done.bindings)
+        limit = f", delivery limit {done.delivery_limit}" if done.delivery_limit else ""
+        print(
+            f"queue {done.queue!r} ({done.queue_type}, durable{limit}) is bound to it with "
+            f"{keys}; it holds {done.queue_messages} messages"
+        )
+    return EXIT_OK
+
+
+def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+    from app.demo import main as demo_main  # lazy: Spark is an optional extra
+
+    return demo_main(settings, rows=args.rows, files=args.files, workdir=args.workdir)
+
+
+def _add_migrate(sub: Sub) -> None:
+    mig = sub.add_parser("migrate", help="create or upgrade the outbox schema")
+    mig.add_argument("--revision", default="head", help="target alembic revision (default head)")
+    mig.add_argument("--json", action="store_true", help="the revision reached, as JSON")
+    mig.set_defaults(func=_cmd_migrate)
+
+
+def _add_publish(sub: Sub) -> None:
+    pub = sub.add_parser(
+        "publish",
+        help="run a publisher: outbox rows to RabbitMQ with publisher confirms",
+        description="Run a publisher until SIGINT/SIGTERM, then settle and stop.",
+    )
+    pub.set_defaults(func=_cmd_publish)
+
+
+def _add_serve(sub: Sub) -> None:
+    srv = sub.add_parser(
+        "serve",
+        help="serve the REST API (uvicorn)",
+        description="Serve the operator REST API. Needs OUTBOX_API_TOKEN and/or "
+        "OUTBOX_OPERATOR_TOKEN, or --insecure on a loopback address.",
+    )
+    srv.add_argument("--host", help="address to bind (default OUTBOX_API_HOST, 127.0.0.1)")
+    srv.add_argument(
+        "--port", type=_bounded_int(1, 65535), help="port (default OUTBOX_API_PORT, 8080)"
+    )
+    srv.add_argument(
+        "--insecure", action="store_true", help="allow serving without tokens (loopback only)"
+    )
+    srv.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    srv.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    srv.add_argument(
+        "--forwarded-allow-ips",
+        metavar="ADDRESSES",
+        help="trust X-Forwarded-For/-Proto from these proxies only (comma-separated IPs or "
+        "networks; default OUTBOX_API_FORWARDED_ALLOW_IPS, none)",
+    )
+    srv.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    srv.set_defaults(func=_cmd_serve)
+
+
+def _add_consume(sub: Sub) -> None:
+    con = sub.add_parser(
+        "consume",
+        help="consume a queue with the idempotent consumer kit (manual acks, prefetch, inbox)",
+        description="Each message's effect happens once: the handler runs in a database "
+        "transaction with the inbox row, then the delivery is acknowledged; a redelivery or a "
+        "duplicate publish is acknowledged without running it again.",
+    )
+    con.add_argument("queue", help="the queue to consume (it must exist)")
+    con.add_argument(
+        "--handler", required=True, help="MODULE:FUNCTION taking (message, connection)"
+    )
+    con.add_argument(
+        "--batches",
+        action="store_true",
+        help="the handler takes (messages, connection): a window's messages at once",
+    )
+    con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
+    con.add_argument(
+        "--prefetch",
+        type=_bounded_int(1, 65535),
+        default=None,
+        help="unacked deliveries held at once (default OUTBOX_CONSUMER_PREFETCH, 400)",
+    )
+    con.add_argument(
+        "--mode",
+        choices=("batch", "message"),
+        default=None,
+        help="batch: windows of deliveries per transaction (effects in the database); message: "
+        "a transaction per message (effects outside it) (default OUTBOX_CONSUMER_MODE, batch)",
+    )
+    con.add_argument(
+        "--concurrency",
+        type=_bounded_int(1, 256),
+        default=None,
+        help="handler threads (default OUTBOX_CONSUMER_CONCURRENCY, 8)",
+    )
+    con.add_argument(
+        "--batch-size",
+        type=_bounded_int(1, 10000),
+        default=None,
+        help="batch mode: deliveries per transaction at most (default "
+        "OUTBOX_CONSUMER_BATCH_SIZE, 200)",
+    )
+    con.add_argument(
+        "--delivery-limit",
+        type=_bounded_int(1, 1000),
+        default=None,
+        help="attempts (failures, timeouts, crashes) before a message is "
+        "dead-lettered (default OUTBOX_CONSUMER_DELIVERY_LIMIT, 5)",
+    )
+    con.add_argument(
+        "--handler-timeout",
+        type=_positive_seconds,
+        default=None,
+        help="seconds a handler may run before its attempt fails (default "
+        "OUTBOX_CONSUMER_HANDLER_TIMEOUT, 60)",
+    )
+    con.add_argument(
+        "--dead-letter-exchange",
+        default=None,
+        help="publish dead letters here with headers saying why ('' is the default exchange), "
+        "then ack them; without it they are rejected (the queue's x-dead-letter-exchange)",
+    )
+    con.add_argument(
+        "--dead-letter-routing-key",
+        default=None,
+        help="routing key for --dead-letter-exchange (default: the message's)",
+    )
+    con.add_argument(
+        "--metrics-port",
+        type=_bounded_int(0, 65535),
+        default=None,
+        help="serve /metrics, /healthz, /readyz on this port (0: any free one)",
+    )
+    con.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    con.set_defaults(func=_cmd_consume)
+
+
+def _add_declare(sub: Sub) -> None:
+    dec = sub.add_parser(
+        "declare",
+        help="declare the exchange rows go to (and a queue bound to it): durable, idempotent",
+        description="Declare EXCHANGE, durable, on OUTBOX_AMQP_URL's broker; with --queue also "
+        "a durable queue bound to it. Rows for an exchange that does not exist end 'failed' "
+        "(404 NOT_FOUND) once their retries are spent. Declaring what exists with the same "
+        "type changes nothing.",
+    )
+    dec.add_argument("exchange")
+    dec.add_argument(
+        "--type",
+        default="topic",
+        choices=["direct", "topic", "fanout", "headers"],
+        help="exchange type (default topic)",
+    )
+    dec.add_argument("--queue", help="also declare this queue and bind it")
+    dec.add_argument(
+        "--queue-type",
+        default="classic",
+        choices=["classic", "quorum"],
+        help="classic (default; one node) or quorum (replicated on a cluster: "
+        "a confirm means a majority wrote it)",
+    )
+    dec.add_argument(
+        "--delivery-limit",
+        type=int,
+        metavar="N",
+        help="quorum only: x-delivery-limit, the broker dead-letters (or drops) a "
+        "message after N returns",
+    )
+    dec.add_argument(
+        "--bind",
+        action="append",
+        metavar="KEY",
+        help="binding key, repeatable (default '#' for topic, '' else)",
+    )
+    dec.add_argument("--json", action="store_true", help="what was declared, as JSON")
+    dec.set_defaults(func=_cmd_declare)
+
+
+def _add_demo(sub: Sub) -> None:
+    dem = sub.add_parser(
+        "demo", help="the main job end to end: Spark -> outbox -> RabbitMQ, verified"
+    )
+    dem.add_argument("--rows", type=_bounded_int(1, 10_000_000), default=20_000)
+    dem.add_argument("--files", type=_bounded_int(1, 1000), default=4, help="micro-batches")
+    dem.add_argument("--workdir", type=Path, default=Path("demo-data"))
+    dem.set_defaults(func=_cmd_demo)
