@@ -12,6 +12,7 @@ single-machine default, where a count of its rows is what ``outbox status`` show
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -184,7 +185,9 @@ def test_purge_walks_the_primary_key_and_deletes_exactly_the_rows_past_retention
     )
     assert deleted == cutoff_id
     assert seq_scans_on_outbox(large, sent) == []
-    assert sum(s.lstrip().upper().startswith("DELETE") for s, _ in sent) <= cutoff_id // 10_000 + 1
+    # one DELETE of outbox rows per chunk (each chunk also deletes those rows' events)
+    deletes = [s for s, _ in sent if re.match(r"\s*DELETE FROM outbox\b(?!_)", s, re.I)]
+    assert len(deletes) <= cutoff_id // 10_000 + 1
     with large.connect() as conn:
         left = conn.execute(text("SELECT min(id), count(*) FROM outbox")).one()
         kept_old = conn.execute(

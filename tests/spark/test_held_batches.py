@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from sqlalchemy import make_url
 
 from app.cli import main
 from app.db import make_engine
-from app.outbox.repository import OutboxRepository
+from app.outbox.repository import CLAIM_REWALK, OutboxRepository
 from spark_writer import OutboxDataError, OutboxOptions, OutboxSink, write_outbox
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, commit_batch, hold_batch, write_partition
@@ -123,6 +124,9 @@ def test_a_held_batch_is_not_published_until_recorded_and_counts_as_parked(
 
     result = commit_batch(options=options, batch=batch, results=[first, second], held=True)
     assert (result.rows, result.written, result.replayed) == (3, 3, False)
+    # the writer lifted the hold: the rows sort behind the claim's floor (they were written
+    # before row 100), so the publisher's next walk from the start takes them
+    time.sleep(CLAIM_REWALK.total_seconds())
     assert sorted(claimed_ids(repo)) == ["1", "2", "3"]
     assert dbview.count(db_url, "outbox_held") == 0
     assert status_json()["parked"] == 0
