@@ -53,6 +53,7 @@ STABLE_CONNECTION = 5.0  # a connection that lived longer reconnects at once whe
 SETUP_TIMEOUT = 10.0
 CHECK_TIMEOUT = 5.0
 QUIESCE_TIMEOUT = 10.0
+STOP_CLOSE_TIMEOUT = 5.0
 
 
 @dataclass(slots=True, eq=False)
@@ -207,6 +208,12 @@ class Session:
         first = True
         while not self.stopping:
             conn = await self._connect()
+            if conn is not None and self.stopping:
+                # the stop came while this connection was being set up: close() has already run
+                # and saw the old one (or none), so this one would wait for a close forever
+                with contextlib.suppress(Exception):
+                    await conn.close(timeout=STOP_CLOSE_TIMEOUT)
+                return
             if conn is None:
                 self._metrics.connect_failures += 1
             else:
