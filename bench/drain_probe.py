@@ -40,8 +40,8 @@ from app.amqp.codec import OutgoingMessage, ReturnedMessage, marshal_properties 
 from app.amqp.connection import AMQPConnection  # noqa: E402
 from app.amqp.errors import CloseReason  # noqa: E402
 from app.db import make_engine, migrate  # noqa: E402
-from app.outbox.repository import OutboxRepository  # noqa: E402
 from app.outbox.schema import outbox  # noqa: E402
+from app.outbox.store import PublisherStore  # noqa: E402
 from app.publisher.engine import Publisher  # noqa: E402
 from app.settings import Settings  # noqa: E402
 
@@ -202,7 +202,7 @@ async def drain_rate(amqp_url: str, db_url: str, n: int) -> float:
         )
         engine = make_engine(db_url, pool_pre_ping=False)  # as run_publisher builds it
         try:
-            publisher = Publisher(settings=settings, repository=OutboxRepository(engine))
+            publisher = Publisher(settings=settings, store=PublisherStore(engine))
             start = time.perf_counter()
             stats = await publisher.run(until_empty=True)
             elapsed = time.perf_counter() - start

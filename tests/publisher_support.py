@@ -14,8 +14,8 @@ from typing import Any
 import aio_pika
 from sqlalchemy import Engine, select
 
-from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox
+from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.publisher.metrics import PublisherStats
 from app.settings import Settings
@@ -90,7 +90,7 @@ async def running_publisher(
     settings: Settings, engine: Engine, **kwargs: Any
 ) -> AsyncIterator[Publisher]:
     """A Publisher running in a task; stopped gracefully (bounded) on exit."""
-    publisher = Publisher(settings=settings, repository=OutboxRepository(engine), **kwargs)
+    publisher = Publisher(settings=settings, store=PublisherStore(engine), **kwargs)
     stop = asyncio.Event()
     task = asyncio.create_task(publisher.run(stop=stop))
     try:
@@ -102,7 +102,7 @@ async def running_publisher(
 
 
 async def run_until_empty(settings: Settings, engine: Engine) -> PublisherStats:
-    publisher = Publisher(settings=settings, repository=OutboxRepository(engine))
+    publisher = Publisher(settings=settings, store=PublisherStore(engine))
     async with asyncio.timeout(120):
         return await publisher.run(until_empty=True)
 

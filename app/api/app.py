@@ -15,7 +15,8 @@ from app.api.context import ApiContext
 from app.api.limits import AuthThrottle, BodyLimit, LoopbackHostOnly
 from app.api.strict import reject_unknown_query
 from app.db import head_revision, make_engine
-from app.outbox.repository import Clock, OutboxRepository, utcnow
+from app.outbox.actions import OperatorActions
+from app.outbox.database import Clock, OutboxDatabase, utcnow
 from app.settings import Settings
 
 DESCRIPTION = """Operator surface of the outbox: what is pending, in flight (awaiting a broker
@@ -61,7 +62,7 @@ def create_app(
     ctx = ApiContext(
         settings=settings,
         engine=engine,
-        repo=OutboxRepository(engine, clock=clock),
+        actions=OperatorActions(OutboxDatabase(engine, clock=clock)),
         clock=clock,
         head_revision=head_revision(),
         throttle=AuthThrottle(max_failures=settings.api_auth_failures_per_minute, window=60.0),

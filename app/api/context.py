@@ -9,7 +9,8 @@ from fastapi import Request
 from sqlalchemy import Engine
 
 from app.api.limits import AuthThrottle
-from app.outbox.repository import Clock, OutboxRepository
+from app.outbox.actions import OperatorActions
+from app.outbox.database import Clock
 from app.settings import Settings
 
 
@@ -17,7 +18,7 @@ from app.settings import Settings
 class ApiContext:
     settings: Settings
     engine: Engine
-    repo: OutboxRepository
+    actions: OperatorActions
     clock: Clock
     head_revision: str | None
     throttle: AuthThrottle = field(default_factory=AuthThrottle)

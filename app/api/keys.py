@@ -21,7 +21,7 @@ from app.api.context import ApiContext, get_ctx
 from app.api.models import OPERATOR_TEXT_PATTERN, Text, utf8_text
 from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
 from app.outbox import queries
-from app.outbox.repository import MAX_REASON, CannotSkip, SkipResult
+from app.outbox.actions import MAX_REASON, CannotSkip, SkipResult
 
 log = logging.getLogger("app.api.keys")
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
@@ -119,7 +119,7 @@ def skip_message(
     if queries.message(ctx.engine, message_id=message_id) is None:
         raise HTTPException(404, f"no message {message_id!r}")
     try:
-        result = ctx.repo.skip(
+        result = ctx.actions.skip(
             actor=actor.actor,
             message_id=message_id,
             reason=body.reason,

@@ -25,13 +25,13 @@ from pydantic import (
 )
 
 from app.outbox import queries
-from app.outbox.reports import PublisherReport
-from app.outbox.repository import (
+from app.outbox.actions import (
     CONTROL_CHARACTERS,
     MAX_ACTOR,
     OPERATOR_TEXT_FORBIDDEN,
     RepublishResult,
 )
+from app.outbox.reports import PublisherReport
 from app.outbox.scope import CAUSE_LENGTH, CRITERIA, RepublishFilter, ScopeError
 from app.outbox.states import Status
 

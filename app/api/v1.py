@@ -26,7 +26,7 @@ from app.api.models import (
     Text,
 )
 from app.outbox import queries
-from app.outbox.repository import RequestIdReused
+from app.outbox.actions import RequestIdReused
 from app.outbox.scope import RepublishFilter
 from app.outbox.states import Status
 
@@ -193,7 +193,7 @@ def _republish(
     req: BatchRepublishRequest | RepublishRequest,
 ) -> RepublishOut:
     try:
-        result = ctx.repo.republish(
+        result = ctx.actions.republish(
             actor=caller.actor,
             filter=flt,
             limit=req.limit,

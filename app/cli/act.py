@@ -26,13 +26,14 @@ from app.cli.common import (
 from app.cli.render import render_republish
 from app.cli_output import fancy, progress, show_table
 from app.outbox import queries
-from app.outbox.repository import (
+from app.outbox.actions import (
     MAX_ACTOR,
     MAX_REASON,
     CannotSkip,
-    OutboxRepository,
+    OperatorActions,
     RequestIdReused,
 )
+from app.outbox.retention import Retention
 from app.outbox.scope import RepublishFilter, ScopeError
 from app.outbox.states import TERMINAL_FAILURES
 from app.settings import Settings
@@ -45,9 +46,9 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
     try:
         if flt.batch_id is not None and not queries.batch_exists(engine, batch_id=flt.batch_id):
             raise Failure(f"no batch {flt.batch_id!r}")
-        repo = OutboxRepository(engine)
+        actions = OperatorActions(engine)
         try:
-            result = repo.republish(
+            result = actions.republish(
                 actor=args.actor,
                 filter=flt,
                 limit=args.limit,
@@ -62,7 +63,7 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
             bar.advance(result.count)
             while chunked and result.count == args.limit:
                 chunk += 1  # every chunk its own audited request id, derived from the first
-                result = repo.republish(
+                result = actions.republish(
                     actor=args.actor,
                     filter=flt,
                     limit=args.limit,
@@ -146,7 +147,7 @@ def _print_parked(items: Sequence[queries.ParkedKey]) -> None:
 def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
     engine = _engine(settings)
     try:
-        result = OutboxRepository(engine).skip(
+        result = OperatorActions(engine).skip(
             actor=args.actor, message_id=args.message_id, reason=args.reason
         )
     except CannotSkip as exc:
@@ -178,10 +179,10 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     days = settings.retention_days if args.older_than_days is None else args.older_than_days
     inbox_days = settings.inbox_retention_days
     engine = _engine(settings)
-    repo = OutboxRepository(engine)
+    retention = Retention(engine)
     try:
         if args.dry_run:
-            would = repo.count_purgeable(older_than=dt.timedelta(days=days))
+            would = retention.count_purgeable(older_than=dt.timedelta(days=days))
             if args.json:
                 _json({"dry_run": True, "older_than_days": days, "would_delete": would})
                 return EXIT_OK
@@ -191,13 +192,13 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
             )
             return EXIT_OK
         live = fancy(sys.stderr) and not args.json
-        total = repo.count_purgeable(older_than=dt.timedelta(days=days)) if live else None
+        total = retention.count_purgeable(older_than=dt.timedelta(days=days)) if live else None
         with progress("purge", total) as bar:
-            deleted = repo.purge_confirmed(
+            deleted = retention.purge_confirmed(
                 older_than=dt.timedelta(days=days), chunk=args.chunk, on_chunk=bar.advance
             )
         forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days), chunk=args.chunk)
-        audit_id = repo.record_purge(
+        audit_id = retention.record_purge(
             actor=args.actor,
             older_than=dt.timedelta(days=days),
             deleted=deleted,

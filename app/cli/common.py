@@ -14,10 +14,7 @@ from sqlalchemy import Engine
 
 from app.cli_output import cell
 from app.db import make_engine
-from app.outbox.repository import (
-    MAX_ACTOR,
-    has_control_characters,
-)
+from app.outbox.actions import MAX_ACTOR, has_control_characters
 from app.settings import Settings
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

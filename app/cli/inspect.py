@@ -25,9 +25,7 @@ from app.cli.render import (
 )
 from app.cli_output import fancy, say, show_table
 from app.outbox import queries
-from app.outbox.repository import (
-    utcnow,
-)
+from app.outbox.database import utcnow
 from app.outbox.states import Status
 from app.settings import Settings
 

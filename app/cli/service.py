@@ -10,9 +10,7 @@ from pathlib import Path
 from app.cli.common import EXIT_OK, Failure, Sub, UsageError, _bounded_int, _json, _positive_seconds
 from app.db import SchemaMismatch, check_schema, head_revision, migrate
 from app.logs import redact
-from app.outbox.repository import (
-    RepositoryError,
-)
+from app.outbox.database import OutboxError
 from app.settings import Settings
 
 
@@ -32,7 +30,7 @@ def _cmd_publish(settings: Settings, args: argparse.Namespace) -> int:
         rc = run_publisher_main(settings)
     except SchemaMismatch as exc:
         raise Failure(str(exc)) from None
-    except RepositoryError as exc:  # e.g. another publisher holds this SQLite outbox
+    except OutboxError as exc:  # e.g. another publisher holds this SQLite outbox
         raise Failure(str(exc)) from None
     return rc if isinstance(rc, int) else EXIT_OK
 

@@ -1,9 +1,10 @@
 """Read-side queries for operators: stats, outstanding confirms, batches, one message, metrics.
 
-Nothing here changes a row (state changes live in :mod:`app.outbox.repository`). Every function
-takes the engine and the current time as keyword arguments and returns plain frozen dataclasses,
-so the REST API and the CLI share them. Each works on PostgreSQL and on SQLite; percentiles are
-computed in Python from a bounded select for that reason.
+Nothing here changes a row (state changes live in the store, the registry, the operators' actions
+and retention: see :mod:`app.outbox.database`). Every function takes the engine and the current
+time as keyword arguments and returns plain frozen dataclasses, so the REST API and the CLI share
+them. Each works on PostgreSQL and on SQLite; percentiles are computed in Python from a bounded
+select for that reason.
 """
 
 from __future__ import annotations
@@ -285,7 +286,7 @@ def oldest_ages(conn: Connection, *, now: dt.datetime) -> tuple[float | None, fl
     pending = select(func.min(_due_since())).where(
         outbox.c.status == Status.PENDING,
         outbox.c.available_at < PARKED_FROM,
-        outbox.c.batch_id.not_in(select(held.c.batch_id)),  # see OutboxRepository._due
+        outbox.c.batch_id.not_in(select(held.c.batch_id)),  # see PublisherStore._due
         or_(outbox.c.not_before.is_(None), outbox.c.not_before <= now),
     )
     in_flight = select(func.min(_held_since())).where(outbox.c.status == Status.IN_FLIGHT)

@@ -1,6 +1,6 @@
 """The values the publisher and the outbox store hand each other: plain records, no I/O.
 
-Kept apart from the store that reads and writes them (``app.outbox.repository``), as an event
+Kept apart from the store that reads and writes them (``app.outbox.store``), as an event
 store keeps its records apart from its recorders: the pure parts of the publisher (settlement,
 holdings, envelopes, destinations) import these and nothing of SQLAlchemy or a driver. Standard
 library only; ``tests/unit/test_pure_imports.py`` holds it to that.

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from app.outbox.records import ClaimedRow
-from app.outbox.repository import OutboxRepository
+from app.outbox.store import PublisherStore
 from app.publisher.dbthread import DbThread
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
@@ -43,7 +43,7 @@ UNDONE_ERROR = (
 @dataclass
 class ClaimerParts:
     settings: Settings
-    repo: OutboxRepository
+    store: PublisherStore
     db: DbThread
     owner: str
     holdings: Holdings
@@ -108,7 +108,7 @@ class Claimer:
             self.news.clear()  # what was announced until now, this claim sees
             started = time.perf_counter()
             rows = await p.db.claim(
-                p.repo.claim, owner=p.owner, limit=limit, lease_seconds=s.lease_seconds
+                p.store.claim, owner=p.owner, limit=limit, lease_seconds=s.lease_seconds
             )
         except Exception:
             self.orphans_possible = True
@@ -174,19 +174,19 @@ class Claimer:
         ``held`` (settled rows have left ``in_flight`` before their ids leave ``held``).
         Returns (rows released unpublished, rows released as possible duplicates)."""
         p = self.p
-        orphans = [i for i in p.repo.leased_ids(owner=p.owner) if i not in held]
+        orphans = [i for i in p.store.leased_ids(owner=p.owner) if i not in held]
         if not orphans:
             return 0, 0
         undone = [i for i in orphans if i in undoable]
         unseen = [i for i in orphans if i not in undoable]
-        with p.repo.unit_of_work():
+        with p.store.db.unit_of_work():
             released = (
-                p.repo.release(owner=p.owner, ids=unseen, lost=False, error=ORPHAN_ERROR)
+                p.store.release(owner=p.owner, ids=unseen, lost=False, error=ORPHAN_ERROR)
                 if unseen
                 else 0
             )
             lost = (
-                p.repo.release(owner=p.owner, ids=undone, lost=True, error=UNDONE_ERROR)
+                p.store.release(owner=p.owner, ids=undone, lost=True, error=UNDONE_ERROR)
                 if undone
                 else 0
             )

@@ -1,6 +1,6 @@
 """A publisher's database calls on worker threads, in the order they were made, per lane.
 
-The repository is synchronous; the event loop never blocks on it. There are two lanes:
+The outbox store is synchronous; the event loop never blocks on it. There are two lanes:
 
 - ``call``: write-backs, heartbeats, lease sweeps, registration: one thread, one at a time.
 - ``claim``: claims and the release of orphaned leases. On PostgreSQL a thread (and connection)

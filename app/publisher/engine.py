@@ -39,8 +39,9 @@ from app.confirms import Confirmed, Event, Lost, Nacked
 from app.logs import redact_url
 from app.outbox.content import Limits
 from app.outbox.records import Backoff
+from app.outbox.registry import PublisherRegistry
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.repository import OutboxRepository
+from app.outbox.store import PublisherStore
 from app.probes import ProbeServer, check_route, metrics_route
 from app.publisher.claimer import Claimer, ClaimerParts
 from app.publisher.dbthread import DbThread
@@ -74,7 +75,7 @@ class Publisher:
         self,
         *,
         settings: Settings,
-        repository: OutboxRepository,
+        store: PublisherStore,
         publisher_id: str | None = None,
         metrics: PublisherMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -82,7 +83,8 @@ class Publisher:
     ) -> None:
         """``rng``: jitter and the order of a multi-host URL's brokers (seed it to replay)."""
         self.settings = settings
-        self.repo = repository
+        self.store = store
+        self.registry = PublisherRegistry(store.db)
         self.publisher_id = publisher_id or settings.publisher_id or default_publisher_id()
         self.metrics = metrics or PublisherMetrics()
         self.clock = clock
@@ -95,7 +97,7 @@ class Publisher:
         self.holdings = Holdings()
         self.quarantine = Quarantine()
         self.destinations = Destinations(backoff=self.backoff, ok_ttl=EXCHANGE_OK_TTL)
-        self.db = DbThread(claims_apart=repository.is_postgres, clock=clock)
+        self.db = DbThread(claims_apart=store.db.is_postgres, clock=clock)
         self.session = Session(
             settings=settings,
             metrics=self.metrics,
@@ -107,7 +109,7 @@ class Publisher:
         self.writeback = Writeback(
             WritebackParts(
                 settings=settings,
-                repo=repository,
+                store=store,
                 db=self.db,
                 owner=self.publisher_id,
                 holdings=self.holdings,
@@ -129,7 +131,7 @@ class Publisher:
                 metrics=self.metrics,
                 outcomes=self.writeback.buffer,
                 written=self.writeback.wake.set,
-                wall_clock=repository.clock,
+                wall_clock=store.db.clock,
                 clock=clock,
             ),
             batch=settings.claim_batch,
@@ -152,7 +154,7 @@ class Publisher:
         self.claimer = Claimer(
             ClaimerParts(
                 settings=settings,
-                repo=repository,
+                store=store,
                 db=self.db,
                 owner=self.publisher_id,
                 holdings=self.holdings,
@@ -188,7 +190,7 @@ class Publisher:
         self.db.start()
         try:
             previous = await self.db.call(
-                self.repo.register_publisher,
+                self.registry.register_publisher,
                 publisher_id=self.publisher_id,
                 stale_after=3 * self.settings.publisher_heartbeat_interval,
             )
@@ -198,7 +200,7 @@ class Publisher:
             await self._run_tasks(stop, until_empty)
             with contextlib.suppress(Exception):
                 await self.db.call(
-                    self.repo.unregister_publisher,
+                    self.registry.unregister_publisher,
                     publisher_id=self.publisher_id,
                     stats=self.report().model_dump(mode="json"),
                 )
@@ -258,7 +260,8 @@ class Publisher:
         self.housekeeping = Housekeeping(
             HousekeepingParts(
                 settings=self.settings,
-                repo=self.repo,
+                store=self.store,
+                registry=self.registry,
                 db=self.db,
                 owner=self.publisher_id,
                 holdings=self.holdings,

@@ -9,8 +9,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.outbox.registry import PublisherRegistry
 from app.outbox.reports import PublisherReport
-from app.outbox.repository import OutboxRepository
+from app.outbox.store import PublisherStore
 from app.publisher.dbthread import DbThread
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
@@ -24,7 +25,8 @@ log = logging.getLogger("app.publisher")
 @dataclass
 class HousekeepingParts:
     settings: Settings
-    repo: OutboxRepository
+    store: PublisherStore
+    registry: PublisherRegistry
     db: DbThread
     owner: str
     holdings: Holdings
@@ -81,7 +83,7 @@ class Housekeeping:
         one leased to us unseen (a claim whose reply was lost) must expire and come back."""
         p = self.p
         await p.db.call(
-            p.repo.heartbeat,
+            p.registry.heartbeat,
             publisher_id=p.owner,
             lease_seconds=p.settings.lease_seconds,
             held=list(p.holdings.held),
@@ -90,7 +92,7 @@ class Housekeeping:
 
     async def _sweep(self) -> None:
         p = self.p
-        swept = await p.db.call(p.repo.release_expired)
+        swept = await p.db.call(p.store.release_expired)
         if swept:
             # each swept row may have been on the wire: a possible duplicate, as the row's own
             # lost_confirms says (ours too, after an outage longer than the lease)
@@ -105,4 +107,4 @@ class Housekeeping:
         p = self.p
         if not p.idle():
             return False
-        return await p.db.call(p.repo.count_open) == 0
+        return await p.db.call(p.store.count_open) == 0

@@ -2,7 +2,7 @@
 
 The broker's answers are settled on the event loop (see :mod:`app.publisher.settlement`) into an
 :class:`Outcomes` buffer; the write-back (:mod:`app.publisher.writeback`) swaps the buffer out and
-writes it in one transaction, one repository call per outcome kind.
+writes it in one transaction, one store call per outcome kind.
 
 A publish still unconfirmed ``outstanding_after`` seconds after it was written is *due* (the
 confirm ledger says which: :meth:`app.confirms.ChannelLedger.due_notes`): its channel, delivery
@@ -124,7 +124,7 @@ class Outcomes:
 
 @dataclass(frozen=True, slots=True)
 class Written:
-    """What one write-back moved in the database (counts the repository returned)."""
+    """What one write-back moved in the database (counts the store returned)."""
 
     expected: int
     moved: int

@@ -45,7 +45,7 @@ class SenderParts:
     metrics: PublisherMetrics
     outcomes: Callable[[], Outcomes]  # the write-back's current buffer
     written: Callable[[], None]  # wake the write-back: outcomes were added
-    wall_clock: Callable[[], dt.datetime]  # the repository's clock (publish facts)
+    wall_clock: Callable[[], dt.datetime]  # the store's clock (publish facts)
     clock: Callable[[], float]
 
 

@@ -1,4 +1,4 @@
-"""The publisher as a service: ``run_publisher`` builds its engine and repository from the
+"""The publisher as a service: ``run_publisher`` builds its engine and store from the
 settings and publishes until stopped (the CLI, the demo and the benchmark call it); ``main`` runs
 it with SIGTERM/SIGINT mapped to a graceful stop."""
 
@@ -10,7 +10,7 @@ import os
 import signal
 
 from app.db import check_schema, make_engine, session_limits
-from app.outbox.repository import OutboxRepository
+from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.publisher.metrics import PublisherMetrics, PublisherStats
 from app.settings import Settings
@@ -26,7 +26,7 @@ async def run_publisher(
     metrics: PublisherMetrics | None = None,
 ) -> PublisherStats:
     """Publish until ``stop`` is set, or with ``until_empty`` until no pending/in_flight row is
-    left. Builds its own engine and repository from ``settings``."""
+    left. Builds its own engine and store from ``settings``."""
     # One DB thread reuses one pooled connection all the time: a pre-ping per checkout would add
     # a round trip to every statement; a dead connection fails the call, which is retried.
     # A frozen publisher must cost only its own rows, for its lease: its sessions end when they
@@ -42,9 +42,7 @@ async def run_publisher(
     engine = make_engine(url, pool_pre_ping=False, **extra)
     try:
         await asyncio.to_thread(check_schema, engine)  # never publish on a schema we don't know
-        publisher = Publisher(
-            settings=settings, repository=OutboxRepository(engine), metrics=metrics
-        )
+        publisher = Publisher(settings=settings, store=PublisherStore(engine), metrics=metrics)
         return await publisher.run(stop=stop, until_empty=until_empty)
     finally:
         engine.dispose()

@@ -6,8 +6,8 @@ Whatever the broker does, an outcome is written once the running write-back is d
 tag and publish time are on its row. The loop waits on a deadline as well as on its wake-up, so it
 never depends on an ack arriving (a broker that never acks still shows every outstanding confirm).
 
-Each write-back is one transaction (:meth:`~app.outbox.repository.OutboxRepository.unit_of_work`),
-one repository call per outcome kind; a failure anywhere rolls all of it back and the same
+Each write-back is one transaction (:meth:`~app.outbox.database.OutboxDatabase.unit_of_work`),
+one store call per outcome kind; a failure anywhere rolls all of it back and the same
 outcomes go in front of the newer ones for the next try (a commit whose result is unknown is
 retried too: rows it did move then count as ``lease_lost``, nothing moves twice because every
 write is guarded by ``in_flight`` + owner).
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from app.confirms import Sent, TagNoteMap
 from app.outbox.records import Backoff, Published
-from app.outbox.repository import OutboxRepository
 from app.outbox.states import Status
+from app.outbox.store import PublisherStore
 from app.publisher.dbthread import DbThread
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
@@ -47,7 +47,7 @@ RETRY_PAUSE = 1.0
 @dataclass
 class WritebackParts:
     settings: Settings
-    repo: OutboxRepository
+    store: PublisherStore
     db: DbThread
     owner: str
     holdings: Holdings
@@ -203,25 +203,25 @@ class Writeback:
 
     def _write(self, *, out: Outcomes) -> Written:
         """The whole write-back in one transaction (one commit)."""
-        with self.p.repo.unit_of_work(durable=self.p.settings.synchronous_commit):
+        with self.p.store.db.unit_of_work(durable=self.p.settings.synchronous_commit):
             return self._write_all(out)
 
     def _write_all(self, out: Outcomes) -> Written:
-        """One repository call per outcome kind (and reason)."""
+        """One store call per outcome kind (and reason)."""
         p = self.p
-        repo, owner = p.repo, p.owner
+        store, owner = p.store, p.owner
         settled = set(out.settled_ids())
         for reason, ids in out.resent.items():  # first: the same rows may settle in this batch
-            repo.resend(owner=owner, ids=ids, error=reason)
+            store.resend(owner=owner, ids=ids, error=reason)
         for (channel_id, at), tags in out.published.items():
             still_out = [pair for pair in tags if pair[0] not in settled]
             if still_out:
-                repo.record_published(
+                store.record_published(
                     owner=owner, channel_id=channel_id, tags=still_out, published_at=at
                 )
         confirmed = self._confirm(out.confirmed, out.sent) if out.confirmed else 0
         returned = (
-            repo.mark_returned(
+            store.mark_returned(
                 owner=owner,
                 returns=out.returned,
                 published=_published((r.id for r in out.returned), out.sent)[0],
@@ -231,7 +231,7 @@ class Writeback:
         )
         retried = final = failed = lost = released = 0
         if out.nacked:
-            r = repo.retry(
+            r = store.retry(
                 owner=owner,
                 ids=out.nacked,
                 error="nacked by the broker",
@@ -241,7 +241,7 @@ class Writeback:
             )
             retried, final = r.retried, r.exhausted
         for reason, ids in out.destination.items():
-            r = repo.retry(
+            r = store.retry(
                 owner=owner,
                 ids=ids,
                 error=reason,
@@ -251,14 +251,14 @@ class Writeback:
             )
             retried, failed = retried + r.retried, failed + r.exhausted
         for reason, ids in out.failed.items():
-            failed += repo.mark_failed(owner=owner, ids=ids, reason=reason)
+            failed += store.mark_failed(owner=owner, ids=ids, reason=reason)
         for reason, ids in out.lost.items():
-            lost += repo.release(owner=owner, ids=ids, lost=True, error=reason)
+            lost += store.release(owner=owner, ids=ids, lost=True, error=reason)
         if out.released:
-            released = repo.release(owner=owner, ids=out.released, lost=False)
+            released = store.release(owner=owner, ids=out.released, lost=False)
         postponed = 0
         for (reason, delay), ids in out.postponed.items():
-            postponed += repo.postpone(owner=owner, ids=ids, error=reason, delay=delay)
+            postponed += store.postpone(owner=owner, ids=ids, error=reason, delay=delay)
         moved = confirmed + returned + retried + final + failed + lost + released + postponed
         return Written(
             len(settled),
@@ -275,7 +275,7 @@ class Writeback:
 
     def _confirm(self, ids: list[int], sent: dict[int, Sent]) -> int:
         published, bare = _published(ids, sent)
-        return self.p.repo.mark_confirmed(owner=self.p.owner, ids=bare, published=published)
+        return self.p.store.mark_confirmed(owner=self.p.owner, ids=bare, published=published)
 
 
 def _published(ids: Iterable[int], sent: dict[int, Sent]) -> tuple[list[Published], list[int]]:

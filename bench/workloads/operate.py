@@ -18,7 +18,8 @@ from sqlalchemy import Engine, delete, select, text
 
 from app.db import make_engine
 from app.outbox import queries
-from app.outbox.repository import OutboxRepository
+from app.outbox.database import OutboxDatabase
+from app.outbox.retention import Retention
 from app.outbox.schema import outbox
 from app.outbox.states import Status
 from bench.common import REPEATS, Measured, Services, Sizes, temp_postgres
@@ -76,8 +77,8 @@ def _timed_stats(engine: Engine) -> tuple[float, float]:
 def _timed_purge(engine: Engine, *, walk: bool) -> float:
     if not walk:
         return _ms(lambda: _old_purge(engine))
-    repo = OutboxRepository(engine, clock=lambda: NOW)
-    return _ms(lambda: repo.purge_confirmed(older_than=RETENTION, chunk=CHUNK))
+    retention = Retention(OutboxDatabase(engine, clock=lambda: NOW))
+    return _ms(lambda: retention.purge_confirmed(older_than=RETENTION, chunk=CHUNK))
 
 
 def run(services: Services, sizes: Sizes) -> list[Measured]:

@@ -26,11 +26,11 @@ from app.api import ApiConfigError, create_app
 from app.db import make_engine, migrate
 from app.outbox import queries
 from app.outbox.records import Backoff, ReturnedRow
-from app.outbox.repository import OutboxRepository
 from app.outbox.schema import audit, batches, outbox, publishers
 from app.outbox.states import Status
 from app.settings import Settings
 from tests.factories import add_rows
+from tests.outbox_clients import OutboxClients
 
 T0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)
 READ = "read-token-0123456789"
@@ -84,7 +84,7 @@ LATENCY_STATS = {
 
 
 def _published(
-    repo: OutboxRepository,
+    repo: OutboxClients,
     owner: str,
     engine: Engine,
     clock: Clock,
@@ -107,10 +107,10 @@ def _published(
         created_at=clock.now,
         available_at=clock.now,
     )
-    got = repo.claim(owner=owner, limit=n, lease_seconds=600)
+    got = repo.store.claim(owner=owner, limit=n, lease_seconds=600)
     assert len(got) == n
     if publish:
-        repo.record_published(
+        repo.store.record_published(
             owner=owner, channel_id=channel, tags=[(r.id, tag0 + i) for i, r in enumerate(got)]
         )
     return ids
@@ -126,25 +126,25 @@ def seed_every_state(engine: Engine, clock: Clock) -> Seeded:
     """Batch ``orders:1``: confirmed, returned, nacked. Batch ``orders:2``: failed, in flight
     (published and claimed-only), pending (one after a lost confirm). ``orders:3``: recorded by
     Spark with every row rejected. Two publishers: ``p1`` alive with counters, ``p0`` stopped."""
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     s = Seeded()
     # "order-1-0" is the OpenAPI example of a message id: the fuzzer finds it
     s.ids["confirmed"] = _published(
         repo, "p1", engine, clock, n=3, batch_id="orders:1", channel=1, tag0=1, prefix="order-1"
     )
     clock.advance(0.25)
-    repo.mark_confirmed(owner="p1", ids=_row_ids(engine, s["confirmed"]))
+    repo.store.mark_confirmed(owner="p1", ids=_row_ids(engine, s["confirmed"]))
     s.ids["returned"] = _published(
         repo, "p1", engine, clock, n=2, batch_id="orders:1", channel=1, tag0=4
     )
-    repo.mark_returned(
+    repo.store.mark_returned(
         owner="p1",
         returns=[ReturnedRow(i, 312, "NO_ROUTE") for i in _row_ids(engine, s["returned"])],
     )
     s.ids["nacked"] = _published(
         repo, "p1", engine, clock, n=2, batch_id="orders:1", channel=1, tag0=6, exchange="payments"
     )
-    repo.retry(
+    repo.store.retry(
         owner="p1",
         ids=_row_ids(engine, s["nacked"]),
         error="nacked by broker",
@@ -156,7 +156,7 @@ def seed_every_state(engine: Engine, clock: Clock) -> Seeded:
     s.ids["failed"] = _published(
         repo, "p1", engine, clock, n=2, batch_id="orders:2", channel=2, tag0=1, publish=False
     )
-    repo.mark_failed(owner="p1", ids=_row_ids(engine, s["failed"]), reason="body too large")
+    repo.store.mark_failed(owner="p1", ids=_row_ids(engine, s["failed"]), reason="body too large")
     clock.advance(5)
     s.ids["pending"] = add_rows(
         engine,
@@ -176,7 +176,9 @@ def seed_every_state(engine: Engine, clock: Clock) -> Seeded:
     )
     # published, then its channel closed before the confirm: pending again, a possible duplicate
     s.lost = _published(repo, "p1", engine, clock, n=1, batch_id="orders:2", channel=2, tag0=1)[0]
-    repo.release(owner="p1", ids=_row_ids(engine, [s.lost]), lost=True, error="channel closed")
+    repo.store.release(
+        owner="p1", ids=_row_ids(engine, [s.lost]), lost=True, error="channel closed"
+    )
     s.ids["pending"].append(s.lost)
     _spark_batches(engine)
     _publishers(engine, clock)
@@ -372,10 +374,10 @@ async def test_outstanding_confirms_keyset_pages_see_every_row_once(
         body = (await client.get("/v1/confirms/outstanding", params=params, headers=R)).json()
         seen += [i["message_id"] for i in body["items"]]
         if page == 1:  # a publish that goes out while the operator pages lands at the end
-            repo = OutboxRepository(engine, clock=clock)
+            repo = OutboxClients(engine, clock=clock)
             late = add_rows(engine, n=1, batch_id="orders:2", available_at=clock.now)
-            got = repo.claim(owner="p1", limit=5, lease_seconds=60)
-            repo.record_published(owner="p1", channel_id=3, tags=[(got[-1].id, 99)])
+            got = repo.store.claim(owner="p1", limit=5, lease_seconds=60)
+            repo.store.record_published(owner="p1", channel_id=3, tags=[(got[-1].id, 99)])
         cursor = body["next_cursor"]
         if cursor is None:
             break

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, insert, text
 
-from app.outbox.repository import CLAIM_REWALK, OutboxRepository
 from app.outbox.schema import held
+from app.outbox.store import CLAIM_REWALK
 from tests.integration.test_large_outbox import _nodes, captured
+from tests.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 
@@ -48,8 +49,8 @@ def add(engine: Engine, names: list[str], *, at: dt.datetime, batch: str = "b:1"
         )
 
 
-def claim(repo: OutboxRepository, n: int) -> list[str]:
-    return [r.message_id for r in repo.claim(owner="p1", limit=n, lease_seconds=60)]
+def claim(repo: OutboxClients, n: int) -> list[str]:
+    return [r.message_id for r in repo.store.claim(owner="p1", limit=n, lease_seconds=60)]
 
 
 def names(prefix: str, n: int) -> list[str]:
@@ -60,7 +61,7 @@ def test_a_late_commit_behind_the_floor_waits_for_the_next_walk_from_the_start(
     engine: Engine,
 ) -> None:
     clock = Clock()
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     add(engine, names("a", 10), at=T0 - dt.timedelta(seconds=10))
     assert claim(repo, 4) == names("a", 4)  # from the start: there is no floor yet
     # a transaction that began before those rows commits now: its rows sort before the floor
@@ -76,7 +77,7 @@ def test_rows_another_claim_held_locked_are_taken_on_the_next_walk_from_the_star
     engine: Engine,
 ) -> None:
     clock = Clock()
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     add(engine, names("r", 8), at=T0 - dt.timedelta(seconds=10))
     with engine.connect() as other:  # another publisher's claim, still running: r002 locked
         other.execute(text("SELECT id FROM outbox WHERE message_id = 'r002' FOR UPDATE"))
@@ -92,7 +93,7 @@ def test_a_held_batch_released_behind_the_floor_is_claimed_after_the_next_walk(
     engine: Engine,
 ) -> None:
     clock = Clock()
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     with engine.begin() as conn:
         conn.execute(insert(held).values(batch_id="spark:1"))
     add(engine, names("h", 3), at=T0 - dt.timedelta(seconds=30), batch="spark:1")
@@ -108,7 +109,7 @@ def test_a_held_batch_released_behind_the_floor_is_claimed_after_the_next_walk(
 
 def test_keyed_rows_are_claimed_as_key_heads_whatever_the_floor(engine: Engine) -> None:
     clock = Clock()
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     add(engine, names("u", 3), at=T0 - dt.timedelta(seconds=5))
     assert claim(repo, 3) == names("u", 3)
     with engine.begin() as conn:  # keyed rows older than the floor
@@ -162,7 +163,7 @@ def test_the_walk_from_the_floor_skips_the_entries_of_rows_claimed_since_the_las
             {"t0": T0},
         )
     clock = Clock()
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     for _ in range(15):
         assert len(claim(repo, 2000)) == 2000
     with engine.begin() as conn:
@@ -186,15 +187,15 @@ def test_rows_released_at_the_floors_own_time_are_claimed_at_once(engine: Engine
     clock): the row sorts behind the floor by its id. The release makes the next claim walk
     from the start, once its transaction committed; so does the sweep of expired leases."""
     clock = Clock()
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     add(engine, names("s", 3), at=T0)
-    got = repo.claim(owner="p1", limit=3, lease_seconds=60)
-    with repo.unit_of_work():  # as the write-back does: the walk waits for the commit
-        repo.release(owner="p1", ids=[got[0].id], lost=True, error="channel closed")
-        assert not repo._rewalk
-    assert repo._rewalk
+    got = repo.store.claim(owner="p1", limit=3, lease_seconds=60)
+    with repo.db.unit_of_work():  # as the write-back does: the walk waits for the commit
+        repo.store.release(owner="p1", ids=[got[0].id], lost=True, error="channel closed")
+        assert not repo.store._rewalk
+    assert repo.store._rewalk
     assert claim(repo, 10) == ["s000"]
-    assert repo.mark_confirmed(owner="p1", ids=[got[0].id]) == 1
+    assert repo.store.mark_confirmed(owner="p1", ids=[got[0].id]) == 1
     clock.advance(120)  # the other two rows' lease runs out
-    assert repo.release_expired() == 2
+    assert repo.store.release_expired() == 2
     assert claim(repo, 10) == ["s001", "s002"]

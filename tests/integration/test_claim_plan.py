@@ -9,7 +9,7 @@ runs where it was chosen (docs/performance.md). The claim now writes 'pending' i
 and runs with sequential scans, bitmap scans and sorts off.
 
 The statements checked are the ones production sends: captured from the engine while
-``OutboxRepository.claim`` runs, then prepared and explained with ``plan_cache_mode`` forcing the
+``PublisherStore.claim`` runs, then prepared and explained with ``plan_cache_mode`` forcing the
 generic plan, in one transaction with the statements sent before the claim. PostgreSQL only.
 """
 
@@ -24,8 +24,8 @@ import pytest
 from sqlalchemy import Engine, text
 
 from app.outbox.queries import delayed_rows
-from app.outbox.repository import OutboxRepository
 from tests.integration.test_large_outbox import _nodes, captured
+from tests.outbox_clients import OutboxClients
 
 NOW = dt.datetime(2026, 11, 25, 12, 0, tzinfo=dt.UTC)
 SMALL, BACKLOG, CLAIM = 50, 20_000, 200
@@ -88,11 +88,11 @@ def walks_the_due_index(nodes: list[dict[str, Any]]) -> bool:
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_the_claim_walks_the_due_index_at_any_size_of_the_outbox(engine: Engine) -> None:
-    repo = OutboxRepository(engine, clock=lambda: NOW)
+    repo = OutboxClients(engine, clock=lambda: NOW)
     add(engine, 1, SMALL)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("ANALYZE outbox"))
-    first, sent = captured(engine, lambda: repo.claim(owner="p1", limit=10, lease_seconds=30))
+    first, sent = captured(engine, lambda: repo.store.claim(owner="p1", limit=10, lease_seconds=30))
     assert [r.id for r in first] == list(range(1, 11))
     # as the product sends it, the claim's generic plan walks the index
     assert walks_the_due_index(generic_plan(engine, sent))
@@ -110,7 +110,9 @@ def test_the_claim_walks_the_due_index_at_any_size_of_the_outbox(engine: Engine)
     assert "Sort" in kinds and "Seq Scan" in kinds, kinds
 
     add(engine, SMALL + 1, SMALL + BACKLOG)  # a backlog arrives; no ANALYZE since
-    claimed, sent = captured(engine, lambda: repo.claim(owner="p1", limit=CLAIM, lease_seconds=30))
+    claimed, sent = captured(
+        engine, lambda: repo.store.claim(owner="p1", limit=CLAIM, lease_seconds=30)
+    )
     assert [r.id for r in claimed] == list(range(11, CLAIM + 11))  # the oldest, in order
     assert walks_the_due_index(generic_plan(engine, sent))
 
@@ -141,8 +143,10 @@ def test_delayed_rows_stay_out_of_the_claims_walk(engine: Engine) -> None:
     add(engine, 1, SMALL)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE outbox"))
-    repo = OutboxRepository(engine, clock=lambda: NOW)
-    claimed, sent = captured(engine, lambda: repo.claim(owner="p1", limit=CLAIM, lease_seconds=30))
+    repo = OutboxClients(engine, clock=lambda: NOW)
+    claimed, sent = captured(
+        engine, lambda: repo.store.claim(owner="p1", limit=CLAIM, lease_seconds=30)
+    )
     assert [r.message_id for r in claimed] == [f"m-{g}" for g in range(1, SMALL + 1)]
     with engine.begin() as conn:  # the same claim again, explained, on the same rows
         conn.execute(

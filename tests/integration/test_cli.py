@@ -24,10 +24,10 @@ from sqlalchemy import Engine, func, inspect, select, update
 from app.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, duration, main
 from app.cli_output import plain_table
 from app.db import make_engine
-from app.outbox.repository import OutboxRepository
 from app.outbox.schema import audit, inbox, outbox
 from tests.factories import add_rows
 from tests.integration.test_api import OPERATOR, READ, Clock, Seeded, seed_every_state
+from tests.outbox_clients import OutboxClients
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = [
@@ -405,9 +405,9 @@ def test_purge_deletes_only_confirmed_rows_past_retention(
     engine: Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     add_rows(engine, n=5)
-    repo = OutboxRepository(engine)
-    rows = repo.claim(owner="p", limit=5, lease_seconds=30)
-    repo.mark_confirmed(owner="p", ids=[r.id for r in rows[:4]])
+    repo = OutboxClients(engine)
+    rows = repo.store.claim(owner="p", limit=5, lease_seconds=30)
+    repo.store.mark_confirmed(owner="p", ids=[r.id for r in rows[:4]])
     old = dt.datetime.now(dt.UTC) - dt.timedelta(days=10)
     with engine.begin() as conn:  # three of them were confirmed ten days ago
         ids = [r.id for r in rows[:3]]
@@ -603,9 +603,9 @@ def test_republish_says_when_its_limit_left_rows_behind_and_all_moves_them_in_ch
     engine: Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     add_rows(engine, n=7, exchange="limits")
-    repo = OutboxRepository(engine)
-    rows = repo.claim(owner="p", limit=7, lease_seconds=30)
-    repo.mark_failed(owner="p", ids=[r.id for r in rows], reason="exchange 'limits' missing")
+    repo = OutboxClients(engine)
+    rows = repo.store.claim(owner="p", limit=7, lease_seconds=30)
+    repo.store.mark_failed(owner="p", ids=[r.id for r in rows], reason="exchange 'limits' missing")
     rc, out, err = run(capsys, "republish", "--exchange", "limits", "--limit", "3")
     assert rc == 3 and "4 matching rows were left behind by --limit 3" in err, (out, err)
     rc, out, err = run(capsys, "republish", "--exchange", "limits", "--limit", "2", "--all")
@@ -721,15 +721,15 @@ def test_outstanding_lists_held_rows_with_channel_tag_and_age_in_pages(
 
 def test_republish_all_and_purge_show_progress_on_a_terminal(env: str, engine: Engine) -> None:
     add_rows(engine, n=9, exchange="bars")
-    repo = OutboxRepository(engine)
-    rows = repo.claim(owner="p", limit=9, lease_seconds=30)
-    repo.mark_failed(owner="p", ids=[r.id for r in rows], reason="exchange 'bars' missing")
+    repo = OutboxClients(engine)
+    rows = repo.store.claim(owner="p", limit=9, lease_seconds=30)
+    repo.store.mark_failed(owner="p", ids=[r.id for r in rows], reason="exchange 'bars' missing")
     rc, drawn = _on_a_terminal(["republish", "--exchange", "bars", "--limit", "2", "--all"], env)
     assert rc == EXIT_OK, drawn
     assert "republish" in drawn and "9/9" in drawn, drawn  # the bar, complete
     assert "in all: 9 rows republished in 5 chunks of at most 2" in drawn
-    rows = repo.claim(owner="p", limit=9, lease_seconds=30)
-    repo.mark_confirmed(owner="p", ids=[r.id for r in rows])
+    rows = repo.store.claim(owner="p", limit=9, lease_seconds=30)
+    repo.store.mark_confirmed(owner="p", ids=[r.id for r in rows])
     with engine.begin() as conn:
         conn.execute(update(outbox).values(confirmed_at=func.now() - dt.timedelta(days=30)))
     rc, drawn = _on_a_terminal(["purge", "--chunk", "4", "--older-than-days", "7"], env)

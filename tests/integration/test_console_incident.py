@@ -13,7 +13,7 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from sqlalchemy import Engine, select
 
-from app.outbox.repository import Backoff, OutboxRepository
+from app.outbox.records import Backoff
 from app.outbox.schema import audit, outbox
 from app.outbox.states import Status
 from tests.factories import add_rows
@@ -28,6 +28,7 @@ from tests.integration.test_console import (  # noqa: F401 (fixtures)
     text,
 )
 from tests.integration.test_console_scopes import confirm, moved, statuses
+from tests.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.browser
 
@@ -36,7 +37,7 @@ class Parked:
     """Keys ``k-1`` and ``k-2``, three rows each; each key's first row nacked for good."""
 
     def __init__(self, engine: Engine, clock: Clock) -> None:
-        repo = OutboxRepository(engine, clock=clock)
+        repo = OutboxClients(engine, clock=clock)
         self.rows = {
             key: add_rows(
                 engine,
@@ -48,9 +49,9 @@ class Parked:
             )
             for key in ("k-1", "k-2")
         }
-        heads = repo.claim(owner="p1", limit=10, lease_seconds=60)
+        heads = repo.store.claim(owner="p1", limit=10, lease_seconds=60)
         assert sorted(r.message_id for r in heads) == ["k-1-0", "k-2-0"]  # the rest wait
-        repo.retry(
+        repo.store.retry(
             owner="p1",
             ids=[r.id for r in heads],
             error="nacked by the broker",
@@ -119,14 +120,14 @@ def test_the_read_token_cannot_skip(
 def test_a_dead_publisher_s_holdings_say_when_they_return_to_pending(
     browser: webdriver.Chrome, server: Server, parked: Parked, engine: Engine, clock: Clock
 ) -> None:
-    repo = OutboxRepository(engine, clock=clock)
-    repo.register_publisher(publisher_id="p0", stale_after=30)
+    repo = OutboxClients(engine, clock=clock)
+    repo.registry.register_publisher(publisher_id="p0", stale_after=30)
     add_rows(engine, n=1, prefix="held", created_at=clock.now, available_at=clock.now)
-    (held,) = repo.claim(owner="p0", limit=1, lease_seconds=600)
+    (held,) = repo.store.claim(owner="p0", limit=1, lease_seconds=600)
     clock.advance(120)  # p0 beats no more: dead after 3 heartbeat intervals
-    repo.register_publisher(publisher_id="p2", stale_after=30)
+    repo.registry.register_publisher(publisher_id="p2", stale_after=30)
     add_rows(engine, n=1, prefix="live", created_at=clock.now, available_at=clock.now)
-    (live,) = repo.claim(owner="p2", limit=1, lease_seconds=600)
+    (live,) = repo.store.claim(owner="p2", limit=1, lease_seconds=600)
     sign_in(browser, server, READ, "/ui/outstanding")
     holders = {
         r.find_element(By.TAG_NAME, "a").text: r.find_element(By.CLASS_NAME, "holder").text

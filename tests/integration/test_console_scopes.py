@@ -23,7 +23,7 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import Engine, func, select
 
-from app.outbox.repository import Backoff, OutboxRepository, ReturnedRow
+from app.outbox.records import Backoff, ReturnedRow
 from app.outbox.schema import audit, outbox
 from app.outbox.states import TERMINAL_FAILURES, Status
 from tests.factories import add_rows
@@ -38,12 +38,13 @@ from tests.integration.test_console import (  # noqa: F401 (fixtures)
     submit,
     text,
 )
+from tests.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.browser
 
 
 def _settle(
-    repo: OutboxRepository,
+    repo: OutboxClients,
     engine: Engine,
     *,
     n: int,
@@ -55,7 +56,7 @@ def _settle(
     reason: str = "",
 ) -> list[str]:
     """``n`` rows written, claimed, published and settled as the publisher settles them."""
-    now = repo.clock()
+    now = repo.db.clock()
     ids = add_rows(
         engine,
         n=n,
@@ -66,17 +67,19 @@ def _settle(
         created_at=now,
         available_at=now,
     )
-    got = repo.claim(owner="p1", limit=n, lease_seconds=600)
+    got = repo.store.claim(owner="p1", limit=n, lease_seconds=600)
     assert sorted(r.message_id for r in got) == sorted(ids)
     rows = [r.id for r in got]
     if outcome != "failed":
-        repo.record_published(
+        repo.store.record_published(
             owner="p1", channel_id=1, tags=[(i, k + 1) for k, i in enumerate(rows)]
         )
     if outcome == "returned":
-        repo.mark_returned(owner="p1", returns=[ReturnedRow(i, 312, "NO_ROUTE") for i in rows])
+        repo.store.mark_returned(
+            owner="p1", returns=[ReturnedRow(i, 312, "NO_ROUTE") for i in rows]
+        )
     elif outcome == "nacked":
-        repo.retry(
+        repo.store.retry(
             owner="p1",
             ids=rows,
             error="nacked by broker",
@@ -85,13 +88,13 @@ def _settle(
             max_attempts=1,
         )
     else:
-        repo.mark_failed(owner="p1", ids=rows, reason=reason)
+        repo.store.mark_failed(owner="p1", ids=rows, reason=reason)
     return ids
 
 
 class Incident:
     def __init__(self, engine: Engine, clock: Clock) -> None:
-        repo = OutboxRepository(engine, clock=clock)
+        repo = OutboxClients(engine, clock=clock)
         self.apac = _settle(
             repo,
             engine,
@@ -272,7 +275,7 @@ def test_the_message_page_republishes_that_message(
 def test_failure_totals_equal_the_database_on_every_page(
     browser: webdriver.Chrome, server: Server, incident: Incident, engine: Engine, clock: Clock
 ) -> None:
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     for i in range(55):  # 55 more causes: 58 in all, two pages of 50
         _settle(
             repo,
@@ -342,7 +345,7 @@ def test_the_history_of_a_message_keeps_every_fact_in_the_broker_s_words(
 ) -> None:
     """Failed twice (404), republished from its page, then published and confirmed: all of it
     shows, in order; a returned row says the broker returned it, then acked."""
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     (mid,) = add_rows(engine, n=1, exchange="gone", created_at=clock.now, available_at=clock.now)
     retry = {
         "owner": "p1",
@@ -353,15 +356,15 @@ def test_the_history_of_a_message_keeps_every_fact_in_the_broker_s_words(
     }
     for _ in range(2):
         clock.advance(1)
-        (row,) = repo.claim(owner="p1", limit=1, lease_seconds=60)
-        repo.retry(ids=[row.id], **retry)  # type: ignore[arg-type]
+        (row,) = repo.store.claim(owner="p1", limit=1, lease_seconds=60)
+        repo.store.retry(ids=[row.id], **retry)  # type: ignore[arg-type]
     sign_in(browser, server, OPERATOR, "/ui/messages/" + quote(mid))
     confirm(browser, browser.find_element(By.CSS_SELECTOR, "button.go"))
     clock.advance(1)
-    (row,) = repo.claim(owner="p1", limit=1, lease_seconds=60)
-    repo.record_published(owner="p1", channel_id=4, tags=[(row.id, 9)])
+    (row,) = repo.store.claim(owner="p1", limit=1, lease_seconds=60)
+    repo.store.record_published(owner="p1", channel_id=4, tags=[(row.id, 9)])
     clock.advance(1)
-    repo.mark_confirmed(owner="p1", ids=[row.id])
+    repo.store.mark_confirmed(owner="p1", ids=[row.id])
     browser.get(server.base + "/ui/messages/" + quote(mid))
     steps = [
         r.find_elements(By.TAG_NAME, "td")[1].text

@@ -21,10 +21,10 @@ import pytest
 from sqlalchemy import Engine, select, text, update
 
 from app.db import make_engine, session_limits
-from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox
 from tests.conftest import scrubbed_environ
 from tests.factories import add_rows
+from tests.outbox_clients import OutboxClients
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,8 +41,8 @@ def test_the_sweep_steps_past_rows_a_frozen_publisher_has_locked(engine: Engine)
     retry()'s SELECT ... FOR UPDATE blocked it, and a dead publisher's 185 rows stayed out 27 s
     past their expiry. Now the sweep frees the rows nobody locks, at once."""
     add_rows(engine, n=10)
-    repo = OutboxRepository(engine)
-    got = repo.claim(owner="frozen", limit=10, lease_seconds=60)
+    repo = OutboxClients(engine)
+    got = repo.store.claim(owner="frozen", limit=10, lease_seconds=60)
     past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
     with engine.begin() as conn:  # every lease expired: the publisher died, or is frozen
         conn.execute(update(outbox).values(lease_until=past))
@@ -52,7 +52,9 @@ def test_the_sweep_steps_past_rows_a_frozen_publisher_has_locked(engine: Engine)
     frozen.execute(select(outbox.c.id).where(outbox.c.id.in_(locked)).with_for_update())
     try:
         done: list[int] = []
-        sweep = threading.Thread(target=lambda: done.append(repo.release_expired()), daemon=True)
+        sweep = threading.Thread(
+            target=lambda: done.append(repo.store.release_expired()), daemon=True
+        )
         started = time.monotonic()
         sweep.start()
         sweep.join(5)
@@ -61,7 +63,7 @@ def test_the_sweep_steps_past_rows_a_frozen_publisher_has_locked(engine: Engine)
     finally:
         tx.rollback()
         frozen.close()
-    assert repo.release_expired() == 3  # once unlocked, the rest go too
+    assert repo.store.release_expired() == 3  # once unlocked, the rest go too
 
 
 def test_a_session_idle_in_a_transaction_past_its_limit_is_ended(pg_url: str) -> None:

@@ -21,8 +21,8 @@ from sqlalchemy import Engine, event, make_url, text
 
 from app.db import make_engine
 from app.outbox import queries
-from app.outbox.repository import OutboxRepository
 from app.outbox.states import Status
+from tests.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.slow
 ROWS = 1_000_000
@@ -173,15 +173,15 @@ def test_purge_walks_the_primary_key_and_deletes_exactly_the_rows_past_retention
     large: Engine,
 ) -> None:
     """Retention of 11 days keeps all but the oldest 49,599 rows."""
-    repo = OutboxRepository(large, clock=lambda: NOW)
+    repo = OutboxClients(large, clock=lambda: NOW)
     retention = dt.timedelta(days=11)
     # rows 1..cutoff_id were confirmed before NOW - retention (row g: NOW - (ROWS - g) s + 9 ms)
     cutoff_id = ROWS - int(retention.total_seconds()) - 1
-    would, dry = captured(large, lambda: repo.count_purgeable(older_than=retention))
+    would, dry = captured(large, lambda: repo.retention.count_purgeable(older_than=retention))
     assert would == cutoff_id
     assert seq_scans_on_outbox(large, dry) == []
     deleted, sent = captured(
-        large, lambda: repo.purge_confirmed(older_than=retention, chunk=10_000)
+        large, lambda: repo.retention.purge_confirmed(older_than=retention, chunk=10_000)
     )
     assert deleted == cutoff_id
     assert seq_scans_on_outbox(large, sent) == []
@@ -195,4 +195,6 @@ def test_purge_walks_the_primary_key_and_deletes_exactly_the_rows_past_retention
             {"c": cutoff_id},
         ).scalar_one()
     assert left == (cutoff_id + 1, ROWS - cutoff_id) and kept_old == 0
-    assert repo.purge_confirmed(older_than=retention, chunk=10_000) == 0  # nothing left to do
+    assert (
+        repo.retention.purge_confirmed(older_than=retention, chunk=10_000) == 0
+    )  # nothing left to do

@@ -10,12 +10,13 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from app.outbox import queries
-from app.outbox.repository import Backoff, OutboxRepository, ReturnedRow
+from app.outbox.records import Backoff, ReturnedRow
 from app.outbox.schema import events, outbox
 from app.outbox.scope import RepublishFilter
 from app.outbox.states import Status
 from tests.factories import add_rows
 from tests.integration.test_repository_contract import Clock
+from tests.outbox_clients import OutboxClients
 
 GONE = "exchange 'gone' not found (404)"
 
@@ -26,18 +27,20 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def repo(engine: Engine, clock: Clock) -> OutboxRepository:
-    return OutboxRepository(engine, clock=clock)
+def repo(engine: Engine, clock: Clock) -> OutboxClients:
+    return OutboxClients(engine, clock=clock)
 
 
 def _write(engine: Engine, clock: Clock, n: int = 1) -> list[str]:
     return add_rows(engine, n=n, created_at=clock.now, available_at=clock.now)
 
 
-def _claim(repo: OutboxRepository, n: int = 1) -> list[int]:
-    got = repo.claim(owner="p1", limit=n, lease_seconds=60)
+def _claim(repo: OutboxClients, n: int = 1) -> list[int]:
+    got = repo.store.claim(owner="p1", limit=n, lease_seconds=60)
     assert len(got) == n
-    repo.record_published(owner="p1", channel_id=1, tags=[(r.id, i + 1) for i, r in enumerate(got)])
+    repo.store.record_published(
+        owner="p1", channel_id=1, tags=[(r.id, i + 1) for i, r in enumerate(got)]
+    )
     return [r.id for r in got]
 
 
@@ -54,7 +57,7 @@ def _count(engine: Engine) -> int:
 
 
 def test_two_failures_a_republish_and_a_confirm_are_all_kept(
-    repo: OutboxRepository, engine: Engine, clock: Clock
+    repo: OutboxClients, engine: Engine, clock: Clock
 ) -> None:
     (mid,) = _write(engine, clock)
     ids = _claim(repo)
@@ -66,12 +69,12 @@ def test_two_failures_a_republish_and_a_confirm_are_all_kept(
         "exhausted": Status.FAILED,
         "max_attempts": 2,
     }
-    assert repo.retry(**retry).retried == 1  # type: ignore[arg-type]
+    assert repo.store.retry(**retry).retried == 1  # type: ignore[arg-type]
     clock.advance(1)
     _claim(repo)
-    assert repo.retry(**retry).exhausted == 1  # type: ignore[arg-type]
+    assert repo.store.retry(**retry).exhausted == 1  # type: ignore[arg-type]
     clock.advance(60)
-    moved = repo.republish(
+    moved = repo.actions.republish(
         actor="alice",
         filter=RepublishFilter.of(message_id=mid),
         limit=10,
@@ -81,7 +84,7 @@ def test_two_failures_a_republish_and_a_confirm_are_all_kept(
     assert moved.count == 1
     before_confirm = _count(engine)
     _claim(repo)
-    repo.mark_confirmed(owner="p1", ids=ids)
+    repo.store.mark_confirmed(owner="p1", ids=ids)
     assert _count(engine) == before_confirm == 3  # the claim, publish and confirm add nothing
     assert _kinds(engine, mid) == [
         ("retry", 1, GONE),
@@ -98,12 +101,12 @@ def test_two_failures_a_republish_and_a_confirm_are_all_kept(
 
 
 def test_a_return_a_nack_a_lost_confirm_and_a_skip_are_kept(
-    repo: OutboxRepository, engine: Engine, clock: Clock
+    repo: OutboxClients, engine: Engine, clock: Clock
 ) -> None:
     returned, nacked, lost = _write(engine, clock, 3)
     ids = _claim(repo, 3)
-    repo.mark_returned(owner="p1", returns=[ReturnedRow(ids[0], 312, "NO_ROUTE")])
-    repo.retry(
+    repo.store.mark_returned(owner="p1", returns=[ReturnedRow(ids[0], 312, "NO_ROUTE")])
+    repo.store.retry(
         owner="p1",
         ids=[ids[1]],
         error="nacked by the broker",
@@ -111,8 +114,8 @@ def test_a_return_a_nack_a_lost_confirm_and_a_skip_are_kept(
         exhausted=Status.NACKED,
         max_attempts=1,
     )
-    repo.release(owner="p1", ids=[ids[2]], lost=True, error="channel closed")
-    repo.skip(actor="bob", message_id=nacked, reason="replaced by order 7")
+    repo.store.release(owner="p1", ids=[ids[2]], lost=True, error="channel closed")
+    repo.actions.skip(actor="bob", message_id=nacked, reason="replaced by order 7")
     assert _kinds(engine, returned) == [("returned", 1, "returned by broker: 312 NO_ROUTE")]
     assert _kinds(engine, nacked) == [
         ("nacked", 1, "nacked by the broker"),
@@ -125,26 +128,26 @@ def test_a_return_a_nack_a_lost_confirm_and_a_skip_are_kept(
 
 
 def test_the_confirm_path_writes_no_event(
-    repo: OutboxRepository, engine: Engine, clock: Clock
+    repo: OutboxClients, engine: Engine, clock: Clock
 ) -> None:
     _write(engine, clock, 200)
     ids = _claim(repo, 200)
-    repo.mark_confirmed(owner="p1", ids=ids)
-    repo.release(owner="p1", ids=ids, lost=False)  # a clean stop's release: no event either
+    repo.store.mark_confirmed(owner="p1", ids=ids)
+    repo.store.release(owner="p1", ids=ids, lost=False)  # a clean stop's release: no event either
     assert _count(engine) == 0
 
 
 def test_a_purged_row_takes_its_events_with_it(
-    repo: OutboxRepository, engine: Engine, clock: Clock
+    repo: OutboxClients, engine: Engine, clock: Clock
 ) -> None:
     kept, purged = _write(engine, clock, 2)
     ids = _claim(repo, 2)
-    repo.release(owner="p1", ids=ids, lost=True, error="channel closed")
+    repo.store.release(owner="p1", ids=ids, lost=True, error="channel closed")
     _claim(repo, 2)
-    repo.mark_confirmed(owner="p1", ids=ids[1:])
-    repo.mark_failed(owner="p1", ids=ids[:1], reason="body too large")
+    repo.store.mark_confirmed(owner="p1", ids=ids[1:])
+    repo.store.mark_failed(owner="p1", ids=ids[:1], reason="body too large")
     clock.advance(86400 * 8)
-    assert repo.purge_confirmed(older_than=dt.timedelta(days=7)) == 1
+    assert repo.retention.purge_confirmed(older_than=dt.timedelta(days=7)) == 1
     assert [k for k, _a, _d in _kinds(engine, kept)] == ["lost", "failed"]
     with engine.connect() as conn:
         left = conn.execute(select(events.c.message_id).distinct()).scalars().all()

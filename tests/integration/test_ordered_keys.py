@@ -18,8 +18,10 @@ from sqlalchemy import Engine, insert, select
 
 from app.db import make_engine
 from app.outbox import queries
-from app.outbox.repository import CannotSkip, OutboxRepository, RepublishFilter
+from app.outbox.actions import CannotSkip
 from app.outbox.schema import audit, outbox
+from app.outbox.scope import RepublishFilter
+from tests.outbox_clients import OutboxClients
 from tests.publisher_support import (
     all_in,
     declare,
@@ -76,30 +78,30 @@ def add_keyed(
     return dict(by_key)
 
 
-def claim_ids(repo: OutboxRepository, owner: str = "p1", limit: int = 100) -> list[str]:
-    return [r.message_id for r in repo.claim(owner=owner, limit=limit, lease_seconds=30)]
+def claim_ids(repo: OutboxClients, owner: str = "p1", limit: int = 100) -> list[str]:
+    return [r.message_id for r in repo.store.claim(owner=owner, limit=limit, lease_seconds=30)]
 
 
-def confirm(repo: OutboxRepository, engine: Engine, mids: list[str], owner: str = "p1") -> None:
+def confirm(repo: OutboxClients, engine: Engine, mids: list[str], owner: str = "p1") -> None:
     with engine.connect() as conn:
         ids = conn.execute(select(outbox.c.id).where(outbox.c.message_id.in_(mids))).scalars()
-        repo.mark_confirmed(owner=owner, ids=list(ids))
+        repo.store.mark_confirmed(owner=owner, ids=list(ids))
 
 
-def fail(repo: OutboxRepository, engine: Engine, mid: str, owner: str = "p1") -> None:
+def fail(repo: OutboxClients, engine: Engine, mid: str, owner: str = "p1") -> None:
     with engine.connect() as conn:
         row_id = conn.execute(select(outbox.c.id).where(outbox.c.message_id == mid)).scalar_one()
-    repo.mark_failed(owner=owner, ids=[row_id], reason="exchange 'x' missing (404)")
+    repo.store.mark_failed(owner=owner, ids=[row_id], reason="exchange 'x' missing (404)")
 
 
 @pytest.fixture
-def repo(engine: Engine) -> OutboxRepository:
-    return OutboxRepository(engine, clock=lambda: T0 + dt.timedelta(seconds=1))
+def repo(engine: Engine) -> OutboxClients:
+    return OutboxClients(engine, clock=lambda: T0 + dt.timedelta(seconds=1))
 
 
 class TestKeyHeads:
     def test_only_each_keys_head_is_claimed_unkeyed_rows_flow(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         keyed = add_keyed(engine, keys=2, per_key=3, prefix="a")
         from tests.factories import add_rows
@@ -112,7 +114,7 @@ class TestKeyHeads:
         assert claim_ids(repo) == [keyed["a-k0"][1]]  # k1's head still unconfirmed
 
     def test_a_terminal_failure_parks_its_key_only(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         keyed = add_keyed(engine, keys=2, per_key=3, prefix="b")
         claim_ids(repo)
@@ -125,12 +127,12 @@ class TestKeyHeads:
         assert "404" in (parked.blocking_error or "")
 
     def test_republish_puts_the_blocking_row_first_and_the_key_resumes(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         keyed = add_keyed(engine, keys=1, per_key=3, prefix="c")
         claim_ids(repo)
         fail(repo, engine, "c-k0-0")
-        result = repo.republish(
+        result = repo.actions.republish(
             actor="ops", filter=RepublishFilter(ordering_key="c-k0"), limit=10, dry_run=False
         )
         assert result.count == 1 and result.sample == ["c-k0-0"]
@@ -141,18 +143,20 @@ class TestKeyHeads:
         assert claim_ids(repo) == []
 
     def test_skip_releases_the_key_and_is_audited(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         add_keyed(engine, keys=1, per_key=3, prefix="d")
         claim_ids(repo)
         with pytest.raises(CannotSkip, match="in_flight"):
-            repo.skip(actor="ops", message_id="d-k0-0", reason="bad payload")
+            repo.actions.skip(actor="ops", message_id="d-k0-0", reason="bad payload")
         fail(repo, engine, "d-k0-0")
         with pytest.raises(CannotSkip, match="reason"):
-            repo.skip(actor="ops", message_id="d-k0-0", reason="  ")
+            repo.actions.skip(actor="ops", message_id="d-k0-0", reason="  ")
         with pytest.raises(CannotSkip, match="no row"):
-            repo.skip(actor="ops", message_id="nope", reason="x")
-        result = repo.skip(actor="ops", message_id="d-k0-0", reason="payload rejected by team")
+            repo.actions.skip(actor="ops", message_id="nope", reason="x")
+        result = repo.actions.skip(
+            actor="ops", message_id="d-k0-0", reason="payload rejected by team"
+        )
         assert result.released == 2 and result.previous == "failed"
         assert claim_ids(repo) == ["d-k0-1"]
         with engine.connect() as conn:
@@ -164,9 +168,7 @@ class TestKeyHeads:
         assert row["filter"]["reason"] == "payload rejected by team"
         assert status == "skipped"
 
-    def test_a_key_in_backoff_holds_only_itself(
-        self, engine: Engine, repo: OutboxRepository
-    ) -> None:
+    def test_a_key_in_backoff_holds_only_itself(self, engine: Engine, repo: OutboxClients) -> None:
         """A nacked head goes back to pending with a delay: its key waits, others go on."""
         from app.outbox.records import Backoff
         from app.outbox.states import Status
@@ -177,7 +179,7 @@ class TestKeyHeads:
             head = conn.execute(
                 select(outbox.c.id).where(outbox.c.message_id == "e-k0-0")
             ).scalar_one()
-        repo.retry(
+        repo.store.retry(
             owner="p1",
             ids=[head],
             error="nacked",
@@ -198,10 +200,10 @@ def test_concurrent_claimers_never_hold_two_rows_of_a_key(pg_url: str) -> None:
     errors: list[str] = []
 
     def claimer(owner: str) -> None:
-        repo = OutboxRepository(make_engine(pg_url))
+        repo = OutboxClients(make_engine(pg_url))
         idle_since = time.monotonic()
         while time.monotonic() - idle_since < 1.5:
-            got = repo.claim(owner=owner, limit=25, lease_seconds=30)
+            got = repo.store.claim(owner=owner, limit=25, lease_seconds=30)
             if not got:
                 time.sleep(0.01)
                 continue
@@ -209,10 +211,10 @@ def test_concurrent_claimers_never_hold_two_rows_of_a_key(pg_url: str) -> None:
             keys = [r.ordering_key for r in got]
             if len(keys) != len(set(keys)):
                 errors.append(f"{owner} got two rows of a key in one claim: {keys}")
-            repo.mark_confirmed(owner=owner, ids=[r.id for r in got])
+            repo.store.mark_confirmed(owner=owner, ids=[r.id for r in got])
             with lock:
                 confirmed.extend((time.monotonic(), r.message_id) for r in got)
-        repo.engine.dispose()
+        repo.db.engine.dispose()
 
     try:
         threads = [threading.Thread(target=claimer, args=(o,)) for o in ("a", "b")]
@@ -329,7 +331,9 @@ async def test_a_returned_row_parks_its_key_until_skipped(pg_url: str, amqp_url:
             (parked,) = queries.parked_keys(engine)
             assert parked.ordering_key == k0 and parked.waiting == 2
             assert parked.blocking_status == "returned" and parked.blocking_reply_code == 312
-            OutboxRepository(engine).skip(actor="test", message_id=keyed[k0][1], reason="no route")
+            OutboxClients(engine).actions.skip(
+                actor="test", message_id=keyed[k0][1], reason="no route"
+            )
             await wait_rows(engine, all_in("confirmed", "skipped"))
         arrivals = await first_deliveries(amqp_url, queue, expect=11)
         expected = {k: [m for m in v if m != keyed[k0][1]] for k, v in keyed.items()}
@@ -352,7 +356,7 @@ async def test_parked_keys_and_skip_over_rest(db_url: str, engine: Engine) -> No
     from tests.integration.test_api import OP, R, client_for
     from tests.integration.test_api import settings_for as api_settings
 
-    repo = OutboxRepository(engine, clock=lambda: T0 + dt.timedelta(seconds=1))
+    repo = OutboxClients(engine, clock=lambda: T0 + dt.timedelta(seconds=1))
     add_keyed(engine, keys=2, per_key=3, prefix="g")
     claim_ids(repo)
     fail(repo, engine, "g-k1-0")
@@ -412,7 +416,7 @@ def test_parked_and_skip_from_the_cli(
     from app.cli import main
 
     monkeypatch.setenv("OUTBOX_DATABASE_URL", db_url)
-    repo = OutboxRepository(engine)  # real time: the CLI's republish makes rows due now
+    repo = OutboxClients(engine)  # real time: the CLI's republish makes rows due now
     add_keyed(engine, keys=1, per_key=2, prefix="h")
     claim_ids(repo)
     fail(repo, engine, "h-k0-0")

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, make_url, select, update
+from sqlalchemy import Connection, Engine, make_url, select, update
 from sqlalchemy.exc import OperationalError
 
 from app.db import make_engine
+from app.outbox.database import OutboxDatabase
 from app.outbox.records import ClaimedRow
-from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox, publishers
+from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from tests.conftest import services_env
 from tests.factories import add_rows
@@ -96,7 +97,7 @@ async def test_drain_writes_publish_facts_with_every_confirm(
     await consume_ids(amqp_url, topology["queue"], expect=3000)
 
 
-class _FailsOnce(OutboxRepository):
+class _FailsOnce(PublisherStore):
     """The real repository, except that the first flush dies after its confirm statement ran."""
 
     failed = False
@@ -118,7 +119,7 @@ async def test_failed_flush_rolls_back_and_is_retried_whole(
     add_rows(engine, n=500, exchange=topology["exchange"], routing_key="rk")
     settings = settings_for(db_url=db_url, amqp_url=amqp_url)
     repo = _FailsOnce(engine)
-    publisher = Publisher(settings=settings, repository=repo)
+    publisher = Publisher(settings=settings, store=repo)
     async with asyncio.timeout(120):
         stats = await publisher.run(until_empty=True)
     assert repo.failed and publisher.metrics.db_errors == 1
@@ -129,7 +130,7 @@ async def test_failed_flush_rolls_back_and_is_retried_whole(
     await consume_ids(amqp_url, topology["queue"], expect=500)
 
 
-class _ClaimReplyLost(OutboxRepository):
+class _ClaimReplyLost(PublisherStore):
     """The real repository, except that the second claim commits and then raises, as when the
     COMMIT's reply is lost on the network (chaos scenario 11c)."""
 
@@ -155,7 +156,7 @@ async def test_rows_of_a_claim_whose_result_was_lost_are_released(
         db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300, lease_seconds=60.0
     )
     repo = _ClaimReplyLost(engine)
-    publisher = Publisher(settings=settings, repository=repo)
+    publisher = Publisher(settings=settings, store=repo)
     async with asyncio.timeout(30):  # the lease is 60 s: expiry cannot be what frees them
         stats = await publisher.run(until_empty=True)
     assert len(repo.lost) == 100 and stats.confirmed == 300
@@ -168,13 +169,13 @@ async def test_rows_of_a_claim_whose_result_was_lost_are_released(
     assert set(seen) == set(ids) and set(seen.values()) == {1}
 
 
-class _CrashUndoesAWriteback(OutboxRepository):
-    """The real repository, except that a database crash is acted out around the first
+class _CrashUndoesAWriteback(OutboxDatabase):
+    """The real database, except that a database crash is acted out around the first
     write-back that confirms rows: its commit (one that did not wait for the disk) is undone,
     so those rows are ``in_flight`` under our lease again, as the claim left them; then the
-    publisher's next database call fails, whichever it is, as the first call on a connection
-    to a crashed server does. Chaos scenario 11d crashes a real PostgreSQL, but cannot make a
-    crash land on such a commit."""
+    publisher's next database call fails, whichever it is (of the store or the registry), as
+    the first call on a connection to a crashed server does. Chaos scenario 11d crashes a real
+    PostgreSQL, but cannot make a crash land on such a commit."""
 
     undone: list[int] = []
     failed = False
@@ -205,17 +206,12 @@ class _CrashUndoesAWriteback(OutboxRepository):
                     )
                 )
 
-    def claim(self, **kwargs: Any) -> list[ClaimedRow]:
-        self._crashed()
-        return super().claim(**kwargs)
-
-    def heartbeat(self, **kwargs: Any) -> Any:
-        self._crashed()
-        return super().heartbeat(**kwargs)
-
-    def count_open(self) -> int:
-        self._crashed()
-        return super().count_open()
+    @contextlib.contextmanager
+    def begin(self) -> Iterator[Connection]:
+        if getattr(self._local, "conn", None) is None:  # a call of its own, not in a unit
+            self._crashed()
+        with super().begin() as conn:
+            yield conn
 
     def confirmed_ids(self) -> list[int]:
         with self.engine.connect() as conn:
@@ -238,7 +234,7 @@ async def test_write_back_undone_by_a_database_crash_is_republished_and_counted(
             db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300, lease_seconds=60.0
         )
         repo = _CrashUndoesAWriteback(engine)
-        publisher = Publisher(settings=settings, repository=repo)
+        publisher = Publisher(settings=settings, store=PublisherStore(repo))
         repo.owner = publisher.publisher_id
         async with asyncio.timeout(30):  # the lease is 60 s: expiry cannot be what frees them
             stats = await publisher.run(until_empty=True)
@@ -604,7 +600,7 @@ async def test_a_stop_while_a_reconnect_is_half_done_ends_promptly(
         add_rows(pg_engine, n=200, exchange=topology["exchange"])
         via_proxy = f"amqp://{url.username}:{url.password}@127.0.0.1:{port}/"
         settings = settings_for(db_url=pg_url, amqp_url=via_proxy, shutdown_timeout=1.0)
-        publisher = Publisher(settings=settings, repository=OutboxRepository(pg_engine))
+        publisher = Publisher(settings=settings, store=PublisherStore(pg_engine))
         stop = asyncio.Event()
         task = asyncio.create_task(publisher.run(stop=stop))
         try:
@@ -639,7 +635,7 @@ async def test_two_publishers_share_one_postgres_outbox(
     engines = [make_engine(pg_url) for _ in range(2)]
     try:
         publishers = [
-            Publisher(settings=settings, repository=OutboxRepository(e), publisher_id=f"p{i}")
+            Publisher(settings=settings, store=PublisherStore(e), publisher_id=f"p{i}")
             for i, e in enumerate(engines)
         ]
         async with asyncio.timeout(120):

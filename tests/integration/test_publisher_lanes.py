@@ -15,8 +15,8 @@ from prometheus_client import generate_latest
 from sqlalchemy import select
 
 from app.db import make_engine
-from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox
+from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.publisher.metrics import registry_for
 from tests.factories import add_rows
@@ -45,7 +45,7 @@ async def test_a_claim_accepts_a_row_a_running_write_back_released_only_after_it
     caplog.set_level(logging.INFO, logger="app.publisher")
     engine = make_engine(pg_url)
     settings = settings_for(db_url=pg_url, amqp_url=NO_BROKER)
-    publisher = Publisher(settings=settings, repository=OutboxRepository(engine))
+    publisher = Publisher(settings=settings, store=PublisherStore(engine))
     assert publisher.db.claims_apart
     publisher.db.start()
     go_on = threading.Event()

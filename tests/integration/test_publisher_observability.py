@@ -24,7 +24,7 @@ from sqlalchemy import Engine
 
 from app.api import create_app
 from app.db import make_engine
-from app.outbox.repository import OutboxRepository
+from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.settings import Settings
 from tests.conftest import REPO
@@ -178,7 +178,7 @@ async def test_the_api_reads_the_report_the_publisher_writes(
     """One model on both sides: what the publisher reports is what /v1/stats shows."""
     add_rows(engine, n=500, exchange=topology["exchange"])
     settings = settings_for(db_url=db_url, amqp_url=amqp_url)
-    publisher = Publisher(settings=settings, repository=OutboxRepository(engine))
+    publisher = Publisher(settings=settings, store=PublisherStore(engine))
     async with asyncio.timeout(60):
         await publisher.run(until_empty=True)
     async with api(db_url, engine) as c:
@@ -198,7 +198,7 @@ async def test_a_restart_with_the_same_id_never_lowers_a_counter(
     totals = []
     for n in (400, 250):
         add_rows(engine, n=n, exchange=topology["exchange"])
-        publisher = Publisher(settings=settings, repository=OutboxRepository(engine))
+        publisher = Publisher(settings=settings, store=PublisherStore(engine))
         async with asyncio.timeout(60):
             await publisher.run(until_empty=True)
         totals.append(publisher.report().confirmed)

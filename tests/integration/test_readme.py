@@ -21,9 +21,9 @@ from sqlalchemy import Engine
 
 from app.db import make_engine
 from app.outbox.records import Backoff
-from app.outbox.repository import OutboxRepository
 from app.outbox.states import Status
 from tests.factories import add_rows
+from tests.outbox_clients import OutboxClients
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -49,12 +49,12 @@ def free_port() -> int:
 
 def seed_story(engine: Engine) -> None:
     """Batch orders-sink:41 in flight with recorded tags; batch orders-sink:42 nacked for good."""
-    repo = OutboxRepository(engine)
+    repo = OutboxClients(engine)
     add_rows(
         engine, n=3, batch_id="orders-sink:41", prefix="orders-sink:41", sep=":", exchange="orders"
     )
-    rows = repo.claim(owner="vm:2112:a7989a", limit=3, lease_seconds=300)
-    repo.record_published(
+    rows = repo.store.claim(owner="vm:2112:a7989a", limit=3, lease_seconds=300)
+    repo.store.record_published(
         owner="vm:2112:a7989a", channel_id=1, tags=[(r.id, i + 1) for i, r in enumerate(rows)]
     )
     add_rows(
@@ -66,8 +66,8 @@ def seed_story(engine: Engine) -> None:
         exchange="orders",
         max_attempts=1,
     )
-    nacked = repo.claim(owner="p", limit=5, lease_seconds=30)
-    repo.retry(
+    nacked = repo.store.claim(owner="p", limit=5, lease_seconds=30)
+    repo.store.retry(
         owner="p",
         ids=[r.id for r in nacked],
         error="nacked by the broker",

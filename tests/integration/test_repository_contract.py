@@ -20,10 +20,12 @@ from app.outbox.enqueue import Message, enqueue
 from app.outbox.health import verdict
 from app.outbox.queries import metrics_snapshot, read_stats
 from app.outbox.records import Backoff, Published, ReturnedRow
-from app.outbox.repository import OutboxRepository, PublisherLocked, RepublishFilter
+from app.outbox.registry import PublisherLocked
 from app.outbox.schema import audit, outbox, publishers
+from app.outbox.scope import RepublishFilter
 from app.outbox.states import TRANSITIONS, IllegalTransition, Status
 from tests.factories import add_rows
+from tests.outbox_clients import OutboxClients
 
 T0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)
 
@@ -45,8 +47,8 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def repo(engine: Engine, clock: Clock) -> OutboxRepository:
-    return OutboxRepository(engine, clock=clock)
+def repo(engine: Engine, clock: Clock) -> OutboxClients:
+    return OutboxClients(engine, clock=clock)
 
 
 def seed(engine: Engine, n: int, **kw: object) -> list[str]:
@@ -66,10 +68,10 @@ def row(engine: Engine, row_id: int) -> dict[str, object]:
 
 class TestRepositoryContract:
     def test_claim_takes_due_rows_oldest_first_under_lease(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         seed(engine, 5)
-        got = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        got = repo.store.claim(owner="p1", limit=3, lease_seconds=30)
         assert [r.id for r in got] == sorted(r.id for r in got)
         assert len(got) == 3 and all(r.attempts == 1 for r in got)
         assert got[0].body == b"x" * 256 and got[0].mandatory is True
@@ -79,12 +81,12 @@ class TestRepositoryContract:
         assert statuses(engine) == {"in_flight": 3, "pending": 2}
 
     def test_claim_skips_rows_not_yet_due(
-        self, repo: OutboxRepository, engine: Engine, clock: Clock
+        self, repo: OutboxClients, engine: Engine, clock: Clock
     ) -> None:
         add_rows(engine, n=2, available_at=T0 + dt.timedelta(seconds=10))
-        assert repo.claim(owner="p1", limit=10, lease_seconds=30) == []
+        assert repo.store.claim(owner="p1", limit=10, lease_seconds=30) == []
         clock.advance(11)
-        assert len(repo.claim(owner="p1", limit=10, lease_seconds=30)) == 2
+        assert len(repo.store.claim(owner="p1", limit=10, lease_seconds=30)) == 2
 
     def test_two_concurrent_claimers_never_get_the_same_row(
         self, db_url: str, engine: Engine, clock: Clock
@@ -93,13 +95,13 @@ class TestRepositoryContract:
         claimed: dict[str, list[int]] = {"a": [], "b": []}
 
         def claimer(owner: str) -> None:
-            own = OutboxRepository(make_engine(db_url), clock=clock)
+            own = OutboxClients(make_engine(db_url), clock=clock)
             for _ in range(200):
-                rows = own.claim(owner=owner, limit=7, lease_seconds=30)
+                rows = own.store.claim(owner=owner, limit=7, lease_seconds=30)
                 if not rows and not statuses(engine).get("pending"):
                     break
                 claimed[owner].extend(r.id for r in rows)
-            own.engine.dispose()
+            own.db.engine.dispose()
 
         threads = [threading.Thread(target=claimer, args=(o,)) for o in claimed]
         for t in threads:
@@ -111,104 +113,115 @@ class TestRepositoryContract:
         assert set(claimed["a"]).isdisjoint(claimed["b"])
 
     def test_expired_lease_returns_rows_to_pending(
-        self, repo: OutboxRepository, engine: Engine, clock: Clock
+        self, repo: OutboxClients, engine: Engine, clock: Clock
     ) -> None:
         seed(engine, 4)
-        got = repo.claim(owner="dead", limit=4, lease_seconds=30)
-        repo.record_published(owner="dead", channel_id=1, tags=[(got[0].id, 1), (got[1].id, 2)])
+        got = repo.store.claim(owner="dead", limit=4, lease_seconds=30)
+        repo.store.record_published(
+            owner="dead", channel_id=1, tags=[(got[0].id, 1), (got[1].id, 2)]
+        )
         clock.advance(29)
-        assert repo.release_expired() == 0
+        assert repo.store.release_expired() == 0
         clock.advance(2)
-        assert repo.release_expired() == 4
+        assert repo.store.release_expired() == 4
         assert statuses(engine) == {"pending": 4}
         # every expired row may have been on the wire: each counts a possible duplicate
         assert [row(engine, r.id)["lost_confirms"] for r in got] == [1, 1, 1, 1]
 
     def test_heartbeat_extends_the_lease(
-        self, repo: OutboxRepository, engine: Engine, clock: Clock
+        self, repo: OutboxClients, engine: Engine, clock: Clock
     ) -> None:
         seed(engine, 2)
-        repo.register_publisher(publisher_id="p1", stale_after=30)
-        repo.claim(owner="p1", limit=2, lease_seconds=30)
+        repo.registry.register_publisher(publisher_id="p1", stale_after=30)
+        repo.store.claim(owner="p1", limit=2, lease_seconds=30)
         clock.advance(20)
-        assert repo.heartbeat(publisher_id="p1", lease_seconds=30, stats={"confirmed": 7}) == 2
+        assert (
+            repo.registry.heartbeat(publisher_id="p1", lease_seconds=30, stats={"confirmed": 7})
+            == 2
+        )
         with engine.connect() as conn:
             assert conn.execute(select(publishers.c.stats)).scalar_one() == {"confirmed": 7}
         clock.advance(20)
-        assert repo.release_expired() == 0
+        assert repo.store.release_expired() == 0
 
     def test_heartbeat_renews_only_rows_the_process_holds(
-        self, repo: OutboxRepository, engine: Engine, clock: Clock
+        self, repo: OutboxClients, engine: Engine, clock: Clock
     ) -> None:
         seed(engine, 3)
-        repo.register_publisher(publisher_id="p1", stale_after=30)
-        a, b, orphan = repo.claim(owner="p1", limit=3, lease_seconds=30)
-        assert sorted(repo.leased_ids(owner="p1")) == sorted([a.id, b.id, orphan.id])
+        repo.registry.register_publisher(publisher_id="p1", stale_after=30)
+        a, b, orphan = repo.store.claim(owner="p1", limit=3, lease_seconds=30)
+        assert sorted(repo.store.leased_ids(owner="p1")) == sorted([a.id, b.id, orphan.id])
         clock.advance(20)
-        assert repo.heartbeat(publisher_id="p1", lease_seconds=30, held=[a.id, b.id]) == 2
+        assert repo.registry.heartbeat(publisher_id="p1", lease_seconds=30, held=[a.id, b.id]) == 2
         clock.advance(20)
-        assert repo.release_expired() == 1  # the row whose claim reply was lost comes back
+        assert repo.store.release_expired() == 1  # the row whose claim reply was lost comes back
         assert row(engine, orphan.id)["status"] == "pending"
-        assert repo.heartbeat(publisher_id="p1", lease_seconds=30, held=[]) == 0
+        assert repo.registry.heartbeat(publisher_id="p1", lease_seconds=30, held=[]) == 0
 
     def test_mark_from_publisher_that_lost_its_lease_is_refused(
-        self, repo: OutboxRepository, engine: Engine, clock: Clock
+        self, repo: OutboxClients, engine: Engine, clock: Clock
     ) -> None:
         seed(engine, 3)
-        old = repo.claim(owner="slow", limit=3, lease_seconds=10)
+        old = repo.store.claim(owner="slow", limit=3, lease_seconds=10)
         clock.advance(11)
-        repo.release_expired()
-        new = repo.claim(owner="fresh", limit=3, lease_seconds=10)
+        repo.store.release_expired()
+        new = repo.store.claim(owner="fresh", limit=3, lease_seconds=10)
         ids = [r.id for r in old]
-        assert repo.mark_confirmed(owner="slow", ids=ids) == 0
-        assert repo.mark_failed(owner="slow", ids=ids, reason="x") == 0
-        assert repo.release(owner="slow", ids=ids, lost=True) == 0
-        repo.record_published(owner="slow", channel_id=9, tags=[(ids[0], 5)])
+        assert repo.store.mark_confirmed(owner="slow", ids=ids) == 0
+        assert repo.store.mark_failed(owner="slow", ids=ids, reason="x") == 0
+        assert repo.store.release(owner="slow", ids=ids, lost=True) == 0
+        repo.store.record_published(owner="slow", channel_id=9, tags=[(ids[0], 5)])
         assert row(engine, ids[0])["delivery_tag"] is None  # the guarded update touched nothing
-        assert repo.mark_confirmed(owner="fresh", ids=[r.id for r in new]) == 3
+        assert repo.store.mark_confirmed(owner="fresh", ids=[r.id for r in new]) == 3
         assert statuses(engine) == {"confirmed": 3}
 
-    def test_every_transition_outside_the_table_raises(self, repo: OutboxRepository) -> None:
+    def test_every_transition_outside_the_table_raises(self, repo: OutboxClients) -> None:
         illegal = [e for e in itertools.product(Status, Status) if e not in TRANSITIONS]
         assert len(illegal) == len(Status) ** 2 - len(TRANSITIONS)
         for source, target in illegal:
             with pytest.raises(IllegalTransition):
-                repo.transition(ids=[1], source=source, target=target)
+                repo.db.transition(ids=[1], source=source, target=target)
 
     def test_confirm_return_fail_mark_only_held_rows(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         seed(engine, 3)
-        a, b, c = repo.claim(owner="p1", limit=3, lease_seconds=30)
-        repo.record_published(owner="p1", channel_id=2, tags=[(a.id, 1), (b.id, 2), (c.id, 3)])
+        a, b, c = repo.store.claim(owner="p1", limit=3, lease_seconds=30)
+        repo.store.record_published(
+            owner="p1", channel_id=2, tags=[(a.id, 1), (b.id, 2), (c.id, 3)]
+        )
         assert row(engine, a.id)["delivery_tag"] == 1 and row(engine, c.id)["channel_id"] == 2
-        assert repo.mark_confirmed(owner="p1", ids=[a.id]) == 1
-        assert repo.mark_returned(owner="p1", returns=[ReturnedRow(b.id, 312, "NO_ROUTE")]) == 1
-        assert repo.mark_failed(owner="p1", ids=[c.id], reason="body too large") == 1
+        assert repo.store.mark_confirmed(owner="p1", ids=[a.id]) == 1
+        assert (
+            repo.store.mark_returned(owner="p1", returns=[ReturnedRow(b.id, 312, "NO_ROUTE")]) == 1
+        )
+        assert repo.store.mark_failed(owner="p1", ids=[c.id], reason="body too large") == 1
         assert row(engine, a.id)["confirmed_at"] == T0
         rb, rc = row(engine, b.id), row(engine, c.id)
         assert (rb["status"], rb["reply_code"], rb["reply_text"]) == ("returned", 312, "NO_ROUTE")
         assert (rc["status"], rc["last_error"]) == ("failed", "body too large")
-        assert repo.mark_confirmed(owner="p1", ids=[b.id, c.id]) == 0  # terminal stays terminal
+        assert (
+            repo.store.mark_confirmed(owner="p1", ids=[b.id, c.id]) == 0
+        )  # terminal stays terminal
 
     def test_retry_backs_off_then_exhausts(
-        self, repo: OutboxRepository, engine: Engine, clock: Clock
+        self, repo: OutboxClients, engine: Engine, clock: Clock
     ) -> None:
         seed(engine, 1, max_attempts=2)
         backoff = Backoff(base=4, cap=60)
-        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
-        out = repo.retry(
+        (r,) = repo.store.claim(owner="p1", limit=1, lease_seconds=30)
+        out = repo.store.retry(
             owner="p1", ids=[r.id], error="nacked", backoff=backoff, exhausted=Status.NACKED
         )
         assert (out.retried, out.exhausted) == (1, 0)
         due = row(engine, r.id)["available_at"]
         assert isinstance(due, dt.datetime) and T0 + dt.timedelta(seconds=2) <= due
         assert due <= T0 + dt.timedelta(seconds=4)
-        assert repo.claim(owner="p1", limit=1, lease_seconds=30) == []
+        assert repo.store.claim(owner="p1", limit=1, lease_seconds=30) == []
         clock.advance(4)
-        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+        (r,) = repo.store.claim(owner="p1", limit=1, lease_seconds=30)
         assert r.attempts == 2
-        out = repo.retry(
+        out = repo.store.retry(
             owner="p1", ids=[r.id], error="nacked", backoff=backoff, exhausted=Status.NACKED
         )
         assert (out.retried, out.exhausted) == (0, 1)
@@ -218,17 +231,19 @@ class TestRepositoryContract:
         )
 
     def test_nacks_have_their_own_budget_apart_from_lost_confirms(
-        self, repo: OutboxRepository, engine: Engine, clock: Clock
+        self, repo: OutboxClients, engine: Engine, clock: Clock
     ) -> None:
         """Three lost confirms (a cluster failover each) then two nacks, max_attempts 2: the
         lost confirms spend attempts, not the nack budget; the second nack ends the row."""
         seed(engine, 1, max_attempts=2)
         for _ in range(3):
-            (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
-            assert repo.release(owner="p1", ids=[r.id], lost=True, error="connection lost") == 1
-        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+            (r,) = repo.store.claim(owner="p1", limit=1, lease_seconds=30)
+            assert (
+                repo.store.release(owner="p1", ids=[r.id], lost=True, error="connection lost") == 1
+            )
+        (r,) = repo.store.claim(owner="p1", limit=1, lease_seconds=30)
         assert r.attempts == 4
-        out = repo.retry(
+        out = repo.store.retry(
             owner="p1",
             ids=[r.id],
             error="nacked by the broker",
@@ -239,8 +254,8 @@ class TestRepositoryContract:
         assert (out.retried, out.exhausted) == (1, 0)
         assert (row(engine, r.id)["nacks"], row(engine, r.id)["status"]) == (1, "pending")
         clock.advance(2)
-        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
-        out = repo.retry(
+        (r,) = repo.store.claim(owner="p1", limit=1, lease_seconds=30)
+        out = repo.store.retry(
             owner="p1",
             ids=[r.id],
             error="nacked by the broker",
@@ -254,11 +269,11 @@ class TestRepositoryContract:
         assert final["lost_confirms"] == 3
 
     def test_retry_with_destination_budget_fails_rows(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         seed(engine, 2)
-        rows = repo.claim(owner="p1", limit=2, lease_seconds=30)
-        out = repo.retry(
+        rows = repo.store.claim(owner="p1", limit=2, lease_seconds=30)
+        out = repo.store.retry(
             owner="p1",
             ids=[r.id for r in rows],
             error="404 no exchange",
@@ -269,23 +284,23 @@ class TestRepositoryContract:
         assert (out.retried, out.exhausted) == (0, 2)
         assert statuses(engine) == {"failed": 2}
 
-    def test_release_counts_lost_confirms(self, repo: OutboxRepository, engine: Engine) -> None:
+    def test_release_counts_lost_confirms(self, repo: OutboxClients, engine: Engine) -> None:
         seed(engine, 2)
-        a, b = repo.claim(owner="p1", limit=2, lease_seconds=30)
-        assert repo.release(owner="p1", ids=[a.id], lost=True, error="channel closed") == 1
-        assert repo.release(owner="p1", ids=[b.id], lost=False) == 1
+        a, b = repo.store.claim(owner="p1", limit=2, lease_seconds=30)
+        assert repo.store.release(owner="p1", ids=[a.id], lost=True, error="channel closed") == 1
+        assert repo.store.release(owner="p1", ids=[b.id], lost=False) == 1
         assert row(engine, a.id)["lost_confirms"] == 1 and row(engine, b.id)["lost_confirms"] == 0
         assert row(engine, a.id)["last_error"] == "channel closed"
-        assert len(repo.claim(owner="p2", limit=5, lease_seconds=30)) == 2
+        assert len(repo.store.claim(owner="p2", limit=5, lease_seconds=30)) == 2
 
     def test_republish_moves_only_filtered_terminal_rows_and_audits(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         seed(engine, 3, batch_id="orders:1")
         seed(engine, 2, batch_id="orders:2")
-        rows = repo.claim(owner="p1", limit=5, lease_seconds=30)
+        rows = repo.store.claim(owner="p1", limit=5, lease_seconds=30)
         one, two = rows[:3], rows[3:]
-        repo.retry(
+        repo.store.retry(
             owner="p1",
             ids=[one[0].id],
             error="nack",
@@ -293,16 +308,18 @@ class TestRepositoryContract:
             exhausted=Status.NACKED,
             max_attempts=1,
         )
-        repo.mark_returned(owner="p1", returns=[ReturnedRow(one[1].id, 312, "NO_ROUTE")])
-        repo.mark_confirmed(owner="p1", ids=[one[2].id])
-        repo.mark_failed(owner="p1", ids=[r.id for r in two], reason="404")
+        repo.store.mark_returned(owner="p1", returns=[ReturnedRow(one[1].id, 312, "NO_ROUTE")])
+        repo.store.mark_confirmed(owner="p1", ids=[one[2].id])
+        repo.store.mark_failed(owner="p1", ids=[r.id for r in two], reason="404")
 
         flt = RepublishFilter(batch_id="orders:1")
-        dry = repo.republish(actor="alice", filter=flt, limit=100, dry_run=True)
+        dry = repo.actions.republish(actor="alice", filter=flt, limit=100, dry_run=True)
         assert (dry.count, dry.matched, dry.audit_id) == (2, 2, None)
         assert statuses(engine)["nacked"] == 1
 
-        res = repo.republish(actor="alice", filter=flt, limit=100, dry_run=False, request_id="r1")
+        res = repo.actions.republish(
+            actor="alice", filter=flt, limit=100, dry_run=False, request_id="r1"
+        )
         assert res.count == 2 and sorted(res.sample) == sorted(
             [one[0].message_id, one[1].message_id]
         )
@@ -313,11 +330,16 @@ class TestRepositoryContract:
         assert (entry["actor"], entry["action"], entry["count"]) == ("alice", "republish", 2)
         assert entry["filter"]["batch_id"] == "orders:1" and entry["request_id"] == "r1"
 
-        again = repo.republish(actor="alice", filter=flt, limit=100, dry_run=False, request_id="r1")
+        again = repo.actions.republish(
+            actor="alice", filter=flt, limit=100, dry_run=False, request_id="r1"
+        )
         assert again.replayed and again.count == 2 and again.audit_id == res.audit_id
 
         only_failed = RepublishFilter(statuses=frozenset({Status.FAILED}))
-        assert repo.republish(actor="bob", filter=only_failed, limit=1, dry_run=False).count == 1
+        assert (
+            repo.actions.republish(actor="bob", filter=only_failed, limit=1, dry_run=False).count
+            == 1
+        )
         assert statuses(engine) == {"pending": 3, "confirmed": 1, "failed": 1}
 
     def test_republish_refuses_non_terminal_statuses(self) -> None:
@@ -325,83 +347,89 @@ class TestRepositoryContract:
             RepublishFilter(statuses=frozenset({Status.CONFIRMED}))
 
     def test_retention_deletes_only_old_confirmed_rows(
-        self, repo: OutboxRepository, engine: Engine, clock: Clock
+        self, repo: OutboxClients, engine: Engine, clock: Clock
     ) -> None:
         seed(engine, 7)
-        rows = repo.claim(owner="p1", limit=7, lease_seconds=30)
-        repo.mark_confirmed(owner="p1", ids=[r.id for r in rows[:5]])
-        repo.mark_failed(owner="p1", ids=[rows[5].id], reason="x")
+        rows = repo.store.claim(owner="p1", limit=7, lease_seconds=30)
+        repo.store.mark_confirmed(owner="p1", ids=[r.id for r in rows[:5]])
+        repo.store.mark_failed(owner="p1", ids=[rows[5].id], reason="x")
         clock.advance(3600)
-        (young,) = repo.claim(owner="p1", limit=1, lease_seconds=30) or [None]
+        (young,) = repo.store.claim(owner="p1", limit=1, lease_seconds=30) or [None]
         assert young is None
-        repo.release(owner="p1", ids=[rows[6].id], lost=False)
-        (r6,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
-        repo.mark_confirmed(owner="p1", ids=[r6.id])  # confirmed one hour later than the rest
+        repo.store.release(owner="p1", ids=[rows[6].id], lost=False)
+        (r6,) = repo.store.claim(owner="p1", limit=1, lease_seconds=30)
+        repo.store.mark_confirmed(owner="p1", ids=[r6.id])  # confirmed one hour later than the rest
         clock.advance(60)
-        assert repo.purge_confirmed(older_than=dt.timedelta(minutes=30), chunk=2) == 5
+        assert repo.retention.purge_confirmed(older_than=dt.timedelta(minutes=30), chunk=2) == 5
         assert statuses(engine) == {"confirmed": 1, "failed": 1}
 
     def test_sqlite_allows_one_publisher_postgres_many(
-        self, repo: OutboxRepository, clock: Clock
+        self, repo: OutboxClients, clock: Clock
     ) -> None:
-        repo.register_publisher(publisher_id="first", stale_after=30)
-        if repo.is_postgres:
-            repo.register_publisher(publisher_id="second", stale_after=30)
+        repo.registry.register_publisher(publisher_id="first", stale_after=30)
+        if repo.db.is_postgres:
+            repo.registry.register_publisher(publisher_id="second", stale_after=30)
             return
         with pytest.raises(PublisherLocked, match="SQLite allows one publisher at a time"):
-            repo.register_publisher(publisher_id="second", stale_after=30)
-        repo.register_publisher(publisher_id="first", stale_after=30)  # a restart of itself is fine
+            repo.registry.register_publisher(publisher_id="second", stale_after=30)
+        repo.registry.register_publisher(
+            publisher_id="first", stale_after=30
+        )  # a restart of itself is fine
         clock.advance(31)  # the first one stopped heartbeating: it is dead
-        repo.register_publisher(publisher_id="second", stale_after=30)
+        repo.registry.register_publisher(publisher_id="second", stale_after=30)
 
-    def test_sqlite_lock_released_on_clean_stop(self, repo: OutboxRepository) -> None:
-        repo.register_publisher(publisher_id="first", stale_after=30)
-        repo.unregister_publisher(publisher_id="first")
-        repo.register_publisher(publisher_id="second", stale_after=30)
+    def test_sqlite_lock_released_on_clean_stop(self, repo: OutboxClients) -> None:
+        repo.registry.register_publisher(publisher_id="first", stale_after=30)
+        repo.registry.unregister_publisher(publisher_id="first")
+        repo.registry.register_publisher(publisher_id="second", stale_after=30)
 
     def test_claim_after_lease_theft_guard_on_record(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         seed(engine, 1)
-        (r,) = repo.claim(owner="p1", limit=1, lease_seconds=30)
+        (r,) = repo.store.claim(owner="p1", limit=1, lease_seconds=30)
         with engine.begin() as conn:  # another process took it over
             conn.execute(update(outbox).where(outbox.c.id == r.id).values(lease_owner="p2"))
-        assert repo.mark_returned(owner="p1", returns=[ReturnedRow(r.id, 312, "NO_ROUTE")]) == 0
+        assert (
+            repo.store.mark_returned(owner="p1", returns=[ReturnedRow(r.id, 312, "NO_ROUTE")]) == 0
+        )
         assert row(engine, r.id)["status"] == "in_flight"
 
     def test_confirm_with_publish_facts_in_one_statement(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         seed(engine, 3)
-        a, b, c = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        a, b, c = repo.store.claim(owner="p1", limit=3, lease_seconds=30)
         at = T0 - dt.timedelta(milliseconds=250)
         facts = [Published(a.id, 2, 7, at), Published(b.id, 2, 8, at)]
-        assert repo.mark_confirmed(owner="p1", published=facts, ids=[c.id]) == 3
+        assert repo.store.mark_confirmed(owner="p1", published=facts, ids=[c.id]) == 3
         ra, rc = row(engine, a.id), row(engine, c.id)
         assert (ra["status"], ra["channel_id"], ra["delivery_tag"]) == ("confirmed", 2, 7)
         assert ra["published_at"] == at and ra["confirmed_at"] == T0
         assert rc["status"] == "confirmed" and rc["delivery_tag"] is None
-        assert repo.mark_confirmed(owner="p2", published=facts) == 0  # guarded like every mark
+        assert (
+            repo.store.mark_confirmed(owner="p2", published=facts) == 0
+        )  # guarded like every mark
 
     def test_unit_of_work_commits_once_or_not_at_all(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         seed(engine, 3)
-        a, b, c = repo.claim(owner="p1", limit=3, lease_seconds=30)
-        with pytest.raises(RuntimeError), repo.unit_of_work():
-            repo.mark_confirmed(owner="p1", ids=[a.id])
-            repo.mark_failed(owner="p1", ids=[b.id], reason="x")
+        a, b, c = repo.store.claim(owner="p1", limit=3, lease_seconds=30)
+        with pytest.raises(RuntimeError), repo.db.unit_of_work():
+            repo.store.mark_confirmed(owner="p1", ids=[a.id])
+            repo.store.mark_failed(owner="p1", ids=[b.id], reason="x")
             raise RuntimeError("the flush died half way")
         assert statuses(engine) == {"in_flight": 3}
-        with repo.unit_of_work():
-            repo.mark_confirmed(owner="p1", ids=[a.id])
-            repo.release(owner="p1", ids=[b.id, c.id], lost=True)
-            assert repo.count_open() == 2  # reads see the unit's own writes
+        with repo.db.unit_of_work():
+            repo.store.mark_confirmed(owner="p1", ids=[a.id])
+            repo.store.release(owner="p1", ids=[b.id, c.id], lost=True)
+            assert repo.store.count_open() == 2  # reads see the unit's own writes
         assert statuses(engine) == {"confirmed": 1, "pending": 2}
-        assert repo.count_open() == 2
+        assert repo.store.count_open() == 2
 
     def test_write_back_values_arrive_exactly_whatever_they_hold(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         """A write-back sends its per-row values as arrays (binary on PostgreSQL, JSON on
         SQLite): a broker's reply text with quotes, commas, braces, backslashes, the word NULL or
@@ -409,13 +437,13 @@ class TestRepositoryContract:
         row gets its own values, none shifted or lost."""
         texts = ['say "hi", {x} \\ y', "NULL", "", "→ ünïcode ✓", "x" * 1000]
         seed(engine, len(texts) + 1)
-        *held, plain = repo.claim(owner="p1", limit=len(texts) + 1, lease_seconds=30)
+        *held, plain = repo.store.claim(owner="p1", limit=len(texts) + 1, lease_seconds=30)
         sent = T0 - dt.timedelta(seconds=3)
         big = 2**40
         returns = [ReturnedRow(r.id, 312, t) for r, t in zip(held, texts, strict=True)]
         facts = [Published(r.id, 7, big + i, sent) for i, r in enumerate(held[::2])]
-        assert repo.mark_returned(owner="p1", returns=returns, published=facts) == len(texts)
-        assert repo.record_published(owner="p1", channel_id=9, tags=[(plain.id, big)]) == 1
+        assert repo.store.mark_returned(owner="p1", returns=returns, published=facts) == len(texts)
+        assert repo.store.record_published(owner="p1", channel_id=9, tags=[(plain.id, big)]) == 1
         for i, (r, text) in enumerate(zip(held, texts, strict=True)):
             got = row(engine, r.id)
             assert (got["status"], got["reply_text"]) == ("returned", text)
@@ -426,20 +454,20 @@ class TestRepositoryContract:
         assert (got["status"], got["channel_id"], got["delivery_tag"]) == ("in_flight", 9, big)
 
     def test_a_broker_text_with_nul_is_kept_readable_and_settles_its_row(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         """PostgreSQL's text refuses NUL, and a broker's reply text may carry one: stored as
         U+FFFD (on both databases alike), it no longer fails the write-back it is in."""
         seed(engine, 5)
-        a, b, c, d, e = repo.claim(owner="p1", limit=5, lease_seconds=30)
-        with repo.unit_of_work():
-            repo.mark_confirmed(owner="p1", ids=[e.id])
-            repo.mark_returned(owner="p1", returns=[ReturnedRow(a.id, 312, "NO\x00ROUTE")])
-            repo.mark_failed(owner="p1", ids=[b.id], reason="closed: 406 x\x00y")
-            repo.retry(
+        a, b, c, d, e = repo.store.claim(owner="p1", limit=5, lease_seconds=30)
+        with repo.db.unit_of_work():
+            repo.store.mark_confirmed(owner="p1", ids=[e.id])
+            repo.store.mark_returned(owner="p1", returns=[ReturnedRow(a.id, 312, "NO\x00ROUTE")])
+            repo.store.mark_failed(owner="p1", ids=[b.id], reason="closed: 406 x\x00y")
+            repo.store.retry(
                 owner="p1", ids=[c.id], error="nack\x00", backoff=Backoff(), exhausted=Status.NACKED
             )
-            repo.release(owner="p1", ids=[d.id], lost=True, error="gone\x00")
+            repo.store.release(owner="p1", ids=[d.id], lost=True, error="gone\x00")
         assert row(engine, a.id)["reply_text"] == "NO\ufffdROUTE"
         assert row(engine, a.id)["last_error"] == "returned by broker: 312 NO\ufffdROUTE"
         assert row(engine, b.id)["last_error"] == "closed: 406 x\ufffdy"
@@ -448,15 +476,19 @@ class TestRepositoryContract:
         assert statuses(engine) == {"returned": 1, "failed": 1, "pending": 2, "confirmed": 1}
 
     def test_returned_and_late_tag_notes_keep_true_publish_facts(
-        self, repo: OutboxRepository, engine: Engine
+        self, repo: OutboxClients, engine: Engine
     ) -> None:
         seed(engine, 3)
-        a, b, c = repo.claim(owner="p1", limit=3, lease_seconds=30)
+        a, b, c = repo.store.claim(owner="p1", limit=3, lease_seconds=30)
         sent = T0 - dt.timedelta(seconds=2)
-        assert repo.record_published(owner="p1", channel_id=4, tags=[(c.id, 9)], published_at=sent)
+        assert repo.store.record_published(
+            owner="p1", channel_id=4, tags=[(c.id, 9)], published_at=sent
+        )
         assert (row(engine, c.id)["delivery_tag"], row(engine, c.id)["published_at"]) == (9, sent)
         returns = [ReturnedRow(a.id, 312, "NO_ROUTE"), ReturnedRow(b.id, 313, "NO_CONSUMERS")]
-        n = repo.mark_returned(owner="p1", returns=returns, published=[Published(a.id, 4, 7, sent)])
+        n = repo.store.mark_returned(
+            owner="p1", returns=returns, published=[Published(a.id, 4, 7, sent)]
+        )
         assert n == 2
         ra, rb = row(engine, a.id), row(engine, b.id)
         assert (ra["status"], ra["reply_code"], ra["delivery_tag"], ra["published_at"]) == (
@@ -500,13 +532,13 @@ class TestDelayedDelivery:
             )
 
     @staticmethod
-    def claimed(repo: OutboxRepository) -> list[str]:
-        return [r.message_id for r in repo.claim(owner="p1", limit=10, lease_seconds=30)]
+    def claimed(repo: OutboxClients) -> list[str]:
+        return [r.message_id for r in repo.store.claim(owner="p1", limit=10, lease_seconds=30)]
 
     def test_the_claim_skips_rows_not_due_and_takes_them_at_their_time(
         self, engine: Engine, now_clock: Clock
     ) -> None:
-        repo = OutboxRepository(engine, clock=now_clock)
+        repo = OutboxClients(engine, clock=now_clock)
         self.enqueue(engine, ("d60", 60, None), ("now", None, None), ("d120", 120, None))
         assert self.claimed(repo) == ["now"]
         assert self.claimed(repo) == []
@@ -518,14 +550,14 @@ class TestDelayedDelivery:
     def test_a_delayed_row_holds_the_later_rows_of_its_key(
         self, engine: Engine, now_clock: Clock
     ) -> None:
-        repo = OutboxRepository(engine, clock=now_clock)
+        repo = OutboxClients(engine, clock=now_clock)
         self.enqueue(engine, ("k1-delayed", 60, "k"), ("k2", None, "k"), ("j1", None, "j"))
         assert self.claimed(repo) == ["j1"]  # k2 waits behind its key's delayed head
         now_clock.advance(61)
-        head = repo.claim(owner="p1", limit=10, lease_seconds=30)
+        head = repo.store.claim(owner="p1", limit=10, lease_seconds=30)
         assert [r.message_id for r in head] == ["k1-delayed"]
         assert self.claimed(repo) == []
-        repo.mark_confirmed(owner="p1", ids=[head[0].id])
+        repo.store.mark_confirmed(owner="p1", ids=[head[0].id])
         assert self.claimed(repo) == ["k2"]
 
     def test_operators_see_delayed_rows_apart_from_late_ones(
@@ -549,9 +581,9 @@ class TestDelayedDelivery:
         assert "delayed (not due yet) 1, next due in 59m" in render_stats(stats)
         shown = StatsOut.of(stats)
         assert shown.delayed == 1 and shown.next_delayed_at == stats.next_delayed_at
-        repo = OutboxRepository(engine, clock=now_clock)
-        due = repo.claim(owner="p1", limit=10, lease_seconds=30)
-        repo.mark_confirmed(owner="p1", ids=[r.id for r in due])
+        repo = OutboxClients(engine, clock=now_clock)
+        due = repo.store.claim(owner="p1", limit=10, lease_seconds=30)
+        repo.store.mark_confirmed(owner="p1", ids=[r.id for r in due])
         # an hour and a minute on, the delayed row is late by a minute, not by its whole life
         late = read_stats(
             engine,

@@ -6,7 +6,7 @@ partitions that commit before another partition finds a bad row are never publis
 driver's commit records the batch and lifts the hold in one transaction, or removes the
 batch's rows when it failed. The rows are written by the product's own task and driver
 functions (``write_partition``, ``commit_batch``) and claimed by the publisher's own
-``OutboxRepository.claim``; the streaming tests run the real ``OutboxSink`` and read Spark's own
+``OutboxClients.claim``; the streaming tests run the real ``OutboxSink`` and read Spark's own
 ``StreamingQueryProgress``.
 """
 
@@ -30,10 +30,11 @@ from sqlalchemy import make_url
 
 from app.cli import main
 from app.db import make_engine
-from app.outbox.repository import CLAIM_REWALK, OutboxRepository
+from app.outbox.store import CLAIM_REWALK
 from spark_writer import OutboxDataError, OutboxOptions, OutboxSink, write_outbox
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, commit_batch, hold_batch, write_partition
+from tests.outbox_clients import OutboxClients
 from tests.spark import dbview
 from tests.spark.test_spark_writer import (
     ORDERS,
@@ -74,9 +75,9 @@ def rows(ids: list[int], *, payload: str = "p", region: str = "eu") -> pa.Record
 
 
 @pytest.fixture
-def repo(db_url: str) -> Iterator[OutboxRepository]:
+def repo(db_url: str) -> Iterator[OutboxClients]:
     engine = make_engine(db_url)
-    yield OutboxRepository(engine)
+    yield OutboxClients(engine)
     engine.dispose()
 
 
@@ -97,12 +98,12 @@ def status_json(
     yield read
 
 
-def claimed_ids(repo: OutboxRepository) -> list[str]:
-    return [r.message_id for r in repo.claim(owner="pub", limit=100, lease_seconds=30)]
+def claimed_ids(repo: OutboxClients) -> list[str]:
+    return [r.message_id for r in repo.store.claim(owner="pub", limit=100, lease_seconds=30)]
 
 
 def test_a_held_batch_is_not_published_until_recorded_and_counts_as_parked(
-    db_url: str, repo: OutboxRepository, status_json: Callable[[], dict[str, Any]]
+    db_url: str, repo: OutboxClients, status_json: Callable[[], dict[str, Any]]
 ) -> None:
     options = options_for(db_url)
     batch = BatchRef(sink="held", spark_batch_id=1)
@@ -132,7 +133,7 @@ def test_a_held_batch_is_not_published_until_recorded_and_counts_as_parked(
     assert status_json()["parked"] == 0
 
 
-def test_a_held_head_holds_its_ordering_key_back(db_url: str, repo: OutboxRepository) -> None:
+def test_a_held_head_holds_its_ordering_key_back(db_url: str, repo: OutboxClients) -> None:
     keyed = options_for(db_url, ordering_key_column="region")
     held = BatchRef(sink="held", spark_batch_id=1)
     hold_batch(options=keyed, batch=held)
@@ -155,7 +156,7 @@ def test_a_held_head_holds_its_ordering_key_back(db_url: str, repo: OutboxReposi
 
 
 def test_a_failed_held_batch_leaves_nothing_and_a_late_task_publishes_nothing(
-    db_url: str, repo: OutboxRepository, status_json: Callable[[], dict[str, Any]]
+    db_url: str, repo: OutboxClients, status_json: Callable[[], dict[str, Any]]
 ) -> None:
     options = options_for(db_url)
     batch = BatchRef(sink="held", spark_batch_id=5)
@@ -247,7 +248,7 @@ def test_fail_mode_stream_with_a_bad_row_publishes_nothing_of_its_batch(
     assert "message id 17" in error
     assert dbview.counts(pg_url) == {"outbox": 0, "outbox_batches": 0, "outbox_rejects": 0}
     engine = make_engine(pg_url)
-    assert claimed_ids(OutboxRepository(engine)) == []
+    assert claimed_ids(OutboxClients(engine)) == []
     engine.dispose()
 
 
@@ -277,7 +278,7 @@ def test_a_held_insert_wakes_no_publisher_and_lifting_the_hold_does(pg_url: str)
 
 
 def test_a_failed_write_job_publishes_nothing_and_its_rerun_releases_every_row(
-    spark: SparkSession, db_url: str, repo: OutboxRepository, caplog: pytest.LogCaptureFixture
+    spark: SparkSession, db_url: str, repo: OutboxClients, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Not a bad value but a task that fails (here a UDF on row 25, both attempts): the job
     fails, the driver removes what the other partition committed into the held batch, and a

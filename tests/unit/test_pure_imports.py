@@ -48,4 +48,4 @@ def test_a_pure_module_loads_no_io_stack(module: str) -> None:
 
 
 def test_the_check_sees_a_heavy_import() -> None:
-    assert "sqlalchemy" in loaded_by("app.outbox.repository")
+    assert "sqlalchemy" in loaded_by("app.outbox.store")

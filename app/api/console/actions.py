@@ -27,12 +27,7 @@ from app.api.console.base import (
 from app.api.console.messages import _as_fields
 from app.api.context import client_address, get_ctx
 from app.api.models import RepublishRequest
-from app.outbox.repository import (
-    MAX_REASON,
-    CannotSkip,
-    RequestIdReused,
-    has_control_characters,
-)
+from app.outbox.actions import MAX_REASON, CannotSkip, RequestIdReused, has_control_characters
 from app.outbox.scope import CRITERIA
 
 router = page_router()
@@ -100,7 +95,7 @@ async def republish_preview(request: Request) -> HTMLResponse:
     req = _republish_request(form, request_id=f"ui-{uuid.uuid4()}", dry_run=True)
     flt = req.to_filter()
     result = await run_in_threadpool(
-        ctx.repo.republish,
+        ctx.actions.republish,
         actor=session.principal,
         filter=flt,
         limit=req.limit,
@@ -131,7 +126,7 @@ async def republish(request: Request) -> HTMLResponse:
     actor = actor_of(form, session)
     try:
         result = await run_in_threadpool(
-            ctx.repo.republish,
+            ctx.actions.republish,
             actor=actor,
             filter=flt,
             limit=req.limit,
@@ -181,7 +176,7 @@ async def skip(request: Request) -> HTMLResponse:
     actor = actor_of(form, session)
     try:
         result = await run_in_threadpool(
-            get_ctx(request).repo.skip,
+            get_ctx(request).actions.skip,
             actor=actor,
             message_id=message_id,
             reason=reason,

@@ -20,10 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from app.api.console import store
 from app.api.console.session import COOKIE, Session, SessionError, SessionSigner
 from app.api.context import client_address, get_ctx
-from app.outbox.repository import (
-    MAX_ACTOR,
-    has_control_characters,
-)
+from app.outbox.actions import MAX_ACTOR, has_control_characters
 from app.outbox.scope import CAUSE_LENGTH, Scope, ScopeError
 from app.outbox.states import Status
 

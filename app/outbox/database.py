@@ -1,0 +1,213 @@
+"""The outbox database as every client of it sees it: the engine, the clock, one unit of work
+(a transaction that several calls, of several clients, join), and the helpers their statements
+share. The clients each have a module: :mod:`app.outbox.store` (the publisher's claims and
+outcomes), :mod:`app.outbox.registry` (publishers and their leases), :mod:`app.outbox.actions`
+(operators' republish and skip) and :mod:`app.outbox.retention` (the purge).
+
+Sync SQLAlchemy Core, so the API, the CLI, the tests and the publisher's DB thread share it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    ColumnElement,
+    Connection,
+    Engine,
+    Text,
+    and_,
+    any_,
+    bindparam,
+    insert,
+    literal,
+    select,
+    text,
+    update,
+)
+
+from app.outbox.schema import audit, events, outbox
+from app.outbox.states import Status, check_transition
+
+Clock = Callable[[], dt.datetime]
+SQLITE_MAX_IDS = 10_000
+
+#: This transaction's commit does not wait for the disk (the publisher's outcomes only).
+_ASYNC_COMMIT = text("SET LOCAL synchronous_commit TO off")
+
+
+def storable(text: str) -> str:
+    """``text`` as every database here can keep it: PostgreSQL's text refuses NUL (U+0000),
+    which a broker's reply text (a ``basic.return``, a channel close) may carry, and one such
+    text failed the whole write-back it was in, again at every retry. NUL becomes U+FFFD."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class OutboxError(Exception):
+    """Base of the outbox clients' own errors."""
+
+
+class OutboxDatabase:
+    """One outbox database: its engine, clock and units of work. Cheap; the clients
+    (``PublisherStore(db)``, ``PublisherRegistry(db)``, ...) that share one share its units of
+    work: a call of each inside one ``unit_of_work()`` is one transaction."""
+
+    def __init__(self, engine: Engine, *, clock: Clock = utcnow) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.dialect = engine.dialect.name
+        self._local = threading.local()
+
+    @classmethod
+    def of(cls, source: OutboxDatabase | Engine) -> OutboxDatabase:
+        """``source`` itself, or a database on that engine (what each client's constructor
+        takes)."""
+        return source if isinstance(source, OutboxDatabase) else cls(source)
+
+    @contextmanager
+    def unit_of_work(self, *, durable: bool = True) -> Iterator[None]:
+        """Run the calls inside in one transaction (one commit): a publisher writes all the
+        outcomes of one flush this way. Nested units join the outer one.
+
+        ``durable=False``: the commit returns before its WAL reaches the disk (PostgreSQL
+        ``synchronous_commit = off`` for this transaction; SQLite ``synchronous = NORMAL`` in
+        WAL mode, for it alone). A database crash may undo it whole, never tear it: only for
+        writes whose loss re-publishes rather than loses (the publisher's outcomes,
+        docs/guarantees.md section 1)."""
+        if getattr(self._local, "conn", None) is not None:
+            yield
+            return
+        committed: list[Callable[[], None]] = []
+        sqlite_relaxed = not durable and not self.is_postgres
+        with self.engine.connect() as conn:
+            if sqlite_relaxed:  # a connection setting, outside the transaction
+                conn.exec_driver_sql("PRAGMA synchronous=NORMAL")
+                conn.commit()
+            try:
+                with conn.begin():
+                    if not durable and self.is_postgres:
+                        conn.execute(_ASYNC_COMMIT)
+                    self._local.conn = conn
+                    self._local.committed = committed
+                    try:
+                        yield
+                    finally:
+                        self._local.conn = None
+                        self._local.committed = None
+                for done in committed:
+                    done()
+            finally:
+                if sqlite_relaxed:
+                    conn.exec_driver_sql("PRAGMA synchronous=FULL")
+                    conn.commit()
+
+    def on_commit(self, done: Callable[[], None]) -> None:
+        """Run ``done`` once the unit of work in progress has committed (at once outside one)."""
+        committed = getattr(self._local, "committed", None)
+        if committed is None:
+            done()
+        else:
+            committed.append(done)
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            yield conn
+            return
+        with self.engine.begin() as fresh:
+            yield fresh
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.dialect == "postgresql"
+
+    # ---------------------------------------------------------------- helpers
+
+    def ids_in(self, ids: Sequence[int]) -> ColumnElement[bool]:
+        if self.is_postgres:  # one array parameter, whatever the count
+            return outbox.c.id == any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger)))
+        return outbox.c.id.in_(list(ids))
+
+    def chunks(self, ids: Sequence[int]) -> Iterator[Sequence[int]]:
+        step = (len(ids) or 1) if self.is_postgres else SQLITE_MAX_IDS
+        for start in range(0, len(ids), step):
+            yield ids[start : start + step]
+
+    def held(self, owner: str, ids: Sequence[int]) -> ColumnElement[bool]:
+        return and_(
+            self.ids_in(ids), outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == owner
+        )
+
+    def transition(
+        self,
+        *,
+        ids: Sequence[int],
+        source: Status,
+        target: Status,
+        owner: str | None = None,
+        values: dict[str, Any] | None = None,
+    ) -> int:
+        """Move rows ``source -> target`` if the edge is legal (else :class:`IllegalTransition`).
+
+        Only rows now in ``source`` (and, given an owner, leased by it) move; returns how many.
+        """
+        check_transition(source, target)
+        if not ids:
+            return 0
+        moved = 0
+        with self.begin() as conn:
+            for chunk in self.chunks(ids):
+                cond = and_(self.ids_in(chunk), outbox.c.status == source)
+                if owner is not None:
+                    cond = and_(cond, outbox.c.lease_owner == owner)
+                stmt = update(outbox).where(cond).values(status=target, **(values or {}))
+                moved += conn.execute(stmt).rowcount
+        return moved
+
+    def record_events(
+        self,
+        *,
+        kind: str,
+        ids: Sequence[int],
+        at: dt.datetime,
+        where: Sequence[ColumnElement[bool]],
+    ) -> None:
+        """Append a rare event for each of ``ids`` still matching ``where`` (the rows the
+        change just moved), with its attempt, reply code and reason, in the change's
+        transaction. The confirm path never calls this."""
+        if not ids:
+            return
+        names = ["outbox_id", "message_id", "at", "kind", "attempt", "reply_code", "detail"]
+        with self.begin() as conn:
+            for chunk in self.chunks(ids):
+                rows = select(
+                    outbox.c.id,
+                    outbox.c.message_id,
+                    literal(at, events.c.at.type),
+                    literal(kind, Text),
+                    outbox.c.attempts,
+                    outbox.c.reply_code,
+                    outbox.c.last_error,
+                ).where(self.ids_in(chunk), *where)
+                conn.execute(insert(events).from_select(names, rows))
+
+    def audit(self, conn: Connection, *, actor: str, action: str, **values: Any) -> int:
+        """An operator's action in the audit trail, now, in ``conn``'s transaction: its id."""
+        stmt = insert(audit).values(at=self.clock(), actor=actor, action=action, **values)
+        return int(conn.execute(stmt.returning(audit.c.id)).scalar_one())
+
+    def notify_new(self, conn: Connection) -> None:
+        """Rows became due: wake listening publishers at commit (PostgreSQL; polled otherwise)."""
+        if self.is_postgres:
+            conn.execute(text("SELECT pg_notify('outbox_new', '')"))
