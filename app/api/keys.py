@@ -9,7 +9,6 @@ releases the key.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from typing import Annotated
 
@@ -18,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from app.api.auth import Caller, TokenJsonRoute, require_operator, require_reader
 from app.api.context import ApiContext, get_ctx
-from app.api.models import OPERATOR_TEXT_PATTERN, Text, utf8_text
+from app.api.models import OPERATOR_TEXT_PATTERN, ParkedKeyOut, ParkedKeyPage, Text, utf8_text
 from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
 from app.outbox import queries
 from app.outbox.actions import MAX_REASON, CannotSkip, SkipResult
@@ -33,33 +32,6 @@ router = APIRouter(
     responses=ERRORS,
     route_class=TokenJsonRoute,
 )
-
-
-class ParkedKeyOut(BaseModel):
-    ordering_key: str
-    blocking_message_id: str = Field(description="The terminal failure the key waits behind.")
-    blocking_status: str
-    blocking_error: str | None
-    blocking_reply_code: int | None
-    parked_since: dt.datetime | None
-    waiting: int = Field(description="Later rows of the key, not yet published.")
-
-    @classmethod
-    def of(cls, k: queries.ParkedKey) -> ParkedKeyOut:
-        return cls(
-            ordering_key=k.ordering_key,
-            blocking_message_id=k.blocking_message_id,
-            blocking_status=k.blocking_status.value,
-            blocking_error=k.blocking_error,
-            blocking_reply_code=k.blocking_reply_code,
-            parked_since=k.parked_since,
-            waiting=k.waiting,
-        )
-
-
-class ParkedKeyPage(BaseModel):
-    items: list[ParkedKeyOut]
-    next_after: str | None = Field(description="Pass as `after` for the next page.")
 
 
 class SkipRequest(BaseModel):

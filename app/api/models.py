@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import datetime as dt
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 
 from pydantic import (
@@ -445,6 +446,69 @@ class RepublishOut(BaseModel):
 
 
 # ------------------------------------------------------------------------------ health
+
+
+class FailureGroupOut(BaseModel):
+    status: str
+    exchange: str
+    routing_key: str
+    reason: str = Field(
+        description="The cause (the reason's first 500 characters): pass it as "
+        "`cause` to POST /v1/republish to move exactly this group."
+    )
+    rows: int
+    first_created: dt.datetime | None
+    last_created: dt.datetime | None
+    sample_message_id: str = Field(description="One message of the group (GET /v1/messages/{id}).")
+
+    @classmethod
+    def of(cls, g: queries.FailureGroup) -> FailureGroupOut:
+        return cls(
+            status=g.status.value,
+            exchange=g.exchange,
+            routing_key=g.routing_key,
+            reason=g.reason,
+            rows=g.rows,
+            first_created=g.first_created,
+            last_created=g.last_created,
+            sample_message_id=g.sample_message_id,
+        )
+
+
+class FailuresOut(BaseModel):
+    groups: list[FailureGroupOut]
+    rows: int = Field(description="Terminal failures in the groups shown.")
+
+    @classmethod
+    def of(cls, groups: Sequence[queries.FailureGroup]) -> FailuresOut:
+        return cls(groups=[FailureGroupOut.of(g) for g in groups], rows=sum(g.rows for g in groups))
+
+
+class ParkedKeyOut(BaseModel):
+    ordering_key: str
+    blocking_message_id: str = Field(description="The terminal failure the key waits behind.")
+    blocking_status: str
+    blocking_error: str | None
+    blocking_reply_code: int | None
+    parked_since: dt.datetime | None
+    waiting: int = Field(description="Later rows of the key, not yet published.")
+
+    @classmethod
+    def of(cls, k: queries.ParkedKey) -> ParkedKeyOut:
+        return cls(
+            ordering_key=k.ordering_key,
+            blocking_message_id=k.blocking_message_id,
+            blocking_status=k.blocking_status.value,
+            blocking_error=k.blocking_error,
+            blocking_reply_code=k.blocking_reply_code,
+            parked_since=k.parked_since,
+            waiting=k.waiting,
+        )
+
+
+class ParkedKeyPage(BaseModel):
+    items: list[ParkedKeyOut]
+    next_after: str | None = Field(description="Pass as `after` for the next page.")
 
 
 class Health(BaseModel):

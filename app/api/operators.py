@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from app.api.auth import TokenJsonRoute, require_reader
 from app.api.context import ApiContext, get_ctx
-from app.api.models import MessageOut, Text, UtcDatetime
+from app.api.models import FailuresOut, MessageOut, Text, UtcDatetime
 from app.api.v1 import ERRORS
 from app.outbox import queries
 from app.outbox.scope import Scope, ScopeError
@@ -26,25 +26,6 @@ router = APIRouter(
     responses=ERRORS,
     route_class=TokenJsonRoute,
 )
-
-
-class FailureGroupOut(BaseModel):
-    status: str
-    exchange: str
-    routing_key: str
-    reason: str = Field(
-        description="The cause (the reason's first 500 characters): pass it as "
-        "`cause` to POST /v1/republish to move exactly this group."
-    )
-    rows: int
-    first_created: dt.datetime | None
-    last_created: dt.datetime | None
-    sample_message_id: str = Field(description="One message of the group (GET /v1/messages/{id}).")
-
-
-class FailuresOut(BaseModel):
-    groups: list[FailureGroupOut]
-    rows: int = Field(description="Terminal failures in the groups shown.")
 
 
 class AuditOut(BaseModel):
@@ -66,21 +47,7 @@ class AuditPage(BaseModel):
 
 @router.get("/failures", response_model=FailuresOut, summary="Terminal failures by cause")
 def get_failures(ctx: Ctx, limit: Annotated[int, Query(ge=1, le=500)] = 50) -> FailuresOut:
-    groups = queries.failures_by_cause(ctx.engine, limit=limit)
-    out = [
-        FailureGroupOut(
-            status=g.status.value,
-            exchange=g.exchange,
-            routing_key=g.routing_key,
-            reason=g.reason,
-            rows=g.rows,
-            first_created=g.first_created,
-            last_created=g.last_created,
-            sample_message_id=g.sample_message_id,
-        )
-        for g in groups
-    ]
-    return FailuresOut(groups=out, rows=sum(g.rows for g in groups))
+    return FailuresOut.of(queries.failures_by_cause(ctx.engine, limit=limit))
 
 
 @router.get("/audit", response_model=AuditPage, summary="Operator actions, newest first")

@@ -106,7 +106,7 @@ def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     if args.json:
-        from app.api.keys import ParkedKeyOut
+        from app.api.models import ParkedKeyOut
 
         print("[" + ",\n".join(ParkedKeyOut.of(k).model_dump_json(indent=2) for k in items) + "]")
         return EXIT_OK

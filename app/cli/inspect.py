@@ -143,25 +143,9 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     if args.json:
-        from app.api.operators import FailureGroupOut, FailuresOut
+        from app.api.models import FailuresOut
 
-        out = FailuresOut(
-            groups=[
-                FailureGroupOut(
-                    status=g.status.value,
-                    exchange=g.exchange,
-                    routing_key=g.routing_key,
-                    reason=g.reason,
-                    rows=g.rows,
-                    first_created=g.first_created,
-                    last_created=g.last_created,
-                    sample_message_id=g.sample_message_id,
-                )
-                for g in groups
-            ],
-            rows=sum(g.rows for g in groups),
-        )
-        print(out.model_dump_json(indent=2))
+        print(FailuresOut.of(groups).model_dump_json(indent=2))
         return EXIT_OK
     if not groups:
         print("no returned, nacked or failed rows")

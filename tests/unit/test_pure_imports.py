@@ -2,15 +2,17 @@
 
 They hold the publisher's decisions (confirm tracking, settlement, holdings, envelopes,
 destinations), the row rules every writer shares and the consumer's ack order; they are tested
-without services and run in Spark executors. One import of ``repository.py`` or of a heavy package
+without services and run in Spark executors. One import of the outbox's store or of a heavy package
 ``__init__`` used to pull in 700 modules, SQLAlchemy and asyncio among them, for a named tuple.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +51,29 @@ def test_a_pure_module_loads_no_io_stack(module: str) -> None:
 
 def test_the_check_sees_a_heavy_import() -> None:
     assert "sqlalchemy" in loaded_by("app.outbox.store")
+
+
+#: The API modules the CLI may import: the response models (its ``--json`` output is the REST
+#: answer's shape) and the app factory (``outbox api``). A router module is the HTTP layer.
+CLI_MAY_USE = {"app.api", "app.api.models"}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_the_cli_takes_models_not_routers_from_the_api() -> None:
+    cli = Path(__file__).resolve().parents[2] / "app" / "cli"
+    used = {
+        (f.name, m)
+        for f in sorted(cli.glob("*.py"))
+        for m in _imports(f)
+        if m.startswith("app.api") and m not in CLI_MAY_USE
+    }
+    assert not used, f"the CLI imports API router modules: {sorted(used)}"
