@@ -17,18 +17,9 @@ from typing import NoReturn, TextIO
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 
-from app.cli.act import _add_keys, _add_purge, _add_republish
+from app.cli import act, inspect, service
 from app.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Failure, UsageError
-from app.cli.inspect import _add_batches, _add_status
 from app.cli.render import duration, render_stats
-from app.cli.service import (
-    _add_consume,
-    _add_declare,
-    _add_demo,
-    _add_migrate,
-    _add_publish,
-    _add_serve,
-)
 from app.db import SchemaMismatch
 from app.logs import configure as configure_logging
 from app.logs import redact
@@ -60,17 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Settings come from OUTBOX_* environment variables (see the README).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_migrate(sub)
-    _add_publish(sub)
-    _add_serve(sub)
-    _add_status(sub)
-    _add_batches(sub)
-    _add_republish(sub)
-    _add_keys(sub)
-    _add_purge(sub)
-    _add_consume(sub)
-    _add_declare(sub)
-    _add_demo(sub)
+    for group in (service, inspect, act):
+        group.register(sub)
     return parser
 
 

@@ -15,19 +15,19 @@ from app.cli.common import (
     Failure,
     Sub,
     UsageError,
-    _bounded_int,
-    _default_actor,
-    _engine,
-    _json,
-    _line,
-    _positive_days,
-    _timestamp,
+    actor_flag,
+    bounded_int,
+    engine_of,
+    json_flag,
+    one_line,
+    positive_days,
+    print_json,
+    timestamp,
 )
 from app.cli.render import render_republish
 from app.cli_output import fancy, progress, show_table
 from app.outbox import queries
 from app.outbox.actions import (
-    MAX_ACTOR,
     MAX_REASON,
     CannotSkip,
     OperatorActions,
@@ -42,7 +42,7 @@ from app.settings import Settings
 def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
     flt = _republish_filter(args)
     request_id = None if args.dry_run else (args.request_id or f"cli-{uuid.uuid4()}")
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         if flt.batch_id is not None and not queries.batch_exists(engine, batch_id=flt.batch_id):
             raise Failure(f"no batch {flt.batch_id!r}")
@@ -100,7 +100,7 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         items = queries.parked_keys(engine, limit=args.limit, after=args.after)
     finally:
@@ -145,7 +145,7 @@ def _print_parked(items: Sequence[queries.ParkedKey]) -> None:
 
 
 def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         result = OperatorActions(engine).skip(
             actor=args.actor, message_id=args.message_id, reason=args.reason
@@ -155,7 +155,7 @@ def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     if args.json:
-        _json(
+        print_json(
             {
                 "message_id": result.message_id,
                 "previous": result.previous.value,
@@ -178,13 +178,13 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
 
     days = settings.retention_days if args.older_than_days is None else args.older_than_days
     inbox_days = settings.inbox_retention_days
-    engine = _engine(settings)
+    engine = engine_of(settings)
     retention = Retention(engine)
     try:
         if args.dry_run:
             would = retention.count_purgeable(older_than=dt.timedelta(days=days))
             if args.json:
-                _json({"dry_run": True, "older_than_days": days, "would_delete": would})
+                print_json({"dry_run": True, "older_than_days": days, "would_delete": would})
                 return EXIT_OK
             print(
                 f"would delete {would} confirmed rows confirmed more than {days:g} days ago "
@@ -207,7 +207,7 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     if args.json:
-        _json(
+        print_json(
             {
                 "dry_run": False,
                 "older_than_days": days,
@@ -264,11 +264,11 @@ def _add_republish(sub: Sub) -> None:
     rep.add_argument(
         "--ordering-key", help="only rows of this ordering key (a parked key's blocking row)"
     )
-    rep.add_argument("--created-after", type=_timestamp, help="ISO time, inclusive; naive = UTC")
-    rep.add_argument("--created-before", type=_timestamp, help="ISO time, exclusive; naive = UTC")
+    rep.add_argument("--created-after", type=timestamp, help="ISO time, inclusive; naive = UTC")
+    rep.add_argument("--created-before", type=timestamp, help="ISO time, exclusive; naive = UTC")
     rep.add_argument(
         "--limit",
-        type=_bounded_int(1, MAX_REPUBLISH_LIMIT),
+        type=bounded_int(1, MAX_REPUBLISH_LIMIT),
         default=1000,
         help="most rows moved (default 1000)",
     )
@@ -279,18 +279,16 @@ def _add_republish(sub: Sub) -> None:
         help="repeat in chunks of --limit until every matching row moved",
     )
     rep.add_argument("--request-id", help="idempotency key (default: a new one, printed)")
-    rep.add_argument(
-        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who acts (audit row)"
-    )
-    rep.add_argument("--json", action="store_true", help="as JSON (like POST /v1/republish)")
+    actor_flag(rep)
+    json_flag(rep, "POST /v1/republish")
     rep.set_defaults(func=_cmd_republish)
 
 
 def _add_keys(sub: Sub) -> None:
     park = sub.add_parser("parked", help="ordering keys parked behind a returned/nacked/failed row")
-    park.add_argument("--limit", type=_bounded_int(1, 1000), default=100)
+    park.add_argument("--limit", type=bounded_int(1, 1000), default=100)
     park.add_argument("--after", help="the last key of the previous page")
-    park.add_argument("--json", action="store_true", help="as JSON (like GET /v1/keys/parked)")
+    json_flag(park, "GET /v1/keys/parked")
     park.set_defaults(func=_cmd_parked)
     skip = sub.add_parser(
         "skip",
@@ -298,12 +296,10 @@ def _add_keys(sub: Sub) -> None:
     )
     skip.add_argument("message_id", help="the blocking row (see `outbox parked`)")
     skip.add_argument(
-        "--reason", required=True, type=_line(MAX_REASON), help="why (kept in the audit trail)"
+        "--reason", required=True, type=one_line(MAX_REASON), help="why (kept in the audit trail)"
     )
-    skip.add_argument(
-        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who acts (audit row)"
-    )
-    skip.add_argument("--json", action="store_true", help="as JSON (like POST .../skip)")
+    actor_flag(skip)
+    json_flag(skip, "POST .../skip")
     skip.set_defaults(func=_cmd_skip)
 
 
@@ -316,16 +312,21 @@ def _add_purge(sub: Sub) -> None:
     )
     pur.add_argument(
         "--older-than-days",
-        type=_positive_days,
+        type=positive_days,
         default=None,
         help="retention in days (default OUTBOX_RETENTION_DAYS)",
     )
     pur.add_argument(
-        "--chunk", type=_bounded_int(1, 100_000), default=1000, help="rows per transaction"
+        "--chunk", type=bounded_int(1, 100_000), default=1000, help="rows per transaction"
     )
     pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
-    pur.add_argument(
-        "--actor", type=_line(MAX_ACTOR), default=_default_actor(), help="who purges (audit row)"
-    )
-    pur.add_argument("--json", action="store_true", help="what was (or would be) deleted, as JSON")
+    actor_flag(pur, "who purges")
+    json_flag(pur, what="what was (or would be) deleted, as JSON")
     pur.set_defaults(func=_cmd_purge)
+
+
+def register(sub: Sub) -> None:
+    """This group's commands (acting, audited: republish, keys (parked, skip), purge)."""
+    _add_republish(sub)
+    _add_keys(sub)
+    _add_purge(sub)

@@ -12,7 +12,6 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app.cli_output import cell
 from app.db import make_engine
 from app.outbox.actions import MAX_ACTOR, has_control_characters
 from app.settings import Settings
@@ -35,14 +34,11 @@ class Failure(Exception):
     """The command could not do its job (exit code 1)."""
 
 
-_cell = cell
-
-
-def _engine(settings: Settings) -> Engine:
+def engine_of(settings: Settings) -> Engine:
     return make_engine(settings.database_url.get_secret_value())
 
 
-def _json(value: object) -> None:
+def print_json(value: object) -> None:
     import json
 
     print(json.dumps(value, indent=2, default=str))
@@ -54,7 +50,7 @@ def json_compact(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), default=str)[:120]
 
 
-def _timestamp(text: str) -> dt.datetime:
+def timestamp(text: str) -> dt.datetime:
     try:
         stamp = dt.datetime.fromisoformat(text)
     except ValueError:
@@ -62,7 +58,7 @@ def _timestamp(text: str) -> dt.datetime:
     return stamp.replace(tzinfo=dt.UTC) if stamp.tzinfo is None else stamp.astimezone(dt.UTC)
 
 
-def _bounded_int(low: int, high: int) -> Callable[[str], int]:
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -75,7 +71,7 @@ def _bounded_int(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_days(text: str) -> float:
+def positive_days(text: str) -> float:
     try:
         days = float(text)
     except ValueError:
@@ -88,7 +84,7 @@ def _positive_days(text: str) -> float:
     return days
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -98,7 +94,7 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _line(most: int) -> Callable[[str], str]:
+def one_line(most: int) -> Callable[[str], str]:
     """A text kept in the audit trail: one line of 1 to ``most`` characters, no control
     characters (they would forge lines in logs and tables), as the API checks it."""
 
@@ -113,7 +109,7 @@ def _line(most: int) -> Callable[[str], str]:
     return check
 
 
-def _default_actor() -> str:
+def default_actor() -> str:
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -122,3 +118,16 @@ def _default_actor() -> str:
 
 
 Sub = Any  # argparse's _SubParsersAction is private
+
+
+def json_flag(parser: argparse.ArgumentParser, like: str | None = None, *, what: str = "") -> None:
+    """``--json``: the command's answer as JSON, ``like`` the REST call that answers the same."""
+    shape = f" (like {like})" if like else ""
+    parser.add_argument("--json", action="store_true", help=f"{what or 'as JSON'}{shape}")
+
+
+def actor_flag(parser: argparse.ArgumentParser, who: str = "who acts") -> None:
+    """``--actor``: who the audit row names (default the CLI user at this host)."""
+    parser.add_argument(
+        "--actor", type=one_line(MAX_ACTOR), default=default_actor(), help=f"{who} (audit row)"
+    )

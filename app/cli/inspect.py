@@ -10,14 +10,15 @@ from app.cli.common import (
     Failure,
     Sub,
     UsageError,
-    _bounded_int,
-    _engine,
-    _positive_seconds,
+    bounded_int,
+    engine_of,
     json_compact,
+    json_flag,
+    positive_seconds,
 )
 from app.cli.render import (
     BATCH_HEADERS,
-    _batch_row,
+    batch_row,
     duration,
     render_batches,
     render_stats,
@@ -31,7 +32,7 @@ from app.settings import Settings
 
 
 def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         stats = queries.read_stats(
             engine,
@@ -70,7 +71,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
     from app.api.models import MessageOut
 
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         found = queries.message(engine, message_id=args.message_id, include_body=args.body)
     finally:
@@ -88,7 +89,7 @@ def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
-    engine = _engine(settings)
+    engine = engine_of(settings)
     flt = queries.OutstandingFilter(
         publisher=args.publisher,
         exchange=args.exchange,
@@ -137,7 +138,7 @@ def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         groups = queries.failures_by_cause(engine, limit=args.limit)
     finally:
@@ -184,7 +185,7 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         found = queries.writer_rejects(engine, batch_id=args.batch, limit=args.limit)
     finally:
@@ -216,7 +217,7 @@ def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         entries = queries.audit_trail(engine, limit=args.limit)
     finally:
@@ -259,7 +260,7 @@ def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
-    engine = _engine(settings)
+    engine = engine_of(settings)
     try:
         if args.batch_id is not None:
             one = queries.batch_summary(engine, batch_id=args.batch_id)
@@ -276,7 +277,7 @@ def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
 
         print("[" + ",\n".join(BatchOut.of(b).model_dump_json(indent=2) for b in items) + "]")
     elif fancy() and items:
-        show_table(BATCH_HEADERS, [_batch_row(b) for b in items])
+        show_table(BATCH_HEADERS, [batch_row(b) for b in items])
     else:
         print(render_batches(items))
     return EXIT_OK
@@ -284,7 +285,7 @@ def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
 
 def _add_status(sub: Sub) -> None:
     st = sub.add_parser("status", help="rows per status, oldest ages, confirm latency, publishers")
-    st.add_argument("--json", action="store_true", help="the same as GET /v1/stats, as JSON")
+    json_flag(st, "GET /v1/stats")
     st.add_argument(
         "--check",
         action="store_true",
@@ -298,7 +299,7 @@ def _add_status(sub: Sub) -> None:
     ):
         st.add_argument(
             f"--{name}",
-            type=_positive_seconds,
+            type=positive_seconds,
             default=default,
             metavar="SECONDS",
             help=f"threshold in seconds (default {default:g})",
@@ -307,11 +308,11 @@ def _add_status(sub: Sub) -> None:
     msg = sub.add_parser("message", help="one outbox row: status, attempts, reason, publish facts")
     msg.add_argument("message_id")
     msg.add_argument("--body", action="store_true", help="include the body (base64)")
-    msg.add_argument("--json", action="store_true", help="as JSON (like GET /v1/messages/{id})")
+    json_flag(msg, "GET /v1/messages/{id}")
     msg.set_defaults(func=_cmd_message)
     fail = sub.add_parser("failures", help="returned/nacked/failed rows grouped by cause")
-    fail.add_argument("--limit", type=_bounded_int(1, 500), default=50, help="most groups shown")
-    fail.add_argument("--json", action="store_true", help="as JSON (like GET /v1/failures)")
+    fail.add_argument("--limit", type=bounded_int(1, 500), default=50, help="most groups shown")
+    json_flag(fail, "GET /v1/failures")
     fail.set_defaults(func=_cmd_failures)
     out = sub.add_parser(
         "outstanding", help="publishes awaiting a broker confirm: publisher, channel, tag, age"
@@ -321,15 +322,13 @@ def _add_status(sub: Sub) -> None:
     out.add_argument("--batch", help="only rows of this batch id")
     out.add_argument(
         "--min-age",
-        type=_positive_seconds,
+        type=positive_seconds,
         metavar="SECONDS",
         help="only rows waiting at least this long",
     )
-    out.add_argument("--limit", type=_bounded_int(1, 1000), default=100, help="most rows shown")
+    out.add_argument("--limit", type=bounded_int(1, 1000), default=100, help="most rows shown")
     out.add_argument("--cursor", help="the `more:` cursor of the previous page")
-    out.add_argument(
-        "--json", action="store_true", help="as JSON (like GET /v1/confirms/outstanding)"
-    )
+    json_flag(out, "GET /v1/confirms/outstanding")
     out.set_defaults(func=_cmd_outstanding)
     rej = sub.add_parser(
         "rejects",
@@ -337,12 +336,12 @@ def _add_status(sub: Sub) -> None:
         "conflicts, with the reason, newest first",
     )
     rej.add_argument("--batch", help="only this batch id")
-    rej.add_argument("--limit", type=_bounded_int(1, 500), default=50)
-    rej.add_argument("--json", action="store_true", help="as JSON (like GET /v1/rejects)")
+    rej.add_argument("--limit", type=bounded_int(1, 500), default=50)
+    json_flag(rej, "GET /v1/rejects")
     rej.set_defaults(func=_cmd_rejects)
     aud = sub.add_parser("audit", help="operator actions (republish, skip), newest first")
-    aud.add_argument("--limit", type=_bounded_int(1, 500), default=50)
-    aud.add_argument("--json", action="store_true", help="as JSON")
+    aud.add_argument("--limit", type=bounded_int(1, 500), default=50)
+    json_flag(aud)
     aud.set_defaults(func=_cmd_audit)
 
 
@@ -352,6 +351,13 @@ def _add_batches(sub: Sub) -> None:
     bat.add_argument(
         "--status", choices=[s.value for s in Status], help="only batches with rows in it"
     )
-    bat.add_argument("--limit", type=_bounded_int(1, 500), default=50, help="most batches shown")
-    bat.add_argument("--json", action="store_true", help="as JSON (like GET /v1/batches)")
+    bat.add_argument("--limit", type=bounded_int(1, 500), default=50, help="most batches shown")
+    json_flag(bat, "GET /v1/batches")
     bat.set_defaults(func=_cmd_batches)
+
+
+def register(sub: Sub) -> None:
+    """This group's commands (reading: status, message, failures, outstanding, rejects,
+    audit, batches)."""
+    _add_status(sub)
+    _add_batches(sub)

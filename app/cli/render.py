@@ -6,8 +6,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from app.cli.common import _cell
-from app.cli_output import plain_table, say, show_table
+from app.cli_output import cell, plain_table, say, show_table
 from app.outbox import queries
 from app.outbox.scope import RepublishFilter
 from app.outbox.states import Status
@@ -44,7 +43,7 @@ def render_stats(s: queries.OutboxStats) -> str:
         for p in s.publishers
     ]
     lines = [
-        f"outbox at {_cell(s.at)} UTC",
+        f"outbox at {cell(s.at)} UTC",
         "",
         plain_table(["status", "rows"], [*counts, ("total", sum(s.counts.values()))]),
         "",
@@ -85,7 +84,7 @@ def _next_delayed(s: queries.OutboxStats) -> str:
 def show_stats(s: queries.OutboxStats) -> None:
     """:func:`render_stats` for a terminal: tables and coloured states."""
     lat = s.confirm_latency
-    say(f"outbox at {_cell(s.at)} UTC", level="bold")
+    say(f"outbox at {cell(s.at)} UTC", level="bold")
     show_table(
         ["status", "rows"],
         [*((st.value, n) for st, n in s.counts.items()), ("total", sum(s.counts.values()))],
@@ -137,7 +136,7 @@ def _ago(then: dt.datetime, now: dt.datetime) -> float:
 BATCH_HEADERS = ["batch", "rows", *(s.value for s in Status), "dup", "rejected", "last confirmed"]
 
 
-def _batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
+def batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
     rejected = "-" if b.rejected_count is None else b.rejected_count
     return (
         b.batch_id,
@@ -150,7 +149,7 @@ def _batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
 
 
 def render_batches(items: Sequence[queries.BatchSummary]) -> str:
-    rows = [_batch_row(b) for b in items]
+    rows = [batch_row(b) for b in items]
     return plain_table(BATCH_HEADERS, rows) if rows else "no batches"
 
 

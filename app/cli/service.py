@@ -7,7 +7,16 @@ import ipaddress
 import sys
 from pathlib import Path
 
-from app.cli.common import EXIT_OK, Failure, Sub, UsageError, _bounded_int, _json, _positive_seconds
+from app.cli.common import (
+    EXIT_OK,
+    Failure,
+    Sub,
+    UsageError,
+    bounded_int,
+    json_flag,
+    positive_seconds,
+    print_json,
+)
 from app.db import SchemaMismatch, check_schema, head_revision, migrate
 from app.logs import redact
 from app.outbox.database import OutboxError
@@ -17,7 +26,7 @@ from app.settings import Settings
 def _cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     migrate(settings.database_url.get_secret_value(), args.revision)
     if args.json:
-        _json({"revision": args.revision, "head": head_revision()})
+        print_json({"revision": args.revision, "head": head_revision()})
         return EXIT_OK
     print(f"outbox schema at revision {args.revision}")
     return EXIT_OK
@@ -199,7 +208,7 @@ def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         import dataclasses
 
-        _json(dataclasses.asdict(done))
+        print_json(dataclasses.asdict(done))
         return EXIT_OK
     print(f"exchange {done.exchange!r} ({done.kind}, durable) is declared")
     if done.queue is not None:
@@ -221,7 +230,7 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
 def _add_migrate(sub: Sub) -> None:
     mig = sub.add_parser("migrate", help="create or upgrade the outbox schema")
     mig.add_argument("--revision", default="head", help="target alembic revision (default head)")
-    mig.add_argument("--json", action="store_true", help="the revision reached, as JSON")
+    json_flag(mig, what="the revision reached, as JSON")
     mig.set_defaults(func=_cmd_migrate)
 
 
@@ -243,7 +252,7 @@ def _add_serve(sub: Sub) -> None:
     )
     srv.add_argument("--host", help="address to bind (default OUTBOX_API_HOST, 127.0.0.1)")
     srv.add_argument(
-        "--port", type=_bounded_int(1, 65535), help="port (default OUTBOX_API_PORT, 8080)"
+        "--port", type=bounded_int(1, 65535), help="port (default OUTBOX_API_PORT, 8080)"
     )
     srv.add_argument(
         "--insecure", action="store_true", help="allow serving without tokens (loopback only)"
@@ -282,7 +291,7 @@ def _add_consume(sub: Sub) -> None:
     con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
     con.add_argument(
         "--prefetch",
-        type=_bounded_int(1, 65535),
+        type=bounded_int(1, 65535),
         default=None,
         help="unacked deliveries held at once (default OUTBOX_CONSUMER_PREFETCH, 400)",
     )
@@ -295,27 +304,27 @@ def _add_consume(sub: Sub) -> None:
     )
     con.add_argument(
         "--concurrency",
-        type=_bounded_int(1, 256),
+        type=bounded_int(1, 256),
         default=None,
         help="handler threads (default OUTBOX_CONSUMER_CONCURRENCY, 8)",
     )
     con.add_argument(
         "--batch-size",
-        type=_bounded_int(1, 10000),
+        type=bounded_int(1, 10000),
         default=None,
         help="batch mode: deliveries per transaction at most (default "
         "OUTBOX_CONSUMER_BATCH_SIZE, 200)",
     )
     con.add_argument(
         "--delivery-limit",
-        type=_bounded_int(1, 1000),
+        type=bounded_int(1, 1000),
         default=None,
         help="attempts (failures, timeouts, crashes) before a message is "
         "dead-lettered (default OUTBOX_CONSUMER_DELIVERY_LIMIT, 5)",
     )
     con.add_argument(
         "--handler-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=None,
         help="seconds a handler may run before its attempt fails (default "
         "OUTBOX_CONSUMER_HANDLER_TIMEOUT, 60)",
@@ -333,7 +342,7 @@ def _add_consume(sub: Sub) -> None:
     )
     con.add_argument(
         "--metrics-port",
-        type=_bounded_int(0, 65535),
+        type=bounded_int(0, 65535),
         default=None,
         help="serve /metrics, /healthz, /readyz on this port (0: any free one)",
     )
@@ -378,7 +387,7 @@ def _add_declare(sub: Sub) -> None:
         metavar="KEY",
         help="binding key, repeatable (default '#' for topic, '' else)",
     )
-    dec.add_argument("--json", action="store_true", help="what was declared, as JSON")
+    json_flag(dec, what="what was declared, as JSON")
     dec.set_defaults(func=_cmd_declare)
 
 
@@ -386,7 +395,18 @@ def _add_demo(sub: Sub) -> None:
     dem = sub.add_parser(
         "demo", help="the main job end to end: Spark -> outbox -> RabbitMQ, verified"
     )
-    dem.add_argument("--rows", type=_bounded_int(1, 10_000_000), default=20_000)
-    dem.add_argument("--files", type=_bounded_int(1, 1000), default=4, help="micro-batches")
+    dem.add_argument("--rows", type=bounded_int(1, 10_000_000), default=20_000)
+    dem.add_argument("--files", type=bounded_int(1, 1000), default=4, help="micro-batches")
     dem.add_argument("--workdir", type=Path, default=Path("demo-data"))
     dem.set_defaults(func=_cmd_demo)
+
+
+def register(sub: Sub) -> None:
+    """This group's commands (running the parts: migrate, publish, serve, consume, declare,
+    demo)."""
+    _add_migrate(sub)
+    _add_publish(sub)
+    _add_serve(sub)
+    _add_consume(sub)
+    _add_declare(sub)
+    _add_demo(sub)
