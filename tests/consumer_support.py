@@ -15,7 +15,7 @@ from typing import Any
 import aio_pika
 from sqlalchemy import Connection, Engine, text
 
-from app.consumer import Message
+from app.consumer import Consumer, ConsumerConfig, Message
 
 EFFECTS = """CREATE TABLE IF NOT EXISTS consumer_effects (
     n SERIAL PRIMARY KEY, message_id TEXT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT now())"""
@@ -118,3 +118,19 @@ async def until(predicate: Any, *, timeout: float = 60.0, what: str = "condition
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def running_consumer(
+    amqp_url: str, engine: Engine, config: ConsumerConfig, **handler: Any
+) -> AsyncIterator[Consumer]:
+    """A consumer kit running in a task (``handler=`` or ``batch_handler=``); stopped on exit,
+    and failing the test if it does not stop within 30 s."""
+    consumer = Consumer(config=config, amqp_url=amqp_url, engine=engine, **handler)
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    try:
+        yield consumer
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

@@ -29,6 +29,7 @@ from tests.consumer_support import (
     effects,
     publish,
     record,
+    running_consumer,
     until,
 )
 
@@ -63,14 +64,8 @@ async def consuming(
     amqp_url: str, engine: Engine, queue: str, **config: Any
 ) -> AsyncIterator[Consumer]:
     cfg = ConsumerConfig(name=config.pop("name", "test"), queue=queue, **config)
-    consumer = Consumer(config=cfg, amqp_url=amqp_url, engine=engine, handler=record)
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    try:
+    async with running_consumer(amqp_url, engine, cfg, handler=record) as consumer:
         yield consumer
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 async def test_every_effect_once_with_prefetch_and_multiple_acks(

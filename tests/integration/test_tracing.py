@@ -5,8 +5,6 @@ SDK with its in-memory exporter)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -17,12 +15,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
-from app.consumer import Consumer, ConsumerConfig
+from app.consumer import ConsumerConfig
 from app.consumer.inbox import Message as Delivered
 from app.db import make_engine
 from app.outbox.enqueue import Message, enqueue
 from app.outbox.schema import outbox
-from tests.consumer_support import declared_queue, until
+from tests.consumer_support import declared_queue, running_consumer, until
 from tests.publisher_support import run_until_empty, settings_for
 
 _EXPORTER = InMemorySpanExporter()
@@ -93,20 +91,9 @@ async def test_one_trace_from_enqueue_to_the_consumers_handler(
             assert headers["given"]["tracestate"] == "vendor=x"
             assert headers["header"] == {"traceparent": "00-" + "4" * 32 + "-" + "5" * 16 + "-01"}
             await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
-            consumer = Consumer(
-                config=ConsumerConfig(name="traced", queue=queue),
-                amqp_url=amqp_url,
-                engine=engine,
-                handler=handler,
-            )
-            stop = asyncio.Event()
-            task = asyncio.create_task(consumer.run(stop))
-            try:
+            config = ConsumerConfig(name="traced", queue=queue)
+            async with running_consumer(amqp_url, engine, config, handler=handler):
                 await until(lambda: len(seen) == 3, timeout=30, what="every delivery handled")
-            finally:
-                stop.set()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(task, 30)
     finally:
         engine.dispose()
     assert dict(seen) == {"traced": trace_id, "given": "1" * 32, "header": "4" * 32}
@@ -146,20 +133,9 @@ async def test_a_batch_handler_runs_in_a_span_linked_to_each_messages_trace(
                     ],
                 )
             await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
-            consumer = Consumer(
-                config=ConsumerConfig(name="batched", queue=queue),
-                amqp_url=amqp_url,
-                engine=engine,
-                batch_handler=batch_handler,
-            )
-            stop = asyncio.Event()
-            task = asyncio.create_task(consumer.run(stop))
-            try:
+            config = ConsumerConfig(name="batched", queue=queue)
+            async with running_consumer(amqp_url, engine, config, batch_handler=batch_handler):
                 await until(lambda: len(handled) == 2, timeout=30, what="both handled")
-            finally:
-                stop.set()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(task, 30)
     finally:
         engine.dispose()
     batches = [s for s in spans.get_finished_spans() if s.name == "outbox batch process"]
