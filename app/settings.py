@@ -82,6 +82,12 @@ class Settings(BaseSettings):
         description="Write-backs of outcomes wait for the disk (claims always do); off, a "
         "database crash can undo the last ones: those rows are published again, counted.",
     )
+    publisher_tracing: bool = Field(
+        default=False,
+        description="Record one OpenTelemetry PRODUCER span per published batch, from its "
+        "publish to the settlement of its last row, linked to each row's traceparent (needs the "
+        "`otel` extra and an SDK configured by the process). See docs/applications.md.",
+    )
     backoff_base: float = Field(default=0.5, gt=0, description="First retry delay, seconds.")
     backoff_max: float = Field(default=60.0, gt=0, description="Largest retry delay, seconds.")
     destination_retry_budget: int = Field(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -129,20 +130,66 @@ def linked_span(
     if otel is None or not parents:
         yield
         return
-    propagate, trace = otel
-    links = []
-    for parent in parents:
-        ctx = trace.get_current_span(propagate.extract({TRACEPARENT: parent})).get_span_context()
-        if ctx.is_valid:
-            links.append(trace.Link(ctx))
+    _propagate, trace = otel
     tracer = trace.get_tracer("outbox-sink.consumer")
     with tracer.start_as_current_span(
         name,
         kind=trace.SpanKind.CONSUMER,
-        links=links,
+        links=_links(otel, parents),
         attributes={**attributes, "messaging.batch.message_count": len(many)},
     ):
         yield
+
+
+#: OpenTelemetry's SDK keeps at most 128 links per span by default; more are dropped there.
+MAX_LINKS = 128
+
+
+def _links(otel: Any, parents: Sequence[str]) -> list[Any]:
+    propagate, trace = otel
+    links = []
+    for parent in parents[:MAX_LINKS]:
+        ctx = trace.get_current_span(propagate.extract({TRACEPARENT: parent})).get_span_context()
+        if ctx.is_valid:
+            links.append(trace.Link(ctx))
+    return links
+
+
+def available() -> bool:
+    """Whether OpenTelemetry's API is installed."""
+    return _otel() is not None
+
+
+def producer_span(
+    *, name: str, parents: Sequence[str], attributes: Mapping[str, Any], start_ns: int
+) -> Any | None:
+    """Start (not as the current span) a PRODUCER span at ``start_ns`` (wall clock, ns) linked
+    to each ``traceparent`` of ``parents``; the caller ends it. None without OpenTelemetry."""
+    otel = _otel()
+    if otel is None:
+        return None
+    _propagate, trace = otel
+    tracer = trace.get_tracer("outbox-sink.publisher")
+    return tracer.start_span(
+        name,
+        kind=trace.SpanKind.PRODUCER,
+        links=_links(otel, parents),
+        attributes=dict(attributes),
+        start_time=start_ns,
+    )
+
+
+def traceparent_of(headers: str | Mapping[str, Any] | None) -> str | None:
+    """The ``traceparent`` in a row's headers (JSON text as the claim reads it, or decoded),
+    else None; parses only text that mentions one."""
+    if isinstance(headers, str):
+        if TRACEPARENT not in headers:
+            return None
+        try:
+            headers = json.loads(headers)
+        except ValueError:
+            return None
+    return _text(headers.get(TRACEPARENT)) if isinstance(headers, Mapping) else None
 
 
 def _text(value: object) -> str | None:

@@ -148,20 +148,40 @@ def temp_sqlite() -> Iterator[str]:
 
 
 def seed_postgres(
-    url: str, *, n: int, exchange: str, routing_key: str, start: int = 0, keys: int | None = None
+    url: str,
+    *,
+    n: int,
+    exchange: str,
+    routing_key: str,
+    start: int = 0,
+    keys: int | None = None,
+    traced: bool = False,
 ) -> None:
     """Insert ``n`` pending rows with COPY (rows shaped like tests/factories.py); with ``keys``,
-    row ``i`` has ordering key ``k{i % keys}`` (keys interleaved, as a stream writes them)."""
+    row ``i`` has ordering key ``k{i % keys}`` (keys interleaved, as a stream writes them);
+    ``traced``: each row carries a ``traceparent`` header of its own trace."""
     prefix = uuid.uuid4().hex[:8]
     copy = (
-        "COPY outbox (message_id, batch_id, exchange, routing_key, body, ordering_key) FROM STDIN"
+        "COPY outbox (message_id, batch_id, exchange, routing_key, body, ordering_key, headers)"
+        " FROM STDIN"
     )
     with psycopg.connect(libpq_url(url)) as conn, conn.cursor() as cur:
         with cur.copy(copy) as cp:
             for i in range(start, start + n):
                 key = None if keys is None else f"k{i % keys}"
+                headers = None
+                if traced:
+                    headers = f'{{"traceparent": "00-{i + 1:032x}-{i + 1:016x}-01"}}'
                 cp.write_row(
-                    (f"{prefix}-{i}", f"bench:{i // 10_000}", exchange, routing_key, BODY, key)
+                    (
+                        f"{prefix}-{i}",
+                        f"bench:{i // 10_000}",
+                        exchange,
+                        routing_key,
+                        BODY,
+                        key,
+                        headers,
+                    )
                 )
         conn.commit()
         cur.execute("ANALYZE outbox")

@@ -26,7 +26,17 @@ from bench.common import REPEATS, Measured, Services, Sizes, temp_postgres
 from bench.proccpu import median_by_process
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GROUPS = ("baselines", "ceiling", "drains", "memory", "latency", "spark", "consume", "operate")
+GROUPS = (
+    "baselines",
+    "ceiling",
+    "drains",
+    "tracing",
+    "memory",
+    "latency",
+    "spark",
+    "consume",
+    "operate",
+)
 #: Groups whose failure is reported but does not fail the run (diagnostics, not issue keys).
 OPTIONAL = {"ceiling"}
 
@@ -59,6 +69,14 @@ TARGETS = [
         "drain_postgres_ordered_10k_keys",
         "drain_postgres",
         0.5,
+    ),
+    # OUTBOX_PUBLISHER_TRACING's cost: the same traced rows drained with and without the
+    # publisher's batch spans (a report, not an issue target: 0.9 reads "at most 10 % slower")
+    (
+        "ratio_drain_publisher_tracing_vs_off",
+        "drain_postgres_publisher_tracing",
+        "drain_postgres_traceparent_rows",
+        0.9,
     ),
     # the consumer kit: batched inbox near the wire's own consume loop, far above a hand-written
     # per-message inbox loop
@@ -179,6 +197,7 @@ class Bench:
         self.group("baselines", lambda: baselines.run(s, z))
         self.group("ceiling", lambda: ceiling.run(s, z))
         self.group("drains", lambda: drain.run_drains(s, z))
+        self.group("tracing", lambda: drain.run_tracing(s, z))
         self.group("memory", lambda: [drain.run_memory(s, z, one_x=self._drain_rss())])
         self.group("latency", lambda: self._latency())
         self.group("spark", lambda: _spark(s, z))

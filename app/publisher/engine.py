@@ -54,6 +54,7 @@ from app.publisher.outages import OutageParts, Outages
 from app.publisher.sender import Sender, SenderParts
 from app.publisher.session import Session
 from app.publisher.settlement import CloseCause, Quarantine, lose, settle
+from app.publisher.spans import batch_spans
 from app.publisher.wakeup import Signal
 from app.publisher.writeback import Writeback, WritebackParts
 from app.settings import Settings
@@ -98,6 +99,7 @@ class Publisher:
         self.quarantine = Quarantine()
         self.destinations = Destinations(backoff=self.backoff, ok_ttl=EXCHANGE_OK_TTL)
         self.db = DbThread(claims_apart=store.db.is_postgres, clock=clock)
+        self.spans = batch_spans(enabled=settings.publisher_tracing, publisher_id=self.publisher_id)
         self.session = Session(
             settings=settings,
             metrics=self.metrics,
@@ -120,6 +122,7 @@ class Publisher:
                 freed=self._freed,
                 clock=clock,
                 made_due=self._made_due,
+                spans=self.spans,
             )
         )
         self.sender = Sender(
@@ -133,6 +136,7 @@ class Publisher:
                 written=self.writeback.wake.set,
                 wall_clock=store.db.clock,
                 clock=clock,
+                spans=self.spans,
             ),
             batch=settings.claim_batch,
             limits=self.limits,
@@ -226,7 +230,7 @@ class Publisher:
         s = self.settings
         log.info(
             "publisher %s started: database %s, broker %s, window %d, claim batch %d, "
-            "channels %d, metrics and probes at %s",
+            "channels %d, metrics and probes at %s%s",
             self.publisher_id,
             redact_url(s.database_url.get_secret_value()),
             redact_url(s.amqp_url.get_secret_value()),
@@ -234,6 +238,7 @@ class Publisher:
             s.claim_batch,
             s.channels,
             self.probes.url if self.probes else "-",
+            ", a span per published batch" if self.spans is not None else "",
         )
 
     async def _start_probes(self) -> None:
@@ -341,6 +346,8 @@ class Publisher:
         self.session.abandon_window("publisher stopped before the confirm came")
         self._release_unpublished()  # rows of an isolated publish lost at the stop
         await self.session.close(min(5.0, self.settings.shutdown_timeout + 1))
+        if self.spans is not None:
+            self.spans.close()
         await _finish(tasks["session"])
         assert self.housekeeping is not None
         self.housekeeping.stop()

@@ -29,6 +29,7 @@ from app.publisher.settlement import (
     outage_reason,
     oversized_reason,
 )
+from app.publisher.spans import BatchSpans
 from app.publisher.wakeup import Signal
 
 log = logging.getLogger("app.publisher")
@@ -47,6 +48,7 @@ class SenderParts:
     written: Callable[[], None]  # wake the write-back: outcomes were added
     wall_clock: Callable[[], dt.datetime]  # the store's clock (publish facts)
     clock: Callable[[], float]
+    spans: BatchSpans | None = None  # OUTBOX_PUBLISHER_TRACING
 
 
 class Sender:
@@ -222,4 +224,6 @@ class Sender:
             out.fail(f"cannot encode the message: {error}", [row.id])
             p.written()
         p.metrics.published += len(result.rows)
+        if p.spans is not None:
+            p.spans.published(result.rows)
         return True

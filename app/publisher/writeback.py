@@ -30,6 +30,7 @@ from app.publisher.dbthread import DbThread
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
 from app.publisher.outcomes import Outcomes, Written
+from app.publisher.spans import BatchSpans
 from app.publisher.wakeup import Signal
 from app.settings import Settings
 
@@ -60,6 +61,7 @@ class WritebackParts:
     freed: Callable[[], None]  # rows left the window: wake the claimer
     clock: Callable[[], float]
     made_due: Callable[[], None] = lambda: None  # rows became due: news for the claimer
+    spans: BatchSpans | None = None  # OUTBOX_PUBLISHER_TRACING
 
 
 class Writeback:
@@ -137,6 +139,8 @@ class Writeback:
             self._forget_durable()
         news = bool(out.lost or out.released or out.postponed) or self._keys_moved_on(settled)
         p.holdings.forget(settled)
+        if p.spans is not None:
+            p.spans.settled(out)
         self._finished()
         p.freed()
         if news:

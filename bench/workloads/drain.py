@@ -82,8 +82,16 @@ class Proc:
 
 
 def start_publisher(
-    services: Services, db_url: str, logdir: Path, *, until_empty: bool, name: str
+    services: Services,
+    db_url: str,
+    logdir: Path,
+    *,
+    until_empty: bool,
+    name: str,
+    tracing: bool = False,
 ) -> Proc:
+    """A publisher process; ``tracing``: under OpenTelemetry's SDK with
+    ``OUTBOX_PUBLISHER_TRACING=true`` (bench/traced_publisher.py)."""
     env = dict(os.environ)
     env.update(
         OUTBOX_DATABASE_URL=db_url,
@@ -94,7 +102,11 @@ def start_publisher(
     for pair in filter(None, PUBLISHER_ENV.split(",")):
         key, _, value = pair.partition("=")
         env[key.strip()] = value.strip()
-    args = [sys.executable, "-m", "app.publisher"] + (["--until-empty"] if until_empty else [])
+    module = "app.publisher"
+    if tracing:
+        env["OUTBOX_PUBLISHER_TRACING"] = "true"
+        module = "bench.traced_publisher"
+    args = [sys.executable, "-m", module] + (["--until-empty"] if until_empty else [])
     log = logdir / f"publisher-{name}.log"
     with log.open("wb") as out:
         popen = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -129,10 +141,19 @@ class DrainResult:
 
 
 def drain_once(
-    services: Services, *, backend: str, n: int, publishers: int = 1, keys: int | None = None
+    services: Services,
+    *,
+    backend: str,
+    n: int,
+    publishers: int = 1,
+    keys: int | None = None,
+    traced: bool = False,
+    tracing: bool = False,
 ) -> DrainResult:
     """Seed ``n`` rows, run ``publishers`` processes with ``--until-empty``, time the drain.
-    ``keys``: rows carry one of that many ordering keys (PostgreSQL), published in key order."""
+    ``keys``: rows carry one of that many ordering keys (PostgreSQL), published in key order.
+    ``traced``: each row has a ``traceparent`` (PostgreSQL); ``tracing``: the publisher makes
+    its batch spans under OpenTelemetry's SDK."""
     make_db = temp_postgres(services) if backend == "postgresql" else temp_sqlite()
     with (
         make_db as db_url,
@@ -141,7 +162,12 @@ def drain_once(
     ):
         if backend == "postgresql":
             seed_postgres(
-                db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key, keys=keys
+                db_url,
+                n=n,
+                exchange=topo.exchange,
+                routing_key=topo.routing_key,
+                keys=keys,
+                traced=traced,
             )
         else:
             seed_sqlite(db_url, n=n, exchange=topo.exchange, routing_key=topo.routing_key)
@@ -149,7 +175,9 @@ def drain_once(
         services_cpu.start()
         start = dt.datetime.now(dt.UTC)
         procs = [
-            start_publisher(services, db_url, Path(logdir), until_empty=True, name=str(i))
+            start_publisher(
+                services, db_url, Path(logdir), until_empty=True, name=str(i), tracing=tracing
+            )
             for i in range(publishers)
         ]
         timeout = 120 + n / 500
@@ -158,6 +186,12 @@ def drain_once(
         for proc in procs:
             proc.check()
         used = services_cpu.stop()
+        if tracing:  # the spans were made, not skipped (no SDK, tracing off)
+            said = " ".join(p.log.read_text() for p in procs)
+            if "spans exported: 0" in said or "spans exported:" not in said:
+                raise RuntimeError(
+                    f"drain with tracing: no publisher span exported ({said[-300:]})"
+                )
         count, first, last = _confirmed(db_url)
         depth = topo.depth()
     if count != n or first is None or last is None:
@@ -233,6 +267,23 @@ def run_drains(services: Services, sizes: Sizes) -> list[Measured]:
         _drain_repeat(
             "drain_postgres_ordered_hot_key",
             lambda: drain_once(services, backend="postgresql", n=hot, keys=1),
+        ),
+    ]
+
+
+def run_tracing(services: Services, sizes: Sizes) -> list[Measured]:
+    """The cost of ``OUTBOX_PUBLISHER_TRACING``: the same rows, each with a ``traceparent``,
+    drained without and with the publisher's batch spans (SDK, batch processor, spans dropped
+    by the exporter)."""
+    n = sizes.drain
+    return [
+        _drain_repeat(
+            "drain_postgres_traceparent_rows",
+            lambda: drain_once(services, backend="postgresql", n=n, traced=True),
+        ),
+        _drain_repeat(
+            "drain_postgres_publisher_tracing",
+            lambda: drain_once(services, backend="postgresql", n=n, traced=True, tracing=True),
         ),
     ]
 

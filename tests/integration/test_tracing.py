@@ -19,7 +19,10 @@ from app.consumer import ConsumerConfig
 from app.consumer.inbox import Message as Delivered
 from app.db import make_engine
 from app.outbox.enqueue import Message, enqueue
+from app.outbox.records import ClaimedRow
 from app.outbox.schema import outbox
+from app.publisher.outcomes import Outcomes
+from app.publisher.spans import BatchSpans
 from tests.consumer_support import declared_queue, running_consumer, until
 from tests.publisher_support import run_until_empty, settings_for
 
@@ -141,3 +144,75 @@ async def test_a_batch_handler_runs_in_a_span_linked_to_each_messages_trace(
     batches = [s for s in spans.get_finished_spans() if s.name == "outbox batch process"]
     linked = {f"{link.context.trace_id:032x}" for s in batches for link in s.links}
     assert batches and linked == set(traces.values())
+
+
+async def test_publisher_tracing_records_a_span_per_batch_linked_to_each_rows_trace(
+    pg_url: str, amqp_url: str, spans: InMemorySpanExporter
+) -> None:
+    """``OUTBOX_PUBLISHER_TRACING``: each published batch is one PRODUCER span, linked to the
+    trace of each of its rows that has one, counting how its rows ended; a batch with a row the
+    broker returned ends in ERROR. Off, the same drain records no publisher span."""
+    engine = make_engine(pg_url)
+    traced = {f"t-{i}": f"{i + 1:032x}" for i in range(5)}
+    try:
+        async with declared_queue(amqp_url, prefix="test-tracing") as queue:
+            with Session(engine) as session, session.begin():
+                enqueue(
+                    session,
+                    [
+                        Message(
+                            exchange="",
+                            routing_key=queue,
+                            body=b"{}",
+                            message_id=mid,
+                            traceparent=f"00-{tid}-{'3' * 16}-01",
+                        )
+                        for mid, tid in traced.items()
+                    ]
+                    + [
+                        Message(exchange="", routing_key=queue, body=b"{}", message_id=f"u-{i}")
+                        for i in range(3)
+                    ]
+                    + [Message(exchange="", routing_key="no-such-queue", body=b"{}")],
+                )
+            settings = settings_for(db_url=pg_url, amqp_url=amqp_url, publisher_tracing=True)
+            await run_until_empty(settings, engine)
+            produced = [s for s in spans.get_finished_spans() if s.name == "outbox publish"]
+            assert produced and all(s.kind == trace.SpanKind.PRODUCER for s in produced)
+            attrs = [dict(s.attributes or {}) for s in produced]
+            assert sum(int(a["messaging.batch.message_count"]) for a in attrs) == 9
+            assert sum(int(a.get("outbox.confirmed", 0)) for a in attrs) == 8
+            assert sum(int(a.get("outbox.returned", 0)) for a in attrs) == 1
+            linked = {f"{link.context.trace_id:032x}" for s in produced for link in s.links}
+            assert linked == set(traced.values())
+            errors = [s for s in produced if not s.status.is_ok]
+            assert len(errors) == 1 and errors[0].status.description == "1 rows not delivered"
+            assert all(s.end_time is not None and s.end_time >= s.start_time for s in produced)
+
+            spans.clear()
+            with Session(engine) as session, session.begin():
+                enqueue(session, [Message(exchange="", routing_key=queue, body=b"{}")])
+            await run_until_empty(settings_for(db_url=pg_url, amqp_url=amqp_url), engine)
+            assert not [s for s in spans.get_finished_spans() if s.name == "outbox publish"]
+    finally:
+        engine.dispose()
+
+
+def test_a_publisher_that_stops_ends_its_open_batch_spans_saying_what_it_left(
+    spans: InMemorySpanExporter,
+) -> None:
+    batch = BatchSpans(publisher_id="p1")
+    rows = [
+        ClaimedRow(i, f"m-{i}", "b", "ex", "rk", True, b"{}", None, None, None, None, 1, 10)
+        for i in range(1, 4)
+    ]
+    batch.published(rows)
+    out = Outcomes()
+    out.confirmed.append(1)
+    batch.settled(out)
+    assert batch.open == 1 and not spans.get_finished_spans()
+    batch.close()
+    (span,) = spans.get_finished_spans()
+    assert span.attributes is not None
+    assert (span.attributes["outbox.confirmed"], span.attributes["outbox.unsettled"]) == (1, 2)
+    assert span.attributes["messaging.destination.name"] == "ex" and batch.open == 0
