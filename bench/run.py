@@ -116,6 +116,8 @@ TARGETS = [
 RSS_GROWTH_LIMIT_PCT = 10.0
 #: Confirm latency at 50 % of the drain rate: (key, at most)
 LATENCY_LIMITS_MS = (("confirm_latency_p50_ms", 15.0), ("confirm_latency_p99_ms", 60.0))
+#: The console's slowest page at 1,000,000 rows, server side (issue #28): (key, at most)
+CONSOLE_PAGE_LIMIT_MS = ("console_slowest_page_1m_rows_ms", 300.0)
 #: The broker's own confirm latency at the same rate (no database, no publisher): the floor
 LATENCY_FLOOR_MS = ("diag_broker_confirm_p50_ms", "diag_broker_confirm_p99_ms")
 #: The publisher's CPU per confirmed row over aio-pika's windowed loop's CPU per message
@@ -286,6 +288,10 @@ class Bench:
             if key in numbers:
                 ok = "yes" if numbers[key] <= limit else "NO"
                 lines.append(f"{key + ' (ms)':<56} {numbers[key]:>7.1f}  <={limit:<4.0f}  {ok}")
+        key, limit = CONSOLE_PAGE_LIMIT_MS
+        if key in numbers:
+            ok = "yes" if numbers[key] <= limit else "NO"
+            lines.append(f"{key + ' (ms)':<56} {numbers[key]:>7.1f}  <={limit:<4.0f}  {ok}")
         for key in LATENCY_FLOOR_MS:
             if key in numbers:
                 lines.append(f"{key + ' (ms, the floor)':<56} {numbers[key]:>7.1f}")
