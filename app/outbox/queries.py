@@ -32,12 +32,13 @@ from sqlalchemy import (
     select,
     text,
     true,
-    union,
+    tuple_,
+    union_all,
 )
 
 from app.outbox.content import ContentError, load_document
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.schema import audit, batches, events, held, outbox, publishers, rejects
+from app.outbox.schema import UTCDateTime, audit, batches, events, held, outbox, publishers, rejects
 from app.outbox.scope import CAUSE_LENGTH, Scope
 from app.outbox.states import TERMINAL_FAILURES, Status
 
@@ -550,16 +551,24 @@ class BatchSummary:
     rows: int
     counts: dict[Status, int]
     first_created_at: dt.datetime | None
+    last_created_at: dt.datetime | None
     first_published_at: dt.datetime | None
     last_published_at: dt.datetime | None
     first_confirmed_at: dt.datetime | None
     last_confirmed_at: dt.datetime | None
     republished: int
 
+    @property
+    def written_at(self) -> dt.datetime | None:
+        """The batch's latest write (its newest row, or its record): the list's order."""
+        known = [t for t in (self.last_created_at, self.committed_at) if t is not None]
+        return max(known) if known else None
 
-def _batch_walk(*, after: str | None, status: Status | None, limit: int) -> Any:
-    """Distinct ``batch_id`` values of the outbox in order, one index probe each (a recursive
-    CTE, i.e. a loose index scan: it never reads a batch's rows one by one)."""
+
+def _batch_walk(*, status: Status | None) -> Any:
+    """Every distinct ``batch_id`` of the outbox (with ``status``: holding a row in it), one
+    index probe each (a recursive CTE, i.e. a loose index scan: it never reads a batch's rows
+    one by one)."""
     inner = outbox.alias("o2")
 
     def probe(bound: Any) -> Any:
@@ -568,27 +577,74 @@ def _batch_walk(*, after: str | None, status: Status | None, limit: int) -> Any:
             cond = and_(cond, inner.c.status == status)
         return select(func.min(inner.c.batch_id)).where(cond).scalar_subquery()
 
-    walk = select(probe(after).label("batch_id"), literal(1).label("n")).cte("walk", recursive=True)
-    step = select(probe(walk.c.batch_id), walk.c.n + 1).where(
-        walk.c.batch_id.is_not(None), walk.c.n < limit
-    )
-    walk = walk.union_all(step)
+    walk = select(probe(None).label("batch_id")).cte("walk", recursive=True)
+    walk = walk.union_all(select(probe(walk.c.batch_id)).where(walk.c.batch_id.is_not(None)))
     return select(walk.c.batch_id).where(walk.c.batch_id.is_not(None))
 
 
-def _page_batch_ids(
-    conn: Connection, *, after: str | None, status: Status | None, limit: int
-) -> list[str]:
-    ids = _batch_walk(after=after, status=status, limit=limit)
-    if status is None:  # batches recorded with no outbox rows (every row rejected) show too
-        recorded = select(batches.c.batch_id)
-        if after is not None:
-            recorded = recorded.where(batches.c.batch_id > after)
-        recorded = recorded.order_by(batches.c.batch_id).limit(limit)
-        ids = union(ids, select(recorded.subquery().c.batch_id))
-    both = ids.subquery()
-    stmt = select(both.c.batch_id).order_by(both.c.batch_id).limit(limit)
-    return [str(b) for b in conn.execute(stmt).scalars()]
+@dataclass(frozen=True, slots=True)
+class BatchKey:
+    """Where a batch sits in the newest-first order: its latest write (the newest of its rows'
+    ``created_at`` and its ``outbox_batches.committed_at``), ties by ``batch_id``."""
+
+    written_at: dt.datetime
+    batch_id: str
+
+
+def _batch_keys(status: Status | None) -> Any:
+    """``(batch_id, written_at)`` of every batch: a probe of ``ix_outbox_batch_written`` per
+    distinct batch id for its newest row, and the recorded batches (with ``status``: only
+    those holding a row in it)."""
+    walked = _batch_walk(status=status).cte("walked")
+    newest = (
+        select(func.max(outbox.c.created_at))
+        .where(outbox.c.batch_id == walked.c.batch_id)
+        .scalar_subquery()
+    )
+    recorded = select(batches.c.batch_id, batches.c.committed_at.label("written_at"))
+    if status is not None:
+        recorded = recorded.where(batches.c.batch_id.in_(select(walked.c.batch_id)))
+    both = union_all(select(walked.c.batch_id, newest.label("written_at")), recorded).subquery()
+    return (
+        select(both.c.batch_id, func.max(both.c.written_at).label("written_at"))
+        .group_by(both.c.batch_id)
+        .subquery()
+    )
+
+
+def _page_batch_keys(
+    conn: Connection,
+    *,
+    before: BatchKey | None,
+    after: BatchKey | None,
+    status: Status | None,
+    limit: int,
+) -> list[BatchKey]:
+    """Up to ``limit`` keys newest first: those older than ``before`` (or the newest), or with
+    ``after``, the ones just newer than it (still returned newest first)."""
+    keys = _batch_keys(status)
+    key = tuple_(keys.c.written_at, keys.c.batch_id)
+    stmt = select(keys.c.batch_id, keys.c.written_at)
+    if after is not None:
+        bound = tuple_(literal(after.written_at, UTCDateTime()), literal(after.batch_id))
+        stmt = stmt.where(key > bound).order_by(keys.c.written_at, keys.c.batch_id)
+    else:
+        if before is not None:
+            bound = tuple_(literal(before.written_at, UTCDateTime()), literal(before.batch_id))
+            stmt = stmt.where(key < bound)
+        stmt = stmt.order_by(keys.c.written_at.desc(), keys.c.batch_id.desc())
+    found = [
+        BatchKey(written_at=_as_utc(r.written_at), batch_id=str(r.batch_id))
+        for r in conn.execute(stmt.limit(limit))
+    ]
+    return found[::-1] if after is not None else found
+
+
+def _as_utc(value: Any) -> dt.datetime:
+    """A timestamp out of an aggregate (SQLite hands back the stored text)."""
+    stamp = dt.datetime.fromisoformat(value) if isinstance(value, str) else value
+    assert isinstance(stamp, dt.datetime)
+    return stamp.replace(tzinfo=dt.UTC) if stamp.tzinfo is None else stamp.astimezone(dt.UTC)
 
 
 def _when_status(status: Status | None, col: Any) -> Any:
@@ -606,6 +662,7 @@ def _summaries(conn: Connection, batch_ids: Sequence[str]) -> list[BatchSummary]
             func.count().label("rows"),
             *per_status,
             func.min(outbox.c.created_at).label("first_created_at"),
+            func.max(outbox.c.created_at).label("last_created_at"),
             func.min(outbox.c.published_at).label("first_published_at"),
             func.max(outbox.c.published_at).label("last_published_at"),
             func.min(confirmed_at).label("first_confirmed_at"),
@@ -639,6 +696,7 @@ def _summary(batch_id: str, agg: Any, meta: Any) -> BatchSummary:
         rows=int(a("rows") or 0),
         counts={s: int(a(s.value) or 0) for s in Status},
         first_created_at=a("first_created_at"),
+        last_created_at=a("last_created_at"),
         first_published_at=a("first_published_at"),
         last_published_at=a("last_published_at"),
         first_confirmed_at=a("first_confirmed_at"),
@@ -647,28 +705,85 @@ def _summary(batch_id: str, agg: Any, meta: Any) -> BatchSummary:
     )
 
 
-def encode_batch_cursor(batch_id: str) -> str:
-    return encode_cursor({"k": "batches", "b": batch_id})
+@dataclass(frozen=True, slots=True)
+class BatchCursor:
+    """A page link of the batches list: the key it starts from and which way it goes
+    (``older``: the batches after it in newest-first order; ``newer``: the ones before)."""
+
+    key: BatchKey
+    newer: bool
+
+    def encode(self) -> str:
+        return encode_cursor(
+            {
+                "k": "batches",
+                "t": self.key.written_at.isoformat(),
+                "b": self.key.batch_id,
+                "d": "newer" if self.newer else "older",
+            }
+        )
+
+    @classmethod
+    def decode(cls, cursor: str) -> BatchCursor:
+        payload = decode_cursor(cursor)
+        batch_id, stamp, way = payload.get("b"), payload.get("t"), payload.get("d")
+        if (
+            payload.get("k") != "batches"
+            or not isinstance(batch_id, str)
+            or not plain_text(batch_id)
+            or not isinstance(stamp, str)
+            or way not in ("newer", "older")
+        ):
+            raise BadCursor("not a cursor returned by this endpoint")
+        try:
+            written_at = dt.datetime.fromisoformat(stamp)
+            if written_at.tzinfo is None:
+                raise ValueError(stamp)
+            written_at = written_at.astimezone(dt.UTC)
+        except (ValueError, OverflowError):
+            raise BadCursor("not a cursor returned by this endpoint") from None
+        return cls(key=BatchKey(written_at=written_at, batch_id=batch_id), newer=way == "newer")
 
 
-def decode_batch_cursor(cursor: str) -> str:
-    payload = decode_cursor(cursor)
-    batch_id = payload.get("b")
-    if payload.get("k") != "batches" or not isinstance(batch_id, str) or not plain_text(batch_id):
-        raise BadCursor("not a cursor returned by this endpoint")
-    return batch_id
+@dataclass(frozen=True, slots=True)
+class BatchPage:
+    """One page of batches, newest first, with the links both ways (None: nothing that way)."""
+
+    items: list[BatchSummary]
+    older_cursor: str | None
+    newer_cursor: str | None
 
 
 def list_batches(
-    engine: Engine, *, limit: int, after: str | None = None, status: Status | None = None
-) -> Page[BatchSummary]:
-    """Batches in ``batch_id`` order after ``after``; with ``status``, only batches holding at
-    least one row in that status."""
+    engine: Engine,
+    *,
+    limit: int,
+    cursor: BatchCursor | None = None,
+    status: Status | None = None,
+) -> BatchPage:
+    """Batches newest first (by their latest write, ties by ``batch_id``), a page at a time
+    either way from ``cursor``; with ``status``, only batches holding a row in that status."""
+    newer = cursor is not None and cursor.newer
     with engine.connect() as conn:
-        ids = _page_batch_ids(conn, after=after, status=status, limit=limit + 1)
-        items = _summaries(conn, ids[:limit])
-    cursor = encode_batch_cursor(ids[limit - 1]) if len(ids) > limit else None
-    return Page(items=items, next_cursor=cursor)
+        keys = _page_batch_keys(
+            conn,
+            before=cursor.key if cursor and not newer else None,
+            after=cursor.key if cursor and newer else None,
+            status=status,
+            limit=limit + 1,
+        )
+        more = len(keys) > limit
+        keys = (keys[1:] if newer else keys[:limit]) if more else keys
+        items = _summaries(conn, [k.batch_id for k in keys])
+    if not keys:
+        return BatchPage(items=[], older_cursor=None, newer_cursor=None)
+    older = more if not newer else True
+    newer_exists = more if newer else cursor is not None
+    return BatchPage(
+        items=items,
+        older_cursor=BatchCursor(key=keys[-1], newer=False).encode() if older else None,
+        newer_cursor=BatchCursor(key=keys[0], newer=True).encode() if newer_exists else None,
+    )
 
 
 def batch_summary(engine: Engine, *, batch_id: str) -> BatchSummary | None:
