@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Connection,
     Engine,
+    Integer,
     Text,
     and_,
     case,
@@ -1453,4 +1455,92 @@ def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) ->
             parked=parked,
             oldest_parked_age_seconds=parked_age,
             delayed=delayed,
+        )
+
+
+# ------------------------------------------------------------------------------ rates
+
+#: The overview's rate chart: this long, in one-minute steps ending now.
+RATE_WINDOW = dt.timedelta(hours=1)
+#: Confirms are counted among the rows written this long before now (a range of
+#: ``ix_outbox_created``): ``confirmed_at`` has no index, since every confirm updates it and an
+#: index there would end PostgreSQL's HOT updates of the confirm.
+RATE_LOOKBACK = dt.timedelta(hours=6)
+#: What the rates count as failed: the events that end a row's attempts.
+FAILED_EVENTS = ("returned", "nacked", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """Rows per minute over a window ending at ``end``: written (``created_at``), confirmed
+    (``confirmed_at``, among rows written since ``end - lookback``) and failed (a return, a
+    nack or a failure ending the row's attempts, from ``outbox_events``). Index ``i`` of each
+    list is the minute ``[start + i min, start + (i + 1) min)``."""
+
+    start: dt.datetime
+    end: dt.datetime
+    lookback: dt.timedelta
+    written: list[int]
+    confirmed: list[int]
+    failed: list[int]
+
+
+def _minute_index(column: Any, start: dt.datetime, dialect: str) -> ColumnElement[int]:
+    """Whole minutes from ``start`` to ``column`` (a grouping key computed in the database)."""
+    if dialect == "postgresql":
+        seconds = func.extract("epoch", column - literal(start, UTCDateTime()))
+        return cast(func.floor(seconds / 60), BigInteger)
+    start_text = literal(start.astimezone(dt.UTC).replace(tzinfo=None).isoformat(" "))
+    days = func.julianday(column) - func.julianday(start_text)
+    return cast(days * 1440 + 1e-9, Integer)  # truncates: the rows are at or after ``start``
+
+
+def _per_minute(conn: Connection, stmt: Any, minutes: int) -> list[int]:
+    counts = [0] * minutes
+    for index, count in conn.execute(stmt).all():
+        if index is not None and 0 <= int(index) < minutes:
+            counts[int(index)] += int(count)
+    return counts
+
+
+def rates(
+    engine: Engine,
+    *,
+    now: dt.datetime,
+    window: dt.timedelta = RATE_WINDOW,
+    lookback: dt.timedelta = RATE_LOOKBACK,
+) -> Rates:
+    """Written, confirmed and failed rows per minute over ``window`` ending at ``now``: three
+    grouped counts over time ranges (``ix_outbox_created``, ``ix_outbox_events_at``), never a
+    walk of the whole outbox."""
+    minutes = max(1, int(window.total_seconds() // 60))
+    start = now - dt.timedelta(minutes=minutes)
+    with engine.connect() as conn:
+        dialect = conn.dialect.name
+
+        def grouped(column: Any, *conds: ColumnElement[bool]) -> Any:
+            index = _minute_index(column, start, dialect).label("m")
+            return select(index, func.count()).where(*conds).group_by(index)
+
+        written = grouped(
+            outbox.c.created_at, outbox.c.created_at >= start, outbox.c.created_at < now
+        )
+        confirmed = grouped(
+            outbox.c.confirmed_at,
+            outbox.c.created_at >= min(start, now - lookback),
+            outbox.c.created_at < now,
+            outbox.c.status == Status.CONFIRMED,
+            outbox.c.confirmed_at >= start,
+            outbox.c.confirmed_at < now,
+        )
+        failed = grouped(
+            events.c.at, events.c.at >= start, events.c.at < now, events.c.kind.in_(FAILED_EVENTS)
+        )
+        return Rates(
+            start=start,
+            end=now,
+            lookback=lookback,
+            written=_per_minute(conn, written, minutes),
+            confirmed=_per_minute(conn, confirmed, minutes),
+            failed=_per_minute(conn, failed, minutes),
         )

@@ -1,20 +1,24 @@
 # ruff: noqa: F811 (the console's fixtures, imported from its test module, are parameters here)
 """The console over time (issue #28), in a real Chromium against a real ``uvicorn`` over a real
-PostgreSQL: batches newest first with page links both ways.
+PostgreSQL: batches newest first with page links both ways; the overview's rates, its trend in
+words (draining or stuck) and its auto refresh.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import Engine
 
-from app.api.console.base import PAGE
+from app.api.console.base import PAGE, SECURITY_HEADERS
+from app.outbox.repository import OutboxRepository
 from tests.factories import add_rows
 from tests.integration.test_api import READ, T0, Clock
 from tests.integration.test_console import (  # noqa: F401 (fixtures)
@@ -23,7 +27,9 @@ from tests.integration.test_console import (  # noqa: F401 (fixtures)
     browser,
     clock,
     engine,
+    shot,
     sign_in,
+    text,
 )
 
 pytestmark = pytest.mark.browser
@@ -77,3 +83,73 @@ def test_a_batches_page_link_not_made_by_the_console_is_a_400_page(
 ) -> None:
     sign_in(browser, server, READ, "/ui/batches?cursor=eyJrIjoiYmF0Y2hlcyIsImIiOiJ4In0")
     assert "That page link is not valid" in browser.find_element(By.ID, "message").text
+
+
+def _drain(engine: Engine, clock: Clock) -> None:
+    """100 rows written half an hour ago wait; then for five minutes the publisher confirms 12
+    a minute (through the repository, as it does) while 2 new rows a minute are written."""
+    old = clock.now - dt.timedelta(minutes=30)
+    add_rows(engine, n=100, created_at=old, available_at=old)
+    repo = OutboxRepository(engine, clock=clock)
+    for _ in range(5):
+        got = repo.claim(owner="p1", limit=12, lease_seconds=600)
+        repo.record_published(owner="p1", channel_id=1, tags=[(r.id, r.id) for r in got])
+        clock.advance(2)
+        repo.mark_confirmed(owner="p1", ids=[r.id for r in got])
+        add_rows(engine, n=2, created_at=clock.now, available_at=clock.now + HOUR)
+        clock.advance(58)
+
+
+HOUR = dt.timedelta(hours=1)
+
+
+def test_the_overview_tells_draining_from_stuck_and_refreshes_when_asked(
+    browser: webdriver.Chrome, server: Server, engine: Engine, clock: Clock, tmp_path: Path
+) -> None:
+    _drain(engine, clock)
+    sign_in(browser, server, READ, "/ui")
+    shot(browser, "overview-draining", tmp_path)
+    assert browser.find_element(By.ID, "trend").text == (
+        "Draining: confirming 12/min, writing 2/min; backlog falling "
+        "(50 rows waiting, empty in about 5 min)."
+    )
+    assert "draining" in str(browser.find_element(By.ID, "trend").get_attribute("class"))
+    lines = browser.find_elements(By.CSS_SELECTOR, "#rates polyline")
+    assert [str(line.get_attribute("class")) for line in lines] == [
+        "series written",
+        "series confirmed",
+        "series failed",
+    ]
+    assert all(len(str(line.get_attribute("points")).split()) == 60 for line in lines)
+    assert text(browser, "rate-confirmed").startswith("confirmed 12/min")
+    assert "paused" in text(browser, "refresh")
+    assert not browser.find_elements(By.CSS_SELECTOR, "meta[http-equiv=refresh]")
+
+    # nothing confirmed for six minutes: the same backlog now reads as stuck
+    clock.advance(6 * 60)
+    browser.find_element(By.ID, "refresh-10").click()
+    WebDriverWait(browser, 15).until(lambda b: b.current_url.endswith("/ui?refresh=10"))
+    assert browser.find_element(By.ID, "trend").text == (
+        "Stuck: 50 rows waiting and nothing confirmed or failed in the last 5 min."
+    )
+    meta = browser.find_element(By.CSS_SELECTOR, "meta[http-equiv=refresh]")
+    assert meta.get_attribute("content") == "10"
+    assert text(browser, "refresh") == "Auto refresh every 10 s · Pause"
+    shot(browser, "overview-stuck", tmp_path)
+    # the page reloads itself: the next render is later than this one
+    as_of = text(browser, "as-of")
+    clock.advance(30)
+    WebDriverWait(browser, 25).until(lambda b: b.find_element(By.ID, "as-of").text != as_of)
+    assert "refresh=10" in browser.current_url
+
+    cookie = browser.get_cookie("outbox_session")
+    assert cookie is not None
+    jar = {"outbox_session": cookie["value"]}
+    r = httpx.get(server.base + "/ui?refresh=10", cookies=jar)
+    assert r.headers["content-security-policy"] == SECURITY_HEADERS["Content-Security-Policy"]
+    assert "<script" not in r.text
+    bad = httpx.get(server.base + "/ui?refresh=1", cookies=jar)
+    assert bad.status_code == 400 and "Auto refresh runs every 10, 30, 60 seconds" in bad.text
+    browser.find_element(By.ID, "pause").click()
+    WebDriverWait(browser, 15).until(lambda b: b.current_url == server.base + "/ui")
+    assert not browser.find_elements(By.CSS_SELECTOR, "meta[http-equiv=refresh]")
