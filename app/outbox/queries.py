@@ -13,6 +13,7 @@ import binascii
 import datetime as dt
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -1122,6 +1123,84 @@ def writer_rejects(
         )
         for r in rows
     ]
+
+
+#: Most distinct reasons read to group the writer's rejects (their shapes are far fewer).
+MAX_REJECT_REASONS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class RejectReason:
+    """Rejects whose reasons differ only in their numbers ("body is 2048 bytes, over the
+    1024-byte maximum"): ``shape`` with each number as ``N``, the most frequent ``example``."""
+
+    shape: str
+    rows: int
+    example: str
+    last_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RejectSummary:
+    """The writer's rejects by reason; ``complete``: every distinct reason was read (else the
+    figures cover the :data:`MAX_REJECT_REASONS` most frequent)."""
+
+    rows: int
+    batches: int
+    reasons: list[RejectReason]
+    complete: bool
+
+
+def reason_shape(reason: str) -> str:
+    """A reason with each run of digits as ``N``: rows refused for one cause group together."""
+    return re.sub(r"[0-9]+", "N", reason)
+
+
+def reject_summary(
+    engine: Engine, *, batch_id: str | None = None, max_reasons: int = MAX_REJECT_REASONS
+) -> RejectSummary:
+    """The rows the Spark writer refused (``outbox_rejects``, all or one batch's through
+    ``ix_outbox_rejects_batch``), grouped by reason shape, most rows first."""
+    where = [rejects.c.batch_id == batch_id] if batch_id is not None else []
+    by_reason = (
+        select(rejects.c.reason, func.count().label("n"), func.max(rejects.c.created_at))
+        .where(*where)
+        .group_by(rejects.c.reason)
+        .order_by(func.count().desc(), rejects.c.reason)
+        .limit(max_reasons + 1)
+    )
+    batch_count = select(func.count(func.distinct(rejects.c.batch_id))).where(*where)
+    with engine.connect() as conn:
+        rows = conn.execute(by_reason).all()
+        batches_seen = int(conn.execute(batch_count).scalar_one())
+    complete = len(rows) <= max_reasons
+    shapes: dict[str, list[Any]] = {}
+    for reason, count, last in rows[:max_reasons]:
+        shapes.setdefault(reason_shape(reason), []).append((reason, int(count), _as_utc(last)))
+    reasons = [
+        RejectReason(
+            shape=shape,
+            rows=sum(c for _, c, _ in found),
+            example=found[0][0],  # the most frequent: rows come most frequent first
+            last_at=max(t for _, _, t in found),
+        )
+        for shape, found in shapes.items()
+    ]
+    reasons.sort(key=lambda r: (-r.rows, r.shape))
+    return RejectSummary(
+        rows=sum(r.rows for r in reasons),
+        batches=batches_seen,
+        reasons=reasons,
+        complete=complete,
+    )
+
+
+def reject_count(engine: Engine, *, cap: int = 10_000) -> tuple[int, bool]:
+    """How many rows the writer refused, counted up to ``cap`` (and whether there are more)."""
+    capped = select(rejects.c.id).limit(cap + 1).subquery()
+    with engine.connect() as conn:
+        count = int(conn.execute(select(func.count()).select_from(capped)).scalar_one())
+    return min(count, cap), count > cap
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,7 @@ def overview(request: Request) -> HTMLResponse:
         latency_rows=ctx.settings.stats_latency_rows,
     )
     parked_keys = len(queries.parked_keys(ctx.engine, limit=101))
+    rejects, rejects_more = queries.reject_count(ctx.engine)
     rates = queries.rates(ctx.engine, now=stats.at)
     chart, trend = rates_view(rates, stats)
     return render(
@@ -82,6 +83,8 @@ def overview(request: Request) -> HTMLResponse:
         trend=trend,
         refresh=refresh,
         refresh_choices=REFRESH,
+        rejects=rejects,
+        rejects_more=rejects_more,
         verdict=health.verdict(stats),
         statuses=list(Status),
         parked_keys=parked_keys,
