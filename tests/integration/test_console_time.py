@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlencode
 
 import httpx
 import pytest
@@ -153,3 +154,29 @@ def test_the_overview_tells_draining_from_stuck_and_refreshes_when_asked(
     browser.find_element(By.ID, "pause").click()
     WebDriverWait(browser, 15).until(lambda b: b.current_url == server.base + "/ui")
     assert not browser.find_elements(By.CSS_SELECTOR, "meta[http-equiv=refresh]")
+
+
+def test_a_search_no_index_narrows_reads_the_last_day_and_says_so(
+    browser: webdriver.Chrome, server: Server, engine: Engine, clock: Clock
+) -> None:
+    old = add_rows(engine, n=2, routing_key="apac", created_at=clock.now - 2 * DAY)
+    new = add_rows(engine, n=1, routing_key="apac", created_at=clock.now - HOUR)
+    sign_in(browser, server, READ, "/ui/messages?routing_key=apac")
+    assert "reads the rows written in the last 24 h" in text(browser, "window")
+    shown = browser.find_elements(By.CSS_SELECTOR, "#messages tr td:first-child a")
+    assert [str(a.text) for a in shown] == new
+    assert text(browser, "total") == "1"
+    since = browser.find_element(By.NAME, "created_after").get_attribute("value")
+    assert since == (clock.now - DAY).isoformat()
+    # further back when asked: no window note, the older rows too
+    query = urlencode({"routing_key": "apac", "created_after": (clock.now - 3 * DAY).isoformat()})
+    browser.get(f"{server.base}/ui/messages?{query}")
+    assert not browser.find_elements(By.ID, "window")
+    shown = browser.find_elements(By.CSS_SELECTOR, "#messages tr td:first-child a")
+    assert [str(a.text) for a in shown] == old + new
+    # a status a partial index holds needs no window
+    browser.get(f"{server.base}/ui/messages?status=pending")
+    assert not browser.find_elements(By.ID, "window") and text(browser, "total") == "3"
+
+
+DAY = dt.timedelta(days=1)
