@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -25,6 +26,7 @@ from tests.integration.test_console import (  # noqa: F401 (fixtures)
     browser,
     clock,
     engine,
+    shot,
     sign_in,
     text,
 )
@@ -72,7 +74,7 @@ def server(pg_url: str, engine: Engine, clock: Clock) -> Iterator[Server]:
 
 
 def test_writer_rejects_by_reason_and_newest_first(
-    browser: webdriver.Chrome, server: Server, engine: Engine, pg_url: str
+    browser: webdriver.Chrome, server: Server, engine: Engine, pg_url: str, tmp_path: Path
 ) -> None:
     write(pg_url, "orders", 1, {1: ("eu", "ok"), 2: (None, HOSTILE), 3: ("eu", "x" * 100)})
     write(pg_url, "orders", 2, {4: ("eu", "y" * 200), 5: (None, "z"), 6: ("us", "fine")})
@@ -102,6 +104,7 @@ def test_writer_rejects_by_reason_and_newest_first(
     assert listed == ["refunds:1", "orders:2", "orders:2", "orders:1", "orders:1"]
     assert HOSTILE in browser.find_element(By.ID, "rejects").text  # shown as text
     assert not browser.find_elements(By.CSS_SELECTOR, "#rejects script")
+    shot(browser, "rejects", tmp_path)
 
     browser.get(server.base + "/ui/batches/orders%3A1")
     browser.find_element(By.ID, "batch-rejects").click()

@@ -54,7 +54,7 @@ def _follow(browser: webdriver.Chrome, rel: str) -> None:
 
 
 def test_batches_are_newest_first_with_pages_both_ways(
-    browser: webdriver.Chrome, server: Server, engine: Engine, clock: Clock
+    browser: webdriver.Chrome, server: Server, engine: Engine, clock: Clock, tmp_path: Path
 ) -> None:
     # batch n written at minute n: their text order (1, 10, 100, 101, 11, ...) is not their age
     count = PAGE + 12
@@ -73,6 +73,7 @@ def test_batches_are_newest_first_with_pages_both_ways(
 
     _follow(browser, "next")
     assert _shown_batches(browser) == newest_first[PAGE:]
+    shot(browser, "batches-older", tmp_path)
     assert not browser.find_elements(By.CSS_SELECTOR, ".pager a[rel=next]")
     _follow(browser, "prev")
     assert _shown_batches(browser) == newest_first[:PAGE]
