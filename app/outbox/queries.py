@@ -766,7 +766,14 @@ def list_batches(
     status: Status | None = None,
 ) -> BatchPage:
     """Batches newest first (by their latest write, ties by ``batch_id``), a page at a time
-    either way from ``cursor``; with ``status``, only batches holding a row in that status."""
+    either way from ``cursor``; with ``status``, only batches holding a row in that status.
+
+    Cost: a page keys every distinct batch id (one probe of ``ix_outbox_batch_written`` each,
+    then a sort), then counts the rows of its own batches. Measured on PostgreSQL with
+    1,000,000 rows: 101 batches of 10,000 rows, a few ms to key them; 100,000 batches of 10
+    rows, 1.3-1.7 s a page. An outbox with that many batch ids needs its batches keyed by a
+    table of their own (``outbox_batches`` with an index on its write time, kept for every
+    source), not by walking the outbox."""
     newer = cursor is not None and cursor.newer
     with engine.connect() as conn:
         keys = _page_batch_keys(
