@@ -268,6 +268,10 @@ class BatchOut(BaseModel):
     rows: int = Field(description="Outbox rows now present with this batch id.")
     counts: StatusCounts
     first_created_at: dt.datetime | None
+    last_created_at: dt.datetime | None
+    written_at: dt.datetime | None = Field(
+        description="The batch's latest write (its newest row or its record): the list's order."
+    )
     first_published_at: dt.datetime | None
     last_published_at: dt.datetime | None
     first_confirmed_at: dt.datetime | None
@@ -283,8 +287,13 @@ class BatchOut(BaseModel):
 
 
 class BatchPage(BaseModel):
-    items: list[BatchOut]
-    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null at end.")
+    items: list[BatchOut] = Field(description="Newest first (by written_at, ties by batch_id).")
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` for the next (older) page; null at the oldest batch."
+    )
+    prev_cursor: str | None = Field(
+        description="Pass as `cursor` for the previous (newer) page; null at the newest."
+    )
 
 
 # ---------------------------------------------------------------------------- messages

@@ -114,21 +114,27 @@ def get_outstanding(
     )
 
 
-@router.get("/batches", response_model=BatchPage, summary="Batches in batch_id order")
+@router.get("/batches", response_model=BatchPage, summary="Batches, newest first")
 def get_batches(
     ctx: Ctx,
     status: Annotated[
         Status | None, Query(description="Only batches holding a row in this status.")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[Cursor | None, Query(description="next_cursor of the previous page")] = None,
+    cursor: Annotated[
+        Cursor | None, Query(description="next_cursor or prev_cursor of another page")
+    ] = None,
 ) -> BatchPage:
     try:
-        after = queries.decode_batch_cursor(cursor) if cursor else None
+        at = queries.BatchCursor.decode(cursor) if cursor else None
     except queries.BadCursor as exc:
         raise _bad_cursor(exc) from None
-    page = queries.list_batches(ctx.engine, limit=limit, after=after, status=status)
-    return BatchPage(items=[BatchOut.of(b) for b in page.items], next_cursor=page.next_cursor)
+    page = queries.list_batches(ctx.engine, limit=limit, cursor=at, status=status)
+    return BatchPage(
+        items=[BatchOut.of(b) for b in page.items],
+        next_cursor=page.older_cursor,
+        prev_cursor=page.newer_cursor,
+    )
 
 
 BatchId = Annotated[Text, Path(description="As the Spark sink wrote it", examples=["orders:1"])]

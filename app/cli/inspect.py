@@ -346,7 +346,7 @@ def _add_status(sub: Sub) -> None:
 
 
 def _add_batches(sub: Sub) -> None:
-    bat = sub.add_parser("batches", help="rows per status for each batch")
+    bat = sub.add_parser("batches", help="rows per status for each batch, newest first")
     bat.add_argument("batch_id", nargs="?", help="show this batch only")
     bat.add_argument(
         "--status", choices=[s.value for s in Status], help="only batches with rows in it"

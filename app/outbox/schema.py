@@ -152,7 +152,11 @@ outbox = Table(
         postgresql_where=text(KEY_OPEN),
         sqlite_where=text(KEY_OPEN),
     ),
-    Index("ix_outbox_batch", "batch_id"),
+    # Never updated after the insert: a batch's rows, and its latest write in one probe.
+    Index("ix_outbox_batch_written", "batch_id", "created_at"),
+    # Rows written in a time range (the overview's rates): BRIN on PostgreSQL, a few pages for
+    # millions of rows inserted in time order; never updated, so HOT updates are untouched.
+    Index("ix_outbox_created", "created_at", postgresql_using="brin"),
     # Status counts, failures by cause and possible duplicates read these small sets, never the
     # whole table; a row flowing pending -> in_flight -> confirmed touches neither.
     Index(
@@ -310,4 +314,5 @@ events = Table(
         name="ck_outbox_events_kind",
     ),
     Index("ix_outbox_events_row", "outbox_id", "id"),
+    Index("ix_outbox_events_at", "at"),
 )

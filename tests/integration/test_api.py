@@ -450,7 +450,7 @@ async def test_batches_show_rows_per_status_times_and_republished(
     r = await client.get("/v1/batches", headers=R)
     assert r.status_code == 200, r.text
     by_id = {b["batch_id"]: b for b in r.json()["items"]}
-    assert list(by_id) == ["orders:1", "orders:2", "orders:3"]
+    assert list(by_id) == NEWEST_FIRST
     one, two, three = by_id["orders:1"], by_id["orders:2"], by_id["orders:3"]
     assert one["counts"] == {
         "pending": 0,
@@ -483,11 +483,79 @@ async def test_batches_page_by_keyset_and_filter_by_status(client: httpx.AsyncCl
         cursor = body["next_cursor"]
         if cursor is None:
             break
-    assert seen == ["orders:1", "orders:2", "orders:3"]
+    assert seen == NEWEST_FIRST
     failed = (await client.get("/v1/batches", params={"status": "failed"}, headers=R)).json()
     assert [b["batch_id"] for b in failed["items"]] == ["orders:2"]
     r = await client.get("/v1/batches/orders:1", headers=R)
     assert r.status_code == 200 and r.json()["counts"]["nacked"] == 2
+
+
+#: The seeded batches by latest write: orders:2's rows came last, orders:1's rows after T0, and
+#: orders:3 (no rows) by its record at T0.
+NEWEST_FIRST = ["orders:2", "orders:1", "orders:3"]
+
+
+def _batches_written_out_of_text_order(engine: Engine) -> list[str]:
+    """Batches whose text order (1, 10, 100, 11, 2, 7, 8, 9) is not their time order; returns
+    their ids newest first by their latest write."""
+    written = [("orders:100", 0), ("orders:9", 1), ("orders:10", 2), ("orders:1", 3)]
+    written += [("orders:7", 4), ("orders:8", 4), ("orders:11", 5)]
+    for batch_id, minute in written:
+        add_rows(engine, n=3, batch_id=batch_id, created_at=T0 + dt.timedelta(minutes=minute))
+    # a late row makes orders:100 the newest; a recorded batch without rows sits by its record
+    add_rows(engine, n=1, batch_id="orders:100", created_at=T0 + dt.timedelta(minutes=9))
+    with engine.begin() as conn:
+        conn.execute(
+            insert(batches),
+            [
+                {
+                    "batch_id": "orders:2",
+                    "sink": "orders",
+                    "spark_batch_id": 2,
+                    "row_count": 0,
+                    "rejected_count": 4,
+                    "committed_at": T0 + dt.timedelta(minutes=6),
+                }
+            ],
+        )
+    order = ["orders:100", "orders:2", "orders:11", "orders:8", "orders:7", "orders:1"]
+    return [*order, "orders:10", "orders:9"]
+
+
+async def test_batches_are_newest_first_and_page_both_ways(
+    db_url: str, engine: Engine, clock: Clock
+) -> None:
+    expected = _batches_written_out_of_text_order(engine)
+    app = create_app(settings_for(db_url), clock=clock, engine=engine)
+    async with client_for(app) as c:
+        first = (await c.get("/v1/batches", headers=R)).json()
+        assert [b["batch_id"] for b in first["items"]] == expected
+        assert first["next_cursor"] is None and first["prev_cursor"] is None
+        top = first["items"][0]
+        assert top["written_at"] == "2026-11-21T12:09:00Z" and top["rows"] == 4
+        pages, cursor, prev = [], None, None
+        while True:
+            params = {"limit": 3, **({"cursor": cursor} if cursor else {})}
+            body = (await c.get("/v1/batches", params=params, headers=R)).json()
+            pages.append([b["batch_id"] for b in body["items"]])
+            assert (body["prev_cursor"] is None) == (len(pages) == 1)
+            cursor, prev = body["next_cursor"], body["prev_cursor"]
+            if cursor is None:
+                break
+        assert pages == [expected[0:3], expected[3:6], expected[6:8]]
+        back = []
+        while prev is not None:
+            body = (
+                await c.get("/v1/batches", params={"limit": 3, "cursor": prev}, headers=R)
+            ).json()
+            back.append([b["batch_id"] for b in body["items"]])
+            assert body["next_cursor"] is not None
+            prev = body["prev_cursor"]
+        assert back == [expected[3:6], expected[0:3]]
+        # a batch written after the list was read comes first when the newest page is read again
+        add_rows(engine, n=1, batch_id="orders:9", created_at=T0 + dt.timedelta(minutes=20))
+        body = (await c.get("/v1/batches", params={"limit": 3}, headers=R)).json()
+        assert [b["batch_id"] for b in body["items"]] == ["orders:9", *expected[0:2]]
 
 
 # ----------------------------------------------------------------------------- messages

@@ -144,7 +144,8 @@ def test_batches_table_json_one_batch_and_unknown_batch(
         "nacked",
         "failed",
     ]
-    assert lines[1].split()[:8] == ["orders:1", "7", "0", "0", "3", "2", "2", "0"]
+    assert [line.split()[0] for line in lines[1:4]] == ["orders:2", "orders:1", "orders:3"]
+    assert lines[2].split()[:8] == ["orders:1", "7", "0", "0", "3", "2", "2", "0"]
     rc, out, _ = run(capsys, "batches", "--status", "failed", "--json")
     assert [b["batch_id"] for b in json.loads(out)] == ["orders:2"]
     rc, out, _ = run(capsys, "batches", "orders:3")

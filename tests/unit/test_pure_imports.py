@@ -19,6 +19,7 @@ import pytest
 PURE = [
     "app.confirms",
     "app.histogram",
+    "app.rates",
     "app.outbox.content",
     "app.outbox.records",
     "app.outbox.scope",

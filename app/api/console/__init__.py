@@ -6,9 +6,10 @@ token sees every page, the operator token also republishes. A republish is alway
 first (count and sample), then an explicit confirmation that carries a request id chosen at
 preview time: pressing it twice replays the first result instead of moving rows again.
 
-The pages live in modules by page (sign-in, overview, batches, failures, messages, audit,
-actions), on the shared machinery of :mod:`app.api.console.base`; this package puts them under
-``/ui`` in order, and last the catch-all that answers any other path with a console 404.
+The pages live in modules by page (sign-in, overview, batches, failures, messages, writer
+rejects, audit, actions), on the shared machinery of :mod:`app.api.console.base`; this package
+puts them under ``/ui`` in order, and last the catch-all that answers any other path with a
+console 404.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from app.api.console import (
     failures,
     messages,
     overview,
+    rejects,
     signin,
     store,
 )
@@ -38,7 +40,7 @@ from app.api.console.base import (
 __all__ = ["install", "router", "safe_next"]
 
 router = APIRouter(include_in_schema=False, route_class=ConsoleRoute)
-for page in (signin, overview, batches, failures, messages, audit, actions):
+for page in (signin, overview, batches, failures, messages, rejects, audit, actions):
     router.include_router(page.router, prefix="/ui")
 
 

@@ -17,6 +17,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
 from starlette.concurrency import run_in_threadpool
 
+from app import rates as charts
 from app.api.console import store
 from app.api.console.session import COOKIE, Session, SessionError, SessionSigner
 from app.api.context import client_address, get_ctx
@@ -134,7 +135,13 @@ def _ago(value: dt.datetime | None, now: dt.datetime) -> str:
     return f"{_age(seconds)} ago" if seconds >= 0 else f"in {_age(-seconds)}"
 
 
-env.filters.update(age=_age, when=_when, ago=_ago, query=lambda d: urlencode(d, doseq=True))
+env.filters.update(
+    age=_age,
+    when=_when,
+    ago=_ago,
+    query=lambda d: urlencode(d, doseq=True),
+    rate=charts.rate_words,
+)
 
 
 def sessions_of(request: Request) -> store.ConsoleSessions:

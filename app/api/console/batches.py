@@ -30,10 +30,10 @@ def batches(request: Request) -> HTMLResponse:
     status = status_param(request)
     cursor = param(request, "cursor")
     try:
-        after = queries.decode_batch_cursor(cursor) if cursor else None
+        at = queries.BatchCursor.decode(cursor) if cursor else None
     except queries.BadCursor:
         raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
-    page = queries.list_batches(ctx.engine, limit=PAGE, after=after, status=status)
+    page = queries.list_batches(ctx.engine, limit=PAGE, cursor=at, status=status)
     return render(
         request, "batches.html", session=session, page=page, status=status, statuses=list(Status)
     )

@@ -33,7 +33,13 @@ router = page_router()
 def messages(request: Request) -> HTMLResponse:
     session = session_of(request)
     scope, shown = search_scope(request)
-    engine = get_ctx(request).engine
+    ctx = get_ctx(request)
+    engine = ctx.engine
+    bounded = queries.search_window(scope, now=ctx.now())
+    if bounded is not None:  # links and republish carry the window the page searched
+        scope = bounded
+        assert bounded.created_after is not None
+        shown["created_after"] = bounded.created_after.isoformat()
     after = int_param(request, "after")
     page = queries.search_messages(engine, flt=scope, limit=PAGE, after=after)
     total, more_than = queries.count_scope(engine, flt=scope)
@@ -53,6 +59,8 @@ def messages(request: Request) -> HTMLResponse:
         total=total,
         more_than=more_than,
         described=scope.describe(),
+        windowed=bounded is not None,
+        window_hours=int(queries.SEARCH_WINDOW.total_seconds() // 3600),
         republish=_search_republish(scope),
     )
 

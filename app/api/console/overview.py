@@ -7,6 +7,7 @@ import datetime as dt
 from fastapi import Request
 from fastapi.responses import HTMLResponse
 
+from app import rates as charts
 from app.api.console.base import PAGE, ConsoleError, page_router, param, render, session_of
 from app.api.context import get_ctx
 from app.outbox import health, queries
@@ -14,10 +15,52 @@ from app.outbox.states import TERMINAL_FAILURES, Status
 
 router = page_router()
 
+#: The auto refresh intervals offered (seconds); none: paused.
+REFRESH = (10, 30, 60)
+
+
+def refresh_param(request: Request) -> int | None:
+    """``?refresh=N``: reload the overview every N seconds (a ``<meta http-equiv=refresh>``,
+    which the console's CSP needs nothing for)."""
+    value = param(request, "refresh")
+    if value is None:
+        return None
+    if value not in {str(r) for r in REFRESH}:
+        offered = ", ".join(str(r) for r in REFRESH)
+        raise ConsoleError(400, f"Auto refresh runs every {offered} seconds, not {value!r}.")
+    return int(value)
+
+
+def rates_view(
+    rates: queries.Rates, stats: queries.OutboxStats
+) -> tuple[charts.Chart, charts.Trend]:
+    """The chart of the last hour and the trend in words. The backlog is what waits for a
+    publisher: pending rows not delayed and not parked, and the rows in flight."""
+    pending = stats.counts.get(Status.PENDING, 0) - stats.delayed - stats.parked
+    backlog = max(0, pending) + stats.counts.get(Status.IN_FLIGHT, 0)
+    oldest = max(
+        (a for a in (stats.oldest_pending_age_seconds, stats.oldest_in_flight_age_seconds) if a),
+        default=None,
+    )
+    blind = oldest is not None and oldest > rates.lookback.total_seconds()
+    since = (rates.end - rates.lookback).strftime("%H:%M UTC") if blind else None
+    chart = charts.chart(
+        [("written", rates.written), ("confirmed", rates.confirmed), ("failed", rates.failed)]
+    )
+    trend = charts.trend(
+        backlog=backlog,
+        written=rates.written,
+        confirmed=rates.confirmed,
+        failed=rates.failed,
+        blind_before=since,
+    )
+    return chart, trend
+
 
 @router.get("")
 def overview(request: Request) -> HTMLResponse:
     session = session_of(request)
+    refresh = refresh_param(request)
     ctx = get_ctx(request)
     stats = queries.read_stats(
         ctx.engine,
@@ -27,11 +70,21 @@ def overview(request: Request) -> HTMLResponse:
         latency_rows=ctx.settings.stats_latency_rows,
     )
     parked_keys = len(queries.parked_keys(ctx.engine, limit=101))
+    rejects, rejects_more = queries.reject_count(ctx.engine)
+    rates = queries.rates(ctx.engine, now=stats.at)
+    chart, trend = rates_view(rates, stats)
     return render(
         request,
         "overview.html",
         session=session,
         stats=stats,
+        rates=rates,
+        chart=chart,
+        trend=trend,
+        refresh=refresh,
+        refresh_choices=REFRESH,
+        rejects=rejects,
+        rejects_more=rejects_more,
         verdict=health.verdict(stats),
         statuses=list(Status),
         parked_keys=parked_keys,
