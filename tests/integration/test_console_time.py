@@ -19,7 +19,6 @@ from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import Engine
 
 from app.api.console.base import PAGE, SECURITY_HEADERS
-from app.outbox.repository import OutboxRepository
 from tests.factories import add_rows
 from tests.integration.test_api import READ, T0, Clock
 from tests.integration.test_console import (  # noqa: F401 (fixtures)
@@ -32,6 +31,7 @@ from tests.integration.test_console import (  # noqa: F401 (fixtures)
     sign_in,
     text,
 )
+from tests.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.browser
 
@@ -92,12 +92,12 @@ def _drain(engine: Engine, clock: Clock) -> None:
     a minute (through the repository, as it does) while 2 new rows a minute are written."""
     old = clock.now - dt.timedelta(minutes=30)
     add_rows(engine, n=100, created_at=old, available_at=old)
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     for _ in range(5):
-        got = repo.claim(owner="p1", limit=12, lease_seconds=600)
-        repo.record_published(owner="p1", channel_id=1, tags=[(r.id, r.id) for r in got])
+        got = repo.store.claim(owner="p1", limit=12, lease_seconds=600)
+        repo.store.record_published(owner="p1", channel_id=1, tags=[(r.id, r.id) for r in got])
         clock.advance(2)
-        repo.mark_confirmed(owner="p1", ids=[r.id for r in got])
+        repo.store.mark_confirmed(owner="p1", ids=[r.id for r in got])
         add_rows(engine, n=2, created_at=clock.now, available_at=clock.now + HOUR)
         clock.advance(58)
 

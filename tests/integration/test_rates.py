@@ -8,32 +8,32 @@ import datetime as dt
 from sqlalchemy import Engine, func, select
 
 from app.outbox import queries
-from app.outbox.repository import OutboxRepository
 from app.outbox.schema import outbox
 from app.outbox.states import Status
 from tests.factories import add_rows
 from tests.integration.test_api import T0, Clock
+from tests.outbox_clients import OutboxClients
 
 
 def _write_and_settle(
-    repo: OutboxRepository, engine: Engine, clock: Clock, *, n: int, confirm: bool
+    repo: OutboxClients, engine: Engine, clock: Clock, *, n: int, confirm: bool
 ) -> None:
     """``n`` rows written now, claimed, and confirmed or failed a second later."""
     add_rows(engine, n=n, created_at=clock.now, available_at=clock.now)
-    got = repo.claim(owner="p1", limit=n, lease_seconds=600)
+    got = repo.store.claim(owner="p1", limit=n, lease_seconds=600)
     assert len(got) == n
     clock.advance(1)
     ids = [r.id for r in got]
     if confirm:
-        repo.record_published(owner="p1", channel_id=1, tags=[(i, i) for i in ids])
-        repo.mark_confirmed(owner="p1", ids=ids)
+        repo.store.record_published(owner="p1", channel_id=1, tags=[(i, i) for i in ids])
+        repo.store.mark_confirmed(owner="p1", ids=ids)
     else:
-        repo.mark_failed(owner="p1", ids=ids, reason="body too large")
+        repo.store.mark_failed(owner="p1", ids=ids, reason="body too large")
 
 
 def test_rates_count_each_minute_of_the_last_hour(engine: Engine) -> None:
     clock = Clock(T0)
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     # two hours before the window: written, never claimed (still pending, not counted)
     add_rows(engine, n=4, created_at=T0 - dt.timedelta(hours=2))
     # minute 10 of the window: 3 confirmed; minute 50: 2 confirmed and 1 failed; minute 59: 5
@@ -62,13 +62,13 @@ def test_rates_count_each_minute_of_the_last_hour(engine: Engine) -> None:
 
 def test_a_confirm_of_a_row_written_before_the_lookback_is_not_counted(engine: Engine) -> None:
     clock = Clock(T0)
-    repo = OutboxRepository(engine, clock=clock)
+    repo = OutboxClients(engine, clock=clock)
     _write_and_settle(repo, engine, clock, n=2, confirm=False)  # failed at T0 (before the window)
     clock.now = T0 + queries.RATE_LOOKBACK + dt.timedelta(minutes=30)
     add_rows(engine, n=1, created_at=T0, available_at=T0, prefix="old")
-    got = repo.claim(owner="p1", limit=1, lease_seconds=600)
-    repo.record_published(owner="p1", channel_id=1, tags=[(got[0].id, 1)])
-    repo.mark_confirmed(owner="p1", ids=[got[0].id])
+    got = repo.store.claim(owner="p1", limit=1, lease_seconds=600)
+    repo.store.record_published(owner="p1", channel_id=1, tags=[(got[0].id, 1)])
+    repo.store.mark_confirmed(owner="p1", ids=[got[0].id])
 
     rates = queries.rates(engine, now=clock.now + dt.timedelta(minutes=1))
 
