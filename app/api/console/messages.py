@@ -132,16 +132,27 @@ def _body(body: bytes | None) -> tuple[str, str]:
     return shown, how
 
 
+#: A step's place in a message's life, for steps recorded at the same instant (one clock
+#: reading can stamp a claim, its publish and the broker's answer): written, what happened to
+#: earlier attempts, this attempt's claim, its publish, what happened to it, where it is now.
+WRITTEN, EARLIER, CLAIMED, PUBLISHED, ANSWERED, NOW = range(6)
+
+
 def _history(m: queries.MessageRecord, events: list[queries.MessageEvent]) -> list[Step]:
-    """Every recorded fact in time order: the rare events as kept (``outbox_events``), then
-    the current attempt's claim, publish and answer from the row itself."""
+    """Every recorded fact in time order (equal times in life order): the rare events as kept
+    (``outbox_events``), then the current attempt's claim, publish and answer from the row."""
     kinds = {e.kind for e in events}
-    steps: list[Step] = [(m.created_at, "written to the outbox")]
-    steps += [(e.at, _event_words(e)) for e in events]
+    steps: list[tuple[dt.datetime | None, int, str]] = [
+        (m.created_at, WRITTEN, "written to the outbox")
+    ]
+    for e in events:
+        earlier = e.attempt < m.attempts and e.actor is None
+        steps.append((e.at, EARLIER if earlier else ANSWERED, _event_words(e)))
     if m.claimed_at:
         steps.append(
             (
                 m.claimed_at,
+                CLAIMED,
                 f"claimed by {m.lease_owner or 'a publisher'} "
                 f"(attempt {m.attempts} of {m.max_attempts})",
             )
@@ -152,17 +163,19 @@ def _history(m: queries.MessageRecord, events: list[queries.MessageEvent]) -> li
             if m.delivery_tag is not None
             else ""
         )
-        steps.append((m.published_at, f"published to {m.exchange!r}{where}"))
-    steps += _current(m, kinds)
+        steps.append((m.published_at, PUBLISHED, f"published to {m.exchange!r}{where}"))
+    steps += [(at, NOW, words) for at, words in _current(m, kinds)]
     if m.lost_confirms and "lost" not in kinds:
         steps.append(
             (
                 None,
+                NOW,
                 f"{m.lost_confirms} confirm(s) lost to a closed channel: the "
                 "broker may hold a duplicate",
             )
         )
-    return sorted(steps, key=lambda s: (s[0] is None, s[0] or m.created_at))
+    steps.sort(key=lambda s: (s[0] is None, s[0] or m.created_at, s[1]))
+    return [(at, words) for at, _place, words in steps]
 
 
 def _current(m: queries.MessageRecord, kinds: set[str]) -> list[Step]:
