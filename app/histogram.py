@@ -35,12 +35,17 @@ class Histogram:
             out.append(("+Inf" if math.isinf(bound) else repr(bound), running))
         return out
 
-    def quantile(self, q: float) -> float | None:
-        """Upper bound of the bucket holding quantile ``q`` (None without observations)."""
-        if not self.count:
+    def quantile(self, q: float, *, since: Sequence[int] | None = None) -> float | None:
+        """Upper bound of the bucket holding quantile ``q`` (None without observations);
+        ``since``: of the observations after that copy of :attr:`counts` only."""
+        counts = self.counts
+        if since is not None:
+            counts = [a - b for a, b in zip(self.counts, since, strict=True)]
+        total = sum(counts)
+        if not total:
             return None
-        rank, running = q * self.count, 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+        rank, running = q * total, 0
+        for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
             running += count
             if running >= rank:
                 return bound if not math.isinf(bound) else self.bounds[-1]

@@ -72,6 +72,29 @@ def chart(series: Sequence[tuple[str, Sequence[int]]]) -> Chart:
     return Chart(WIDTH, HEIGHT, y1, y0, x0, x1, peak, lines, minutes)
 
 
+def latency_chart(series: Sequence[tuple[str, Sequence[float | None]]]) -> Chart:
+    """Polylines of per-minute latencies (ms) on one scale, through the minutes that have one
+    (a minute without confirms has no latency); ``per_minute`` is the latest known value."""
+    minutes = max((len(c) for _, c in series), default=0)
+    known = [v for _, c in series for v in c if v is not None]
+    peak = nice_peak(math.ceil(max(known, default=0)))
+    x0, x1, y0, y1 = LEFT, WIDTH - RIGHT, HEIGHT - BOTTOM, TOP
+    step = (x1 - x0) / max(1, minutes - 1)
+
+    def points(values: Sequence[float | None]) -> str:
+        return " ".join(
+            f"{x0 + i * step:.1f},{y0 - (y0 - y1) * v / peak:.1f}"
+            for i, v in enumerate(values)
+            if v is not None
+        )
+
+    def latest(values: Sequence[float | None]) -> float:
+        return next((v for v in reversed(values) if v is not None), 0.0)
+
+    lines = [Line(name, points(c), latest(c)) for name, c in series]
+    return Chart(WIDTH, HEIGHT, y1, y0, x0, x1, peak, lines, minutes)
+
+
 @dataclass(frozen=True, slots=True)
 class Trend:
     """Where the backlog goes: ``state`` idle, keeping-up, draining, holding, behind or stuck."""
@@ -100,12 +123,12 @@ def trend(
     written: Sequence[int],
     confirmed: Sequence[int],
     failed: Sequence[int],
-    blind_before: str | None = None,
+    sampled: bool = True,
 ) -> Trend:
     """Draining or stuck, in words, from the backlog now (pending and in flight) and the last
     minutes' rates: rows leave the backlog confirmed or failed, and join it written.
-    ``blind_before``: the backlog holds rows older than the confirms counted (say since when),
-    so a stall may be a drain of old rows the rates cannot see."""
+    ``sampled``: False when no publisher recorded its figures in the window: the rates are not
+    known (no publisher ran, or none could reach the database), which the words say."""
     w, c, f = recent_rate(written), recent_rate(confirmed), recent_rate(failed)
     rates = f"confirming {rate_words(c)}, writing {rate_words(w)}"
     if f:
@@ -116,11 +139,7 @@ def trend(
             quiet = f"nothing written in the last {RECENT_MINUTES} min"
             return Trend("idle", f"Idle: nothing waiting, {quiet}.")
         return Trend("keeping-up", f"Keeping up: {rates}; nothing waiting.")
-    caveat = (
-        f" Confirms of rows written before {blind_before} are not counted here."
-        if blind_before
-        else ""
-    )
+    caveat = "" if sampled else " No publisher recorded its figures in the last hour."
     net = c + f - w
     if c == 0 and f == 0:
         recent = f"nothing confirmed or failed in the last {RECENT_MINUTES} min"

@@ -189,6 +189,13 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds between a publisher's DB heartbeats; alive within 3 intervals.",
     )
+    publisher_sample_interval: float = Field(
+        default=60.0,
+        ge=1.0,
+        le=3600.0,
+        description="Seconds between a publisher's samples of its figures (`outbox_samples`: "
+        "the console's rates and latency charts, one row per publisher each time).",
+    )
     api_tls_cert: str | None = Field(
         default=None, description="`outbox serve` speaks HTTPS with this certificate (PEM)."
     )

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import (
-    BigInteger,
     ColumnElement,
     Connection,
     Engine,
-    Integer,
     Text,
     and_,
     case,
@@ -43,7 +41,17 @@ from sqlalchemy import (
 
 from app.outbox.content import ContentError, load_document
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.schema import UTCDateTime, audit, batches, events, held, outbox, publishers, rejects
+from app.outbox.schema import (
+    UTCDateTime,
+    audit,
+    batches,
+    events,
+    held,
+    outbox,
+    publishers,
+    rejects,
+    samples,
+)
 from app.outbox.scope import CAUSE_LENGTH, Scope
 from app.outbox.states import TERMINAL_FAILURES, Status
 
@@ -1578,87 +1586,95 @@ def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) ->
 
 # ------------------------------------------------------------------------------ rates
 
-#: The overview's rate chart: this long, in one-minute steps ending now.
+#: The overview's charts: this long, in one-minute steps ending now.
 RATE_WINDOW = dt.timedelta(hours=1)
-#: Confirms are counted among the rows written this long before now (a range of
-#: ``ix_outbox_created``): ``confirmed_at`` has no index, since every confirm updates it and an
-#: index there would end PostgreSQL's HOT updates of the confirm.
-RATE_LOOKBACK = dt.timedelta(hours=6)
-#: What the rates count as failed: the events that end a row's attempts.
-FAILED_EVENTS = ("returned", "nacked", "failed")
+#: Samples this long before the window are read too: each publisher's last one before it is
+#: the baseline of its first difference (the longest sample interval is an hour).
+SAMPLE_BASELINE = dt.timedelta(hours=1)
 
 
 @dataclass(frozen=True, slots=True)
 class Rates:
-    """Rows per minute over a window ending at ``end``: written (``created_at``), confirmed
-    (``confirmed_at``, among rows written since ``end - lookback``) and failed (a return, a
-    nack or a failure ending the row's attempts, from ``outbox_events``). Index ``i`` of each
-    list is the minute ``[start + i min, start + (i + 1) min)``."""
+    """Rows per minute over a window ending at ``end``, from the publishers' samples
+    (``outbox_samples``): written (the rise of the outbox's highest id), confirmed and failed
+    (a return, a final nack or a failure) as the differences of each publisher's counters
+    between consecutive samples, and the confirm latency of each minute (p50: the samples'
+    median weighted by their confirms; p99: the highest). Index ``i`` of each list is the minute
+    ``(start + i min, start + (i + 1) min]``; a difference counts in its later sample's minute.
+    ``sampled``: some publisher recorded figures in the window (without, the rates are blind).
+    Cost: the samples of the window and its baseline (one per publisher and sample interval),
+    whatever the traffic."""
 
     start: dt.datetime
     end: dt.datetime
-    lookback: dt.timedelta
     written: list[int]
     confirmed: list[int]
     failed: list[int]
+    latency_p50_ms: list[float | None]
+    latency_p99_ms: list[float | None]
+    sampled: bool
 
 
-def _minute_index(column: Any, start: dt.datetime, dialect: str) -> ColumnElement[int]:
-    """Whole minutes from ``start`` to ``column`` (a grouping key computed in the database)."""
-    if dialect == "postgresql":
-        seconds = func.extract("epoch", column - literal(start, UTCDateTime()))
-        return cast(func.floor(seconds / 60), BigInteger)
-    start_text = literal(start.astimezone(dt.UTC).replace(tzinfo=None).isoformat(" "))
-    days = func.julianday(column) - func.julianday(start_text)
-    return cast(days * 1440 + 1e-9, Integer)  # truncates: the rows are at or after ``start``
-
-
-def _per_minute(conn: Connection, stmt: Any, minutes: int) -> list[int]:
-    counts = [0] * minutes
-    for index, count in conn.execute(stmt).all():
-        if index is not None and 0 <= int(index) < minutes:
-            counts[int(index)] += int(count)
-    return counts
-
-
-def rates(
-    engine: Engine,
-    *,
-    now: dt.datetime,
-    window: dt.timedelta = RATE_WINDOW,
-    lookback: dt.timedelta = RATE_LOOKBACK,
-) -> Rates:
-    """Written, confirmed and failed rows per minute over ``window`` ending at ``now``: three
-    grouped counts over time ranges (``ix_outbox_created``, ``ix_outbox_events_at``), never a
-    walk of the whole outbox."""
+def rates(engine: Engine, *, now: dt.datetime, window: dt.timedelta = RATE_WINDOW) -> Rates:
     minutes = max(1, int(window.total_seconds() // 60))
     start = now - dt.timedelta(minutes=minutes)
+    stmt = (
+        select(samples)
+        .where(samples.c.at >= start - SAMPLE_BASELINE, samples.c.at <= now)
+        .order_by(samples.c.at, samples.c.publisher_id)
+    )
     with engine.connect() as conn:
-        dialect = conn.dialect.name
+        rows = conn.execute(stmt).all()
+    written, confirmed, failed = [0] * minutes, [0] * minutes, [0] * minutes
+    p50s: list[list[tuple[float, int]]] = [[] for _ in range(minutes)]
+    p99: list[float | None] = [None] * minutes
 
-        def grouped(column: Any, *conds: ColumnElement[bool]) -> Any:
-            index = _minute_index(column, start, dialect).label("m")
-            return select(index, func.count()).where(*conds).group_by(index)
+    def minute(at: dt.datetime) -> int | None:
+        """The minute a sample closes: the one that ends at or after it (a sample at the
+        window's end closes its last minute)."""
+        i = math.ceil((at - start).total_seconds() / 60) - 1
+        return i if 0 <= i < minutes else None
 
-        written = grouped(
-            outbox.c.created_at, outbox.c.created_at >= start, outbox.c.created_at < now
-        )
-        confirmed = grouped(
-            outbox.c.confirmed_at,
-            outbox.c.created_at >= min(start, now - lookback),
-            outbox.c.created_at < now,
-            outbox.c.status == Status.CONFIRMED,
-            outbox.c.confirmed_at >= start,
-            outbox.c.confirmed_at < now,
-        )
-        failed = grouped(
-            events.c.at, events.c.at >= start, events.c.at < now, events.c.kind.in_(FAILED_EVENTS)
-        )
-        return Rates(
-            start=start,
-            end=now,
-            lookback=lookback,
-            written=_per_minute(conn, written, minutes),
-            confirmed=_per_minute(conn, confirmed, minutes),
-            failed=_per_minute(conn, failed, minutes),
-        )
+    last: dict[str, Any] = {}
+    top: int | None = None
+    sampled = False
+    for row in rows:
+        i = minute(row.at)
+        sampled = sampled or i is not None
+        before = last.get(row.publisher_id)
+        last[row.publisher_id] = row
+        if row.max_id is not None:
+            if i is not None and top is not None and row.max_id > top:
+                written[i] += row.max_id - top
+            top = row.max_id if top is None else max(top, row.max_id)
+        if i is None or before is None:
+            continue
+        done = max(0, row.confirmed - before.confirmed)
+        confirmed[i] += done
+        failed[i] += max(0, row.failed - before.failed)
+        if row.latency_p50_ms is not None:
+            p50s[i].append((row.latency_p50_ms, max(1, done)))
+        if row.latency_p99_ms is not None:
+            p99[i] = max(p99[i] or 0.0, row.latency_p99_ms)
+    return Rates(
+        start=start,
+        end=now,
+        written=written,
+        confirmed=confirmed,
+        failed=failed,
+        latency_p50_ms=[_weighted_median(m) for m in p50s],
+        latency_p99_ms=p99,
+        sampled=sampled,
+    )
+
+
+def _weighted_median(values: list[tuple[float, int]]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    half, running = sum(w for _, w in ordered) / 2, 0
+    for value, weight in ordered:
+        running += weight
+        if running >= half:
+            return value
+    return ordered[-1][0]  # pragma: no cover (the loop reaches half)

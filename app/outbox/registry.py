@@ -15,6 +15,7 @@ from sqlalchemy import (
     and_,
     delete,
     exists,
+    func,
     insert,
     literal,
     select,
@@ -22,7 +23,7 @@ from sqlalchemy import (
 )
 
 from app.outbox.database import OutboxDatabase, OutboxError
-from app.outbox.schema import outbox, publishers
+from app.outbox.schema import outbox, publishers, samples
 from app.outbox.states import Status
 
 
@@ -129,3 +130,32 @@ class PublisherRegistry:
             conn.execute(
                 update(publishers).where(publishers.c.publisher_id == publisher_id).values(**values)
             )
+
+    def record_sample(
+        self,
+        *,
+        publisher_id: str,
+        published: int,
+        confirmed: int,
+        failed: int,
+        lost: int,
+        latency_p50_ms: float | None,
+        latency_p99_ms: float | None,
+    ) -> None:
+        """This publisher's figures now (cumulative counters, the latency since its last
+        sample), with the outbox's highest id read in the same statement."""
+        top = select(func.max(outbox.c.id)).scalar_subquery()
+        row = {
+            "at": self.db.clock(),
+            "publisher_id": publisher_id,
+            "published": published,
+            "confirmed": confirmed,
+            "failed": failed,
+            "lost": lost,
+            "latency_p50_ms": latency_p50_ms,
+            "latency_p99_ms": latency_p99_ms,
+        }
+        names = [*row, "max_id"]
+        values = select(*[literal(v, samples.c[k].type) for k, v in row.items()], top)
+        with self.db.begin() as conn:
+            conn.execute(insert(samples).from_select(names, values))

@@ -16,7 +16,7 @@ from sqlalchemy import (
 )
 
 from app.outbox.database import OutboxDatabase
-from app.outbox.schema import events, outbox
+from app.outbox.schema import events, outbox, samples
 from app.outbox.states import Status
 
 
@@ -60,7 +60,8 @@ class Retention:
         chunk: int = 1000,
         on_chunk: Callable[[int], None] | None = None,
     ) -> int:
-        """Delete ``confirmed`` rows confirmed before ``now - older_than``.
+        """Delete ``confirmed`` rows confirmed before ``now - older_than`` (and the publishers'
+        samples older than that).
 
         Walks the primary key from the oldest row, ``chunk`` rows per transaction (so that no
         long lock or WAL burst stalls the publishers), deleting the confirmed rows past the
@@ -69,6 +70,8 @@ class Retention:
         time). Each window is an index range read: the purge costs the rows past retention plus
         one window, never a scan of the whole table. ``on_chunk`` hears each window's deletes."""
         cutoff = self.db.clock() - older_than
+        with self.db.begin() as conn:  # the publishers' samples past retention go with them
+            conn.execute(delete(samples).where(samples.c.at < cutoff))
         total, after = 0, 0
         while True:
             with self.db.begin() as conn:

@@ -13,6 +13,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     Dialect,
+    Float,
     Index,
     Integer,
     LargeBinary,
@@ -315,4 +316,23 @@ events = Table(
     ),
     Index("ix_outbox_events_row", "outbox_id", "id"),
     Index("ix_outbox_events_at", "at"),
+)
+
+#: Each publisher's figures once a minute (migration 0019): cumulative counters (``failed``:
+#: returned, nacked and failed rows), the confirm latency of the minute, the outbox's highest id
+#: (rows written between two samples are the difference). The console's rates and latency
+#: charts read these, never the rows.
+samples = Table(
+    "outbox_samples",
+    metadata,
+    Column("at", UTCDateTime, nullable=False),
+    Column("publisher_id", Text, nullable=False),
+    Column("published", BigInteger, nullable=False),
+    Column("confirmed", BigInteger, nullable=False),
+    Column("failed", BigInteger, nullable=False),
+    Column("lost", BigInteger, nullable=False),
+    Column("max_id", BigInteger),
+    Column("latency_p50_ms", Float),
+    Column("latency_p99_ms", Float),
+    PrimaryKeyConstraint("at", "publisher_id", name="pk_outbox_samples"),
 )

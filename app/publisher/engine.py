@@ -357,6 +357,8 @@ class Publisher:
         for _ in range(3):
             if self.writeback.out.empty() or await self.writeback.flush():
                 break
+        with contextlib.suppress(Exception):  # the last minute's figures (best effort)
+            await self.housekeeping.sample()
 
     def _release_unpublished(self) -> None:
         rows = [r.id for r in self.holdings.unsent()] + self.outages.release_all()

@@ -44,6 +44,8 @@ class Housekeeping:
         self.until_empty = until_empty
         self.beat_now = Signal()
         self.stopped = False
+        #: the confirm latency histogram's counts at the last sample (the next one's start)
+        self._sampled_latency = list(parts.metrics.confirm_latency.counts)
 
     def stop(self) -> None:
         """Return from :meth:`run` after the beat or sweep in hand."""
@@ -57,13 +59,16 @@ class Housekeeping:
 
     async def run(self) -> None:
         p, s = self.p, self.p.settings
-        next_beat = next_sweep = 0.0
+        next_beat = next_sweep = next_sample = 0.0
         while not self.stopped:
             now = p.clock()
             try:
                 if now >= next_beat:
                     await self.beat()
                     next_beat = now + self.beat_every
+                if now >= next_sample:
+                    next_sample = now + s.publisher_sample_interval
+                    await self.sample()
                 if now >= next_sweep:
                     await self._sweep()
                     next_sweep = now + s.lease_seconds / 2
@@ -89,6 +94,26 @@ class Housekeeping:
             held=list(p.holdings.held),
             stats=p.report().model_dump(mode="json"),
         )
+
+    async def sample(self) -> None:
+        """Write this publisher's figures to ``outbox_samples``: its counters and the confirm
+        latency since the last sample (what the console charts per minute)."""
+        p = self.p
+        m = p.metrics
+        latency = m.confirm_latency
+        p50, p99 = (latency.quantile(q, since=self._sampled_latency) for q in (0.5, 0.99))
+        counts = list(latency.counts)
+        await p.db.call(
+            p.registry.record_sample,
+            publisher_id=p.owner,
+            published=int(m.total("published")),
+            confirmed=int(m.total("confirmed")),
+            failed=int(sum(m.total(name) for name in ("returned", "nacked_final", "failed"))),
+            lost=int(m.total("lost_confirms")),
+            latency_p50_ms=None if p50 is None else p50 * 1000,
+            latency_p99_ms=None if p99 is None else p99 * 1000,
+        )
+        self._sampled_latency = counts
 
     async def _sweep(self) -> None:
         p = self.p

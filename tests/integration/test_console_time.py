@@ -89,17 +89,34 @@ def test_a_batches_page_link_not_made_by_the_console_is_a_400_page(
 
 def _drain(engine: Engine, clock: Clock) -> None:
     """100 rows written half an hour ago wait; then for five minutes the publisher confirms 12
-    a minute (through the repository, as it does) while 2 new rows a minute are written."""
+    a minute (through the store, as it does) while 2 new rows a minute are written, sampling
+    its figures at each minute as its housekeeping does."""
     old = clock.now - dt.timedelta(minutes=30)
     add_rows(engine, n=100, created_at=old, available_at=old)
     repo = OutboxClients(engine, clock=clock)
+    confirmed = 0
+
+    def sample() -> None:
+        repo.registry.record_sample(
+            publisher_id="p1",
+            published=confirmed,
+            confirmed=confirmed,
+            failed=0,
+            lost=0,
+            latency_p50_ms=2000.0 if confirmed else None,
+            latency_p99_ms=2000.0 if confirmed else None,
+        )
+
+    sample()
     for _ in range(5):
         got = repo.store.claim(owner="p1", limit=12, lease_seconds=600)
         repo.store.record_published(owner="p1", channel_id=1, tags=[(r.id, r.id) for r in got])
         clock.advance(2)
         repo.store.mark_confirmed(owner="p1", ids=[r.id for r in got])
+        confirmed += len(got)
         add_rows(engine, n=2, created_at=clock.now, available_at=clock.now + HOUR)
         clock.advance(58)
+        sample()
 
 
 HOUR = dt.timedelta(hours=1)
@@ -124,6 +141,9 @@ def test_the_overview_tells_draining_from_stuck_and_refreshes_when_asked(
     ]
     assert all(len(str(line.get_attribute("points")).split()) == 60 for line in lines)
     assert text(browser, "rate-confirmed").startswith("confirmed 12/min")
+    latency = browser.find_elements(By.CSS_SELECTOR, "#latency-chart polyline")
+    assert [len(str(line.get_attribute("points")).split()) for line in latency] == [5, 5]
+    assert text(browser, "latency-p99") == "p99 2,000 ms"
     assert "paused" in text(browser, "refresh")
     assert not browser.find_elements(By.CSS_SELECTOR, "meta[http-equiv=refresh]")
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from app.rates import RECENT_MINUTES, chart, nice_peak, rate_words, recent_rate, trend
+from app.rates import (
+    RECENT_MINUTES,
+    chart,
+    latency_chart,
+    nice_peak,
+    rate_words,
+    recent_rate,
+    trend,
+)
 
 QUIET = [0] * 60
 
@@ -69,8 +77,8 @@ def test_nothing_confirmed_lately_with_rows_waiting_is_stuck_whatever_came_befor
     assert t.words == (
         f"Stuck: 5 rows waiting and nothing confirmed or failed in the last {RECENT_MINUTES} min."
     )
-    blind = trend(backlog=1, written=QUIET, confirmed=QUIET, failed=QUIET, blind_before="06:00 UTC")
-    assert blind.words.endswith("Confirms of rows written before 06:00 UTC are not counted here.")
+    blind = trend(backlog=1, written=QUIET, confirmed=QUIET, failed=QUIET, sampled=False)
+    assert blind.words.endswith("No publisher recorded its figures in the last hour.")
 
 
 def test_confirming_slower_than_writing_is_falling_behind_and_failures_count_as_leaving() -> None:
@@ -94,3 +102,14 @@ def test_no_backlog_with_traffic_is_keeping_up() -> None:
     t = trend(backlog=0, written=minutes(*[60] * 5), confirmed=minutes(*[60] * 5), failed=QUIET)
     assert t.state == "keeping-up"
     assert t.words == "Keeping up: confirming 60/min, writing 60/min; nothing waiting."
+
+
+def test_the_latency_chart_draws_only_the_minutes_that_had_confirms() -> None:
+    p50 = [None] * 57 + [4.0, None, 6.0]
+    p99 = [None] * 57 + [40.0, None, 120.0]
+    chart = latency_chart([("p50", p50), ("p99", p99)])
+    assert chart.peak == 200 and chart.minutes == 60
+    assert [len(line.points.split()) for line in chart.lines] == [2, 2]
+    assert [line.per_minute for line in chart.lines] == [6.0, 120.0]
+    empty = latency_chart([("p50", [None] * 60), ("p99", [None] * 60)])
+    assert empty.peak == 1 and all(line.points == "" for line in empty.lines)

@@ -38,12 +38,6 @@ def rates_view(
     publisher: pending rows not delayed and not parked, and the rows in flight."""
     pending = stats.counts.get(Status.PENDING, 0) - stats.delayed - stats.parked
     backlog = max(0, pending) + stats.counts.get(Status.IN_FLIGHT, 0)
-    oldest = max(
-        (a for a in (stats.oldest_pending_age_seconds, stats.oldest_in_flight_age_seconds) if a),
-        default=None,
-    )
-    blind = oldest is not None and oldest > rates.lookback.total_seconds()
-    since = (rates.end - rates.lookback).strftime("%H:%M UTC") if blind else None
     chart = charts.chart(
         [("written", rates.written), ("confirmed", rates.confirmed), ("failed", rates.failed)]
     )
@@ -52,7 +46,7 @@ def rates_view(
         written=rates.written,
         confirmed=rates.confirmed,
         failed=rates.failed,
-        blind_before=since,
+        sampled=rates.sampled,
     )
     return chart, trend
 
@@ -73,6 +67,7 @@ def overview(request: Request) -> HTMLResponse:
     rejects, rejects_more = queries.reject_count(ctx.engine)
     rates = queries.rates(ctx.engine, now=stats.at)
     chart, trend = rates_view(rates, stats)
+    latency = charts.latency_chart([("p50", rates.latency_p50_ms), ("p99", rates.latency_p99_ms)])
     return render(
         request,
         "overview.html",
@@ -80,6 +75,7 @@ def overview(request: Request) -> HTMLResponse:
         stats=stats,
         rates=rates,
         chart=chart,
+        latency=latency,
         trend=trend,
         refresh=refresh,
         refresh_choices=REFRESH,
