@@ -1076,6 +1076,54 @@ def quorum_kit_topology(ctx: Ctx) -> Topology:
     return topo
 
 
+# ---------------------------------------------------------------- faults that last (chaos-long)
+
+#: 17c-long: how long two of the three nodes stay down (the quorum queue leaderless)
+LONG_OUTAGE = float(os.environ.get("CHAOS_LONG_OUTAGE", "600"))
+
+
+async def stop_a_majority_long(ctx: Ctx) -> None:
+    """17c-long. Nodes 1 and 2 stopped for LONG_OUTAGE s (10 min): the quorum queue has no
+    leader for that long while the publisher keeps trying; then both started again."""
+    await ctx.fault_now(f"nodes 1 and 2 stopped for {LONG_OUTAGE:.0f}s")
+    await asyncio.gather(
+        asyncio.to_thread(ctx.cluster.stop_node, 1), asyncio.to_thread(ctx.cluster.stop_node, 2)
+    )
+    await ctx.landed()
+    before = await ctx.counts()
+    began = time.monotonic()
+    worst: dict[str, int] = {}
+    while time.monotonic() - began < LONG_OUTAGE:
+        await asyncio.sleep(min(30.0, LONG_OUTAGE - (time.monotonic() - began)))
+        counts = await ctx.counts()
+        for state in ("nacked", "failed"):
+            worst[state] = max(worst.get(state, 0), counts.get(state, 0))
+    after = await ctx.counts()
+    ctx.note(
+        f"confirmed {before.get('confirmed', 0)} -> {after.get('confirmed', 0)} during the "
+        f"{LONG_OUTAGE:.0f}s outage; pending {after.get('pending', 0)}, in flight "
+        f"{after.get('in_flight', 0)} at its end"
+    )
+    ctx.check(f"no row ended nacked or failed during the outage ({worst})", not any(worst.values()))
+    restarted = time.monotonic()
+    await asyncio.to_thread(ctx.cluster.start)
+    ctx.note(f"nodes 1 and 2 started again in {time.monotonic() - restarted:.1f}s")
+
+
+async def long_outage_accounted(ctx: Ctx) -> None:
+    """17c-long, after: no nack budget spent, the outage counted and logged (not per attempt)."""
+    await rows_waited_without_spending(ctx)
+    logs = "".join(p.log_text() for p in ctx.publishers)
+    lines = len(logs.splitlines())
+    out = len(re.findall(r"is out \(", logs))
+    back = re.findall(r"takes publishes again: its outage lasted ([0-9.]+)s", logs)
+    timeouts = len(re.findall(r"no confirm for [0-9.]+s: dropping the connection", logs))
+    ctx.note(
+        f"publisher log: {lines} lines; {out} outage(s) begun, ended after {back} s; "
+        f"{timeouts} confirm-timeout lines"
+    )
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "1",
@@ -1410,6 +1458,21 @@ SCENARIOS: list[Scenario] = [
         teardown=stop_the_kits,
         env=CLUSTER_ENV,
         reduced=False,
+    ),
+    Scenario(
+        "17c-long",
+        "cluster: two of three nodes stopped for 10 minutes, then started",
+        "a quorum queue leaderless for minutes is a destination outage however long it lasts: "
+        "rows wait, none nacked or failed, no nack budget spent, nothing lost; all confirmed after",
+        stop_a_majority_long,
+        cluster=True,
+        flow=20.0,
+        trigger=0.1,
+        verify=long_outage_accounted,
+        env=CLUSTER_ENV,
+        reduced=False,
+        long=True,
+        timeout=LONG_OUTAGE + 400,
     ),
 ]
 
