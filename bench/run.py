@@ -26,7 +26,17 @@ from bench.common import REPEATS, Measured, Services, Sizes, temp_postgres
 from bench.proccpu import median_by_process
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GROUPS = ("baselines", "ceiling", "drains", "memory", "latency", "spark", "consume", "operate")
+GROUPS = (
+    "baselines",
+    "ceiling",
+    "drains",
+    "cluster",
+    "memory",
+    "latency",
+    "spark",
+    "consume",
+    "operate",
+)
 #: Groups whose failure is reported but does not fail the run (diagnostics, not issue keys).
 OPTIONAL = {"ceiling"}
 
@@ -179,6 +189,7 @@ class Bench:
         self.group("baselines", lambda: baselines.run(s, z))
         self.group("ceiling", lambda: ceiling.run(s, z))
         self.group("drains", lambda: drain.run_drains(s, z))
+        self.group("cluster", lambda: drain.run_quorum_drain(s, z))
         self.group("memory", lambda: [drain.run_memory(s, z, one_x=self._drain_rss())])
         self.group("latency", lambda: self._latency())
         self.group("spark", lambda: _spark(s, z))
