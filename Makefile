@@ -9,7 +9,7 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop cluster cluster-stop migrate test test-spark-oldest test-unit test-fast demo bench soak chaos lint serve publish clean tools lock audit
+.PHONY: help venv services services-stop cluster cluster-stop migrate test test-spark-oldest test-unit test-fast demo bench soak chaos chaos-long lint serve publish clean tools lock audit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -92,6 +92,11 @@ soak: venv services tools  ## steady load for 30 min: latency per window, RSS, s
 # 5683/5443, data in .local/chaos: it stops and kills them, so it never touches the shared ones.
 chaos: venv tools  ## fault matrix: every fault injected mid-flow, every message accounted (CHAOS_ARGS="--only 1,4 --rows 2000")
 	@$(PY) -m chaos.run $(CHAOS_ARGS)
+
+# Not part of make chaos nor make test: each fault lasts minutes (17c-long: the quorum queue
+# leaderless for 10 minutes; CHAOS_LONG_OUTAGE=seconds to change it), run and reported apart.
+chaos-long: venv tools  ## the faults that last minutes (over 12 min; CHAOS_ARGS="--rows 2000")
+	@$(PY) -m chaos.run --long $(CHAOS_ARGS)
 
 LINT_PATHS = $(wildcard app spark_writer migrations tests bench chaos)
 lint: venv  ## ruff (lint and format) and mypy --strict on app/ and spark_writer/

@@ -213,7 +213,8 @@ def seed_sqlite(url: str, *, n: int, exchange: str, routing_key: str) -> None:
 
 @dataclass
 class Topology:
-    """One durable direct exchange and one durable classic queue bound to it."""
+    """One durable direct exchange and one durable queue bound to it (classic unless
+    ``queue_type`` says ``quorum``)."""
 
     services: Services
     tag: str
@@ -222,6 +223,7 @@ class Topology:
     routing_key: str = "bench"
     #: ``x-max-length``: the queue keeps the newest messages (a long run's memory stays flat)
     max_length: int | None = None
+    queue_type: str = "classic"
 
     def __post_init__(self) -> None:
         suffix = uuid.uuid4().hex[:8]
@@ -236,7 +238,7 @@ class Topology:
         conn, ch = self._channel()
         try:
             ch.exchange_declare(self.exchange, exchange_type="direct", durable=True)
-            arguments: dict[str, Any] = {"x-queue-type": "classic"}
+            arguments: dict[str, Any] = {"x-queue-type": self.queue_type}
             if self.max_length is not None:
                 arguments["x-max-length"] = self.max_length
             ch.queue_declare(self.queue, durable=True, arguments=arguments)
@@ -262,8 +264,10 @@ class Topology:
 
 
 @contextlib.contextmanager
-def topology(services: Services, tag: str, *, max_length: int | None = None) -> Iterator[Topology]:
-    topo = Topology(services=services, tag=tag, max_length=max_length)
+def topology(
+    services: Services, tag: str, *, max_length: int | None = None, queue_type: str = "classic"
+) -> Iterator[Topology]:
+    topo = Topology(services=services, tag=tag, max_length=max_length, queue_type=queue_type)
     topo.declare()
     try:
         yield topo

@@ -31,6 +31,7 @@ GROUPS = (
     "ceiling",
     "drains",
     "tracing",
+    "cluster",
     "memory",
     "latency",
     "spark",
@@ -200,6 +201,7 @@ class Bench:
         self.group("ceiling", lambda: ceiling.run(s, z))
         self.group("drains", lambda: drain.run_drains(s, z))
         self.group("tracing", lambda: drain.run_tracing(s, z))
+        self.group("cluster", lambda: drain.run_quorum_drain(s, z))
         self.group("memory", lambda: [drain.run_memory(s, z, one_x=self._drain_rss())])
         self.group("latency", lambda: self._latency())
         self.group("spark", lambda: _spark(s, z))

@@ -4,6 +4,7 @@
     python -m chaos.run --only 1,4,5 --rows 2000
     python -m chaos.run --skip 13 --keep-services
     python -m chaos.run --only 3b --rows 2000 --repeat 5      (hunting a flaky outcome)
+    python -m chaos.run --long               the faults that last minutes (make chaos-long)
 
 Starts a RabbitMQ and a PostgreSQL of its own (ports 5683 and 5443, data in .local/chaos), stops
 them at the end. Exit 1 if any scenario lost a message, exceeded its duplicate bound, left a row in
@@ -77,9 +78,12 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def _select(only: str | None, skip: str | None) -> list[str]:
-    keys = [s.key for s in SCENARIOS]
+def _select(only: str | None, skip: str | None, *, long: bool = False) -> list[str]:
+    """The scenarios to run: the long ones with ``long`` (or when named by ``only``), the
+    others without."""
+    keys = [s.key for s in SCENARIOS if s.long == long]
     if only:
+        keys = [s.key for s in SCENARIOS]
         wanted = [k.strip() for k in only.split(",") if k.strip()]
         unknown = [k for k in wanted if k not in BY_KEY]
         if unknown:
@@ -116,12 +120,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="leave the private RabbitMQ and PostgreSQL running",
     )
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="the scenarios whose faults last minutes (make chaos-long) instead of the others",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run the selection N times")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("aiormq").setLevel(logging.CRITICAL)  # the verifier's expected disconnects
-    keys = _select(args.only, args.skip) * max(1, args.repeat)
+    keys = _select(args.only, args.skip, long=args.long) * max(1, args.repeat)
     services = PrivateServices.for_matrix()
     began = time.monotonic()
     try:

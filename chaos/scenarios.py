@@ -7,6 +7,7 @@ needs, and where its rows must end. The runner does the rest (batch, verifier, d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -912,6 +913,217 @@ async def rows_waited_without_spending(ctx: Ctx) -> None:
     )
 
 
+#: 17d: how long the publisher's node stays frozen
+FREEZE = 30.0
+
+
+async def freeze_the_publishers_node(ctx: Ctx) -> None:
+    """17d. SIGSTOP of the node the publisher is connected to for FREEZE s, then SIGCONT: its
+    sockets stay open and say nothing, so only the heartbeat or the confirm timeout can tell."""
+    name = ctx.publishers[0].name
+    node = await _publisher_node(ctx, name)
+    ctx.data["frozen_node"] = node
+    await ctx.fault_now(f"SIGSTOP of node {node}, the publisher's, for {FREEZE:.0f}s")
+    began = time.monotonic()
+    await asyncio.to_thread(ctx.cluster.freeze, node)
+    try:
+        await ctx.landed()
+        moved = await _moved_off(ctx, name, node, timeout=FREEZE - 2)
+        after = time.monotonic() - began
+        ctx.note(
+            f"publisher moved off the frozen node {node} to node {moved} after {after:.1f}s"
+            if moved
+            else f"publisher still on the frozen node {node} after {after:.0f}s"
+        )
+        hb = int(ctx.scenario.env["OUTBOX_HEARTBEAT"])
+        timeout = float(ctx.scenario.env["OUTBOX_CONFIRM_TIMEOUT"])
+        bound = min(2 * hb + hb / 2, timeout) + 3.0  # + the stats report's second and a connect
+        ctx.check(
+            f"the publisher moved off the frozen node within {bound:.1f}s",
+            moved is not None and after <= bound,
+        )
+        await asyncio.sleep(max(0.0, FREEZE - (time.monotonic() - began)))
+    finally:
+        await asyncio.to_thread(ctx.cluster.thaw, node)
+
+
+async def _moved_off(ctx: Ctx, name: str, node: int, *, timeout: float) -> int | None:
+    """Wait until the publisher reports a node other than ``node``; that node, or None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+        now = stats.get(name, {}).get("broker_node")
+        if now and not str(now).endswith(f":{ctx.cluster.port(node)}"):
+            return ctx.cluster.node_of_port(int(str(now).rsplit(":", 1)[1]))
+        await asyncio.sleep(0.2)
+    return None
+
+
+async def thaw_everything(ctx: Ctx) -> None:
+    """17d teardown: a node left frozen by a failed run cannot be stopped or restarted."""
+    node = ctx.data.get("frozen_node")
+    if node is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(ctx.cluster.thaw, node)
+
+
+async def rolling_restart(ctx: Ctx) -> None:
+    """17e. Every node in turn stopped gracefully, started again, and waited for until the
+    cluster sees three running nodes, while rows flow into the quorum queue (the verifier
+    reconnects to its node when that one's turn comes)."""
+    await ctx.fault_now("rolling restart of nodes 1, 2, 3")
+    for node in (1, 2, 3):
+        began = time.monotonic()
+        await asyncio.to_thread(ctx.cluster.stop_node, node)
+        await ctx.landed()
+        stopped = time.monotonic() - began
+        await asyncio.to_thread(ctx.cluster.start_node, node)
+        deadline = time.monotonic() + 60
+        while await asyncio.to_thread(ctx.cluster.running_nodes, node) < 3:
+            if time.monotonic() > deadline:
+                raise ScenarioError(f"node {node} did not rejoin within 60s")
+            await asyncio.sleep(0.5)
+        counts = await ctx.counts()
+        ctx.note(
+            f"node {node}: stopped in {stopped:.1f}s, back in the cluster "
+            f"{time.monotonic() - began:.1f}s after its stop began; "
+            f"{counts.get('confirmed', 0)} rows confirmed by then"
+        )
+
+
+async def rows_flowed_through_the_restart(ctx: Ctx) -> None:
+    """17e, after: the publisher reconnected, and no row spent its nack budget (a majority
+    was up throughout: nothing for the broker to refuse)."""
+    await _reconnected(ctx)
+    rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
+    stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+    total = {
+        k: sum(int(s.get(k, 0)) for s in stats.values())
+        for k in ("nacked", "destination_outages", "confirm_timeouts", "reconnects")
+    }
+    ctx.note(
+        f"publisher counters: {total}; most attempts of a row "
+        f"{max((r.attempts for r in rows), default=0)}"
+    )
+    ctx.check("no row spent its nack budget (nacks 0 on every row)", not any(r.nacks for r in rows))
+
+
+async def publishers_on_the_leader(ctx: Ctx) -> None:
+    """17f: the verifier off the leader; the publishers' URL names the leader and the third node
+    (each publisher starts on the leader half the time: the hosts are shuffled)."""
+    await verifier_off_the_leader(ctx)
+    leader = ctx.data["leader"]
+    verifier = ctx.cluster.node_of_port(int(str(ctx.verifier_url).rsplit(":", 1)[1].rstrip("/")))
+    other = next(n for n in (1, 2, 3) if n not in (leader, verifier))
+    ctx.publishers_url = ctx.cluster.url_of((leader, other))
+
+
+async def kill_the_leader_under_publishers(ctx: Ctx) -> None:
+    """17f. kill -9 of the leader; which publishers it cut off is noted."""
+    leader = ctx.data["leader"]
+    on = [p.name for p in ctx.publishers if await _publisher_node(ctx, p.name) == leader]
+    ctx.note(f"{len(on)} of {len(ctx.publishers)} publishers connected to the leader at the kill")
+    await kill_the_leader(ctx)
+
+
+async def ordered_through_the_leader_change(ctx: Ctx) -> None:
+    await a_new_leader(ctx)
+    await check_key_order(ctx)
+
+
+async def verifier_off_the_kit_leader(ctx: Ctx) -> None:
+    """17g, before the rows flow: the verifier and the consumer kit on a node that does not lead
+    the kit's quorum queue; the kit starts consuming."""
+    leader = await asyncio.to_thread(ctx.cluster.leader, ctx.names["kit"])
+    ctx.data["leader"] = leader
+    ctx.verifier_url = ctx.cluster.node_url(3 if leader != 3 else 1)
+    await start_the_kit(ctx)
+
+
+async def kill_the_kit_leader(ctx: Ctx) -> None:
+    """17g. kill -9 of the kit's quorum queue's leader while the kit consumes from it (a fifth
+    of the messages had their effect)."""
+    first = ctx.data["kits"][0]
+    want = ctx.rows // 5
+    deadline = time.monotonic() + 60
+    while (await asyncio.to_thread(kit_handler.counts, ctx.engine))[1] < want:
+        if first.poll() is not None or time.monotonic() > deadline:
+            raise ScenarioError(f"the consumer kit did not reach {want} effects")
+        await asyncio.sleep(0.01)
+    leader = ctx.data["leader"]
+    await ctx.fault_now(f"kill -9 of node {leader}, the kit's quorum queue's leader")
+    await asyncio.to_thread(ctx.cluster.kill, leader)
+    await ctx.landed()
+
+
+async def kit_effects_through_the_leader_change(ctx: Ctx) -> None:
+    old = ctx.data.get("leader")
+    try:
+        now = await asyncio.to_thread(ctx.cluster.leader, ctx.names["kit"])
+    except Exception:
+        now = None
+    ctx.note(f"kit queue's leader: node {old} killed, node {now} leads now")
+    ctx.check("another node leads the kit's queue after the kill", now is not None and now != old)
+    ctx.check("the consumer kit kept running", ctx.data["kits"][0].poll() is None)
+    await check_effects_once(ctx)
+
+
+def quorum_kit_topology(ctx: Ctx) -> Topology:
+    """:func:`kit_topology` with both queues quorum queues (the kit's with a delivery limit)."""
+    topo = kit_topology(ctx)
+    topo.queues[ctx.names["queue"]] = {"x-queue-type": "quorum"}
+    topo.queues[ctx.names["kit"]] = {"x-queue-type": "quorum", "x-delivery-limit": 100}
+    return topo
+
+
+# ---------------------------------------------------------------- faults that last (chaos-long)
+
+#: 17c-long: how long two of the three nodes stay down (the quorum queue leaderless)
+LONG_OUTAGE = float(os.environ.get("CHAOS_LONG_OUTAGE", "600"))
+
+
+async def stop_a_majority_long(ctx: Ctx) -> None:
+    """17c-long. Nodes 1 and 2 stopped for LONG_OUTAGE s (10 min): the quorum queue has no
+    leader for that long while the publisher keeps trying; then both started again."""
+    await ctx.fault_now(f"nodes 1 and 2 stopped for {LONG_OUTAGE:.0f}s")
+    await asyncio.gather(
+        asyncio.to_thread(ctx.cluster.stop_node, 1), asyncio.to_thread(ctx.cluster.stop_node, 2)
+    )
+    await ctx.landed()
+    before = await ctx.counts()
+    began = time.monotonic()
+    worst: dict[str, int] = {}
+    while time.monotonic() - began < LONG_OUTAGE:
+        await asyncio.sleep(min(30.0, LONG_OUTAGE - (time.monotonic() - began)))
+        counts = await ctx.counts()
+        for state in ("nacked", "failed"):
+            worst[state] = max(worst.get(state, 0), counts.get(state, 0))
+    after = await ctx.counts()
+    ctx.note(
+        f"confirmed {before.get('confirmed', 0)} -> {after.get('confirmed', 0)} during the "
+        f"{LONG_OUTAGE:.0f}s outage; pending {after.get('pending', 0)}, in flight "
+        f"{after.get('in_flight', 0)} at its end"
+    )
+    ctx.check(f"no row ended nacked or failed during the outage ({worst})", not any(worst.values()))
+    restarted = time.monotonic()
+    await asyncio.to_thread(ctx.cluster.start)
+    ctx.note(f"nodes 1 and 2 started again in {time.monotonic() - restarted:.1f}s")
+
+
+async def long_outage_accounted(ctx: Ctx) -> None:
+    """17c-long, after: no nack budget spent, the outage counted and logged (not per attempt)."""
+    await rows_waited_without_spending(ctx)
+    logs = "".join(p.log_text() for p in ctx.publishers)
+    lines = len(logs.splitlines())
+    out = len(re.findall(r"is out \(", logs))
+    back = re.findall(r"takes publishes again: its outage lasted ([0-9.]+)s", logs)
+    timeouts = len(re.findall(r"no confirm for [0-9.]+s: dropping the connection", logs))
+    ctx.note(
+        f"publisher log: {lines} lines; {out} outage(s) begun, ended after {back} s; "
+        f"{timeouts} confirm-timeout lines"
+    )
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "1",
@@ -1186,6 +1398,81 @@ SCENARIOS: list[Scenario] = [
         env=CLUSTER_ENV,
         reduced=False,
         timeout=360,
+    ),
+    Scenario(
+        "17d",
+        "cluster: the publisher's node frozen (SIGSTOP) for 30 s, then resumed",
+        "a node that hangs with its sockets open is noticed by heartbeat or confirm timeout: "
+        "the publisher moves to another node and republishes; nothing lost, duplicates counted",
+        freeze_the_publishers_node,
+        cluster=True,
+        setup=publishers_on_nodes_1_2,
+        verify=_reconnected,
+        teardown=thaw_everything,
+        flow=8.0,
+        env=CLUSTER_ENV,
+        reduced=False,
+    ),
+    Scenario(
+        "17e",
+        "cluster: rolling restart of the three nodes during a drain",
+        "each node stopped gracefully and started in turn: publishers move, the quorum queue "
+        "keeps its majority, no nack budget spent, nothing lost",
+        rolling_restart,
+        cluster=True,
+        # rows due over 60 s: the three restarts take about 40 s on this machine
+        flow=60.0,
+        trigger=0.05,
+        verify=rows_flowed_through_the_restart,
+        env=CLUSTER_ENV,
+        reduced=False,
+        timeout=360,
+    ),
+    Scenario(
+        "17f",
+        "cluster: ordered keys through a kill -9 of the quorum queue's leader",
+        "a new leader is elected; rows with an ordering key reach the consumer, first delivery "
+        "by first delivery, in their key's order; nothing lost, every duplicate counted",
+        kill_the_leader_under_publishers,
+        cluster=True,
+        publishers=2,
+        plan=ordered_plan,
+        setup=publishers_on_the_leader,
+        verify=ordered_through_the_leader_change,
+        flow=4.0,
+        env={**CLUSTER_ENV, **_env(claim_batch=50, window=150)},
+        reduced=False,
+    ),
+    Scenario(
+        "17g",
+        "cluster: the consumer kit through a kill -9 of its quorum queue's leader",
+        "the kit's channel on a surviving node follows the new leader; redeliveries are "
+        "absorbed by the inbox: every message's effect exactly once, the kit keeps running",
+        kill_the_kit_leader,
+        cluster=True,
+        trigger=0.1,
+        flow=8.0,
+        topology=quorum_kit_topology,
+        setup=verifier_off_the_kit_leader,
+        verify=kit_effects_through_the_leader_change,
+        teardown=stop_the_kits,
+        env=CLUSTER_ENV,
+        reduced=False,
+    ),
+    Scenario(
+        "17c-long",
+        "cluster: two of three nodes stopped for 10 minutes, then started",
+        "a quorum queue leaderless for minutes is a destination outage however long it lasts: "
+        "rows wait, none nacked or failed, no nack budget spent, nothing lost; all confirmed after",
+        stop_a_majority_long,
+        cluster=True,
+        flow=20.0,
+        trigger=0.1,
+        verify=long_outage_accounted,
+        env=CLUSTER_ENV,
+        reduced=False,
+        long=True,
+        timeout=LONG_OUTAGE + 400,
     ),
 ]
 

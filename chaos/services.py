@@ -8,6 +8,7 @@ that it aims at the private instance.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -345,3 +346,18 @@ class Cluster:
 
     def start_node(self, node: int) -> None:
         self.run("start-node", str(node), timeout=300)
+
+    def freeze(self, node: int) -> None:
+        """SIGSTOP of node N's VM: its sockets stay open, nothing answers (a hung node)."""
+        self.run("freeze", str(node))
+
+    def thaw(self, node: int) -> None:
+        self.run("thaw", str(node))
+
+    def running_nodes(self, node: int) -> int:
+        """How many nodes node N sees running in the cluster (0 if it does not answer)."""
+        try:
+            out = self.run("ctl", str(node), "cluster_status", "--formatter", "json", timeout=30)
+        except (ServiceError, subprocess.TimeoutExpired):
+            return 0
+        return len(json.loads(out).get("running_nodes", []))

@@ -186,18 +186,18 @@ class AMQPConnection(asyncio.Protocol):
         timeout: float = 10.0,
         name: str = "outbox-publisher",
         shuffle: random.Random | None = None,
+        try_last: tuple[str, int] | None = None,
     ) -> AMQPConnection:
         """Open a TCP (or TLS) connection and run the AMQP handshake, trying the URL's brokers
         in order (``shuffle``: in an order drawn from it, so that publishers spread over a
-        cluster's nodes and, reconnecting, come back to a recovered one); the error names each
-        broker tried and why it failed."""
+        cluster's nodes and, reconnecting, come back to a recovered one; ``try_last``: a broker to
+        try after the others, see :func:`try_order`); the error names each broker tried and
+        why it failed."""
         params = parse_url(url)
         tls = params.ssl_context()
         failures: list[str] = []
         last: BaseException | None = None
-        addresses = list(params.addresses)
-        if shuffle is not None:
-            shuffle.shuffle(addresses)
+        addresses = try_order(params.addresses, shuffle=shuffle, last=try_last)
         for host, port in addresses:
             if failures:  # the previous node failed: say so now, not only when all have
                 log.warning(
@@ -242,7 +242,7 @@ class AMQPConnection(asyncio.Protocol):
                 )
             except (OSError, TimeoutError, HandshakeError, ConnectionClosedError) as exc:
                 last = exc
-                failures.append(f"{host}:{port}: {exc or type(exc).__name__}")
+                failures.append(f"{host}:{port}: {str(exc) or type(exc).__name__}")
         if len(failures) == 1 and isinstance(last, WireError):
             raise last
         raise BrokerUnreachableError("; ".join(failures)) from last
@@ -716,3 +716,23 @@ class AMQPConnection(asyncio.Protocol):
         )
         if channel_id in self._notify_channels:
             self._listener.on_return(channel_id, message)
+
+
+def try_order(
+    addresses: Sequence[tuple[str, int]],
+    *,
+    shuffle: random.Random | None = None,
+    last: tuple[str, int] | None = None,
+) -> list[tuple[str, int]]:
+    """The order in which to try a URL's brokers: shuffled when ``shuffle`` is given, ``last``
+    moved to the end. A publisher passes the node it just lost: a node frozen with its
+    sockets open still completes the TCP handshake (the kernel accepts), so trying it first
+    again costs the whole setup timeout before the next node (14.9 s instead of 4.6 s in the
+    fault matrix's scenario 17d)."""
+    order = list(addresses)
+    if shuffle is not None:
+        shuffle.shuffle(order)
+    if last is not None and last in order and len(order) > 1:
+        order.remove(last)
+        order.append(last)
+    return order

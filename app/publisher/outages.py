@@ -26,6 +26,8 @@ from app.publisher.settlement import Quarantine, outage_reason
 log = logging.getLogger("app.publisher")
 
 OUTAGE_WHY = "the broker nacked {n} publishes in a row, no ack between"
+#: a nacked probe drops the connection at most this often per exchange (seconds)
+REFRESH_EVERY = 10.0
 
 
 @dataclass
@@ -38,9 +40,10 @@ class OutageParts:
     written: Callable[[], None]  # wake the write-back
     unpark: Callable[[str], None]  # rows parked behind a probe may go
     clock: Callable[[], float]
-    #: drop the connection (the first failed probe of an outage: the next goes on a fresh one, to
-    #: another node; a channel opened during a leader election kept nacking a quorum queue
-    #: whose new leader took publishes on any other connection)
+    #: drop the connection (a failed probe, at most every REFRESH_EVERY s: the next goes on a
+    #: fresh one, to another node; a channel opened during a leader election kept nacking a
+    #: quorum queue whose new leader took publishes on any other connection, and in scenario
+    #: 17g a fresh connection to a surviving node nacked every probe for over a minute too)
     reconnect: Callable[[str], None] = lambda reason: None
 
 
@@ -49,8 +52,8 @@ class Outages:
         self.p = parts
         self.runs = NackRuns(burst=burst)
         self._timer: asyncio.TimerHandle | None = None
-        #: exchanges whose outage already dropped the connection once (a nacked probe)
-        self._refreshed: set[str] = set()
+        #: exchange -> when a nacked probe to it last dropped the connection
+        self._refreshed: dict[str, float] = {}
 
     def answered(self, events: Sequence[Event]) -> list[Event]:
         """Take the nacks out of ``events`` (judged here) and watch the acks for the ends of
@@ -93,9 +96,11 @@ class Outages:
             elif p.destinations.in_outage(exchange):
                 probe = p.destinations.probe(exchange)
                 self._outage(exchange, rows, now)
-                if probe is not None and probe in rows and exchange not in self._refreshed:
-                    # once per outage: a reconnect costs the other exchanges' unconfirmed rows
-                    self._refreshed.add(exchange)
+                last = self._refreshed.get(exchange)
+                due = last is None or now - last >= REFRESH_EVERY
+                if probe is not None and probe in rows and due:
+                    # not at every probe: a reconnect costs the other exchanges' unconfirmed rows
+                    self._refreshed[exchange] = now
                     p.reconnect(f"the probe to exchange {exchange!r} was nacked")
             else:
                 verdict = self.runs.nacked(exchange, rows, now)
@@ -116,7 +121,7 @@ class Outages:
             charged += self.runs.acked(exchange)
             lasted = p.destinations.recovered(exchange, now)
             if lasted is not None:
-                self._refreshed.discard(exchange)
+                self._refreshed.pop(exchange, None)
                 log.warning(
                     "exchange %r takes publishes again: its outage lasted %.1fs", exchange, lasted
                 )

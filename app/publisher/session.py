@@ -156,6 +156,8 @@ class Session:
         self.stopping = False
         self._reopening = False
         self._last_cause: CloseCause = PLAIN
+        #: the broker the last connection was to: tried after the others on the next connect
+        self._left: tuple[str, int] | None = None
         self._unblocked_at = 0.0
         self._aux: set[asyncio.Task[Any]] = set()
         self._warned_channel_max = False
@@ -222,6 +224,7 @@ class Session:
                 first = False
                 opened = self._clock()
                 reason = await conn.wait_closed()
+                self._left = conn.address
                 if self.stopping:
                     return
                 log.warning("broker connection lost: %s; reconnecting", reason)
@@ -251,6 +254,7 @@ class Session:
                 name=self._name,
                 timeout=SETUP_TIMEOUT,
                 shuffle=self._rng,
+                try_last=self._left,
             )
             async with asyncio.timeout(SETUP_TIMEOUT):
                 ids = [await conn.open_channel() for _ in range(self._channel_count(conn))]

@@ -89,13 +89,15 @@ def start_publisher(
     until_empty: bool,
     name: str,
     tracing: bool = False,
+    amqp_url: str | None = None,
 ) -> Proc:
     """A publisher process; ``tracing``: under OpenTelemetry's SDK with
-    ``OUTBOX_PUBLISHER_TRACING=true`` (bench/traced_publisher.py)."""
+    ``OUTBOX_PUBLISHER_TRACING=true`` (bench/traced_publisher.py); ``amqp_url``: the
+    publisher's broker URL when not the services' (a cluster's hosts)."""
     env = dict(os.environ)
     env.update(
         OUTBOX_DATABASE_URL=db_url,
-        OUTBOX_AMQP_URL=services.amqp_url,
+        OUTBOX_AMQP_URL=amqp_url or services.amqp_url,
         OUTBOX_PUBLISHER_METRICS_PORT="0",
         OUTBOX_PUBLISHER_ID=f"bench-{name}-{os.getpid()}",
     )
@@ -149,15 +151,19 @@ def drain_once(
     keys: int | None = None,
     traced: bool = False,
     tracing: bool = False,
+    queue_type: str = "classic",
+    publisher_url: str | None = None,
 ) -> DrainResult:
     """Seed ``n`` rows, run ``publishers`` processes with ``--until-empty``, time the drain.
     ``keys``: rows carry one of that many ordering keys (PostgreSQL), published in key order.
     ``traced``: each row has a ``traceparent`` (PostgreSQL); ``tracing``: the publisher makes
-    its batch spans under OpenTelemetry's SDK."""
+    its batch spans under OpenTelemetry's SDK. ``queue_type`` of the queue; ``publisher_url``:
+    the publishers' broker URL (a cluster's hosts) when not ``services.amqp_url`` (which
+    declares the topology and counts the queue)."""
     make_db = temp_postgres(services) if backend == "postgresql" else temp_sqlite()
     with (
         make_db as db_url,
-        topology(services, f"drain-{backend}") as topo,
+        topology(services, f"drain-{backend}", queue_type=queue_type) as topo,
         tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir,
     ):
         if backend == "postgresql":
@@ -176,7 +182,13 @@ def drain_once(
         start = dt.datetime.now(dt.UTC)
         procs = [
             start_publisher(
-                services, db_url, Path(logdir), until_empty=True, name=str(i), tracing=tracing
+                services,
+                db_url,
+                Path(logdir),
+                until_empty=True,
+                name=str(i),
+                tracing=tracing,
+                amqp_url=publisher_url,
             )
             for i in range(publishers)
         ]
@@ -286,6 +298,53 @@ def run_tracing(services: Services, sizes: Sizes) -> list[Measured]:
             lambda: drain_once(services, backend="postgresql", n=n, traced=True, tracing=True),
         ),
     ]
+
+
+#: the three-node cluster of ``deploy/local/cluster.sh``: node N on BENCH_CLUSTER_PORT + N - 1
+CLUSTER_SCRIPT = REPO_ROOT / "deploy" / "local" / "cluster.sh"
+
+
+def _cluster(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["OUTBOX_CLUSTER_PORT"] = os.environ.get("BENCH_CLUSTER_PORT", "5691")
+    return subprocess.run(
+        [str(CLUSTER_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def run_quorum_drain(services: Services, sizes: Sizes) -> list[Measured]:
+    """The drain into a quorum queue on the local three-node cluster (started here when not
+    running, stopped afterwards if so), the publisher given the three hosts: beside
+    ``drain_postgres`` (one node, a classic queue) in the same run. Service CPU counts node 1."""
+    base = int(os.environ.get("BENCH_CLUSTER_PORT", "5691"))
+    ports = [base, base + 1, base + 2]
+    running = _cluster("status").stdout.count(": running") == 3
+    if not running:
+        started = _cluster("start")
+        if started.returncode != 0:
+            raise RuntimeError(f"cluster.sh start failed: {started.stderr[-2000:]}")
+    try:
+        node1 = Services(
+            amqp_url=f"amqp://guest:guest@127.0.0.1:{ports[0]}/",
+            database_url=services.database_url,
+        )
+        hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+        n = sizes.drain
+        return [
+            _drain_repeat(
+                "drain_postgres_quorum_3_nodes",
+                lambda: drain_once(
+                    node1,
+                    backend="postgresql",
+                    n=n,
+                    queue_type="quorum",
+                    publisher_url=f"amqp://guest:guest@{hosts}/",
+                ),
+            )
+        ]
+    finally:
+        if not running:
+            _cluster("stop")
 
 
 def run_memory(services: Services, sizes: Sizes, *, one_x: list[float] | None = None) -> Measured:

@@ -16,9 +16,9 @@ import pytest
 from pamqp.commands import Basic
 
 from chaos import amqp, procs
-from chaos.run import table
+from chaos.run import _select, table
 from chaos.runner import Ctx, MatrixEnv, Result, Scenario, Step, run_scenario
-from chaos.scenarios import BY_KEY, REDUCED
+from chaos.scenarios import BY_KEY, REDUCED, SCENARIOS
 from chaos.services import REPO, PrivateServices
 from chaos.verifier import Verifier
 
@@ -53,6 +53,17 @@ async def test_scenario_loses_nothing(matrix: MatrixEnv, key: str) -> None:
     assert result.duplicates <= result.allowed, result.explain()
     assert result.duplicates <= result.product_dups, result.explain()
     assert result.ok, result.explain()
+
+
+def test_long_faults_run_only_in_chaos_long() -> None:
+    """``make chaos`` and ``make test`` leave out the faults that last minutes; ``--long`` runs
+    those alone, and ``--only`` can still name one."""
+    long = {s.key for s in SCENARIOS if s.long}
+    assert long
+    assert not long & set(_select(None, None))
+    assert not long & set(REDUCED)
+    assert set(_select(None, None, long=True)) == long
+    assert _select("17c-long", None) == ["17c-long"]
 
 
 # ---------------------------------------------------------------- the matrix can fail
