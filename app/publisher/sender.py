@@ -77,7 +77,7 @@ class Sender:
             if not p.holdings.queue or not p.session.can_publish():
                 await self.work.wait(1.0)
                 continue
-            self.route(p.holdings.take(self.batch))
+            self.route(p.holdings.take(p.session.publish_room(self.batch)))
             if p.session.write_paused:
                 await p.session.drain()
             else:

@@ -54,6 +54,11 @@ SETUP_TIMEOUT = 10.0
 CHECK_TIMEOUT = 5.0
 QUIESCE_TIMEOUT = 10.0
 STOP_CLOSE_TIMEOUT = 5.0
+#: After a confirm timeout, at most this many publishes are outstanding until the broker answers
+#: one: a quorum queue without a leader (or any broker that takes publishes and never confirms)
+#: would otherwise get the whole window again on every new connection, each one published into
+#: the void, counted as a possible duplicate and published again five seconds later.
+CAUTIOUS_WINDOW = 20
 
 
 @dataclass(slots=True, eq=False)
@@ -159,6 +164,10 @@ class Session:
         #: the broker the last connection was to: tried after the others on the next connect
         self._left: tuple[str, int] | None = None
         self._unblocked_at = 0.0
+        #: since when confirms stopped, while the publisher waits for an answer after a confirm
+        #: timeout (at most CAUTIOUS_WINDOW outstanding meanwhile); None when answers come
+        self.cautious_since: float | None = None
+        self._timeouts_in_row = 0
         self._aux: set[asyncio.Task[Any]] = set()
         self._warned_channel_max = False
 
@@ -173,7 +182,15 @@ class Session:
             and not self.stopping
             and not self.checking_on_channel
             and bool(self.channels)
+            and (self.cautious_since is None or self.outstanding() < CAUTIOUS_WINDOW)
         )
+
+    def publish_room(self, batch: int) -> int:
+        """How many rows the next publish may take: ``batch``, or after a confirm timeout what
+        is left of CAUTIOUS_WINDOW until the broker answers again."""
+        if self.cautious_since is None:
+            return batch
+        return max(0, min(batch, CAUTIOUS_WINDOW - self.outstanding()))
 
     @property
     def connected(self) -> bool:
@@ -394,6 +411,14 @@ class Session:
         except RemoteProtocolError as exc:
             self._protocol_error(ch, exc)
             return
+        if self.cautious_since is not None:
+            log.warning(
+                "the broker answers again after %d confirm timeout(s) over %.1fs: publishing "
+                "the full window again",
+                self._timeouts_in_row,
+                self._clock() - self.cautious_since,
+            )
+            self.cautious_since, self._timeouts_in_row = None, 0
         self._events.answered(events)
 
     def _returned(self, channel_id: int, message: ReturnedMessage) -> None:
@@ -515,11 +540,23 @@ class Session:
             return
         oldest = self.oldest_outstanding_at()
         if oldest is not None and now - oldest > self._settings.confirm_timeout:
-            log.error(
-                "no confirm for %.1fs: dropping the connection (its unconfirmed publishes "
-                "go again, counted as lost confirms, no nack budget spent)",
-                now - oldest,
-            )
+            self._timeouts_in_row += 1
+            if self.cautious_since is None:
+                self.cautious_since = oldest
+                log.error(
+                    "no confirm for %.1fs: dropping the connection (its unconfirmed publishes "
+                    "go again, counted as lost confirms, no nack budget spent); at most %d "
+                    "publishes outstanding until the broker answers again",
+                    now - oldest,
+                    CAUTIOUS_WINDOW,
+                )
+            else:
+                log.info(
+                    "still no confirm: %d confirm timeouts in a row over %.0fs; dropping the "
+                    "connection again",
+                    self._timeouts_in_row,
+                    now - self.cautious_since,
+                )
             self._metrics.confirm_timeouts += 1
             conn.abort(reason=f"confirm timeout ({self._settings.confirm_timeout}s)")
 

@@ -283,6 +283,33 @@ async def test_confirm_timeout_drops_the_connection(
     assert publisher.metrics.reconnects >= 1
 
 
+async def test_after_a_confirm_timeout_only_a_few_publishes_wait_for_an_answer(
+    sqlite_url: str, engine: Engine, broker: FakeBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broker that takes publishes and never answers (a quorum queue without a leader): the
+    first connection gets the window, each next one at most CAUTIOUS_WINDOW until an answer
+    comes, so the possible duplicates counted stay near what went out the first time; one
+    ERROR for the whole stall, and a WARNING when answers come back."""
+    from app.publisher.session import CAUTIOUS_WINDOW
+
+    add_rows(engine, n=300, exchange="")
+    settings = _settings(sqlite_url, broker, confirm_timeout=0.5)
+    async with running_publisher(settings, engine) as publisher:
+        await broker.wait_published(300)
+        await broker.wait_for(lambda: len(broker.connections) >= 4, timeout=20)
+        later = broker.connections[1:4]
+        per_connection = [sum(p.connection is c for p in broker.published) for c in later]
+        broker.start_auto_ack()
+        final = await wait_rows(engine, all_in("confirmed"), timeout=30)
+    assert all(n <= CAUTIOUS_WINDOW for n in per_connection), per_connection
+    lost = sum(r.lost_confirms for r in final)
+    timeouts = publisher.metrics.confirm_timeouts
+    assert timeouts >= 3 and lost <= 300 + CAUTIOUS_WINDOW * (timeouts - 1)
+    errors = [r for r in caplog.records if "no confirm for" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].levelname == "ERROR"
+    assert any("answers again after" in r.getMessage() for r in caplog.records)
+
+
 async def test_missed_heartbeats_drop_the_connection(sqlite_url: str, engine: Engine) -> None:
     async with FakeBroker(heartbeat=1) as broker:
         add_rows(engine, n=2, exchange="")
