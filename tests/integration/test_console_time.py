@@ -6,14 +6,21 @@ words (draining or stuck) and its auto refresh.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode
 
 import httpx
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import (
+    NoSuchElementException,
+    StaleElementReferenceException,
+    TimeoutException,
+)
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import Engine
@@ -87,6 +94,33 @@ def test_a_batches_page_link_not_made_by_the_console_is_a_400_page(
     assert "That page link is not valid" in browser.find_element(By.ID, "message").text
 
 
+def _click_to(browser: webdriver.Chrome, element_id: str, arrived: Callable[[str], bool]) -> None:
+    """Click ``element_id`` until the browser is at a URL ``arrived`` accepts. The page may be
+    refreshing itself every 10 s: a refresh between finding the link and clicking it makes the
+    link stale, and one just after the click can win over the click's navigation."""
+
+    def attempt(b: webdriver.Chrome) -> bool:
+        if arrived(b.current_url):
+            return True
+        try:
+            b.find_element(By.ID, element_id).click()
+        except (StaleElementReferenceException, NoSuchElementException):
+            return False
+        with contextlib.suppress(TimeoutException):
+            WebDriverWait(b, 3).until(lambda w: arrived(w.current_url))
+        return arrived(b.current_url)
+
+    WebDriverWait(browser, 30, poll_frequency=0.2).until(attempt)
+
+
+def _settled(
+    browser: webdriver.Chrome, read: Callable[[webdriver.Chrome], Any], *, timeout: float = 15
+) -> Any:
+    """``read(browser)`` once it runs through on one page (not cut by a reload) and is truthy."""
+    stale = (StaleElementReferenceException, NoSuchElementException)
+    return WebDriverWait(browser, timeout, ignored_exceptions=stale).until(read)
+
+
 def _drain(engine: Engine, clock: Clock) -> None:
     """100 rows written half an hour ago wait; then for five minutes the publisher confirms 12
     a minute (through the store, as it does) while 2 new rows a minute are written, sampling
@@ -149,19 +183,23 @@ def test_the_overview_tells_draining_from_stuck_and_refreshes_when_asked(
 
     # nothing confirmed for six minutes: the same backlog now reads as stuck
     clock.advance(6 * 60)
-    browser.find_element(By.ID, "refresh-10").click()
-    WebDriverWait(browser, 15).until(lambda b: b.current_url.endswith("/ui?refresh=10"))
-    assert browser.find_element(By.ID, "trend").text == (
-        "Stuck: 50 rows waiting and nothing confirmed or failed in the last 5 min."
+    _click_to(browser, "refresh-10", lambda url: url.endswith("/ui?refresh=10"))
+    # read in one go (the page reloads itself every 10 s: an element may go stale)
+    trend, meta, refresh, as_of = _settled(
+        browser,
+        lambda b: (
+            b.find_element(By.ID, "trend").text,
+            b.find_element(By.CSS_SELECTOR, "meta[http-equiv=refresh]").get_attribute("content"),
+            b.find_element(By.ID, "refresh").text,
+            b.find_element(By.ID, "as-of").text,
+        ),
     )
-    meta = browser.find_element(By.CSS_SELECTOR, "meta[http-equiv=refresh]")
-    assert meta.get_attribute("content") == "10"
-    assert text(browser, "refresh") == "Auto refresh every 10 s · Pause"
+    assert trend == "Stuck: 50 rows waiting and nothing confirmed or failed in the last 5 min."
+    assert (meta, refresh) == ("10", "Auto refresh every 10 s · Pause")
     shot(browser, "overview-stuck", tmp_path)
     # the page reloads itself: the next render is later than this one
-    as_of = text(browser, "as-of")
     clock.advance(30)
-    WebDriverWait(browser, 25).until(lambda b: b.find_element(By.ID, "as-of").text != as_of)
+    _settled(browser, lambda b: b.find_element(By.ID, "as-of").text != as_of, timeout=25)
     assert "refresh=10" in browser.current_url
 
     cookie = browser.get_cookie("outbox_session")
@@ -172,8 +210,7 @@ def test_the_overview_tells_draining_from_stuck_and_refreshes_when_asked(
     assert "<script" not in r.text
     bad = httpx.get(server.base + "/ui?refresh=1", cookies=jar)
     assert bad.status_code == 400 and "Auto refresh runs every 10, 30, 60 seconds" in bad.text
-    browser.find_element(By.ID, "pause").click()
-    WebDriverWait(browser, 15).until(lambda b: b.current_url == server.base + "/ui")
+    _click_to(browser, "pause", lambda url: url == server.base + "/ui")
     assert not browser.find_elements(By.CSS_SELECTOR, "meta[http-equiv=refresh]")
 
 
