@@ -21,12 +21,15 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from app.amqp.connection import AMQPConnection, WireListener
 from app.amqp.errors import BrokerUnreachableError, HandshakeError, TLSError
 from app.db import make_engine
+from app.outbox.store import PublisherStore
+from app.publisher.engine import Publisher
 from app.settings import Settings
 from tests.conftest import SERVICES, scrubbed_environ
 from tests.factories import add_rows
@@ -404,6 +407,14 @@ async def test_failover_logs_each_broker_that_failed(
     assert f"connected to broker 127.0.0.1:{tls_broker.amqps_port} after 1 other(s)" in caplog.text
 
 
+class _InOrder(random.Random):
+    """A publisher's random source that leaves a URL's brokers in the order given (the
+    publisher shuffles them so that publishers spread over a cluster's nodes)."""
+
+    def shuffle(self, x: Any) -> None:
+        del x
+
+
 async def test_the_publisher_drains_through_a_failover_tls_url(
     tls_broker: TLSBroker, sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -416,10 +427,11 @@ async def test_the_publisher_drains_through_a_failover_tls_url(
         ids = add_rows(engine, n=200, exchange="", routing_key=queue)
         hosts = f"localhost:{_free_port()},localhost:{tls_broker.amqps_port}"
         url = tls_broker.url(f"cafile={tls_broker.ca}", hosts=hosts)
+        settings = publisher_settings(db_url=sqlite_url, amqp_url=url)
+        # the URL's order, not a shuffled one: the dead broker is tried first, every time
+        publisher = Publisher(settings=settings, store=PublisherStore(engine), rng=_InOrder())
         with caplog.at_level(logging.INFO):
-            await asyncio.wait_for(
-                run_until_empty(publisher_settings(db_url=sqlite_url, amqp_url=url), engine), 60
-            )
+            await asyncio.wait_for(publisher.run(until_empty=True), 60)
         assert {r.status for r in rows(engine)} == {"confirmed"} and len(rows(engine)) == 200
         seen = await consume_ids(tls_broker.plain_url, queue, expect=200, idle=0.3)
         assert set(seen) == set(ids) and set(seen.values()) == {1}
