@@ -29,7 +29,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 SHORTSTR_MAX = 255
 HEADER_NAME_MAX = 128
@@ -59,6 +59,7 @@ PROPERTY_NAMES: Mapping[str, str] = {
 SHORTSTR_PROPERTIES = frozenset(
     {"correlation_id", "message_type", "app_id", "reply_to", "content_encoding"}
 )
+_PROPERTY_WHAT = {name: f"property {name}" for name in SHORTSTR_PROPERTIES}
 
 
 class ContentError(ValueError):
@@ -78,6 +79,14 @@ class Limits:
 
 def check_shortstr(value: object, *, what: str, empty_ok: bool = False) -> str:
     """A ``shortstr`` field: a string of at most 255 bytes of valid UTF-8, no NUL."""
+    if (  # the common case in C calls only: ASCII, so its length is its size in bytes
+        type(value) is str
+        and len(value) <= SHORTSTR_MAX
+        and value.isascii()
+        and (value or empty_ok)
+        and "\x00" not in value
+    ):
+        return value
     if not isinstance(value, str):
         raise ContentError(f"{what} must be a string, got {_type(value)}")
     size = _utf8_size(value, what=what)
@@ -91,6 +100,8 @@ def check_shortstr(value: object, *, what: str, empty_ok: bool = False) -> str:
 
 
 def _utf8_size(value: str, *, what: str) -> int:
+    if value.isascii():
+        return len(value)
     try:
         return len(value.encode())
     except UnicodeEncodeError:
@@ -110,7 +121,7 @@ def load_document(raw: object, *, what: str, max_bytes: int) -> Any:
     Bounded before it is parsed: text over ``max_bytes``, nesting deep enough to exhaust the
     parser, NaN/Infinity and invalid UTF-8 are a :class:`ContentError`, never a crash.
     """
-    if raw is None or isinstance(raw, dict | list | int | float | bool):
+    if raw is None or type(raw) is dict or isinstance(raw, dict | list | int | float | bool):
         return raw
     if isinstance(raw, bytes | bytearray | memoryview):
         raw = bytes(raw)
@@ -174,17 +185,24 @@ def _check_table(table: dict[Any, Any], *, depth: int, path: str) -> None:
     if depth > MAX_HEADER_DEPTH:
         raise ContentError(f"{path} nests deeper than {MAX_HEADER_DEPTH} levels")
     for key, item in table.items():
-        if not isinstance(key, str) or not key:
-            raise ContentError(f"{path} has an empty or non-string name")
-        size = _utf8_size(key, what=f"header name in {path}")
-        if size > HEADER_NAME_MAX:
-            raise ContentError(
-                f"header name {key[:40]!r}... in {path} is {size} bytes, over the AMQP limit "
-                f"of {HEADER_NAME_MAX}"
-            )
+        if not (type(key) is str and 0 < len(key) <= HEADER_NAME_MAX and key.isascii()):
+            _check_name(key, path=path)
         if depth == 1 and key in RESERVED_HEADERS:
             raise ContentError(f"header {key!r} is set by the publisher; a row may not set it")
+        if item is None or (type(item) is str and item.isascii()):
+            continue  # the common values, without building their path
         _check_value(item, depth=depth, path=f"{path}.{key}")
+
+
+def _check_name(key: object, *, path: str) -> None:
+    if not isinstance(key, str) or not key:
+        raise ContentError(f"{path} has an empty or non-string name")
+    size = _utf8_size(key, what=f"header name in {path}")
+    if size > HEADER_NAME_MAX:
+        raise ContentError(
+            f"header name {key[:40]!r}... in {path} is {size} bytes, over the AMQP limit "
+            f"of {HEADER_NAME_MAX}"
+        )
 
 
 def _check_value(item: object, *, depth: int, path: str) -> None:
@@ -199,7 +217,8 @@ def _check_value(item: object, *, depth: int, path: str) -> None:
             raise ContentError(f"{path} is not a finite number")
         return
     if isinstance(item, str):
-        _utf8_size(item, what=path)
+        if not item.isascii():
+            _utf8_size(item, what=path)
         return
     if isinstance(item, dict):
         _check_table(item, depth=depth + 1, path=path)
@@ -229,10 +248,11 @@ def check_properties(value: object) -> dict[str, Any]:
         return out
     if not isinstance(doc, dict):
         raise ContentError(f"properties must be a JSON object, got {_json_type(doc)}")
-    unknown = sorted(str(k) for k in doc if k not in PROPERTY_NAMES)
+    unknown = [k for k in doc if k not in PROPERTY_NAMES]
     if unknown:
         known = ", ".join(sorted(PROPERTY_NAMES))
-        raise ContentError(f"unknown properties {unknown[:5]}: known are {known}")
+        shown = sorted(str(k) for k in unknown)[:5]
+        raise ContentError(f"unknown properties {shown}: known are {known}")
     for key, item in doc.items():
         if item is None:
             continue
@@ -243,7 +263,7 @@ def check_properties(value: object) -> dict[str, Any]:
 
 def _property(name: str, item: object) -> Any:
     if name in SHORTSTR_PROPERTIES:
-        return check_shortstr(item, what=f"property {name}", empty_ok=True)
+        return check_shortstr(item, what=_PROPERTY_WHAT[name], empty_ok=True)
     if name == "priority":
         return _small_int(item, name, range(256))
     if name == "delivery_mode":
@@ -291,9 +311,9 @@ def _timestamp(item: object) -> dt.datetime:
 # ------------------------------------------------------------------------------ rows
 
 
-@dataclass(frozen=True, slots=True)
-class CheckedRow:
-    """The parts of a row a publish needs, each validated."""
+class CheckedRow(NamedTuple):
+    """The parts of a row a publish needs, each validated (a tuple: built once per row, on the
+    publisher's and the enqueue API's hot paths, 0.3 µs against a frozen dataclass's 1.4)."""
 
     exchange: str
     routing_key: str

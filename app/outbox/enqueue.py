@@ -269,9 +269,12 @@ def _row(
 ) -> dict[str, Any]:
     if not isinstance(message, Message):
         raise ContentError(f"expected an outbox Message, got {type(message).__name__}")
-    headers = _mapping(message.headers, what="headers") or {}
-    if message.traceparent is not None or tracing.TRACEPARENT not in headers:
-        headers.update(_trace_headers(message, context))  # a traceparent header of its own stays
+    headers = _mapping(message.headers, what="headers")
+    own = headers is not None and tracing.TRACEPARENT in headers  # its own traceparent stays
+    if message.traceparent is not None or (message.tracestate is not None and not own):
+        headers = {**(headers or {}), **_trace_headers(message, context)}
+    elif context and not own:
+        headers = {**(headers or {}), **context}
     properties = _mapping(message.properties, what="properties")
     checked = check_row(
         exchange=message.exchange,
@@ -299,8 +302,9 @@ def _row(
 
 
 def _mapping(value: object, *, what: str) -> dict[str, Any] | None:
-    if value is None:
-        return None
+    """The caller's dict itself (never changed here), or another mapping as a dict."""
+    if value is None or type(value) is dict:
+        return value
     if not isinstance(value, Mapping):
         raise ContentError(f"{what} must be a mapping, got {type(value).__name__}")
     return dict(value)
@@ -571,16 +575,12 @@ def enqueue_psycopg(
         found = cur.execute(_PSYCOPG_STORED, ([r["message_id"] for r in rows],)).fetchall()
         new = sort_out(rows, [_Stored(f) for f in found])
         if new:
-            params = [
-                {
-                    **r,
-                    "headers": _json(r["headers"], Json),
-                    "properties": _json(r["properties"], Json),
-                }
-                for r in new
-            ]
+            statement = psycopg_insert(optional_columns(new))
+            for r in new:  # the call's own rows: wrapped in place, not copied
+                r["headers"] = _json(r["headers"], Json)
+                r["properties"] = _json(r["properties"], Json)
             with _guarded(len(new)):
-                cur.executemany(psycopg_insert(optional_columns(new)), params)
+                cur.executemany(statement, new)
     return outcome(rows, new)
 
 

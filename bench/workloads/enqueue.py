@@ -32,6 +32,9 @@ from app.outbox.schema import outbox
 from bench.common import BODY, REPEATS, Measured, Services, Sizes, libpq_url, temp_postgres
 
 MESSAGES = 10_000
+#: Rounds of the four variants, alternating: at least 15, since one commit of 10,000 rows swings
+#: by up to 2 x on this machine's disk (three rounds' medians moved the ratio 0.72-0.87).
+ROUNDS = max(REPEATS, 15)
 HEADERS = {"tenant": "t-1"}
 PROPERTIES = {"type": "order.created"}
 
@@ -139,7 +142,7 @@ def run(services: Services, sizes: Sizes) -> list[Measured]:
         libpq = libpq_url(url)
         try:
             _timed(engine, _api(engine, -1))  # warm up: connections, statement caches
-            for i in range(REPEATS):
+            for i in range(ROUNDS):
                 variants = [
                     _api(engine, i),
                     _raw(engine, i),
@@ -149,7 +152,7 @@ def run(services: Services, sizes: Sizes) -> list[Measured]:
                 for key, work in zip(keys, variants, strict=True):
                     ms = _timed(engine, work)
                     out[key].runs.append(ms)
-                    print(f"  {key} run {i + 1}/{REPEATS}: {ms:,.0f} ms", flush=True)
+                    print(f"  {key} run {i + 1}/{ROUNDS}: {ms:,.0f} ms", flush=True)
         finally:
             engine.dispose()
     return list(out.values())

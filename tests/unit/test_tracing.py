@@ -71,3 +71,20 @@ def test_the_trace_context_checks_are_pure() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_enqueue_never_changes_the_callers_header_dicts() -> None:
+    """Rows reuse the caller's dicts when nothing is added (no copy per message); a trace
+    context is added to a new dict, so a dict shared by many messages stays as it was."""
+    from app.outbox.enqueue import Message, prepare
+
+    shared = {"tenant": "t-1"}
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    plain = Message(exchange="x", routing_key="k", body=b"1", message_id="a", headers=shared)
+    traced = Message(
+        exchange="x", routing_key="k", body=b"2", message_id="b", headers=shared, traceparent=parent
+    )
+    rows = prepare([plain, traced])
+    assert shared == {"tenant": "t-1"}
+    assert rows[0]["headers"] == {"tenant": "t-1"}
+    assert rows[1]["headers"] == {"tenant": "t-1", "traceparent": parent}
