@@ -14,7 +14,9 @@
 #
 # Node N listens for AMQP on $OUTBOX_CLUSTER_PORT + N - 1 (default 5691-5693), its Erlang
 # distribution port is that + 20000, its name outbox-cN-<port>@localhost. Data, logs, pid files
-# and each node's HOME (one shared Erlang cookie) live under $OUTBOX_LOCAL_DIR/cluster.
+# and each node's HOME (one shared Erlang cookie) live under $OUTBOX_LOCAL_DIR/cluster-<base port>:
+# one directory per base port, so a cluster of another port (the tests' 5791, the benchmark's
+# 5691) never starts from a configuration written for the other (it listened on the wrong ports).
 # OUTBOX_CLUSTER_PARTITION_HANDLING (ignore, RabbitMQ's default; or pause_minority) is written
 # into each node's configuration on its first start.
 # RabbitMQ 3.10 does not show a node's name on its command line: the pid files are the record
@@ -25,7 +27,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 LOCAL_DIR=${OUTBOX_LOCAL_DIR:-$repo/.local}
 BASE_PORT=${OUTBOX_CLUSTER_PORT:-5691}
-DIR=$LOCAL_DIR/cluster
+DIR=$LOCAL_DIR/cluster-$BASE_PORT
 RMQ_BIN=/usr/lib/rabbitmq/bin
 NODES=(1 2 3)
 
@@ -93,9 +95,15 @@ CONF
 }
 
 wait_node() {
-  local n=$1
+  local n=$1 port i
   ctl "$n" wait --timeout 90 "$(pid_file "$n")" >/dev/null
   ctl "$n" await_startup --timeout 90 >/dev/null
+  port=$(port_of "$n")
+  for i in $(seq 1 60); do  # booted is not listening: check the AMQP port itself
+    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return
+    sleep 0.5
+  done
+  log "node $n booted but takes no AMQP connection on 127.0.0.1:$port"; return 1
 }
 
 joined() {  # is node $1 a running member of the cluster node 1 sees?
