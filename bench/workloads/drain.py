@@ -329,19 +329,24 @@ def run_quorum_drain(services: Services, sizes: Sizes) -> list[Measured]:
             database_url=services.database_url,
         )
         hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+        url = f"amqp://guest:guest@{hosts}/"
         n = sizes.drain
-        return [
-            _drain_repeat(
-                "drain_postgres_quorum_3_nodes",
-                lambda: drain_once(
-                    node1,
-                    backend="postgresql",
-                    n=n,
-                    queue_type="quorum",
-                    publisher_url=f"amqp://guest:guest@{hosts}/",
-                ),
-            )
-        ]
+        drained = _drain_repeat(
+            "drain_postgres_quorum_3_nodes",
+            lambda: drain_once(
+                node1, backend="postgresql", n=n, queue_type="quorum", publisher_url=url
+            ),
+        )
+        # at half the quorum drain's own rate, as the single node's latency is at half its own
+        latency = run_latency(
+            node1,
+            sizes,
+            drain_rate=drained.value,
+            queue_type="quorum",
+            publisher_url=url,
+            prefix="quorum_confirm_latency",
+        )
+        return [drained, *latency]
     finally:
         if not running:
             _cluster("stop")
@@ -455,20 +460,32 @@ def _percentiles(db_url: str, since: dt.datetime) -> dict[str, float]:
     return out
 
 
-def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[Measured]:
-    """Rows committed at 50% of the measured drain rate; latency = created_at → confirmed_at."""
+def run_latency(
+    services: Services,
+    sizes: Sizes,
+    *,
+    drain_rate: float,
+    queue_type: str = "classic",
+    publisher_url: str | None = None,
+    prefix: str = "confirm_latency",
+) -> list[Measured]:
+    """Rows committed at 50% of the measured drain rate; latency = created_at → confirmed_at.
+    ``queue_type``, ``publisher_url``: as for :func:`drain_once` (a quorum queue on the
+    cluster); ``prefix`` of the two keys (``<prefix>_p50_ms``, ``<prefix>_p99_ms``)."""
     rate = 0.5 * drain_rate
     seconds = LATENCY_WARMUP + sizes.latency_seconds
     with (
         temp_postgres(services) as db_url,
-        topology(services, "latency") as topo,
+        topology(services, "latency", queue_type=queue_type) as topo,
         tempfile.TemporaryDirectory(prefix="outbox-bench-log-") as logdir,
     ):
         # CPU over the whole run (warm-up and start-up included), per row produced
         with RunCpu(
             "producer", postgresql=services.database_port, rabbitmq=services.broker_port
         ) as used:
-            proc = start_publisher(services, db_url, Path(logdir), until_empty=False, name="lat")
+            proc = start_publisher(
+                services, db_url, Path(logdir), until_empty=False, name="lat", amqp_url=publisher_url
+            )
             try:
                 time.sleep(1.0)  # let it connect before rows arrive
                 steady_from = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=LATENCY_WARMUP)
@@ -484,7 +501,7 @@ def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[
     cpu = {"publisher": proc.cpu_seconds / rows * 1e6, **used.per_message(rows)}
     p50, p99, count = got["total_p50"], got["total_p99"], int(got["count"])
     print(
-        f"  confirm latency at {rate:,.0f} rows/s over {count:,} rows: "
+        f"  {prefix} ({queue_type}) at {rate:,.0f} rows/s over {count:,} rows: "
         f"p50 {p50:.1f} ms, p99 {p99:.1f} ms; created -> claimed p50 {got['claim_p50']:.1f}, "
         f"p99 {got['claim_p99']:.1f}; claimed -> confirmed p50 {got['settle_p50']:.1f}, "
         f"p99 {got['settle_p99']:.1f} (claimed -> published p50 {got['publish_p50']:.1f}, p99 "
@@ -502,6 +519,6 @@ def run_latency(services: Services, sizes: Sizes, *, drain_rate: float) -> list[
         "cpu_us_per_msg_by_process": [cpu],
     }
     return [
-        Measured(key="confirm_latency_p50_ms", unit="ms", runs=[p50], extra=extra),
-        Measured(key="confirm_latency_p99_ms", unit="ms", runs=[p99]),
+        Measured(key=f"{prefix}_p50_ms", unit="ms", runs=[p50], extra=extra),
+        Measured(key=f"{prefix}_p99_ms", unit="ms", runs=[p99]),
     ]

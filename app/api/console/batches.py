@@ -33,7 +33,7 @@ def batches(request: Request) -> HTMLResponse:
         at = queries.BatchCursor.decode(cursor) if cursor else None
     except queries.BadCursor:
         raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
-    page = queries.list_batches(ctx.engine, limit=PAGE, cursor=at, status=status)
+    page = queries.list_batches(ctx.engine, limit=PAGE, cursor=at, status=status, timings=False)
     return render(
         request, "batches.html", session=session, page=page, status=status, statuses=list(Status)
     )
