@@ -278,8 +278,8 @@ def rabbitmq_missing() -> str | None:
 @dataclass(frozen=True)
 class Cluster:
     """A three-node RabbitMQ cluster on loopback driven through ``deploy/local/cluster.sh``:
-    node N on ``base_port + N - 1``, data under ``local_dir``/cluster-<base port>. For the tests and the
-    fault matrix (each with its own ports)."""
+    node N on ``base_port + N - 1``, data under ``local_dir``/cluster-<base port>. For the tests
+    and the fault matrix (each with its own ports)."""
 
     base_port: int
     local_dir: str

@@ -484,7 +484,12 @@ def run_latency(
             "producer", postgresql=services.database_port, rabbitmq=services.broker_port
         ) as used:
             proc = start_publisher(
-                services, db_url, Path(logdir), until_empty=False, name="lat", amqp_url=publisher_url
+                services,
+                db_url,
+                Path(logdir),
+                until_empty=False,
+                name="lat",
+                amqp_url=publisher_url,
             )
             try:
                 time.sleep(1.0)  # let it connect before rows arrive
