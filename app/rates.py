@@ -16,7 +16,7 @@ from dataclasses import dataclass
 #: enough to show a stall within minutes.
 RECENT_MINUTES = 5
 WIDTH, HEIGHT = 720, 180
-LEFT, RIGHT, TOP, BOTTOM = 48, 8, 10, 22
+LEFT, RIGHT, TOP, BOTTOM = 72, 8, 10, 22  # LEFT: room for "10,000 ms"
 
 
 @dataclass(frozen=True, slots=True)

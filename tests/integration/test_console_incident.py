@@ -6,6 +6,7 @@ to pending, a message body escaped and cut, times with their zone."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import quote
 
 import pytest
@@ -23,6 +24,7 @@ from tests.integration.test_console import (  # noqa: F401 (fixtures)
     browser,
     clock,
     engine,
+    shot,
     sign_in,
     submit,
     text,
@@ -75,7 +77,7 @@ def server(pg_url: str, engine: Engine, clock: Clock, parked: Parked) -> Iterato
 
 
 def test_parked_keys_show_and_resume_by_republish_or_skip(
-    browser: webdriver.Chrome, server: Server, parked: Parked, engine: Engine
+    browser: webdriver.Chrome, server: Server, parked: Parked, engine: Engine, tmp_path: Path
 ) -> None:
     sign_in(browser, server, OPERATOR, "/ui")
     assert text(browser, "parked-keys") == "2: resume or skip them"
@@ -88,6 +90,7 @@ def test_parked_keys_show_and_resume_by_republish_or_skip(
     ]
     assert shown == [["k-1", "k-1-0", "nacked", "2"], ["k-2", "k-2-0", "nacked", "2"]]
     assert "UTC (30.0 s ago)" in rows[0].text
+    shot(browser, "parked", tmp_path)
 
     before = statuses(engine)
     described, count = confirm(browser, rows[0].find_element(By.CSS_SELECTOR, "button.go"))
