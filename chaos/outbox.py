@@ -278,3 +278,28 @@ def batches_recorded(engine: Engine, sink: str) -> int:
             )
 
     return retrying(run)
+
+
+def last_id(engine: Engine) -> int:
+    """The highest row id now (0 when empty): a mark for :func:`open_up_to`."""
+
+    def run() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(select(func.coalesce(func.max(outbox.c.id), 0))).scalar_one())
+
+    return retrying(run)
+
+
+def open_up_to(engine: Engine, mark: int) -> int:
+    """Rows with an id up to ``mark`` still ``pending`` or ``in_flight``."""
+    stmt = (
+        select(func.count())
+        .where(outbox.c.id <= mark)
+        .where(outbox.c.status.in_(("pending", "in_flight")))
+    )
+
+    def run() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+    return retrying(run)

@@ -10,11 +10,14 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pamqp.commands import Basic
 
@@ -22,8 +25,9 @@ from chaos import amqp, kit_handler
 from chaos import outbox as ob
 from chaos.amqp import Topology
 from chaos.outbox import Expect, PlannedRow
+from chaos.producer import SteadyProducer
 from chaos.proxy import TcpProxy
-from chaos.runner import Ctx, Scenario, ScenarioError, Step, default_plan, default_topology
+from chaos.runner import OPEN, Ctx, Scenario, ScenarioError, Step, default_plan, default_topology
 from chaos.services import ArmedEval
 from chaos.spark import produce_with_spark
 
@@ -1124,6 +1128,305 @@ async def long_outage_accounted(ctx: Ctx) -> None:
     )
 
 
+# ---------------------------------------------------------------- 18: the single broker and
+# PostgreSQL out for minutes, under a steady producer (chaos-long)
+
+#: 18c: how long the disk alarm is held
+DISK_ALARM = float(os.environ.get("CHAOS_DISK_ALARM", "180"))
+#: rows a second the steady producer commits (in transactions of 10)
+PRODUCER_RATE = 50.0
+#: seconds over which the batch becomes due (as 17c's: the fault lands while it drains)
+LONG_FLOW = 20.0
+#: seconds the producer goes on once the outage's backlog is confirmed
+AFTERGLOW = 5.0
+CATCH_UP_TIMEOUT = 300.0
+#: a record of the publisher's log starts with its time (a traceback's lines do not)
+RECORD = re.compile(r"^\d{4}-\d\d-\d\dT", re.MULTILINE)
+
+
+async def start_producing(ctx: Ctx) -> None:
+    """18a-c: the batch (``--rows``, due over the scenario's flow: the fault lands while it
+    drains) and, on top, an application committing PRODUCER_RATE rows a second through
+    ``enqueue`` (its failed commits retried with the same rows) from now until the outage's
+    backlog is drained."""
+    plan = default_plan(ctx)
+    ctx.expect = {row.message_id: row.expect for row in plan}
+    await asyncio.to_thread(
+        ob.insert_rows,
+        ctx.engine,
+        plan,
+        batch_id=f"{ctx.run}:1",
+        start=time.time() + 0.2,
+        flow=ctx.scenario.flow,
+    )
+    producer = SteadyProducer(
+        db_url=ctx.db_url,
+        exchange=ctx.names["exchange"],
+        routing_key="rk",
+        prefix=ctx.run,
+        rate=PRODUCER_RATE,
+    )
+    ctx.data["producer"] = producer.start()
+
+
+async def stop_producing(ctx: Ctx) -> None:
+    producer: SteadyProducer | None = ctx.data.get("producer")
+    if producer is not None:
+        await asyncio.to_thread(producer.stop)
+
+
+def _log_marks(ctx: Ctx) -> list[int]:
+    return [len(p.log_text()) for p in ctx.publishers]
+
+
+def _log_since(ctx: Ctx, marks: list[int]) -> str:
+    return "".join(p.log_text()[at:] for p, at in zip(ctx.publishers, marks, strict=True))
+
+
+async def _stats(ctx: Ctx) -> dict[str, Any]:
+    stats = await asyncio.to_thread(ob.publisher_stats, ctx.engine)
+    return next(iter(stats.values()), {})
+
+
+async def _hold(
+    ctx: Ctx,
+    *,
+    what: str,
+    seconds: float,
+    begin: Callable[[], object],
+    end: Callable[[], object],
+    db_down: bool = False,
+) -> str:
+    """Inject ``begin``, hold it ``seconds`` while the producer goes on, ``end`` it; then wait
+    until every row committed before the end is confirmed (the catch-up), stop the producer and
+    expect each row it committed. Returns the publishers' log from the fault to the catch-up."""
+    producer: SteadyProducer = ctx.data["producer"]
+    batch = ctx.rows
+    ctx.rows = batch + producer.count
+    marks = _log_marks(ctx)
+    await ctx.fault_now(f"{what} for {seconds:.0f}s")
+    counts = await ctx.counts()
+    open_at = sum(counts.get(state, 0) for state in OPEN)
+    before, began = producer.count, time.monotonic()
+    await asyncio.to_thread(begin)
+    ctx.note(f"fault in effect {time.monotonic() - began:.1f}s after the command")
+    if not db_down:  # else the rows open at the fault, read just before it
+        counts = await ctx.counts()
+        open_at = sum(counts.get(state, 0) for state in OPEN)
+    ctx.data["landed"] = True
+    ctx.check(f"the fault landed mid-flow ({open_at} rows pending or in flight)", open_at > 0)
+    worst: dict[str, int] = {}
+    while (left := seconds - (time.monotonic() - began)) > 0:
+        await asyncio.sleep(min(30.0, left))
+        if not db_down:  # the runner's reads would fail with PostgreSQL down
+            counts = await ctx.counts()
+            for state in ("nacked", "failed", "returned"):
+                worst[state] = max(worst.get(state, 0), counts.get(state, 0))
+            ctx.data.setdefault("open_during", []).append(sum(counts.get(s, 0) for s in OPEN))
+    if not db_down:
+        ctx.data["stats_at_end"] = await _stats(ctx)
+        ctx.check(
+            f"no row ended nacked, failed or returned during the fault ({worst})",
+            not any(worst.values()),
+        )
+    ended = time.monotonic()
+    await asyncio.to_thread(end)
+    ctx.note(
+        f"fault held {ended - began:.0f}s, ended in {time.monotonic() - ended:.1f}s; the "
+        f"producer committed {producer.count - before} rows meanwhile "
+        f"({producer.failed_commits} failed commits, longest failing "
+        f"{producer.longest_failing:.0f}s)"
+    )
+    ctx.data["fault_seconds"] = ended - began
+    mark = await asyncio.to_thread(ob.last_id, ctx.engine)
+    while (left_open := await asyncio.to_thread(ob.open_up_to, ctx.engine, mark)) > 0:
+        if time.monotonic() - ended > CATCH_UP_TIMEOUT:
+            ctx.note(f"catch-up not done {CATCH_UP_TIMEOUT:.0f}s after the fault: {left_open} open")
+            break
+        await asyncio.sleep(0.2)
+    else:
+        catch_up = time.monotonic() - ended
+        ctx.data["catch_up"] = catch_up
+        ctx.note(
+            f"catch-up: every row committed by the fault's end (id <= {mark}) confirmed "
+            f"{catch_up:.1f}s after the command ending it was issued"
+        )
+    logs = _log_since(ctx, marks)
+    await asyncio.sleep(AFTERGLOW)
+    committed = await asyncio.to_thread(producer.stop)
+    ctx.expect.update(dict.fromkeys(committed, ob.CONFIRMED))
+    ctx.rows = ctx.result.rows = len(ctx.expect)
+    ctx.note(f"rows: {batch} of the batch, {len(committed)} from the steady producer")
+    records = len(RECORD.findall(logs))
+    ctx.note(
+        f"publisher log from the fault to the catch-up: {records} records "
+        f"({len(logs.splitlines())} lines)"
+    )
+    ctx.data["log_records"] = records
+    return logs
+
+
+def _bounded_log(ctx: Ctx, seconds: float) -> None:
+    """At most a dozen records plus two a minute, however many attempts failed."""
+    bound = 12 + 2 * int(seconds // 60)
+    records = ctx.data.get("log_records", 0)
+    ctx.check(
+        f"publisher log bounded during the fault ({records} records <= {bound})", records <= bound
+    )
+
+
+async def broker_down_long(ctx: Ctx) -> None:
+    """18a. The single broker stopped (``rabbitmqctl stop``) for LONG_OUTAGE s, then started."""
+    logs = await _hold(
+        ctx,
+        what="broker stopped",
+        seconds=LONG_OUTAGE,
+        begin=ctx.services.stop_rabbitmq,
+        end=ctx.services.start_rabbitmq,
+    )
+    stats = ctx.data.get("stats_at_end", {})
+    gauge = float(stats.get("broker_unreachable_seconds") or 0)
+    ctx.note(
+        f"publisher report at the outage's end: connected {stats.get('connected')}, "
+        f"broker_unreachable_seconds {gauge:.0f}, connect_failures {stats.get('connect_failures')}"
+    )
+    ctx.check(
+        "the report showed the broker unreachable for most of the outage",
+        stats.get("connected") is False and gauge >= 0.9 * LONG_OUTAGE - 5,
+    )
+    began = len(re.findall(r"cannot connect to the broker at", logs))
+    reminders = len(re.findall(r"broker still unreachable after", logs))
+    per_attempt = len(re.findall(r"next connection attempt in", logs))
+    back = re.findall(
+        r"the broker answers again after ([0-9.]+)s \((\d+) connection attempts", logs
+    )
+    ctx.note(
+        f"publisher logged the outage's start {began}x, {reminders} reminders, "
+        f"{per_attempt} lines per attempt, its end: {back}"
+    )
+    ctx.check("the outage's start logged once, no line per attempt", began == 1 and not per_attempt)
+    ctx.check(
+        "its end logged once with its length",
+        len(back) == 1 and float(back[0][0]) >= 0.95 * LONG_OUTAGE,
+    )
+    _bounded_log(ctx, LONG_OUTAGE)
+
+
+async def postgres_down_long(ctx: Ctx) -> None:
+    """18b. The outbox's PostgreSQL stopped (fast shutdown) for LONG_OUTAGE s, then started."""
+    logs = await _hold(
+        ctx,
+        what="PostgreSQL stopped",
+        seconds=LONG_OUTAGE,
+        begin=ctx.services.stop_postgres,
+        end=ctx.services.start_postgres,
+        db_down=True,
+    )
+    producer: SteadyProducer = ctx.data["producer"]
+    ctx.check(
+        f"the producer's commits failed through the outage ({producer.failed_commits} failed, "
+        f"longest {producer.longest_failing:.0f}s)",
+        producer.longest_failing >= 0.9 * LONG_OUTAGE,
+    )
+    began = len(re.findall(r"a database call failed", logs))
+    back = re.findall(r"the database answers again after ([0-9.]+)s \((\d+) calls", logs)
+    listen = re.findall(r"LISTEN \S+ on \S+ failed", logs)
+    ctx.note(
+        f"publisher logged the outage's start {began}x, its end: {back}; the listener's "
+        f"failures {len(listen)}x"
+    )
+    ctx.check("the database outage's start logged once", began == 1)
+    ctx.check(
+        "its end logged once with its length",
+        len(back) == 1 and float(back[0][0]) >= 0.95 * LONG_OUTAGE,
+    )
+    _bounded_log(ctx, LONG_OUTAGE)
+
+
+async def disk_alarm_long(ctx: Ctx) -> None:
+    """18c. The broker's disk free limit set above the free disk (a disk alarm: publishers
+    blocked) for DISK_ALARM s, then set back."""
+    original = (await ctx.ctl("eval", "rabbit_disk_monitor:get_disk_free_limit().")).strip()
+    ctx.data["disk_limit"] = original
+    free = shutil.disk_usage(ctx.services.local_dir).free
+    above = str(free + 100 * 2**30)
+    ctx.note(f"disk free limit {original} bytes, free {free} bytes; alarm at {above}")
+    confirmed = (await ctx.counts()).get("confirmed", 0)
+    logs = await _hold(
+        ctx,
+        what=f"disk alarm (disk_free_limit {above})",
+        seconds=DISK_ALARM,
+        begin=lambda: ctx.services.ctl("set_disk_free_limit", above),
+        end=lambda: ctx.services.ctl("set_disk_free_limit", original),
+    )
+    stats = ctx.data.get("stats_at_end", {})
+    ctx.note(
+        f"confirmed {confirmed} at the alarm; publisher report at its end: blocked "
+        f"{stats.get('blocked')} ({stats.get('blocked_reason')}), confirmed "
+        f"{stats.get('confirmed')}"
+    )
+    ctx.check(
+        "the report showed the publisher blocked at the alarm's end", bool(stats.get("blocked"))
+    )
+    blocked = len(re.findall(r"broker blocked publishing", logs))
+    unblocked = len(re.findall(r"broker unblocked publishing", logs))
+    ctx.check(
+        f"blocked once, unblocked once in the log ({blocked}, {unblocked})",
+        blocked == unblocked == 1,
+    )
+    _bounded_log(ctx, DISK_ALARM)
+
+
+async def reset_disk_limit(ctx: Ctx) -> None:
+    await stop_producing(ctx)
+    original = ctx.data.get("disk_limit")
+    if original:
+        await ctx.ctl("set_disk_free_limit", original)
+
+
+async def broker_started(ctx: Ctx) -> None:
+    await stop_producing(ctx)
+    await asyncio.to_thread(ctx.services.start_rabbitmq)
+
+
+async def postgres_started(ctx: Ctx) -> None:
+    await stop_producing(ctx)
+    await asyncio.to_thread(ctx.services.start_postgres)
+
+
+async def long_fault_accounted(ctx: Ctx) -> None:
+    """18a-c, after: what the fault cost the rows (nack budget, attempts) and the product."""
+    rows = await asyncio.to_thread(ob.final_rows, ctx.engine)
+    stats = await _stats(ctx)
+    nacks = sum(r.nacks for r in rows)
+    shown = [
+        "nacked",
+        "destination_outages",
+        "confirm_timeouts",
+        "lost_confirms",
+        "reconnects",
+        "connect_failures",
+        "db_errors",
+        "lease_lost",
+        "released",
+    ]
+    ctx.note(
+        f"nack budget spent {nacks}; publisher counters "
+        + ", ".join(f"{name} {stats.get(name, 0)}" for name in shown)
+        + f", blocked_seconds {float(stats.get('blocked_seconds', 0)):.1f}; most attempts of a row "
+        f"{max((r.attempts for r in rows), default=0)}, rows claimed more than once "
+        f"{sum(1 for r in rows if r.attempts > 1)}"
+    )
+    ctx.check("no row spent its nack budget (nacks 0 on every row)", nacks == 0)
+    if ctx.scenario.key == "18c":
+        blocked = float(stats.get("blocked_seconds", 0))
+        ctx.check(
+            f"the publisher counted its blocked time ({blocked:.0f}s of {DISK_ALARM:.0f}s)",
+            blocked >= 0.9 * DISK_ALARM,
+        )
+        ctx.check("no confirm timeout while blocked", not stats.get("confirm_timeouts"))
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "1",
@@ -1473,6 +1776,54 @@ SCENARIOS: list[Scenario] = [
         reduced=False,
         long=True,
         timeout=LONG_OUTAGE + 400,
+    ),
+    Scenario(
+        "18a",
+        "the broker stopped for 10 minutes under a steady producer, then started",
+        "a broker gone for minutes costs time, not rows: the publisher retries quietly (the "
+        "outage logged at its start, once a minute, and at its end with its length), rows wait, "
+        "every committed row confirmed after, no nack budget spent",
+        broker_down_long,
+        produce=start_producing,
+        flow=LONG_FLOW,
+        trigger=0.1,
+        verify=long_fault_accounted,
+        teardown=broker_started,
+        reduced=False,
+        long=True,
+        timeout=LONG_OUTAGE + 600,
+    ),
+    Scenario(
+        "18b",
+        "PostgreSQL stopped for 10 minutes under a steady producer, then started",
+        "the outbox's database gone for minutes: the producer's commits fail and are retried, "
+        "the publisher waits (the outage logged once, its end with its length), every committed "
+        "row confirmed after, nothing lost, duplicates counted",
+        postgres_down_long,
+        produce=start_producing,
+        # the batch due at once: the publisher runs flat out, a window in flight when it stops
+        flow=0,
+        trigger=0.1,
+        verify=long_fault_accounted,
+        teardown=postgres_started,
+        reduced=False,
+        long=True,
+        timeout=LONG_OUTAGE + 600,
+    ),
+    Scenario(
+        "18c",
+        "disk alarm held for 3 minutes under a steady producer",
+        "a disk alarm blocks publishing (connection.blocked) for as long as it lasts without "
+        "failing a row or timing out a confirm; rows wait, all confirmed once it clears",
+        disk_alarm_long,
+        produce=start_producing,
+        flow=LONG_FLOW,
+        trigger=0.1,
+        verify=long_fault_accounted,
+        teardown=reset_disk_limit,
+        reduced=False,
+        long=True,
+        timeout=DISK_ALARM + 600,
     ),
 ]
 

@@ -146,13 +146,24 @@ class PrivateServices:
     def start_rabbitmq(self) -> None:
         self._script("start", "rabbitmq")
 
+    def stop_rabbitmq(self) -> None:
+        """``rabbitmqctl stop`` of the private broker (graceful: the node exits)."""
+        self._script("stop", "rabbitmq", timeout=120)
+
+    def stop_postgres(self) -> None:
+        """``pg_ctl stop -m fast`` of the private PostgreSQL."""
+        self._script("stop", "postgres", timeout=120)
+
+    def start_postgres(self) -> None:
+        self._script("start", "postgres")
+
     def ctl(self, *args: str, timeout: float = 60.0) -> str:
         """``rabbitmqctl -n <private node> ARGS`` (the script always passes our node)."""
         return self._script("ctl", *args, timeout=timeout)
 
     def restart_postgres(self) -> None:
-        self._script("stop", "postgres", timeout=120)
-        self._script("start", "postgres")
+        self.stop_postgres()
+        self.start_postgres()
 
     def crash_postgres(self) -> None:
         """``kill -9`` of every PostgreSQL process at once, then a start (crash recovery)."""

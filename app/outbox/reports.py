@@ -89,6 +89,9 @@ class PublisherReport(BaseModel):
     blocked: bool = Field(False, description="The broker blocks publishing now (alarm).")
     blocked_reason: str | None = Field(None, description="The broker's reason when blocked.")
     broker_node: str | None = Field(None, description="host:port of the broker node it uses.")
+    broker_unreachable_seconds: float = Field(
+        0.0, ge=0, description="Seconds since the broker became unreachable (0 when connected)."
+    )
     held: int = Field(0, ge=0, description="Rows held: claimed and not yet settled.")
     queued: int = Field(0, ge=0, description="Rows claimed, not yet published.")
     outstanding: int = Field(0, ge=0, description="Publishes awaiting a broker confirm.")

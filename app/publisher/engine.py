@@ -484,6 +484,7 @@ class Publisher:
             "quarantined": len(self.quarantine.rows()),
             "oldest_held_age_seconds": None if oldest is None else max(0.0, now - oldest),
             "window": self.settings.window,
+            "broker_unreachable_seconds": self.session.outage.seconds(),
             "paused_exchanges": sorted(self.destinations.paused(now)),
         }
 

@@ -4,8 +4,11 @@ A statement-level trigger (migration 0008) sends ``NOTIFY outbox_new`` when rows
 the outbox (one notification per statement and transaction, whatever its size: a Spark COPY of
 100,000 rows is one), and operators' republish and skip notify too. The listener holds one extra
 connection per publisher, outside the DB thread, and turns each notification into a wake-up of
-the claimer. If the connection fails it logs, backs off and listens again; meanwhile the claimer
-polls every ``poll_interval`` as it always does, so a lost notification only costs a poll.
+the claimer. If the connection fails it backs off and listens again; meanwhile the claimer
+polls every ``poll_interval`` as it always does, so a lost notification only costs a poll. A
+database outage is logged as the DB thread logs it: a WARNING at the first failure, a reminder
+at most every :data:`REMINDER` seconds (each attempt at DEBUG), an INFO with the outage's length
+when it listens again.
 SQLite has no notifications: the claimer polls.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import psycopg
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "outbox_new"
 RETRY_MIN, RETRY_MAX = 1.0, 30.0
+REMINDER = 60.0  # seconds between two warnings of one outage
 
 
 def libpq_conninfo(url: str) -> str | None:
@@ -45,6 +50,9 @@ class Listener:
         self.listening = False
         self.notifications = 0
         self._stopped = asyncio.Event()
+        self._failing_since: float | None = None
+        self._failures = 0
+        self._told_at = 0.0
 
     def stop(self) -> None:
         self._stopped.set()
@@ -61,16 +69,33 @@ class Listener:
                 delay = RETRY_MIN
             except (psycopg.Error, OSError) as exc:
                 self.listening = False
-                log.warning(
-                    "LISTEN %s on %s failed (%s); polling meanwhile, again in %.0fs",
-                    CHANNEL,
-                    redact_url(self.url),
-                    exc,
-                    delay,
-                )
+                self._failed(exc, delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopped.wait(), delay)
                 delay = min(RETRY_MAX, delay * 2)
+
+    def _failed(self, exc: Exception, delay: float) -> None:
+        now = time.monotonic()
+        self._failures += 1
+        if self._failing_since is None:
+            self._failing_since = self._told_at = now
+            level = logging.WARNING
+        elif now - self._told_at >= REMINDER:
+            self._told_at = now
+            level = logging.WARNING
+        else:
+            level = logging.DEBUG
+        log.log(
+            level,
+            "LISTEN %s on %s failed (%s; %d attempts over %.0fs); polling meanwhile, "
+            "again in %.0fs",
+            CHANNEL,
+            redact_url(self.url),
+            exc,
+            self._failures,
+            now - self._failing_since,
+            delay,
+        )
 
     async def _listen(self) -> None:
         assert self.conninfo is not None
@@ -80,7 +105,16 @@ class Listener:
         async with conn:
             await conn.execute(f"LISTEN {CHANNEL}")
             self.listening = True
-            log.info("listening for new rows (LISTEN %s)", CHANNEL)
+            if self._failing_since is None:
+                log.info("listening for new rows (LISTEN %s)", CHANNEL)
+            else:
+                log.info(
+                    "listening for new rows (LISTEN %s) again after %.1fs (%d attempts failed)",
+                    CHANNEL,
+                    time.monotonic() - self._failing_since,
+                    self._failures,
+                )
+                self._failing_since, self._failures = None, 0
             self.wake()  # rows committed while we were not listening
             while not self._stopped.is_set():
                 # a bounded wait: notice a stop, and a dead connection (the server checks it)

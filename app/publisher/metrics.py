@@ -224,6 +224,8 @@ GAUGE_HELP: dict[str, str] = {
     "quarantined": "Suspect rows waiting to be published alone.",
     "oldest_held_age_seconds": "Age of the oldest held row since its claim (0 when none).",
     "window": "Most rows held at once (OUTBOX_WINDOW).",
+    "broker_unreachable_seconds": "Seconds since the broker became unreachable (connection lost "
+    "and reconnects failing); 0 when connected.",
 }
 
 

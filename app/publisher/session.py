@@ -1,7 +1,8 @@
 """The broker side of one publisher: one connection at a time, its confirm channels and their
 ledgers, and the broker's callbacks turned into ledger events for the engine.
 
-- :meth:`Session.run` connects (backoff with jitter, a log line per failure), opens
+- :meth:`Session.run` connects (backoff with jitter; an outage logged once when it begins, a
+  reminder a minute, and its length when it ends: :mod:`app.publisher.unreachable`), opens
   ``min(channels, what the broker's channel_max allows)`` confirm channels, waits for the
   connection to die and starts over. A connection the broker closed for a frame or content error
   reconnects at once: the quarantine, not a backoff, makes progress against a bad row.
@@ -44,6 +45,7 @@ from app.publisher.settlement import (
     classify_channel_close,
     classify_connection_loss,
 )
+from app.publisher.unreachable import BrokerOutage
 from app.settings import Settings
 
 log = logging.getLogger("app.publisher")
@@ -170,6 +172,8 @@ class Session:
         self._timeouts_in_row = 0
         self._aux: set[asyncio.Task[Any]] = set()
         self._warned_channel_max = False
+        self.outage = BrokerOutage(clock=clock)
+        self._connect_error: object = None
 
     # ------------------------------------------------------------ state
 
@@ -236,11 +240,13 @@ class Session:
             if conn is None:
                 self._metrics.connect_failures += 1
             else:
+                self.outage.connected()
                 if not first:
                     self._metrics.reconnects += 1
                 first = False
                 opened = self._clock()
                 reason = await conn.wait_closed()
+                self.outage.disconnected()
                 self._left = conn.address
                 if self.stopping:
                     return
@@ -250,7 +256,9 @@ class Session:
                     delay = RECONNECT_FIRST_DELAY
                     continue
             wait = delay * (0.5 + 0.5 * self._rng.random())
-            log.info("next connection attempt in %.1fs", wait)
+            if conn is None:
+                url = redact_url(self._settings.amqp_url.get_secret_value())
+                self.outage.failed(broker=url, error=self._connect_error, retry_in=wait)
             await self._sleep(wait)
             delay = min(delay * 2, self._settings.reconnect_max_delay)
 
@@ -276,7 +284,7 @@ class Session:
             async with asyncio.timeout(SETUP_TIMEOUT):
                 ids = [await conn.open_channel() for _ in range(self._channel_count(conn))]
         except (OSError, WireError, TimeoutError) as exc:
-            log.warning("cannot connect to the broker at %s: %s", redact_url(url), exc)
+            self._connect_error = str(exc) or type(exc).__name__
             if conn is not None:
                 conn.abort(reason="setup failed")
             return None

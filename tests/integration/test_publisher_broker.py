@@ -7,7 +7,10 @@ import asyncio
 import collections
 import contextlib
 import datetime as dt
+import logging
+import re
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,7 +25,9 @@ from app.outbox.database import OutboxDatabase
 from app.outbox.records import ClaimedRow
 from app.outbox.schema import outbox, publishers
 from app.outbox.store import PublisherStore
+from app.publisher import unreachable
 from app.publisher.engine import Publisher
+from chaos.proxy import TcpProxy
 from tests.conftest import services_env
 from tests.factories import add_rows
 from tests.publisher_support import (
@@ -667,6 +672,59 @@ async def test_refused_login_retries_and_fails_nothing(
         assert publisher.metrics.published == 0
     finally:
         engine.dispose()
+
+
+async def test_a_broker_outage_is_logged_once_and_its_end_with_its_length(
+    sqlite_url: str,
+    amqp_url: str,
+    topology: dict[str, str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker refuses connections for a while: many failed attempts, a bounded log (one
+    WARNING, a reminder per REMINDER seconds, no line per attempt), the outage on the report, and
+    one line with its length once a connection opens; every row confirmed."""
+    monkeypatch.setattr(unreachable, "REMINDER", 1.0)
+    caplog.set_level(logging.INFO, logger="app.publisher")
+    split = make_url(amqp_url.replace("amqp://", "postgresql://"))
+    proxy = TcpProxy(upstream_host=split.host or "127.0.0.1", upstream_port=split.port or 5672)
+    await proxy.start()
+    engine = make_engine(sqlite_url)
+    try:
+        add_rows(engine, n=20, exchange=topology["exchange"])
+        url = proxy.url_for(amqp_url)
+        settings = settings_for(db_url=sqlite_url, amqp_url=url, reconnect_max_delay=0.1)
+        async with running_publisher(settings, engine) as publisher:
+            await wait_rows(engine, all_in("confirmed"))
+            await proxy.refuse()
+            refused = time.monotonic()
+            async with asyncio.timeout(20):
+                while publisher.metrics.connect_failures < 25:
+                    await asyncio.sleep(0.05)
+            add_rows(engine, n=20, exchange=topology["exchange"])
+            assert publisher.report().broker_unreachable_seconds > 1.0
+            down = time.monotonic() - refused
+            failures = publisher.metrics.connect_failures
+            await proxy.accept()
+            await wait_rows(engine, all_in("confirmed"))
+            assert publisher.report().broker_unreachable_seconds == 0.0
+    finally:
+        engine.dispose()
+        await proxy.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "app.publisher"]
+    began = [line for line in lines if line.startswith("cannot connect to the broker")]
+    reminders = [line for line in lines if line.startswith("broker still unreachable")]
+    assert len(began) == 1, began
+    assert not [line for line in lines if "next connection attempt" in line]
+    assert len(reminders) <= down + 2  # one a second here (REMINDER patched), not one an attempt
+    assert failures >= 25 > len(began) + len(reminders)
+    ended = [
+        m
+        for line in lines
+        if (m := re.search(r"answers again after ([0-9.]+)s \((\d+) conn", line))
+    ]
+    assert len(ended) == 1
+    assert float(ended[0][1]) >= down - 0.5 and int(ended[0][2]) >= failures
 
 
 async def test_several_channels_share_the_window(

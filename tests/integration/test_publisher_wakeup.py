@@ -4,11 +4,16 @@ polling as the fallback when the notification never comes."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 
-from sqlalchemy import Engine, text
+import pytest
+from sqlalchemy import Engine, make_url, text
 
 from app.db import make_engine
+from app.publisher import listener
+from chaos.proxy import TcpProxy
 from tests.factories import add_rows
 from tests.publisher_support import all_in, rows, running_publisher, settings_for, wait_rows
 
@@ -53,3 +58,41 @@ async def test_without_notifications_the_poll_still_finds_the_rows(
         assert len(rows(engine)) == 5
     finally:
         engine.dispose()
+
+
+async def test_a_database_outage_costs_the_listener_two_lines_not_one_per_attempt(
+    pg_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL refusing connections (a TCP proxy that stops listening): the listener retries
+    every 0.05 s, logs a WARNING at the first failure and an INFO with the outage's length when
+    it listens again, the attempts in between at DEBUG."""
+    monkeypatch.setattr(listener, "RETRY_MIN", 0.05)
+    monkeypatch.setattr(listener, "RETRY_MAX", 0.05)
+    caplog.set_level(logging.INFO, logger="app.publisher.listener")
+    url = make_url(pg_url)
+    proxy = TcpProxy(upstream_host=url.host or "127.0.0.1", upstream_port=url.port or 5432)
+    await proxy.start()
+    via = url.set(port=proxy.port).render_as_string(hide_password=False)
+    wakes: list[float] = []
+    ear = listener.Listener(url=via, wake=lambda: wakes.append(time.monotonic()))
+    task = asyncio.create_task(ear.run())
+    try:
+        async with asyncio.timeout(20):
+            while not ear.listening:
+                await asyncio.sleep(0.02)
+            await proxy.refuse()
+            while ear.listening or ear._failures < 20:
+                await asyncio.sleep(0.02)
+            await proxy.accept()
+            while not ear.listening:
+                await asyncio.sleep(0.02)
+    finally:
+        ear.stop()
+        await task
+        await proxy.close()
+    lines = [r.getMessage() for r in caplog.records]
+    failed = [line for line in lines if "polling meanwhile" in line]
+    again = [line for line in lines if "again after" in line]
+    assert len(failed) == 1 and failed[0].startswith("LISTEN outbox_new on"), lines
+    assert len(again) == 1 and re.search(r"\(\d{2,} attempts failed\)", again[0]), again
+    assert len(wakes) == 2  # listening at start and again: rows committed meanwhile are claimed

@@ -32,6 +32,7 @@ PURE = [
     "app.publisher.holdings",
     "app.publisher.outcomes",
     "app.publisher.settlement",
+    "app.publisher.unreachable",
     "app.consumer.acks",
 ]
 #: What a pure module must not load (pamqp is a frame codec without I/O: allowed).
