@@ -430,7 +430,7 @@ async def _run(ctx: Ctx, topology: Topology) -> None:
     if sc.produce is not None:
         await sc.produce(ctx)
     else:
-        await _insert_batch(ctx)
+        await insert_batch(ctx)
     target = max(1, int(sc.trigger * ctx.rows))
     await ctx.wait_counts(
         lambda c: c.get("confirmed", 0) >= target,
@@ -448,7 +448,8 @@ async def _run(ctx: Ctx, topology: Topology) -> None:
     await asyncio.to_thread(evaluate, ctx)
 
 
-async def _insert_batch(ctx: Ctx) -> None:
+async def insert_batch(ctx: Ctx) -> None:
+    """The scenario's batch (its plan, or the default one), due over the scenario's flow."""
     plan = (ctx.scenario.plan or default_plan)(ctx)
     ctx.expect = {row.message_id: row.expect for row in plan}
     await asyncio.to_thread(

@@ -27,7 +27,16 @@ from chaos.amqp import Topology
 from chaos.outbox import Expect, PlannedRow
 from chaos.producer import SteadyProducer
 from chaos.proxy import TcpProxy
-from chaos.runner import OPEN, Ctx, Scenario, ScenarioError, Step, default_plan, default_topology
+from chaos.runner import (
+    OPEN,
+    Ctx,
+    Scenario,
+    ScenarioError,
+    Step,
+    default_plan,
+    default_topology,
+    insert_batch,
+)
 from chaos.services import ArmedEval
 from chaos.spark import produce_with_spark
 
@@ -1149,16 +1158,7 @@ async def start_producing(ctx: Ctx) -> None:
     drains) and, on top, an application committing PRODUCER_RATE rows a second through
     ``enqueue`` (its failed commits retried with the same rows) from now until the outage's
     backlog is drained."""
-    plan = default_plan(ctx)
-    ctx.expect = {row.message_id: row.expect for row in plan}
-    await asyncio.to_thread(
-        ob.insert_rows,
-        ctx.engine,
-        plan,
-        batch_id=f"{ctx.run}:1",
-        start=time.time() + 0.2,
-        flow=ctx.scenario.flow,
-    )
+    await insert_batch(ctx)
     producer = SteadyProducer(
         db_url=ctx.db_url,
         exchange=ctx.names["exchange"],

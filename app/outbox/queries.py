@@ -672,15 +672,14 @@ def _summaries(
     reads their rows."""
     if not batch_ids:
         return []
-    if not timings:
-        tallies = _tallies(conn, batch_ids)
-        meta_stmt = select(batches).where(batches.c.batch_id.in_(list(batch_ids)))
-        metas = {row["batch_id"]: row for row in conn.execute(meta_stmt).mappings()}
-        return [
-            _summary(b, tallies.get(b), metas.get(b))
-            for b in batch_ids
-            if b in tallies or b in metas
-        ]
+    aggs = _aggregates(conn, batch_ids) if timings else _tallies(conn, batch_ids)
+    meta_stmt = select(batches).where(batches.c.batch_id.in_(list(batch_ids)))
+    metas = {row["batch_id"]: row for row in conn.execute(meta_stmt).mappings()}
+    return [_summary(b, aggs.get(b), metas.get(b)) for b in batch_ids if b in aggs or b in metas]
+
+
+def _aggregates(conn: Connection, batch_ids: Sequence[str]) -> dict[str, Any]:
+    """Per batch, every figure of its summary, read from its rows."""
     per_status = [func.sum(case((outbox.c.status == s, 1), else_=0)).label(s.value) for s in Status]
     confirmed_at = _when_status(Status.CONFIRMED, outbox.c.confirmed_at)
     agg = (
@@ -699,10 +698,7 @@ def _summaries(
         .where(outbox.c.batch_id.in_(list(batch_ids)))
         .group_by(outbox.c.batch_id)
     )
-    aggs = {row["batch_id"]: row for row in conn.execute(agg).mappings()}
-    meta_stmt = select(batches).where(batches.c.batch_id.in_(list(batch_ids)))
-    metas = {row["batch_id"]: row for row in conn.execute(meta_stmt).mappings()}
-    return [_summary(b, aggs.get(b), metas.get(b)) for b in batch_ids if b in aggs or b in metas]
+    return {row["batch_id"]: row for row in conn.execute(agg).mappings()}
 
 
 def _tallies(conn: Connection, batch_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
