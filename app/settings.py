@@ -109,6 +109,14 @@ class Settings(BaseSettings):
         default=16 * 1024 * 1024, ge=1, description="Largest body accepted (RabbitMQ default max)."
     )
     retention_days: float = Field(default=7.0, gt=0, description="Keep confirmed rows this long.")
+    purge_sleep_coef: float = Field(
+        default=0.0,
+        ge=0,
+        le=100,
+        description="`outbox purge` sleeps this many times as long as each chunk took "
+        "(0 = no pause): the purge holds the database at most 1 / (1 + this) of its time, "
+        "and takes 1 + this times as long.",
+    )
     inbox_retention_days: float = Field(
         default=14.0,
         gt=0,

@@ -16,6 +16,7 @@ from app.cli.common import (
     Sub,
     UsageError,
     actor_flag,
+    bounded_float,
     bounded_int,
     engine_of,
     json_flag,
@@ -195,7 +196,12 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
         total = retention.count_purgeable(older_than=dt.timedelta(days=days)) if live else None
         with progress("purge", total) as bar:
             deleted = retention.purge_confirmed(
-                older_than=dt.timedelta(days=days), chunk=args.chunk, on_chunk=bar.advance
+                older_than=dt.timedelta(days=days),
+                chunk=args.chunk,
+                on_chunk=bar.advance,
+                sleep_coef=(
+                    settings.purge_sleep_coef if args.sleep_coef is None else args.sleep_coef
+                ),
             )
         forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days), chunk=args.chunk)
         audit_id = retention.record_purge(
@@ -318,6 +324,14 @@ def _add_purge(sub: Sub) -> None:
     )
     pur.add_argument(
         "--chunk", type=bounded_int(1, 100_000), default=1000, help="rows per transaction"
+    )
+    pur.add_argument(
+        "--sleep-coef",
+        type=bounded_float(0, 100),
+        default=None,
+        help="after each chunk, sleep this many times as long as it took (default "
+        "OUTBOX_PURGE_SLEEP_COEF, 0: no pause; 1: at most half the database's time, twice "
+        "as long)",
     )
     pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
     actor_flag(pur, "who purges")

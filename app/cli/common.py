@@ -71,6 +71,19 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def bounded_float(low: float, high: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= value <= high:  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"must be within {low:g}..{high:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 def positive_days(text: str) -> float:
     try:
         days = float(text)

@@ -4,6 +4,7 @@ chunks of the primary key so no long lock or WAL burst stalls the publishers, an
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ class Retention:
         older_than: dt.timedelta,
         chunk: int = 1000,
         on_chunk: Callable[[int], None] | None = None,
+        sleep_coef: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> int:
         """Delete ``confirmed`` rows confirmed before ``now - older_than`` (and the publishers'
         samples older than that).
@@ -68,12 +71,19 @@ class Retention:
         retention among them; stops at the first window with nothing to delete whose rows were
         all written after the cutoff (a row is confirmed after it is written, and ids grow with
         time). Each window is an index range read: the purge costs the rows past retention plus
-        one window, never a scan of the whole table. ``on_chunk`` hears each window's deletes."""
+        one window, never a scan of the whole table. ``on_chunk`` hears each window's deletes.
+
+        ``sleep_coef`` paces it beside live publishers: after a window that deleted rows, it
+        sleeps ``sleep_coef`` times as long as that window took (``pt-archiver``'s
+        ``--sleep-coef``). At 1 the purge holds the database at most half the time and a big
+        purge is spread over twice as long; the publishers' claims and write-backs then never
+        queue behind a run of deletes."""
         cutoff = self.db.clock() - older_than
         with self.db.begin() as conn:  # the publishers' samples past retention go with them
             conn.execute(delete(samples).where(samples.c.at < cutoff))
         total, after = 0, 0
         while True:
+            began = time.monotonic()
             with self.db.begin() as conn:
                 window = conn.execute(_purge_window(after, chunk, cutoff)).all()
                 doomed = _purgeable(window)
@@ -94,6 +104,8 @@ class Retention:
             if _past_retention(window, doomed, chunk):
                 return total
             after = window[-1].id
+            if deleted and sleep_coef > 0:
+                sleep(sleep_coef * (time.monotonic() - began))
 
 
 def _purge_window(after: int, chunk: int, cutoff: dt.datetime) -> Select[Any]:

@@ -425,7 +425,9 @@ def test_purge_deletes_only_confirmed_rows_past_retention(
         )
     rc, out, err = run(capsys, "purge", "--older-than-days", "7", "--dry-run")
     assert rc == 0 and "would delete 3 confirmed rows" in out, err
-    rc, out, err = run(capsys, "purge", "--older-than-days", "7", "--chunk", "2")
+    rc, out, err = run(
+        capsys, "purge", "--older-than-days", "7", "--chunk", "2", "--sleep-coef", "0.5"
+    )
     assert rc == 0, err
     assert "deleted 3 confirmed rows" in out
     with engine.connect() as conn:
@@ -457,6 +459,10 @@ def test_the_insecure_switch_obeys_one_rule_whichever_way_it_is_set(
         (["purge", "--older-than-days", "nan"], "must be a positive, finite number of days"),
         (["purge", "--older-than-days", "inf"], "must be a positive, finite number of days"),
         (["purge", "--older-than-days", "x"], "not a number of days"),
+        (["purge", "--sleep-coef", "-1"], "must be within 0..100"),
+        (["purge", "--sleep-coef", "nan"], "must be within 0..100"),
+        (["purge", "--sleep-coef", "1e9"], "must be within 0..100"),
+        (["purge", "--sleep-coef", "slow"], "not a number"),
         (["republish", "--limit", "0"], "must be within"),
         (["batches", "--status", "lost"], "invalid choice"),
         (["nosuchcommand"], "invalid choice"),

@@ -363,6 +363,33 @@ class TestRepositoryContract:
         assert repo.retention.purge_confirmed(older_than=dt.timedelta(minutes=30), chunk=2) == 5
         assert statuses(engine) == {"confirmed": 1, "failed": 1}
 
+    def test_a_paced_purge_sleeps_after_each_chunk_that_deleted_rows(
+        self, repo: OutboxClients, engine: Engine, clock: Clock
+    ) -> None:
+        seed(engine, 5)
+        rows = repo.store.claim(owner="p1", limit=5, lease_seconds=30)
+        repo.store.mark_confirmed(owner="p1", ids=[r.id for r in rows])
+        clock.advance(3600)
+        slept: list[float] = []
+        deleted = repo.retention.purge_confirmed(
+            older_than=dt.timedelta(minutes=30), chunk=2, sleep_coef=3.0, sleep=slept.append
+        )
+        # three chunks deleted rows (2, 2, 1); the last one ends the walk without a pause
+        assert deleted == 5 and statuses(engine) == {}
+        assert len(slept) == 2 and all(s > 0 for s in slept)
+        seed(engine, 3)
+        rows = repo.store.claim(owner="p1", limit=3, lease_seconds=30)
+        repo.store.mark_confirmed(owner="p1", ids=[r.id for r in rows])
+        clock.advance(3600)
+        unpaced: list[float] = []
+        assert (
+            repo.retention.purge_confirmed(
+                older_than=dt.timedelta(minutes=30), chunk=1, sleep=unpaced.append
+            )
+            == 3
+        )
+        assert unpaced == []  # sleep_coef 0 (the library's default): no pause at all
+
     def test_sqlite_allows_one_publisher_postgres_many(
         self, repo: OutboxClients, clock: Clock
     ) -> None:
