@@ -48,6 +48,8 @@ SAMPLE_SECONDS = 10.0
 QUEUE_MAX_LENGTH = 200_000
 #: how long after a window's end its rows are taken as settled (its latency is then read)
 WINDOW_SETTLE_SECONDS = 30.0
+#: rows created this long before or after a purge or an autovacuum count as "during" it
+ACTIVITY_SLACK_SECONDS = 1.0
 P99_GROWTH_LIMIT = 1.5
 RSS_GROWTH_LIMIT_PCT = 10.0
 SIZE_GROWTH_LIMIT = 1.25
@@ -66,6 +68,11 @@ class Sample:
     autovacuums: int
     backlog: int
     claim_ms: float | None  # mean claim time since the previous sample, all publishers
+    flush_ms: float | None  # mean write-back transaction time since the previous sample
+    wal_mb: float  # the server's WAL written so far (pg_stat_wal: every database on it)
+    wal_fpi: int  # full-page images among it
+    #: the publishers' publish -> ack histogram, cumulative, summed (``ack_le_<bound>``)
+    ack_buckets: dict[str, float]
     api_ms: float | None  # median answer time of the operator's requests since the last sample
     api_errors: int
 
@@ -79,9 +86,75 @@ class Window:
     p50_ms: float = float("nan")
     p99_ms: float = float("nan")
     max_ms: float = float("nan")
+    #: p99 of the rows not created during a purge / an autovacuum of the outbox / either
+    #: (each interval widened by ``ACTIVITY_SLACK_SECONDS``): what each activity adds
+    p99_without_purge_ms: float = float("nan")
+    p99_without_vacuum_ms: float = float("nan")
+    p99_without_both_ms: float = float("nan")
+    #: the p99 of each leg, ms: written -> claimed (the wait for a claim), claimed -> published
+    #: (the publisher's send), published -> confirmed written (the broker's ack and the
+    #: write-back)
+    p99_claim_wait_ms: float = float("nan")
+    p99_send_ms: float = float("nan")
+    p99_ack_and_write_ms: float = float("nan")
+    #: each second of the window: [second since the start, rows created, their p99 ms]
+    seconds: list[list[float]] = dataclasses.field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------ the load
+
+
+class Activity(threading.Thread):
+    """When the purge, an autovacuum of the outbox and checkpoints ran (wall clock), polled
+    every ``every`` seconds: the per-second latency is laid against them, so a window's p99 can
+    be told apart from what ran meanwhile."""
+
+    def __init__(self, db_url: str, *, every: float = 0.5) -> None:
+        super().__init__(name="activity", daemon=True)
+        self.db_url, self.every = db_url, every
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.intervals: dict[str, list[list[dt.datetime]]] = {"purge": [], "vacuum": []}
+        self.checkpoints: list[dt.datetime] = []  # when the checkpoint counters moved
+        self.error: BaseException | None = None
+
+    def mark(self, kind: str, running: bool) -> None:
+        now = dt.datetime.now(dt.UTC)
+        with self.lock:
+            spans = self.intervals[kind]
+            if running and (not spans or spans[-1][1] < now - dt.timedelta(seconds=self.every * 2)):
+                spans.append([now, now])
+            elif spans:
+                spans[-1][1] = now
+
+    def run(self) -> None:
+        vacuuming = (
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_progress_vacuum "
+            "WHERE relid = 'outbox'::regclass), "
+            "(SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter)"
+        )
+        try:
+            with psycopg.connect(libpq_url(self.db_url), autocommit=True) as conn:
+                last_checkpoints = None
+                while not self.stopping.wait(self.every):
+                    row = conn.execute(vacuuming).fetchone()
+                    assert row is not None
+                    if row[0]:
+                        self.mark("vacuum", True)
+                    if last_checkpoints is not None and row[1] != last_checkpoints:
+                        with self.lock:
+                            self.checkpoints.append(dt.datetime.now(dt.UTC))
+                    last_checkpoints = row[1]
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+
+    def spans(self, kind: str) -> tuple[list[dt.datetime], list[dt.datetime]]:
+        slack = dt.timedelta(seconds=ACTIVITY_SLACK_SECONDS)
+        with self.lock:
+            return (
+                [lo - slack for lo, _ in self.intervals[kind]],
+                [hi + slack for _, hi in self.intervals[kind]],
+            )
 
 
 class Producer(threading.Thread):
@@ -197,8 +270,11 @@ def start_api(db_url: str, token: str, logdir: Path) -> tuple[subprocess.Popen[b
     raise RuntimeError(f"the API did not start: {(logdir / 'api.log').read_text()[-2000:]}")
 
 
-def purge(db_url: str, *, retention_days: float, logdir: Path) -> None:
+def purge(
+    db_url: str, *, retention_days: float, logdir: Path, sleep_coef: float | None = None
+) -> None:
     env = dict(os.environ, OUTBOX_DATABASE_URL=db_url)
+    pacing = [] if sleep_coef is None else ["--sleep-coef", repr(sleep_coef)]
     with (logdir / "purge.log").open("ab") as log:
         subprocess.run(
             [
@@ -208,10 +284,9 @@ def purge(db_url: str, *, retention_days: float, logdir: Path) -> None:
                 "purge",
                 "--older-than-days",
                 repr(retention_days),
-                "--chunk",
-                "5000",
                 "--actor",
                 "soak",
+                *pacing,
             ],
             cwd=REPO_ROOT,
             env=env,
@@ -219,6 +294,38 @@ def purge(db_url: str, *, retention_days: float, logdir: Path) -> None:
             stderr=subprocess.STDOUT,
             check=True,
         )
+
+
+class Purger(threading.Thread):
+    """One ``outbox purge``, marked on the activity timeline while it runs."""
+
+    def __init__(
+        self,
+        db_url: str,
+        *,
+        retention_days: float,
+        logdir: Path,
+        sleep_coef: float | None,
+        activity: Activity,
+    ) -> None:
+        super().__init__(name="purge", daemon=True)
+        self.db_url, self.retention_days, self.logdir = db_url, retention_days, logdir
+        self.sleep_coef, self.activity = sleep_coef, activity
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        self.activity.mark("purge", True)
+        try:
+            purge(
+                self.db_url,
+                retention_days=self.retention_days,
+                logdir=self.logdir,
+                sleep_coef=self.sleep_coef,
+            )
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+        finally:
+            self.activity.mark("purge", False)
 
 
 # ----------------------------------------------------------------------------- samples
@@ -234,14 +341,22 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _claim_totals(conn: psycopg.Connection[Any]) -> tuple[float, float]:
-    """Sum and count of every publisher's claim_seconds histogram (from their /metrics)."""
+def _scrape(conn: psycopg.Connection[Any]) -> dict[str, float]:
+    """Every publisher's histograms (from their /metrics), summed: ``claim_sum``,
+    ``claim_count``, ``flush_sum``, ``flush_count`` and the publish -> ack histogram's cumulative
+    buckets as ``ack_le_<bound>`` (``+Inf`` included)."""
     urls = [
         r[0]
         for r in conn.execute("SELECT stats->>'metrics_url' FROM outbox_publishers").fetchall()
         if r[0]
     ]
-    total = count = 0.0
+    out: dict[str, float] = {}
+    names = {
+        "outbox_publisher_claim_seconds_sum": "claim_sum",
+        "outbox_publisher_claim_seconds_count": "claim_count",
+        "outbox_publisher_flush_seconds_sum": "flush_sum",
+        "outbox_publisher_flush_seconds_count": "flush_count",
+    }
     for url in urls:
         try:
             with urllib.request.urlopen(url, timeout=5) as answer:
@@ -249,33 +364,105 @@ def _claim_totals(conn: psycopg.Connection[Any]) -> tuple[float, float]:
         except OSError:
             continue
         for line in text.splitlines():
-            if line.startswith("outbox_publisher_claim_seconds_sum"):
-                total += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("outbox_publisher_claim_seconds_count"):
-                count += float(line.rsplit(" ", 1)[1])
-    return total, count
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            value = float(line.rsplit(" ", 1)[1]) if not line.startswith("#") else 0.0
+            if name in names:
+                out[names[name]] = out.get(names[name], 0.0) + value
+            elif name == "outbox_publisher_confirm_latency_seconds_bucket":
+                bound = line.split('le="', 1)[1].split('"', 1)[0]
+                out[f"ack_le_{bound}"] = out.get(f"ack_le_{bound}", 0.0) + value
+    return out
+
+
+def _mean_ms(now: dict[str, float], before: dict[str, float] | None, what: str) -> float | None:
+    if before is None:
+        return None
+    n = now.get(f"{what}_count", 0.0) - before.get(f"{what}_count", 0.0)
+    if n <= 0:
+        return None
+    return (now.get(f"{what}_sum", 0.0) - before.get(f"{what}_sum", 0.0)) / n * 1000
+
+
+def ack_p99_ms(now: dict[str, float], before: dict[str, float]) -> float:
+    """The p99 of publish -> ack between two scrapes, from the histogram's buckets (linear
+    within a bucket, as Prometheus's ``histogram_quantile``); NaN when nothing was acked."""
+    bounds = sorted(
+        (float(k.removeprefix("ack_le_")), now[k] - before.get(k, 0.0))
+        for k in now
+        if k.startswith("ack_le_")
+    )
+    if not bounds or bounds[-1][1] <= 0:
+        return float("nan")
+    rank = 0.99 * bounds[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in bounds:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower * 1000
+            share = (rank - below) / (count - below) if count > below else 1.0
+            return (lower + (bound - lower) * share) * 1000
+        lower, below = bound, count
+    return float("nan")
 
 
 _SIZES = """
 SELECT pg_relation_size('outbox'), pg_indexes_size('outbox'), pg_total_relation_size('outbox'),
-       n_live_tup, n_dead_tup, autovacuum_count
+       n_live_tup, n_dead_tup, autovacuum_count,
+       (SELECT wal_bytes FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal)
 FROM pg_stat_user_tables WHERE relname = 'outbox'
 """
 _BACKLOG = "SELECT count(*) FROM outbox WHERE status IN ('pending', 'in_flight')"
 
 
-def _latency(conn: psycopg.Connection[Any], since: dt.datetime, until: dt.datetime) -> Window:
+def _p99(later: str, earlier: str) -> str:
+    return f"percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM {later} - {earlier}))"
+
+
+def _latency(
+    conn: psycopg.Connection[Any],
+    since: dt.datetime,
+    until: dt.datetime,
+    *,
+    started: dt.datetime,
+    activity: Activity,
+) -> Window:
     seconds = "extract(epoch FROM confirmed_at - created_at)"
+    p99 = f"percentile_cont(0.99) WITHIN GROUP (ORDER BY {seconds})"
+    during = (
+        "EXISTS (SELECT 1 FROM unnest(%s::timestamptz[], %s::timestamptz[]) AS i(lo, hi) "
+        "WHERE created_at BETWEEN i.lo AND i.hi)"
+    )
+    purge, vacuum = activity.spans("purge"), activity.spans("vacuum")
     row = conn.execute(
-        f"SELECT count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY {seconds}), "
-        f"percentile_cont(0.99) WITHIN GROUP (ORDER BY {seconds}), max({seconds}) "
-        "FROM outbox WHERE status = 'confirmed' AND created_at >= %s AND created_at < %s",
-        (since, until),
+        f"SELECT count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY {seconds}), {p99}, "
+        f"max({seconds}), {p99} FILTER (WHERE NOT in_purge), "
+        f"{p99} FILTER (WHERE NOT in_vacuum), {p99} FILTER (WHERE NOT (in_purge OR in_vacuum)), "
+        f"{_p99('claimed_at', 'created_at')}, {_p99('published_at', 'claimed_at')}, "
+        f"{_p99('confirmed_at', 'published_at')} "
+        "FROM (SELECT created_at, claimed_at, published_at, confirmed_at, "
+        f"{during} AS in_purge, {during} AS in_vacuum "
+        "FROM outbox WHERE status = 'confirmed' AND created_at >= %s AND created_at < %s) r",
+        (*purge, *vacuum, since, until),
     ).fetchone()
     assert row is not None
     w = Window(index=0, start=0, end=0, rows=int(row[0]))
     if w.rows:
         w.p50_ms, w.p99_ms, w.max_ms = (float(v) * 1000 for v in row[1:4])
+        w.p99_without_purge_ms, w.p99_without_vacuum_ms, w.p99_without_both_ms = (
+            float(v) * 1000 if v is not None else float("nan") for v in row[4:7]
+        )
+        w.p99_claim_wait_ms, w.p99_send_ms, w.p99_ack_and_write_ms = (
+            float(v) * 1000 if v is not None else float("nan") for v in row[7:10]
+        )
+    w.seconds = [
+        [float(sec), int(n), round(float(v) * 1000, 1)]
+        for sec, n, v in conn.execute(
+            f"SELECT floor(extract(epoch FROM created_at - %s)), count(*), {p99} "
+            "FROM outbox WHERE status = 'confirmed' AND created_at >= %s AND created_at < %s "
+            "GROUP BY 1 ORDER BY 1",
+            (started, since, until),
+        )
+    ]
     return w
 
 
@@ -312,6 +499,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         ]
         api, base = start_api(db_url, token, logdir)
         operator = Operator(base, token)
+        activity = Activity(db_url)
         producer = Producer(
             db_url, rate=rate, seconds=duration, exchange=topo.exchange, key=topo.routing_key
         )
@@ -320,8 +508,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         started = time.monotonic()
         producer.start()
         operator.start()
+        activity.start()
         next_purge = args.purge_every
-        last_claims: tuple[float, float] | None = None
+        purger: Purger | None = None
+        last_scrape: dict[str, float] | None = None
         try:
             with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
                 while True:
@@ -332,19 +522,29 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                         producer.join()
                     if producer.error is not None:
                         raise RuntimeError(f"the producer failed: {producer.error!r}")
+                    if activity.error is not None:
+                        raise RuntimeError(f"the activity poller failed: {activity.error!r}")
                     for p in procs:
                         if p.popen.poll() is not None:
                             raise RuntimeError(f"publisher exited: {p.log.read_text()[-3000:]}")
-                    if t >= next_purge:
-                        purge(db_url, retention_days=retention_days, logdir=logdir)
-                        next_purge += args.purge_every
-                    claims = _claim_totals(conn)
-                    claim_ms = None
-                    if last_claims is not None and claims[1] > last_claims[1]:
-                        claim_ms = (
-                            (claims[0] - last_claims[0]) / (claims[1] - last_claims[1]) * 1000
+                    if purger is not None and purger.error is not None:
+                        raise RuntimeError(f"the purge failed: {purger.error!r}")
+                    if t >= next_purge and (purger is None or not purger.is_alive()):
+                        # beside the sampling, as a cron job runs it (a paced purge of a
+                        # minute's rows can take longer than a sample's interval)
+                        purger = Purger(
+                            db_url,
+                            retention_days=retention_days,
+                            logdir=logdir,
+                            sleep_coef=args.purge_sleep_coef,
+                            activity=activity,
                         )
-                    last_claims = claims
+                        purger.start()
+                        next_purge += args.purge_every
+                    scraped = _scrape(conn)
+                    claim_ms = _mean_ms(scraped, last_scrape, "claim")
+                    flush_ms = _mean_ms(scraped, last_scrape, "flush")
+                    last_scrape = scraped
                     sizes = conn.execute(_SIZES).fetchone()
                     backlog = conn.execute(_BACKLOG).fetchone()
                     assert sizes is not None and backlog is not None
@@ -361,6 +561,12 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                             autovacuums=int(sizes[5]),
                             backlog=int(backlog[0]),
                             claim_ms=claim_ms,
+                            flush_ms=flush_ms,
+                            wal_mb=float(sizes[6]) / 2**20,
+                            wal_fpi=int(sizes[7]),
+                            ack_buckets={
+                                k: v for k, v in scraped.items() if k.startswith("ack_le_")
+                            },
                             api_ms=api_ms,
                             api_errors=api_errors,
                         )
@@ -385,12 +591,17 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                         # the last window takes every row committed after it began
                         last = (i + 1) * window >= duration - 1e-6
                         hi = lo + dt.timedelta(days=1 if last else 0, seconds=window)
-                        w = _latency(conn, lo, hi)
+                        w = _latency(conn, lo, hi, started=started_wall, activity=activity)
                         w.index, w.start, w.end = i, i * window, (i + 1) * window
                         windows.append(w)
                         print(
                             f"  window {i + 1}: {w.rows:,} rows, p50 {w.p50_ms:.1f} ms, "
-                            f"p99 {w.p99_ms:.1f} ms, max {w.max_ms:.0f} ms",
+                            f"p99 {w.p99_ms:.1f} ms, max {w.max_ms:.0f} ms; p99 without "
+                            f"the purges' rows {w.p99_without_purge_ms:.1f}, without "
+                            f"autovacuum's {w.p99_without_vacuum_ms:.1f}, without both "
+                            f"{w.p99_without_both_ms:.1f}; legs' p99: claim wait "
+                            f"{w.p99_claim_wait_ms:.1f}, send {w.p99_send_ms:.1f}, ack and "
+                            f"write-back {w.p99_ack_and_write_ms:.1f}",
                             flush=True,
                         )
                     if not producing and s.backlog == 0 and len(windows) * window >= duration:
@@ -408,6 +619,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             producer.stopping.set()
             operator.stopping.set()
+            activity.stopping.set()
+            if purger is not None:
+                purger.join(600)
             for p in procs:
                 if p.popen.poll() is None:
                     p.stop()
@@ -423,12 +637,21 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         "publishers": args.publishers,
         "retention_minutes": args.retention_minutes,
         "purge_every_s": args.purge_every,
+        "purge_sleep_coef": args.purge_sleep_coef,
         "window_minutes": args.window,
         "produced": produced,
         "not_confirmed": int(lost[0]),
         "purged": int(audit[0]) if audit is not None else None,
         "load_average": os.getloadavg(),
         "windows": [dataclasses.asdict(w) for w in windows],
+        "activity": {
+            kind: [
+                [(lo - started_wall).total_seconds(), (hi - started_wall).total_seconds()]
+                for lo, hi in spans
+            ]
+            for kind, spans in activity.intervals.items()
+        },
+        "checkpoints": [(c - started_wall).total_seconds() for c in activity.checkpoints],
         "samples": [dataclasses.asdict(s) for s in samples],
     }
 
@@ -502,14 +725,26 @@ def _by_window(samples: list[dict[str, Any]], window: float) -> list[list[dict[s
 
 def table(result: dict[str, Any]) -> str:
     window = result["window_minutes"] * 60
+    nan = float("nan")
     lines = [
-        "| window | rows | p50 ms | p99 ms | max ms | publisher RSS MB "
-        "| outbox MB (table + indexes) | dead tuples | claim ms | API ms |",
-        "|" + "---|" * 10,
+        "| window | rows | p50 ms | p99 ms | p99 without purge / autovacuum / both, ms "
+        "| p99 of claim wait / send / ack and write-back, ms "
+        "| publish -> ack p99 (publishers' histogram) / write-back mean, ms | WAL MB "
+        "| max ms | publisher RSS MB | outbox MB (table + indexes) | dead tuples | claim ms "
+        "| API ms |",
+        "|" + "---|" * 14,
     ]
     groups = _by_window(result["samples"], window)
     for i, w in enumerate(result["windows"]):
         group = groups[i] if i < len(groups) else []
+        before = groups[i - 1][-1].get("ack_buckets", {}) if 0 < i <= len(groups) else {}
+        ack = ack_p99_ms(group[-1].get("ack_buckets", {}), before) if group else nan
+        flushes = [s["flush_ms"] for s in group if s.get("flush_ms") is not None]
+        wal_before = groups[i - 1][-1].get("wal_mb", nan) if 0 < i <= len(groups) else nan
+        if group and i == 0:
+            wal_before = group[0].get("wal_mb", nan)
+        wal = group[-1].get("wal_mb", nan) - wal_before if group else nan
+        flush = statistics.median(flushes) if flushes else nan
         claims = [s["claim_ms"] for s in group if s["claim_ms"] is not None]
         apis = [s["api_ms"] for s in group if s["api_ms"] is not None]
         last = group[-1] if group else None
@@ -522,7 +757,11 @@ def table(result: dict[str, Any]) -> str:
         )
         lines.append(
             f"| {w['start'] / 60:.0f}-{w['end'] / 60:.0f} min | {w['rows']:,} | {w['p50_ms']:.1f} "
-            f"| {w['p99_ms']:.1f} | {w['max_ms']:.0f} | {rss} | {size} "
+            f"| {w['p99_ms']:.1f} | {w.get('p99_without_purge_ms', nan):.1f} / "
+            f"{w.get('p99_without_vacuum_ms', nan):.1f} / {w.get('p99_without_both_ms', nan):.1f} "
+            f"| {w.get('p99_claim_wait_ms', nan):.1f} / {w.get('p99_send_ms', nan):.1f} / "
+            f"{w.get('p99_ack_and_write_ms', nan):.1f} | {ack:.1f} / {flush:.1f} | {wal:,.0f} "
+            f"| {w['max_ms']:.0f} | {rss} | {size} "
             f"| {dead} "
             f"| {statistics.median(claims) if claims else float('nan'):.2f} "
             f"| {statistics.median(apis) if apis else float('nan'):.0f} |"
@@ -560,6 +799,21 @@ def charts(result: dict[str, Any], folder: Path) -> list[Path]:
     ax.set(xlabel="minutes", ylabel="confirm latency, ms", ylim=(0, None))
     ax.legend()
     save(fig, "latency.png")
+
+    seconds = [sec for w in result["windows"] for sec in w.get("seconds", [])]
+    if seconds:
+        fig, ax = plt.subplots(figsize=(9, 3.2))
+        for kind, colour in (("purge", "tab:orange"), ("vacuum", "tab:green")):
+            for n, (lo, hi) in enumerate(result.get("activity", {}).get(kind, [])):
+                label = ("purge" if kind == "purge" else "autovacuum") if n == 0 else None
+                ax.axvspan(lo / 60, hi / 60, color=colour, alpha=0.25, lw=0, label=label)
+        for n, c in enumerate(result.get("checkpoints", [])):
+            ax.axvline(c / 60, color="tab:gray", lw=0.6, label="checkpoint" if n == 0 else None)
+        ax.plot([s[0] / 60 for s in seconds], [s[2] for s in seconds], lw=0.6, label="p99")
+        ax.set(xlabel="minutes (rows by the second they were written)", ylabel="p99, ms")
+        ax.set_ylim(0, None)
+        ax.legend(fontsize=7, loc="upper left")
+        save(fig, "latency-seconds.png")
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for i in range(len(samples[0]["rss_mb"]) if samples else 0):
@@ -614,6 +868,12 @@ def main(argv: list[str] | None = None) -> int:
         help="confirmed rows older than this are purged",
     )
     parser.add_argument("--purge-every", type=float, default=60.0, help="seconds between purges")
+    parser.add_argument(
+        "--purge-sleep-coef",
+        type=float,
+        default=None,
+        help="outbox purge --sleep-coef (default: the product's, OUTBOX_PURGE_SLEEP_COEF)",
+    )
     parser.add_argument("--charts", type=Path, default=REPO_ROOT / "docs" / "soak")
     args = parser.parse_args(argv)
     if args.window * 60 > args.retention_minutes * 60 - WINDOW_SETTLE_SECONDS - args.purge_every:

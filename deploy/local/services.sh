@@ -147,6 +147,9 @@ DO $$ BEGIN
 END $$;
 -- lets the role drop its throw-away test databases WITH (FORCE) even when autovacuum is in them
 GRANT pg_signal_backend TO outbox;
+-- lets `make soak` see autovacuum's progress on the outbox (pg_stat_progress_vacuum shows other
+-- roles' work only to this role); local services only
+GRANT pg_read_all_stats TO outbox;
 -- lets a test create a throw-away login role with a password of its own (the Spark cluster
 -- recipe's test checks that password appears nowhere in Spark's logs); local services only
 ALTER ROLE outbox CREATEROLE;

@@ -61,6 +61,13 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
     assert any(s["claim_ms"] for s in samples) and any(s["api_ms"] for s in samples)
     assert sum(s["api_errors"] for s in samples) == 0
     assert result["purged"] > 0  # the retention purge ran and deleted confirmed rows
+    # each window's rows by the second they were written, and the purges laid against them
+    assert all(sum(sec[1] for sec in w["seconds"]) == w["rows"] for w in windows)
+    purges = result["activity"]["purge"]
+    assert len(purges) >= 5 and all(0 < lo <= hi for lo, hi in purges)
+    assert all(w["p99_without_both_ms"] <= w["max_ms"] for w in windows)
+    # and each leg of the way: the wait for a claim, the send, the ack and its write-back
+    assert all(w["p99_claim_wait_ms"] >= 0 and w["p99_ack_and_write_ms"] > 0 for w in windows)
     names = {v["target"] for v in result["verdicts"]}
     assert names == {
         "p99 of every window within 1.5 x the first's",
@@ -70,5 +77,11 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
     }
     assert "| window | rows | p50 ms" in run.stdout
     charts = sorted(p.name for p in (tmp_path / "charts").iterdir())
-    assert charts == ["claim-and-api.png", "latency.png", "rss.png", "sizes.png"]
+    assert charts == [
+        "claim-and-api.png",
+        "latency-seconds.png",
+        "latency.png",
+        "rss.png",
+        "sizes.png",
+    ]
     assert all((tmp_path / "charts" / c).read_bytes()[:4] == b"\x89PNG" for c in charts)
