@@ -22,6 +22,7 @@ the run itself broke (a row lost, a publisher crashed).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import datetime as dt
 import json
@@ -41,6 +42,8 @@ from typing import Any
 import psycopg
 
 from bench.common import Services, libpq_url, temp_postgres, topology
+from bench.proccpu import TICKS, listening_pid, subtree_cpu_seconds, tree_cpu_seconds
+from bench.workloads.ceiling import paced
 from bench.workloads.drain import REPO_ROOT, Proc, drain_once, start_publisher
 
 RESULTS = Path(os.environ.get("BENCH_RESULTS") or REPO_ROOT / "bench" / "results")
@@ -75,6 +78,10 @@ class Sample:
     ack_buckets: dict[str, float]
     api_ms: float | None  # median answer time of the operator's requests since the last sample
     api_errors: int
+    #: CPU seconds so far: the machine's (busy, iowait) from /proc/stat, and each part's own
+    #: (postgresql, rabbitmq: the server and its children; publishers; soak: this process,
+    #: the producer, the operator and the pollers); each window's share is their difference
+    cpu: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -341,6 +348,37 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def _machine_cpu() -> dict[str, float]:
+    """The machine's busy and iowait CPU seconds since boot, all cores (``/proc/stat``)."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is inside user)
+    idle, iowait = fields[3], fields[4]
+    return {"busy": (sum(fields[:8]) - idle - iowait) / TICKS, "iowait": iowait / TICKS}
+
+
+def _cpu(services: Services, procs: list[Proc]) -> dict[str, float]:
+    """Cumulative CPU seconds of the machine and of each part of the run (see ``Sample.cpu``)."""
+    out = _machine_cpu()
+    for name, port in (("postgresql", services.database_port), ("rabbitmq", services.broker_port)):
+        pid = listening_pid(port)
+        if pid is not None:
+            out[name] = tree_cpu_seconds(pid)
+    out["publishers"] = sum(subtree_cpu_seconds(p.popen.pid) for p in procs)
+    out["soak"] = time.process_time()
+    return out
+
+
+def cpu_shares(now: dict[str, float], before: dict[str, float], seconds: float) -> dict[str, float]:
+    """Each part's CPU between two samples as a percentage of the machine's cores (``busy``:
+    the whole machine, 100 % = every core busy)."""
+    cores = os.cpu_count() or 1
+    return {
+        k: 100 * (now[k] - before[k]) / (seconds * cores)
+        for k in now
+        if k in before and seconds > 0
+    }
+
+
 def _scrape(conn: psycopg.Connection[Any]) -> dict[str, float]:
     """Every publisher's histograms (from their /metrics), summed: ``claim_sum``,
     ``claim_count``, ``flush_sum``, ``flush_count`` and the publish -> ack histogram's cumulative
@@ -475,6 +513,15 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     if rate is None:
         print("measuring the drain rate (20,000 rows, one publisher) ...", flush=True)
         rate = 0.5 * drain_once(services, backend="postgresql", n=20_000).rows_per_s
+    floor = (
+        broker_floor(
+            services, rate=rate, minutes=args.floor_minutes, window_minutes=args.floor_minutes
+        )
+        if args.floor_minutes > 0
+        else None
+    )
+    if floor is not None:
+        print(broker_table(floor), flush=True)
     retention_days = args.retention_minutes / 1440
     duration = args.minutes * 60
     window = args.window * 60
@@ -569,11 +616,17 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                             },
                             api_ms=api_ms,
                             api_errors=api_errors,
+                            cpu=_cpu(services, procs),
                         )
                     )
                     s = samples[-1]
+                    busy = (
+                        cpu_shares(s.cpu, samples[-2].cpu, s.t - samples[-2].t).get("busy", 0.0)
+                        if len(samples) > 1
+                        else 0.0
+                    )
                     print(
-                        f"  t={t:6.0f}s backlog {s.backlog:6d} RSS "
+                        f"  t={t:6.0f}s CPU {busy:3.0f} % backlog {s.backlog:6d} RSS "
                         f"{'/'.join(f'{r:.0f}' for r in s.rss_mb)} MB, outbox {s.total_mb:.0f} MB "
                         f"(dead {s.dead_tuples:,}), claim {claim_ms or 0:.2f} ms, "
                         f"API {api_ms or 0:.0f} ms",
@@ -643,6 +696,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         "not_confirmed": int(lost[0]),
         "purged": int(audit[0]) if audit is not None else None,
         "load_average": os.getloadavg(),
+        "broker_alone": floor,
         "windows": [dataclasses.asdict(w) for w in windows],
         "activity": {
             kind: [
@@ -656,6 +710,72 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def broker_floor(
+    services: Services, *, rate: float, minutes: float, window_minutes: float
+) -> dict[str, Any]:
+    """The floor under the soak's latency: the broker alone at the soak's rate, into the same
+    topology (a classic queue nobody consumes, ``x-max-length`` QUEUE_MAX_LENGTH), from the
+    product's wire layer with no database; publish -> ack p50 and p99 per window, and the CPU
+    of the machine and the broker meanwhile."""
+    duration, window = minutes * 60, window_minutes * 60
+    print(
+        f"the broker alone: {minutes:g} min at {rate:,.0f} msg/s, windows of {window_minutes:g} "
+        "min",
+        flush=True,
+    )
+    started_wall = dt.datetime.now(dt.UTC)
+    with topology(services, "soakfloor", max_length=QUEUE_MAX_LENGTH) as topo:
+        cpu_before = _cpu(services, [])
+        lat = asyncio.run(paced(services, topo.exchange, topo.routing_key, rate, duration))
+        cpu_after = _cpu(services, [])
+    windows: list[dict[str, Any]] = []
+    per = max(1, int(rate * window))  # message i was published about i / rate s in
+    count = max(1, round(len(lat) / per))
+    for i in range(count):
+        # the last window takes every message after it began
+        chunk = sorted(lat[i * per : None if i == count - 1 else (i + 1) * per])
+        if not chunk:
+            break
+        windows.append(
+            {
+                "index": i,
+                "start": i * window,
+                "end": (i + 1) * window,
+                "rows": len(chunk),
+                "p50_ms": chunk[len(chunk) // 2] * 1000,
+                "p99_ms": chunk[min(len(chunk) - 1, int(len(chunk) * 0.99))] * 1000,
+                "max_ms": chunk[-1] * 1000,
+            }
+        )
+    return {
+        "started": started_wall.isoformat(timespec="seconds"),
+        "rate_rows_per_s": rate,
+        "minutes": minutes,
+        "window_minutes": window_minutes,
+        "produced": len(lat),
+        "load_average": os.getloadavg(),
+        "cpu_pct": cpu_shares(cpu_after, cpu_before, duration),
+        "windows": windows,
+    }
+
+
+def broker_table(result: dict[str, Any]) -> str:
+    lines = ["| window | messages | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|"]
+    for w in result["windows"]:
+        lines.append(
+            f"| {w['start'] / 60:.0f}-{w['end'] / 60:.0f} min | {w['rows']:,} "
+            f"| {w['p50_ms']:.1f} | {w['p99_ms']:.1f} | {w['max_ms']:.0f} |"
+        )
+    cpu = result["cpu_pct"]
+    lines.append("")
+    lines.append(
+        "CPU % of the cores: machine "
+        + f"{cpu.get('busy', float('nan')):.0f}, broker {cpu.get('rabbitmq', float('nan')):.0f}, "
+        + f"publisher {cpu.get('soak', float('nan')):.0f}"
+    )
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------ verdicts
 
 
@@ -666,11 +786,17 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool, str]]:
     if windows:
         first = windows[0]["p99_ms"]
         worst = max(w["p99_ms"] for w in windows)
+        floor = result.get("broker_alone")
+        beside = (
+            f"; the broker alone at this rate: p99 {floor['windows'][0]['p99_ms']:.1f} ms"
+            if floor and floor.get("windows")
+            else ""
+        )
         out.append(
             (
                 "p99 of every window within 1.5 x the first's",
                 worst <= P99_GROWTH_LIMIT * first,
-                f"first {first:.1f} ms, worst {worst:.1f} ms ({worst / first:.2f} x)",
+                f"first {first:.1f} ms, worst {worst:.1f} ms ({worst / first:.2f} x){beside}",
             )
         )
     per_window = _by_window(samples, result["window_minutes"] * 60)
@@ -731,8 +857,8 @@ def table(result: dict[str, Any]) -> str:
         "| p99 of claim wait / send / ack and write-back, ms "
         "| publish -> ack p99 (publishers' histogram) / write-back mean, ms | WAL MB "
         "| max ms | publisher RSS MB | outbox MB (table + indexes) | dead tuples | claim ms "
-        "| API ms |",
-        "|" + "---|" * 14,
+        "| API ms | CPU % of the cores: machine (PostgreSQL / broker / publishers / producer) |",
+        "|" + "---|" * 15,
     ]
     groups = _by_window(result["samples"], window)
     for i, w in enumerate(result["windows"]):
@@ -764,9 +890,25 @@ def table(result: dict[str, Any]) -> str:
             f"| {w['max_ms']:.0f} | {rss} | {size} "
             f"| {dead} "
             f"| {statistics.median(claims) if claims else float('nan'):.2f} "
-            f"| {statistics.median(apis) if apis else float('nan'):.0f} |"
+            f"| {statistics.median(apis) if apis else float('nan'):.0f} "
+            f"| {_cpu_cell(groups, i)} |"
         )
     return "\n".join(lines)
+
+
+def _cpu_cell(groups: list[list[dict[str, Any]]], i: int) -> str:
+    """A window's CPU: from the last sample before it (its own first one for the first window)
+    to its last sample."""
+    group = groups[i] if i < len(groups) else []
+    first = groups[i - 1][-1] if 0 < i <= len(groups) else (group[0] if group else None)
+    if not group or first is None or not first.get("cpu") or not group[-1].get("cpu"):
+        return "-"
+    shares = cpu_shares(group[-1]["cpu"], first["cpu"], group[-1]["t"] - first["t"])
+    parts = " / ".join(
+        f"{shares[k]:.0f}" if k in shares else "-"
+        for k in ("postgresql", "rabbitmq", "publishers", "soak")
+    )
+    return f"{shares.get('busy', float('nan')):.0f} ({parts})"
 
 
 def charts(result: dict[str, Any], folder: Path) -> list[Path]:
@@ -875,7 +1017,29 @@ def main(argv: list[str] | None = None) -> int:
         help="outbox purge --sleep-coef (default: the product's, OUTBOX_PURGE_SLEEP_COEF)",
     )
     parser.add_argument("--charts", type=Path, default=REPO_ROOT / "docs" / "soak")
+    parser.add_argument(
+        "--floor-minutes",
+        type=float,
+        default=5.0,
+        help="first, the broker alone at the soak's rate for this long (0: not measured)",
+    )
+    parser.add_argument(
+        "--broker-alone",
+        action="store_true",
+        help="measure only the floor: the broker alone at --rate for --minutes in windows of "
+        "--window, no database (writes soak-broker.json)",
+    )
     args = parser.parse_args(argv)
+    if args.broker_alone:
+        if args.rate is None:
+            parser.error("--broker-alone needs --rate (the soak's rate, to compare like for like)")
+        floor = broker_floor(
+            Services.from_env(), rate=args.rate, minutes=args.minutes, window_minutes=args.window
+        )
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "soak-broker.json").write_text(json.dumps(floor, indent=1) + "\n")
+        print(broker_table(floor))
+        return 0
     if args.window * 60 > args.retention_minutes * 60 - WINDOW_SETTLE_SECONDS - args.purge_every:
         parser.error(
             "--retention-minutes must exceed a window plus the settle and purge delays "
@@ -892,6 +1056,10 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
     print()
     print(table(result))
+    if result.get("broker_alone"):
+        print()
+        print("The broker alone, measured first at the same rate into the same topology:")
+        print(broker_table(result["broker_alone"]))
     print()
     for name, ok, detail in checks:
         print(f"{'met    ' if ok else 'MISSED '} {name}: {detail}")

@@ -135,7 +135,7 @@ class _Timed(_Acks):
         super()._settle(tag, multiple)
 
 
-async def _paced(
+async def paced(
     services: Services, exchange: str, key: str, rate_per_s: float, seconds: float
 ) -> list[float]:
     """Publish at ``rate_per_s`` (a batch every 20 ms, like the latency run's producer) for
@@ -180,7 +180,7 @@ def run_confirm_floor(
         RunCpu("client", rabbitmq=services.broker_port) as used,
     ):
         lat = asyncio.run(
-            _paced(services, topo.exchange, topo.routing_key, rate_per_s, warmup + seconds)
+            paced(services, topo.exchange, topo.routing_key, rate_per_s, warmup + seconds)
         )
     cpu = used.per_message(max(1, len(lat)))
     steady = sorted(lat[int(rate_per_s * warmup) :]) or sorted(lat)

@@ -38,6 +38,8 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
         "10",
         "--rate",
         "300",
+        "--floor-minutes",
+        "0.25",
         "--charts",
         str(tmp_path / "charts"),
     ]
@@ -68,6 +70,19 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
     assert all(w["p99_without_both_ms"] <= w["max_ms"] for w in windows)
     # and each leg of the way: the wait for a claim, the send, the ack and its write-back
     assert all(w["p99_claim_wait_ms"] >= 0 and w["p99_ack_and_write_ms"] > 0 for w in windows)
+    # the CPU of the machine and of each part, cumulative per sample: each window's shares
+    later = [s for s in samples if s["t"] > 0]
+    first, last = later[0]["cpu"], later[-1]["cpu"]
+    assert {"busy", "iowait", "postgresql", "rabbitmq", "publishers", "soak"} <= set(last)
+    assert all(last[k] > first[k] for k in ("busy", "postgresql", "publishers", "soak"))
+    assert last["busy"] >= last["publishers"] - first["publishers"]  # the machine holds its parts
+    # the floor, measured first: the broker alone at the same rate into the same topology
+    floor = result["broker_alone"]
+    assert floor["rate_rows_per_s"] == 300 and floor["produced"] >= 300 * 15 * 0.95
+    (only,) = floor["windows"]
+    assert 0 < only["p50_ms"] <= only["p99_ms"] <= only["max_ms"]
+    p99_verdict = next(v for v in result["verdicts"] if v["target"].startswith("p99"))
+    assert "the broker alone at this rate: p99" in p99_verdict["detail"]
     names = {v["target"] for v in result["verdicts"]}
     assert names == {
         "p99 of every window within 1.5 x the first's",
@@ -76,6 +91,8 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
         "every row confirmed",
     }
     assert "| window | rows | p50 ms" in run.stdout
+    assert "CPU % of the cores: machine" in run.stdout
+    assert "The broker alone, measured first" in run.stdout
     charts = sorted(p.name for p in (tmp_path / "charts").iterdir())
     assert charts == [
         "claim-and-api.png",
@@ -85,3 +102,43 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
         "sizes.png",
     ]
     assert all((tmp_path / "charts" / c).read_bytes()[:4] == b"\x89PNG" for c in charts)
+
+
+def test_the_broker_alone_gives_the_floor_per_window(
+    service_urls: dict[str, str], tmp_path: Path
+) -> None:
+    env = scrubbed_environ(os.environ) | {
+        "OUTBOX_AMQP_URL": service_urls["amqp"],
+        "OUTBOX_DATABASE_URL": service_urls["pg"],
+        "BENCH_RESULTS": str(tmp_path / "results"),
+    }
+    args = ["--broker-alone", "--minutes", "0.5", "--window", "0.25", "--rate", "400"]
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.soak", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "results" / "soak-broker.json").read_text())
+    windows = result["windows"]
+    assert result["produced"] >= 400 * 30 * 0.95 and len(windows) == 2
+    assert sum(w["rows"] for w in windows) == result["produced"]
+    assert all(0 < w["p50_ms"] <= w["p99_ms"] <= w["max_ms"] for w in windows)
+    assert result["cpu_pct"]["rabbitmq"] > 0 and result["cpu_pct"]["busy"] > 0
+    assert "| window | messages | p50 ms" in run.stdout
+    assert not (tmp_path / "results" / "soak.json").exists()  # the soak's own record untouched
+
+
+def test_the_broker_alone_needs_the_soaks_rate() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.soak", "--broker-alone", "--minutes", "0.1"],
+        cwd=REPO,
+        env=scrubbed_environ(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode != 0 and "--broker-alone needs --rate" in run.stderr
