@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -194,21 +195,24 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
             return EXIT_OK
         live = fancy(sys.stderr) and not args.json
         total = retention.count_purgeable(older_than=dt.timedelta(days=days)) if live else None
+        coef = settings.purge_sleep_coef if args.sleep_coef is None else args.sleep_coef
+        began = time.monotonic()
         with progress("purge", total) as bar:
             deleted = retention.purge_confirmed(
                 older_than=dt.timedelta(days=days),
                 chunk=args.chunk,
                 on_chunk=bar.advance,
-                sleep_coef=(
-                    settings.purge_sleep_coef if args.sleep_coef is None else args.sleep_coef
-                ),
+                sleep_coef=coef,
             )
+        seconds = time.monotonic() - began
         forgotten = purge_inbox(engine, older_than=dt.timedelta(days=inbox_days), chunk=args.chunk)
         audit_id = retention.record_purge(
             actor=args.actor,
             older_than=dt.timedelta(days=days),
             deleted=deleted,
             inbox_deleted=forgotten,
+            sleep_coef=coef,
+            seconds=seconds,
         )
     finally:
         engine.dispose()
@@ -218,13 +222,19 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
                 "dry_run": False,
                 "older_than_days": days,
                 "deleted": deleted,
+                "seconds": round(seconds, 3),
+                "sleep_coef": coef,
                 "inbox_older_than_days": inbox_days,
                 "inbox_deleted": forgotten,
                 "audit_id": audit_id,
             }
         )
         return EXIT_OK
-    print(f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago")
+    paced = f", paced at --sleep-coef {coef:g}" if coef > 0 else ""
+    print(
+        f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago "
+        f"in {seconds:.1f} s{paced}"
+    )
     print(
         f"deleted {forgotten} consumer inbox rows older than {inbox_days:g} days "
         "(OUTBOX_INBOX_RETENTION_DAYS)"

@@ -41,17 +41,31 @@ class Retention:
                 after = window[-1].id
 
     def record_purge(
-        self, *, actor: str, older_than: dt.timedelta, deleted: int, inbox_deleted: int = 0
+        self,
+        *,
+        actor: str,
+        older_than: dt.timedelta,
+        deleted: int,
+        inbox_deleted: int = 0,
+        sleep_coef: float = 0.0,
+        seconds: float | None = None,
     ) -> int:
-        """An audit row for a purge (who, the retention, what was deleted)."""
+        """An audit row for a purge (who, the retention and pacing it ran with, what was
+        deleted and how long it took)."""
+        result: dict[str, Any] = {"deleted": deleted, "inbox_deleted": inbox_deleted}
+        if seconds is not None:
+            result["seconds"] = round(seconds, 3)
         with self.db.begin() as conn:
             return self.db.audit(
                 conn,
                 actor=actor,
                 action="purge",
                 count=deleted,
-                filter={"older_than_days": older_than.total_seconds() / 86400},
-                result={"deleted": deleted, "inbox_deleted": inbox_deleted},
+                filter={
+                    "older_than_days": older_than.total_seconds() / 86400,
+                    "sleep_coef": sleep_coef,
+                },
+                result=result,
             )
 
     def purge_confirmed(

@@ -433,6 +433,10 @@ def test_purge_deletes_only_confirmed_rows_past_retention(
     with engine.connect() as conn:
         (row,) = conn.execute(select(audit).where(audit.c.action == "purge")).mappings().all()
     assert row["count"] == 3 and row["result"]["inbox_deleted"] == 2
+    # the audit keeps the pacing it ran with and how long it took
+    assert row["filter"] == {"older_than_days": 7, "sleep_coef": 0.5}
+    assert row["result"]["seconds"] >= 0
+    assert "paced at --sleep-coef 0.5" in out
     assert "deleted 2 consumer inbox rows older than 14 days" in out
     with engine.connect() as conn:
         left = conn.execute(select(outbox.c.status, func.count()).group_by(outbox.c.status)).all()
