@@ -19,14 +19,28 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
-    service_urls: dict[str, str], tmp_path: Path
-) -> None:
+def _soak(
+    args: list[str], service_urls: dict[str, str], tmp_path: Path, *, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``python -m bench.soak`` on the test's services, its results under ``tmp_path``."""
     env = scrubbed_environ(os.environ) | {
         "OUTBOX_AMQP_URL": service_urls["amqp"],
         "OUTBOX_DATABASE_URL": service_urls["pg"],
         "BENCH_RESULTS": str(tmp_path / "results"),
     }
+    return subprocess.run(
+        [sys.executable, "-m", "bench.soak", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
+    service_urls: dict[str, str], tmp_path: Path
+) -> None:
     args = [
         "--minutes",
         "1.5",
@@ -43,14 +57,7 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
         "--charts",
         str(tmp_path / "charts"),
     ]
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.soak", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    run = _soak(args, service_urls, tmp_path, timeout=400)
     assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]  # 1: a target missed
     result = json.loads((tmp_path / "results" / "soak.json").read_text())
     assert result["not_confirmed"] == 0 and result["produced"] >= 300 * 90 * 0.95
@@ -107,20 +114,8 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
 def test_the_broker_alone_gives_the_floor_per_window(
     service_urls: dict[str, str], tmp_path: Path
 ) -> None:
-    env = scrubbed_environ(os.environ) | {
-        "OUTBOX_AMQP_URL": service_urls["amqp"],
-        "OUTBOX_DATABASE_URL": service_urls["pg"],
-        "BENCH_RESULTS": str(tmp_path / "results"),
-    }
     args = ["--broker-alone", "--minutes", "0.5", "--window", "0.25", "--rate", "400"]
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.soak", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = _soak(args, service_urls, tmp_path, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "results" / "soak-broker.json").read_text())
     windows = result["windows"]
