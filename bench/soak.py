@@ -356,13 +356,21 @@ def _machine_cpu() -> dict[str, float]:
     return {"busy": (sum(fields[:8]) - idle - iowait) / TICKS, "iowait": iowait / TICKS}
 
 
-def _cpu(services: Services, procs: list[Proc]) -> dict[str, float]:
+def _servers(services: Services) -> dict[str, int]:
+    """PostgreSQL's and the broker's server processes, found once by the ports they listen on
+    (a scan of every process's sockets: not for each sample)."""
+    found = {
+        "postgresql": listening_pid(services.database_port),
+        "rabbitmq": listening_pid(services.broker_port),
+    }
+    return {name: pid for name, pid in found.items() if pid is not None}
+
+
+def _cpu(servers: dict[str, int], procs: list[Proc]) -> dict[str, float]:
     """Cumulative CPU seconds of the machine and of each part of the run (see ``Sample.cpu``)."""
     out = _machine_cpu()
-    for name, port in (("postgresql", services.database_port), ("rabbitmq", services.broker_port)):
-        pid = listening_pid(port)
-        if pid is not None:
-            out[name] = tree_cpu_seconds(pid)
+    for name, pid in servers.items():
+        out[name] = tree_cpu_seconds(pid)
     out["publishers"] = sum(subtree_cpu_seconds(p.popen.pid) for p in procs)
     out["soak"] = time.process_time()
     return out
@@ -545,6 +553,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(args.publishers)
         ]
         api, base = start_api(db_url, token, logdir)
+        servers = _servers(services)
         operator = Operator(base, token)
         activity = Activity(db_url)
         producer = Producer(
@@ -616,7 +625,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                             },
                             api_ms=api_ms,
                             api_errors=api_errors,
-                            cpu=_cpu(services, procs),
+                            cpu=_cpu(servers, procs),
                         )
                     )
                     s = samples[-1]
@@ -724,10 +733,11 @@ def broker_floor(
         flush=True,
     )
     started_wall = dt.datetime.now(dt.UTC)
+    servers = _servers(services)
     with topology(services, "soakfloor", max_length=QUEUE_MAX_LENGTH) as topo:
-        cpu_before = _cpu(services, [])
+        cpu_before, began = _cpu(servers, []), time.monotonic()
         lat = asyncio.run(paced(services, topo.exchange, topo.routing_key, rate, duration))
-        cpu_after = _cpu(services, [])
+        cpu_after, elapsed = _cpu(servers, []), time.monotonic() - began
     windows: list[dict[str, Any]] = []
     per = max(1, int(rate * window))  # message i was published about i / rate s in
     count = max(1, round(len(lat) / per))
@@ -754,7 +764,7 @@ def broker_floor(
         "window_minutes": window_minutes,
         "produced": len(lat),
         "load_average": os.getloadavg(),
-        "cpu_pct": cpu_shares(cpu_after, cpu_before, duration),
+        "cpu_pct": cpu_shares(cpu_after, cpu_before, elapsed),  # the acks' wait included
         "windows": windows,
     }
 
