@@ -129,6 +129,9 @@ unix_socket_directories = '$data'
 max_connections = 200
 shared_buffers = 256MB
 fsync = on
+# autovacuum visits each database every 15 s, not every minute: the outbox is a queue
+# (docs/operations.md, "Autovacuum"; its table settings are migration 0020's)
+autovacuum_naptime = 15s
 CONF
   fi
   log "starting postgresql on 127.0.0.1:$PG_PORT"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
-from sqlalchemy import inspect, text
+from sqlalchemy import Engine, inspect, text
 
 from app.db import (
     SchemaMismatch,
@@ -97,4 +99,31 @@ def test_a_publisher_refuses_a_schema_it_does_not_know(db_url: str) -> None:
         check_schema(engine)
     migrate(db_url)
     check_schema(engine)
+    engine.dispose()
+
+
+def _reloptions(engine: Engine) -> dict[str, str]:
+    with engine.connect() as conn:
+        options = conn.execute(
+            text("SELECT reloptions FROM pg_class WHERE oid = 'outbox'::regclass")
+        ).scalar_one()
+    return dict(o.split("=", 1) for o in options or [])
+
+
+def test_the_outbox_vacuums_as_a_queue_and_keeps_an_operators_settings(pg_url: str) -> None:
+    """PostgreSQL: the outbox's autovacuum settings are its own (migration 0020); a value an
+    operator set before the migration is never overwritten, nor reset by a downgrade."""
+    ours = importlib.import_module("migrations.versions.0020_outbox_autovacuum").SETTINGS
+    engine = make_engine(pg_url)
+    assert ours and _reloptions(engine) == ours
+    downgrade(pg_url, "0019")
+    assert _reloptions(engine) == {}
+    key = next(iter(ours))
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE outbox SET ({key} = 7)"))
+    migrate(pg_url)
+    assert _reloptions(engine) == {**ours, key: "7"}
+    downgrade(pg_url, "0019")
+    assert _reloptions(engine) == {key: "7"}
+    migrate(pg_url)
     engine.dispose()
