@@ -14,7 +14,7 @@ Create Date: 2026-11-27
 """
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 
 revision = "0020"
 down_revision = "0019"
@@ -29,7 +29,10 @@ SETTINGS = {
 
 
 def _current() -> dict[str, str]:
-    """The outbox's storage parameters as set now (an operator's included)."""
+    """The outbox's storage parameters as set now (an operator's included); none when the
+    migration only writes SQL (``alembic upgrade --sql``: no database to ask)."""
+    if context.is_offline_mode():
+        return {}
     options = (
         op.get_bind()
         .execute(sa.text("SELECT reloptions FROM pg_class WHERE oid = 'outbox'::regclass"))
@@ -52,6 +55,8 @@ def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     current = _current()
-    ours = [k for k, v in SETTINGS.items() if current.get(k) == v]  # an operator's value stays
+    ours = [  # an operator's value stays (offline: every one of ours is reset)
+        k for k, v in SETTINGS.items() if current.get(k, v) == v
+    ]
     if ours:
         op.execute(f"ALTER TABLE outbox RESET ({', '.join(ours)})")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib
 
 import pytest
+from alembic import command
 from sqlalchemy import Engine, inspect, text
 
 from app.db import (
     SchemaMismatch,
+    alembic_config,
     check_schema,
     current_revision,
     downgrade,
@@ -127,3 +129,18 @@ def test_the_outbox_vacuums_as_a_queue_and_keeps_an_operators_settings(pg_url: s
     assert _reloptions(engine) == {key: "7"}
     migrate(pg_url)
     engine.dispose()
+
+
+def test_the_outbox_autovacuum_settings_are_written_by_an_offline_migration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``alembic upgrade --sql`` (no database to ask what an operator set): the settings are
+    written as SQL, and the downgrade's SQL resets them."""
+    cfg = alembic_config("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    command.upgrade(cfg, "0019:0020", sql=True)
+    command.downgrade(cfg, "0020:0019", sql=True)
+    out = capsys.readouterr().out
+    ours = importlib.import_module("migrations.versions.0020_outbox_autovacuum").SETTINGS
+    pairs = ", ".join(f"{k} = {v}" for k, v in ours.items())
+    assert f"ALTER TABLE outbox SET ({pairs});" in out
+    assert f"ALTER TABLE outbox RESET ({', '.join(ours)});" in out
