@@ -32,7 +32,7 @@ from sqlalchemy import (
     update,
 )
 
-from app.outbox.database import OutboxDatabase, storable
+from app.outbox.database import OutboxDatabase, status_by_id, storable
 from app.outbox.records import Backoff, ClaimedRow, Published, RetryOutcome, ReturnedRow
 from app.outbox.schema import KEY_OPEN, held, outbox
 from app.outbox.states import Status, check_transition
@@ -341,7 +341,7 @@ class PublisherStore:
             update(outbox)
             .where(
                 outbox.c.id == v.c.id,
-                outbox.c.status == Status.IN_FLIGHT,
+                status_by_id(Status.IN_FLIGHT),
                 outbox.c.lease_owner == owner,
             )
             .values(**{c: v.c[c] for c in columns}, **bound)
