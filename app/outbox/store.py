@@ -675,12 +675,22 @@ class PublisherStore:
             return list(conn.scalars(stmt))
 
     def count_open(self) -> int:
-        """Rows not settled yet (``pending`` or ``in_flight``): zero means the outbox is drained."""
-        stmt = select(func.count()).where(
-            outbox.c.status.in_([Status.PENDING.value, Status.IN_FLIGHT.value])
-        )
+        """Rows not settled yet (``pending`` or ``in_flight``): zero means the outbox is drained.
+
+        Two counts in one statement, each reading its own partial index (``ix_outbox_due``,
+        ``ix_outbox_lease``) with the status written into the statement, so that a prepared
+        statement's generic plan can use them too. ``status IN ('pending', 'in_flight')`` proves
+        neither index's predicate: it read the whole table (0.35-0.58 s for a 0.6-1.1 GB outbox
+        in the soak, in parallel on both cores)."""
+        counts = [
+            select(func.count())
+            .select_from(outbox)
+            .where(outbox.c.status == literal(status.value, literal_execute=True))
+            .scalar_subquery()
+            for status in (Status.PENDING, Status.IN_FLIGHT)
+        ]
         with self.db.begin() as conn:
-            return int(conn.execute(stmt).scalar_one())
+            return int(conn.execute(select(counts[0] + counts[1])).scalar_one())
 
 
 def _spent(row: Any, *, max_attempts: int | None, nack: bool) -> bool:

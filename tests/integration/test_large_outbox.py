@@ -163,6 +163,21 @@ def test_stats_read_indexes_counts_exact_and_confirmed_estimated(large: Engine) 
     assert stats.confirm_latency.samples == 0  # the newest rows are not confirmed yet
 
 
+def test_the_drained_check_counts_open_rows_from_their_indexes(large: Engine) -> None:
+    """``count_open`` (a publisher's ``--until-drained`` check, run whenever it is idle) reads
+    the partial indexes of pending and in-flight rows, never the table."""
+    repo = OutboxClients(large, clock=lambda: NOW)
+    open_rows, sent = captured(large, repo.store.count_open)
+    with large.connect() as conn:
+        expected = conn.execute(
+            text("SELECT count(*) FROM outbox WHERE status IN ('pending', 'in_flight')")
+        ).scalar_one()
+    assert open_rows == expected > 0
+    assert seq_scans_on_outbox(large, sent) == []
+    plain = [("SELECT count(*) FROM outbox WHERE status IN ('pending', 'in_flight')", {})]
+    assert len(seq_scans_on_outbox(large, plain)) == 1  # what it replaced
+
+
 def test_failures_by_cause_reads_only_the_failures(large: Engine) -> None:
     groups, sent = captured(large, lambda: queries.failures_by_cause(large, limit=50))
     assert seq_scans_on_outbox(large, sent) == []
