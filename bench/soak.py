@@ -78,9 +78,10 @@ class Sample:
     ack_buckets: dict[str, float]
     api_ms: float | None  # median answer time of the operator's requests since the last sample
     api_errors: int
-    #: CPU seconds so far: the machine's (busy, iowait) from /proc/stat, and each part's own
-    #: (postgresql, rabbitmq: the server and its children; publishers; soak: this process,
-    #: the producer, the operator and the pollers); each window's share is their difference
+    #: CPU seconds so far: the machine's (busy, iowait, system, steal) from /proc/stat, and each
+    #: part's own (postgresql, rabbitmq: the server and its children; publishers; soak: this
+    #: process, the producer, the operator and the pollers); each window's share is their
+    #: difference
     cpu: dict[str, float] = dataclasses.field(default_factory=dict)
     #: the harness's copy of settled rows into ``soak_rows`` at this sample (``Rows``)
     copy_ms: float = 0.0
@@ -351,11 +352,20 @@ def _rss_mb(pid: int) -> float:
 
 
 def _machine_cpu() -> dict[str, float]:
-    """The machine's busy and iowait CPU seconds since boot, all cores (``/proc/stat``)."""
+    """The machine's busy and iowait CPU seconds since boot, all cores (``/proc/stat``), and
+    two parts of busy that belong to no process: the kernel's (``system``: system, irq and
+    softirq time) and the hypervisor's (``steal``: time a virtual machine's cores were taken
+    away). In the 30-minute soak of 2026-11-28 the busy time of no followed process grew from
+    2 to 11 % of the cores; these tell the next run which it is."""
     fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     # user nice system idle iowait irq softirq steal (guest time is inside user)
     idle, iowait = fields[3], fields[4]
-    return {"busy": (sum(fields[:8]) - idle - iowait) / TICKS, "iowait": iowait / TICKS}
+    return {
+        "busy": (sum(fields[:8]) - idle - iowait) / TICKS,
+        "iowait": iowait / TICKS,
+        "system": (fields[2] + fields[5] + fields[6]) / TICKS,
+        "steal": fields[7] / TICKS,
+    }
 
 
 def _servers(services: Services) -> dict[str, int]:
@@ -943,7 +953,8 @@ def table(result: dict[str, Any]) -> str:
         "| p99 of claim wait / send / ack and write-back, ms "
         "| publish -> ack p99 (publishers' histogram) / write-back mean, ms | WAL MB "
         "| max ms | publisher RSS MB | outbox MB (table + indexes) | dead tuples | claim ms "
-        "| API ms | CPU % of the cores: machine (PostgreSQL / broker / publishers / producer) |",
+        "| API ms | CPU % of the cores: machine (PostgreSQL / broker / publishers / producer; "
+        "kernel / stolen) |",
         "|" + "---|" * 15,
     ]
     groups = _by_window(result["samples"], window)
@@ -994,7 +1005,8 @@ def _cpu_cell(groups: list[list[dict[str, Any]]], i: int) -> str:
         f"{shares[k]:.0f}" if k in shares else "-"
         for k in ("postgresql", "rabbitmq", "publishers", "soak")
     )
-    return f"{shares.get('busy', float('nan')):.0f} ({parts})"
+    machine = " / ".join(f"{shares[k]:.0f}" if k in shares else "-" for k in ("system", "steal"))
+    return f"{shares.get('busy', float('nan')):.0f} ({parts}; {machine})"
 
 
 def charts(result: dict[str, Any], folder: Path) -> list[Path]:

@@ -80,7 +80,17 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
     # the CPU of the machine and of each part, cumulative per sample: each window's shares
     later = [s for s in samples if s["t"] > 0]
     first, last = later[0]["cpu"], later[-1]["cpu"]
-    assert {"busy", "iowait", "postgresql", "rabbitmq", "publishers", "soak"} <= set(last)
+    assert {
+        "busy",
+        "iowait",
+        "system",
+        "steal",
+        "postgresql",
+        "rabbitmq",
+        "publishers",
+        "soak",
+    } <= set(last)
+    assert last["busy"] >= last["system"] + last["steal"] - first["system"] - first["steal"]
     assert all(last[k] > first[k] for k in ("busy", "postgresql", "publishers", "soak"))
     assert last["busy"] >= last["publishers"] - first["publishers"]  # the machine holds its parts
     # the floor, measured first: the broker alone at the same rate into the same topology
