@@ -59,10 +59,10 @@ class OutboxError(Exception):
 
 
 def status_by_id(status: Status) -> ColumnElement[bool]:
-    """``status = <status>`` for a statement that finds its rows by id (the write-backs, an
-    operator's action on listed rows), written ``status || '' = '<status>'``: the same test,
-    but one that proves no partial index's predicate, so the ids drive the plan (primary key
-    lookups) whatever the statistics say.
+    """``status = <status>`` for a statement that finds its rows by id (the write-backs, the
+    lease renewal of held rows, the events recorded for rows just moved), written
+    ``status || '' = '<status>'``: the same test, but one that proves no partial index's
+    predicate, so the ids drive the plan (primary key lookups) whatever the statistics say.
 
     Written plainly it proves ``ix_outbox_lease``'s (``status = 'in_flight'``). After an
     ANALYZE that saw next to no row in flight, PostgreSQL then started the write-back from

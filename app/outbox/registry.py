@@ -12,7 +12,6 @@ from typing import Any
 from sqlalchemy import (
     Connection,
     Engine,
-    and_,
     delete,
     exists,
     func,
@@ -111,12 +110,12 @@ class PublisherRegistry:
             )
             if held is not None and not held:
                 return 0
-            mine = and_(outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == publisher_id)
             renew = update(outbox).values(lease_until=now + dt.timedelta(seconds=lease_seconds))
             if held is None:
-                return conn.execute(renew.where(mine)).rowcount
-            return sum(
-                conn.execute(renew.where(mine, self.db.ids_in(chunk))).rowcount
+                mine = (outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == publisher_id)
+                return conn.execute(renew.where(*mine)).rowcount
+            return sum(  # by id, whatever the statistics say (``held``)
+                conn.execute(renew.where(self.db.held(publisher_id, chunk))).rowcount
                 for chunk in self.db.chunks(held)
             )
 

@@ -453,7 +453,7 @@ class PublisherStore:
                 kind="returned",
                 ids=[r.id for r in returns],
                 at=now,
-                where=[outbox.c.status == Status.RETURNED, outbox.c.confirmed_at == now],
+                where=[status_by_id(Status.RETURNED), outbox.c.confirmed_at == now],
             )
             return moved
 
@@ -469,7 +469,7 @@ class PublisherStore:
                 ids=ids,
                 at=self.db.clock(),
                 where=[
-                    outbox.c.status == Status.FAILED,
+                    status_by_id(Status.FAILED),
                     outbox.c.last_error == values["last_error"],
                 ],
             )
@@ -522,13 +522,13 @@ class PublisherStore:
             if again:
                 self._reschedule(owner, again, now=now, error=error, backoff=backoff, nack=nack)
             self.db.record_events(
-                kind=exhausted.value, ids=spent, at=now, where=[outbox.c.status == exhausted]
+                kind=exhausted.value, ids=spent, at=now, where=[status_by_id(exhausted)]
             )
             self.db.record_events(
                 kind="retry",
                 ids=[r.id for r in again],
                 at=now,
-                where=[outbox.c.status == Status.PENDING],
+                where=[status_by_id(Status.PENDING)],
             )
         return RetryOutcome(retried=len(again), exhausted=len(spent))
 
@@ -605,7 +605,7 @@ class PublisherStore:
                     ids=ids,
                     at=values["available_at"],
                     where=[
-                        outbox.c.status == Status.PENDING,
+                        status_by_id(Status.PENDING),
                         outbox.c.available_at == values["available_at"],
                     ],
                 )

@@ -423,10 +423,9 @@ OPEN_ROWS = (
 
 def _wait_drained(db_url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    query = OPEN_ROWS
     with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
         while time.monotonic() < deadline:
-            row = conn.execute(query).fetchone()
+            row = conn.execute(OPEN_ROWS).fetchone()
             if row is not None and row[0] == 0:
                 return
             time.sleep(0.1)

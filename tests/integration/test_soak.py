@@ -147,3 +147,14 @@ def test_the_broker_alone_needs_the_soaks_rate() -> None:
         timeout=60,
     )
     assert run.returncode != 0 and "--broker-alone needs --rate" in run.stderr
+
+
+def test_a_retention_too_short_to_copy_the_rows_is_refused(
+    service_urls: dict[str, str], tmp_path: Path
+) -> None:
+    """The soak copies each row's timestamps once the row is 30 s old: a retention that could
+    purge rows before then is refused before anything starts, saying the bound."""
+    run = _soak(["--retention-minutes", "0.5"], service_urls, tmp_path, timeout=60)
+    assert run.returncode == 2
+    assert "--retention-minutes must exceed 50 s" in run.stderr
+    assert not (tmp_path / "results").exists()  # nothing ran, nothing written
