@@ -23,8 +23,9 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
-from app.outbox.queries import delayed_rows
+from app.outbox.queries import delayed_rows, status_counts
 from app.outbox.records import Published
+from app.outbox.states import Status
 from tests.integration.test_large_outbox import _nodes, captured
 from tests.outbox_clients import OutboxClients
 
@@ -72,7 +73,8 @@ def generic_plan(
             "SELECT parameter_types::text[] FROM pg_prepared_statements WHERE name = 'claim'"
         ).scalar_one()
         args = ", ".join(f"CAST(%({n})s AS {t})" for n, t in zip(names, types, strict=True))
-        cur.execute(f"EXPLAIN (FORMAT JSON) EXECUTE claim({args})", parameters)
+        arguments = f"({args})" if args else ""  # nothing bound: EXECUTE takes no list
+        cur.execute(f"EXPLAIN (FORMAT JSON) EXECUTE claim{arguments}", parameters)
         plan = cur.fetchone()[0]  # type: ignore[index]
         cur.execute("DEALLOCATE claim")
     return list(_nodes(plan[0]["Plan"]))
@@ -252,3 +254,27 @@ def test_write_backs_look_their_rows_up_by_id_whatever_the_statistics(engine: En
         custom = outbox_scans(list(_nodes(plan[0]["Plan"])))
         generic = outbox_scans(generic_plan(engine, sent, first=first))
         assert custom == generic == {("Index Scan", "outbox_pkey")}, (name, custom, generic)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_status_counts_read_their_partial_indexes_in_the_kept_plan(engine: Engine) -> None:
+    """``outbox status``, ``/v1/stats`` and the console count pending, in-flight and set-aside
+    rows from their partial indexes, in the generic plan too: with the status bound as a
+    parameter that plan could prove no index's predicate and read the whole table (the API
+    polls these counts; psycopg prepares them on their fifth run)."""
+    add(engine, 1, HISTORY)
+    with engine.begin() as conn:  # a queue's shape: nearly every row long confirmed
+        conn.execute(text("UPDATE outbox SET status = 'confirmed' WHERE id > 2000"))
+        conn.execute(text("UPDATE outbox SET status = 'failed' WHERE id <= 50"))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE outbox"))
+    with engine.connect() as conn:
+        (counts, _lost, _estimated), sent = captured(engine, lambda: status_counts(conn))
+    assert counts[Status.PENDING] == 1950 and counts[Status.FAILED] == 50
+    counting = [
+        (s, p) for s, p in sent if s.lstrip().upper().startswith("SELECT") and "FROM outbox" in s
+    ]
+    assert len(counting) >= 3  # pending, in flight, set aside (and lost confirms)
+    for statement, params in counting:
+        scans = outbox_scans(generic_plan(engine, [(statement, params)], first="SELECT"))
+        assert scans and all(kind.startswith("Index") for kind, _ in scans), (statement, scans)
