@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime as dt
+import itertools
 import json
 import os
 import secrets
@@ -867,7 +868,9 @@ def broker_table(result: dict[str, Any]) -> str:
     lines.append(
         "CPU % of the cores: machine "
         + f"{cpu.get('busy', float('nan')):.0f}, broker {cpu.get('rabbitmq', float('nan')):.0f}, "
-        + f"publisher {cpu.get('soak', float('nan')):.0f}"
+        + f"publisher {cpu.get('soak', float('nan')):.0f}, "
+        + f"kernel {cpu.get('system', float('nan')):.0f}, "
+        + f"stolen by the hypervisor {cpu.get('steal', float('nan')):.0f}"
     )
     return "\n".join(lines)
 
@@ -888,11 +891,23 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool, str]]:
             if floor and floor.get("windows")
             else ""
         )
+        per_window = _by_window(samples, result["window_minutes"] * 60)
+        every = result["windows"]  # the table's indices: a window without rows has samples too
+        at = max((i for i, w in enumerate(every) if w["rows"]), key=lambda i: every[i]["p99_ms"])
+        lead = every.index(windows[0])
+        stolen = [_window_shares(per_window, i).get("steal") for i in (lead, at)]
+        taken = (
+            f"; the hypervisor took {stolen[0]:.0f} % of the cores in the first window, "
+            f"{stolen[1]:.0f} % in the worst"
+            if None not in stolen
+            else ""
+        )
         out.append(
             (
                 "p99 of every window within 1.5 x the first's",
                 worst <= P99_GROWTH_LIMIT * first,
-                f"first {first:.1f} ms, worst {worst:.1f} ms ({worst / first:.2f} x){beside}",
+                f"first {first:.1f} ms, worst {worst:.1f} ms ({worst / first:.2f} x){beside}"
+                f"{taken}",
             )
         )
     per_window = _by_window(samples, result["window_minutes"] * 60)
@@ -993,20 +1008,37 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_cell(groups: list[list[dict[str, Any]]], i: int) -> str:
-    """A window's CPU: from the last sample before it (its own first one for the first window)
-    to its last sample."""
+def _window_shares(groups: list[list[dict[str, Any]]], i: int) -> dict[str, float]:
+    """A window's CPU shares (``cpu_shares``): from the last sample before it (its own first
+    one for the first window) to its last sample; empty when the samples have no CPU."""
     group = groups[i] if i < len(groups) else []
     first = groups[i - 1][-1] if 0 < i <= len(groups) else (group[0] if group else None)
     if not group or first is None or not first.get("cpu") or not group[-1].get("cpu"):
+        return {}
+    return cpu_shares(group[-1]["cpu"], first["cpu"], group[-1]["t"] - first["t"])
+
+
+def _cpu_cell(groups: list[list[dict[str, Any]]], i: int) -> str:
+    """A window's CPU cell of the table."""
+    shares = _window_shares(groups, i)
+    if not shares:
         return "-"
-    shares = cpu_shares(group[-1]["cpu"], first["cpu"], group[-1]["t"] - first["t"])
     parts = " / ".join(
         f"{shares[k]:.0f}" if k in shares else "-"
         for k in ("postgresql", "rabbitmq", "publishers", "soak")
     )
     machine = " / ".join(f"{shares[k]:.0f}" if k in shares else "-" for k in ("system", "steal"))
     return f"{shares.get('busy', float('nan')):.0f} ({parts}; {machine})"
+
+
+def _stolen(samples: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(t, % of the cores the hypervisor took since the sample before) per sample."""
+    out = []
+    for before, now in itertools.pairwise(samples):
+        a, b = before.get("cpu") or {}, now.get("cpu") or {}
+        if "steal" in a and "steal" in b and now["t"] > before["t"]:
+            out.append((now["t"], cpu_shares(b, a, now["t"] - before["t"])["steal"]))
+    return out
 
 
 def charts(result: dict[str, Any], folder: Path) -> list[Path]:
@@ -1053,6 +1085,12 @@ def charts(result: dict[str, Any], folder: Path) -> list[Path]:
         ax.set(xlabel="minutes (rows by the second they were written)", ylabel="p99, ms")
         ax.set_ylim(0, None)
         ax.legend(fontsize=7, loc="upper left")
+        stolen = _stolen(samples)
+        if stolen:
+            ax2 = ax.twinx()
+            ax2.plot([t / 60 for t, _ in stolen], [v for _, v in stolen], color="tab:red", lw=0.8)
+            ax2.set_ylabel("stolen CPU, % of the cores", color="tab:red", fontsize=8)
+            ax2.set_ylim(0, max(50.0, max(v for _, v in stolen)))
         save(fig, "latency-seconds.png")
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -1127,7 +1165,22 @@ def main(argv: list[str] | None = None) -> int:
         help="measure only the floor: the broker alone at --rate for --minutes in windows of "
         "--window, no database (writes soak-broker.json)",
     )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="SOAK_JSON",
+        help="run nothing: print the table and verdicts of a saved run (bench/results/soak.json) "
+        "and draw its charts again into --charts",
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        try:
+            result = json.loads(args.report.read_text())
+        except (OSError, ValueError) as exc:
+            parser.error(f"--report: cannot read {args.report}: {exc}")
+        if not isinstance(result, dict) or "windows" not in result or "samples" not in result:
+            parser.error(f"--report: {args.report} is not a soak's result (no windows, samples)")
+        return report(result, args.charts)
     if args.broker_alone:
         if args.rate is None:
             parser.error("--broker-alone needs --rate (the soak's rate, to compare like for like)")
@@ -1152,6 +1205,12 @@ def main(argv: list[str] | None = None) -> int:
     checks = verdicts(result)
     result["verdicts"] = [{"target": n, "met": ok, "detail": d} for n, ok, d in checks]
     (RESULTS / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    return report(result, args.charts)
+
+
+def report(result: dict[str, Any], folder: Path) -> int:
+    """Print a run's table, its floor and its verdicts, draw its charts; 1 if a target missed."""
+    checks = verdicts(result)
     print()
     print(table(result))
     if result.get("broker_alone"):
@@ -1161,7 +1220,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, ok, detail in checks:
         print(f"{'met    ' if ok else 'MISSED '} {name}: {detail}")
-    for path in charts(result, args.charts):
+    for path in charts(result, folder):
         print(f"chart: {path}")
     return 0 if all(ok for _, ok, _ in checks) else 1
 

@@ -100,6 +100,7 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
     assert 0 < only["p50_ms"] <= only["p99_ms"] <= only["max_ms"]
     p99_verdict = next(v for v in result["verdicts"] if v["target"].startswith("p99"))
     assert "the broker alone at this rate: p99" in p99_verdict["detail"]
+    assert "% of the cores in the first window" in p99_verdict["detail"]  # the hypervisor's share
     names = {v["target"] for v in result["verdicts"]}
     assert names == {
         "p99 of every window within 1.5 x the first's",
@@ -119,6 +120,17 @@ def test_a_short_soak_reports_windows_samples_verdicts_and_charts(
         "sizes.png",
     ]
     assert all((tmp_path / "charts" / c).read_bytes()[:4] == b"\x89PNG" for c in charts)
+    # the saved run reported again, its charts drawn again: the same table and verdicts
+    again = _soak(
+        ["--report", str(tmp_path / "results" / "soak.json"), "--charts", str(tmp_path / "re")],
+        service_urls,
+        tmp_path,
+        timeout=120,
+    )
+    assert again.returncode == run.returncode, again.stderr[-3000:]
+    table = run.stdout[run.stdout.index("| window | rows") :].split("\nchart:")[0]
+    assert table in again.stdout
+    assert sorted(p.name for p in (tmp_path / "re").iterdir()) == charts
 
 
 def test_the_broker_alone_gives_the_floor_per_window(
@@ -158,3 +170,25 @@ def test_a_retention_too_short_to_copy_the_rows_is_refused(
     assert run.returncode == 2
     assert "--retention-minutes must exceed 50 s" in run.stderr
     assert not (tmp_path / "results").exists()  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [(None, "cannot read"), ("{not json", "cannot read"), ('{"rows": 3}', "is not a soak's")],
+)
+def test_a_report_of_something_else_than_a_soaks_result_is_refused(
+    tmp_path: Path, content: str | None, error: str
+) -> None:
+    saved = tmp_path / "soak.json"
+    if content is not None:
+        saved.write_text(content)
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.soak", "--report", str(saved), "--charts", str(tmp_path)],
+        cwd=REPO,
+        env=scrubbed_environ(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "--report: " in run.stderr and error in run.stderr
+    assert not list(tmp_path.glob("*.png"))  # nothing drawn
