@@ -40,6 +40,7 @@ from sqlalchemy import (
 )
 
 from app.outbox.content import ContentError, load_document
+from app.outbox.database import written
 from app.outbox.reports import PublisherReport, read_report
 from app.outbox.schema import (
     UTCDateTime,
@@ -196,17 +197,19 @@ def status_counts(conn: Connection) -> tuple[dict[Status, int], int, bool]:
     rest (labelled as such)."""
     counts = dict.fromkeys(Status, 0)
     for status in (Status.PENDING, Status.IN_FLIGHT):
-        stmt = select(func.count()).select_from(outbox).where(outbox.c.status == _literal(status))
+        stmt = (
+            select(func.count()).select_from(outbox).where(outbox.c.status == written(status.value))
+        )
         counts[status] = int(conn.execute(stmt).scalar_one())
     aside = (
         select(outbox.c.status, func.count())
-        .where(outbox.c.status.in_([_literal(s) for s in ASIDE]))
+        .where(outbox.c.status.in_([written(s.value) for s in ASIDE]))
         .group_by(outbox.c.status)
     )
     for status, count in conn.execute(aside).all():
         counts[Status(status)] = int(count)
     lost_sum = select(func.coalesce(func.sum(outbox.c.lost_confirms), 0)).where(
-        outbox.c.lost_confirms > literal(0, literal_execute=True)  # ix_outbox_lost's predicate
+        outbox.c.lost_confirms > written(0)  # ix_outbox_lost's predicate
     )
     lost = int(conn.execute(lost_sum).scalar_one())
     estimate = _estimated_rows(conn)
@@ -218,13 +221,6 @@ def status_counts(conn: Connection) -> tuple[dict[Status, int], int, bool]:
     )
     counts[Status.CONFIRMED] = int(conn.execute(confirmed).scalar_one())
     return counts, lost, False
-
-
-def _literal(status: Status) -> Any:
-    """A status written into the statement, not bound: only then can a prepared statement's
-    generic plan (psycopg prepares on the fifth run) prove a partial index's predicate
-    (tests/integration/test_claim_plan.py)."""
-    return literal(status.value, literal_execute=True)
 
 
 def _estimated_rows(conn: Connection) -> int | None:

@@ -25,14 +25,13 @@ from sqlalchemy import (
     cast,
     column,
     func,
-    literal,
     select,
     text,
     tuple_,
     update,
 )
 
-from app.outbox.database import OutboxDatabase, status_by_id, storable
+from app.outbox.database import OutboxDatabase, status_by_id, storable, written
 from app.outbox.records import Backoff, ClaimedRow, Published, RetryOutcome, ReturnedRow
 from app.outbox.schema import KEY_OPEN, held, outbox
 from app.outbox.states import Status, check_transition
@@ -180,7 +179,7 @@ class PublisherStore:
         bound, the plan starts from the key heads."""
         if keyed:
             return Status.PENDING
-        return literal(Status.PENDING.value, literal_execute=True)
+        return written(Status.PENDING.value)
 
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedRow]:
         """Take up to ``limit`` due rows, oldest first, into ``in_flight`` under a lease.
@@ -685,7 +684,7 @@ class PublisherStore:
         counts = [
             select(func.count())
             .select_from(outbox)
-            .where(outbox.c.status == literal(status.value, literal_execute=True))
+            .where(outbox.c.status == written(status.value))
             .scalar_subquery()
             for status in (Status.PENDING, Status.IN_FLIGHT)
         ]

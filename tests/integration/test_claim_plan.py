@@ -274,7 +274,7 @@ def test_status_counts_read_their_partial_indexes_in_the_kept_plan(engine: Engin
     counting = [
         (s, p) for s, p in sent if s.lstrip().upper().startswith("SELECT") and "FROM outbox" in s
     ]
-    assert len(counting) >= 3  # pending, in flight, set aside (and lost confirms)
+    assert len(counting) == 4  # pending, in flight, set aside, lost confirms (confirmed: estimated)
     for statement, params in counting:
         scans = outbox_scans(generic_plan(engine, [(statement, params)], first="SELECT"))
         assert scans and all(kind.startswith("Index") for kind, _ in scans), (statement, scans)
