@@ -41,6 +41,13 @@ SQLITE_MAX_IDS = 10_000
 
 #: This transaction's commit does not wait for the disk (the publisher's outcomes only).
 _ASYNC_COMMIT = text("SET LOCAL synchronous_commit TO off")
+#: For the rest of this transaction, the plans of statements that find their rows by id:
+#: primary key lookups, never a sequential or bitmap scan, a hash or a merge join (``by_id``).
+_BY_ID = text(
+    "SELECT set_config('enable_seqscan', 'off', true) || set_config('enable_bitmapscan', 'off',"
+    " true) || set_config('enable_hashjoin', 'off', true) || set_config('enable_mergejoin',"
+    " 'off', true)"
+)
 
 
 def storable(text: str) -> str:
@@ -71,9 +78,9 @@ def status_by_id(status: Status) -> ColumnElement[bool]:
     the soak instead of a few, until the next ANALYZE
     (tests/integration/test_claim_plan.py).
 
-    Known issue (docs/operations.md): ``lease_owner = <owner>`` can steer the plan the same
-    way when the last ANALYZE saw no row leased (write-backs of 3-38 s on a 100,000-row outbox
-    with 8,000 ids in ``make bench``); this fixes the status's half only."""
+    ``lease_owner = <owner>`` steered the plan the same way when the last ANALYZE saw no row
+    leased (write-backs of 3-38 s on a 100,000-row outbox with 8,000 ids in ``make bench``):
+    hence :meth:`OutboxDatabase.by_id` too."""
     return outbox.c.status.concat(literal_column("''")) == literal(status.value, Text)
 
 
@@ -172,6 +179,26 @@ class OutboxDatabase:
         for start in range(0, len(ids), step):
             yield ids[start : start + step]
 
+    def by_id(self, conn: Connection) -> None:
+        """Before statements that find their rows by id (the write-backs, the lease renewal of
+        held rows, the events of rows just moved): their plans look each id up in
+        ``outbox_pkey``, whatever the statistics say. PostgreSQL, once per transaction; the
+        settings last until its end, so a transaction that sends this sends only such
+        statements.
+
+        The conditions on the held rows (``lease_owner = <owner>``, the status) are estimated
+        from the last ANALYZE. When it saw no row leased to the owner, the outbox side was
+        estimated at one row, and on a small outbox a write-back of 8,000 confirms ran as a
+        sequential scan joined to every id in a nested loop: 3-38 s per write-back in
+        ``make bench`` instead of tens of ms (tests/integration/test_claim_plan.py)."""
+        if not self.is_postgres:
+            return
+        transaction = conn.get_transaction()
+        if conn.info.get("by_id") is transaction:
+            return
+        conn.execute(_BY_ID)
+        conn.info["by_id"] = transaction
+
     def held(self, owner: str, ids: Sequence[int]) -> ColumnElement[bool]:
         return and_(self.ids_in(ids), status_by_id(Status.IN_FLIGHT), outbox.c.lease_owner == owner)
 
@@ -193,6 +220,7 @@ class OutboxDatabase:
             return 0
         moved = 0
         with self.begin() as conn:
+            self.by_id(conn)
             for chunk in self.chunks(ids):
                 cond = and_(self.ids_in(chunk), status_by_id(source))
                 if owner is not None:
@@ -216,6 +244,7 @@ class OutboxDatabase:
             return
         names = ["outbox_id", "message_id", "at", "kind", "attempt", "reply_code", "detail"]
         with self.begin() as conn:
+            self.by_id(conn)
             for chunk in self.chunks(ids):
                 rows = select(
                     outbox.c.id,

@@ -114,6 +114,7 @@ class PublisherRegistry:
             if held is None:
                 mine = (outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == publisher_id)
                 return conn.execute(renew.where(*mine)).rowcount
+            self.db.by_id(conn)
             return sum(  # by id, whatever the statistics say (``held``)
                 conn.execute(renew.where(self.db.held(publisher_id, chunk))).rowcount
                 for chunk in self.db.chunks(held)

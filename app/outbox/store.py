@@ -25,6 +25,8 @@ from sqlalchemy import (
     cast,
     column,
     func,
+    literal,
+    literal_column,
     select,
     text,
     tuple_,
@@ -326,6 +328,7 @@ class PublisherStore:
         else:
             params["u_rows"] = json.dumps([[_sqlite_json(x) for x in r] for r in rows])
         with self.db.begin() as conn:
+            self.db.by_id(conn)
             return conn.execute(stmt, params).rowcount
 
     def _update_statement(self, columns: tuple[str, ...], names: tuple[str, ...]) -> Any:
@@ -333,29 +336,39 @@ class PublisherStore:
         stmt = self._updates.get(key)
         if stmt is not None:
             return stmt
-        v = self._pg_rows(columns) if self.db.is_postgres else self._sqlite_rows(columns)
         owner = bindparam("u_owner", type_=outbox.c.lease_owner.type)
         bound = {name: bindparam(f"v_{name}", type_=outbox.c[name].type) for name in names}
+        if self.db.is_postgres:
+            # The held rows' conditions are join conditions, on values the rows ``v`` carry:
+            # PostgreSQL cannot estimate them on ``outbox`` alone (from an ANALYZE that saw no
+            # row leased: one row), so with ``by_id``'s settings each id is looked up in
+            # outbox_pkey (tests/integration/test_claim_plan.py).
+            v = self._pg_rows(columns, owner)
+            holds = (
+                outbox.c.lease_owner == v.c.held_by,
+                outbox.c.status.concat(literal_column("''")) == v.c.held_as,
+            )
+        else:
+            v = self._sqlite_rows(columns)
+            holds = (outbox.c.lease_owner == owner, status_by_id(Status.IN_FLIGHT))
         stmt = (
             update(outbox)
-            .where(
-                outbox.c.id == v.c.id,
-                status_by_id(Status.IN_FLIGHT),
-                outbox.c.lease_owner == owner,
-            )
+            .where(outbox.c.id == v.c.id, *holds)
             .values(**{c: v.c[c] for c in columns}, **bound)
         )
         self._updates[key] = stmt
         return stmt
 
     @staticmethod
-    def _pg_rows(columns: Sequence[str]) -> Any:
+    def _pg_rows(columns: Sequence[str], owner: Any) -> Any:
         names = ["id", *columns]
         return select(
             *[
                 func.unnest(bindparam(f"u_{name}", type_=ARRAY(outbox.c[name].type))).label(name)
                 for name in names
-            ]
+            ],
+            owner.label("held_by"),
+            literal(Status.IN_FLIGHT.value, Text).label("held_as"),
         ).subquery("v")
 
     @staticmethod
@@ -504,6 +517,7 @@ class PublisherStore:
         if self.db.is_postgres:
             held = held.with_for_update()
         with self.db.unit_of_work(), self.db.begin() as conn:  # one transaction: rows stay locked
+            self.db.by_id(conn)
             rows = conn.execute(held).all()
             spent_rows = [r for r in rows if _spent(r, max_attempts=max_attempts, nack=nack)]
             spent = [r.id for r in spent_rows]
@@ -570,6 +584,7 @@ class PublisherStore:
             "available_at": self.db.clock() + dt.timedelta(seconds=delay),
         }
         with self.db.begin() as conn:
+            self.db.by_id(conn)
             return conn.execute(
                 update(outbox).where(self.db.held(owner, ids)).values(**values)
             ).rowcount
@@ -624,6 +639,7 @@ class PublisherStore:
             "delivery_tag": None,
         }
         with self.db.begin() as conn:
+            self.db.by_id(conn)
             return sum(
                 conn.execute(
                     update(outbox).where(self.db.held(owner, chunk)).values(**values)
