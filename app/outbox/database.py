@@ -194,7 +194,7 @@ class OutboxDatabase:
         if not self.is_postgres:
             return
         transaction = conn.get_transaction()
-        if conn.info.get("by_id") is transaction:
+        if transaction is not None and conn.info.get("by_id") is transaction:
             return
         conn.execute(_BY_ID)
         conn.info["by_id"] = transaction

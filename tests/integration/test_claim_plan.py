@@ -293,3 +293,27 @@ def test_status_counts_read_their_partial_indexes_in_the_kept_plan(engine: Engin
     for statement, params in counting:
         scans = outbox_scans(generic_plan(engine, [(statement, params)], first="SELECT"))
         assert scans and all(kind.startswith("Index") for kind, _ in scans), (statement, scans)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_by_id_settings_hold_for_their_transaction_only(engine: Engine) -> None:
+    """``by_id`` sends its settings once per transaction (a flush's write-backs share one unit
+    of work), and they end with it: the next transaction plans as the server is configured."""
+    repo = OutboxClients(engine, clock=lambda: NOW)
+    add(engine, 1, 40)
+    held = [r.id for r in repo.store.claim(owner="p1", limit=40, lease_seconds=30)]
+    db = repo.store.db
+
+    def flush() -> str:
+        with db.unit_of_work(), db.begin() as conn:
+            repo.store.record_published(owner="p1", channel_id=1, tags=[(i, i) for i in held[:20]])
+            repo.store.mark_confirmed(owner="p1", ids=held[:10])
+            return str(conn.exec_driver_sql("SHOW enable_hashjoin").scalar())
+
+    setting, sent = captured(engine, flush)
+    assert setting == "off"
+    assert sum("set_config" in s for s, _ in sent) == 1
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SHOW enable_hashjoin").scalar() == "on"
+    _, sent = captured(engine, lambda: repo.store.mark_confirmed(owner="p1", ids=held[10:20]))
+    assert sum("set_config" in s for s, _ in sent) == 1  # a new transaction: sent again
