@@ -1205,12 +1205,15 @@ def main(argv: list[str] | None = None) -> int:
     checks = verdicts(result)
     result["verdicts"] = [{"target": n, "met": ok, "detail": d} for n, ok, d in checks]
     (RESULTS / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
-    return report(result, args.charts)
+    return report(result, args.charts, checks)
 
 
-def report(result: dict[str, Any], folder: Path) -> int:
-    """Print a run's table, its floor and its verdicts, draw its charts; 1 if a target missed."""
-    checks = verdicts(result)
+def report(
+    result: dict[str, Any], folder: Path, checks: list[tuple[str, bool, str]] | None = None
+) -> int:
+    """Print a run's table, its floor and its verdicts (``checks``, else computed from the
+    result), draw its charts; 1 if a target missed."""
+    checks = verdicts(result) if checks is None else checks
     print()
     print(table(result))
     if result.get("broker_alone"):

@@ -22,6 +22,7 @@ from sqlalchemy import (
     Connection,
     Engine,
     Text,
+    TextClause,
     and_,
     any_,
     bindparam,
@@ -39,15 +40,26 @@ from app.outbox.states import Status, check_transition
 Clock = Callable[[], dt.datetime]
 SQLITE_MAX_IDS = 10_000
 
-#: This transaction's commit does not wait for the disk (the publisher's outcomes only).
-_ASYNC_COMMIT = text("SET LOCAL synchronous_commit TO off")
-#: For the rest of this transaction, the plans of statements that find their rows by id:
-#: primary key lookups, never a sequential or bitmap scan, a hash or a merge join (``by_id``).
-_BY_ID = text(
-    "SELECT set_config('enable_seqscan', 'off', true) || set_config('enable_bitmapscan', 'off',"
-    " true) || set_config('enable_hashjoin', 'off', true) || set_config('enable_mergejoin',"
-    " 'off', true)"
+#: Transaction-local settings, each one ``set_config(name, value, true)``. In one statement
+#: (one round trip) when a unit of work wants both: a publisher's write-back.
+#: ``synchronous_commit``: this transaction's commit does not wait for the disk (the
+#: publisher's outcomes only). The ``enable_*``: the plans of statements that find their rows
+#: by id look each id up in ``outbox_pkey``, never a sequential or bitmap scan, a hash or a
+#: merge join (:meth:`OutboxDatabase.by_id`).
+_ASYNC_COMMIT_SETTINGS = (("synchronous_commit", "off"),)
+_BY_ID_SETTINGS = tuple(
+    (f"enable_{kind}", "off") for kind in ("seqscan", "bitmapscan", "hashjoin", "mergejoin")
 )
+
+
+def _set_local(settings: Sequence[tuple[str, str]]) -> TextClause:
+    calls = " || ".join(f"set_config('{name}', '{value}', true)" for name, value in settings)
+    return text(f"SELECT {calls}")
+
+
+_ASYNC_COMMIT = _set_local(_ASYNC_COMMIT_SETTINGS)
+_BY_ID = _set_local(_BY_ID_SETTINGS)
+_ASYNC_COMMIT_BY_ID = _set_local(_ASYNC_COMMIT_SETTINGS + _BY_ID_SETTINGS)
 
 
 def storable(text: str) -> str:
@@ -65,8 +77,9 @@ class OutboxError(Exception):
     """Base of the outbox clients' own errors."""
 
 
-def status_by_id(status: Status) -> ColumnElement[bool]:
-    """``status = <status>`` for a statement that finds its rows by id (the write-backs, the
+def status_by_id(status: Status | ColumnElement[Any]) -> ColumnElement[bool]:
+    """``status = <status>`` (a status, or a value the statement carries, such as a column of
+    the rows a write-back joins) for a statement that finds its rows by id (the write-backs, the
     lease renewal of held rows, the events recorded for rows just moved), written
     ``status || '' = '<status>'``: the same test, but one that proves no partial index's
     predicate, so the ids drive the plan (primary key lookups) whatever the statistics say.
@@ -81,7 +94,8 @@ def status_by_id(status: Status) -> ColumnElement[bool]:
     ``lease_owner = <owner>`` steered the plan the same way when the last ANALYZE saw no row
     leased (write-backs of 3-38 s on a 100,000-row outbox with 8,000 ids in ``make bench``):
     hence :meth:`OutboxDatabase.by_id` too."""
-    return outbox.c.status.concat(literal_column("''")) == literal(status.value, Text)
+    value = literal(status.value, Text) if isinstance(status, Status) else status
+    return outbox.c.status.concat(literal_column("''")) == value
 
 
 def written(value: Any) -> Any:
@@ -110,7 +124,7 @@ class OutboxDatabase:
         return source if isinstance(source, OutboxDatabase) else cls(source)
 
     @contextmanager
-    def unit_of_work(self, *, durable: bool = True) -> Iterator[None]:
+    def unit_of_work(self, *, durable: bool = True, by_id: bool = False) -> Iterator[None]:
         """Run the calls inside in one transaction (one commit): a publisher writes all the
         outcomes of one flush this way. Nested units join the outer one.
 
@@ -118,7 +132,10 @@ class OutboxDatabase:
         ``synchronous_commit = off`` for this transaction; SQLite ``synchronous = NORMAL`` in
         WAL mode, for it alone). A database crash may undo it whole, never tear it: only for
         writes whose loss re-publishes rather than loses (the publisher's outcomes,
-        docs/guarantees.md section 1)."""
+        docs/guarantees.md section 1).
+
+        ``by_id=True``: every statement inside finds its rows by id (:meth:`by_id`); on
+        PostgreSQL its settings go with the commit's in one round trip."""
         if getattr(self._local, "conn", None) is not None:
             yield
             return
@@ -130,8 +147,12 @@ class OutboxDatabase:
                 conn.commit()
             try:
                 with conn.begin():
-                    if not durable and self.is_postgres:
-                        conn.execute(_ASYNC_COMMIT)
+                    if self.is_postgres and not durable:
+                        conn.execute(_ASYNC_COMMIT_BY_ID if by_id else _ASYNC_COMMIT)
+                        if by_id:
+                            conn.info["by_id"] = conn.get_transaction()
+                    elif by_id:
+                        self.by_id(conn)
                     self._local.conn = conn
                     self._local.committed = committed
                     try:
@@ -155,12 +176,18 @@ class OutboxDatabase:
             committed.append(done)
 
     @contextmanager
-    def begin(self) -> Iterator[Connection]:
+    def begin(self, *, by_id: bool = False) -> Iterator[Connection]:
+        """The unit of work's connection, or a transaction of its own outside one.
+        ``by_id=True``: for statements that find their rows by id (:meth:`by_id`)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
+            if by_id:
+                self.by_id(conn)
             yield conn
             return
         with self.engine.begin() as fresh:
+            if by_id:
+                self.by_id(fresh)
             yield fresh
 
     @property
@@ -184,7 +211,13 @@ class OutboxDatabase:
         held rows, the events of rows just moved): their plans look each id up in
         ``outbox_pkey``, whatever the statistics say. PostgreSQL, once per transaction; the
         settings last until its end, so a transaction that sends this sends only such
-        statements.
+        statements. Callers ask for it with ``begin(by_id=True)`` (or a unit of work's
+        ``by_id=True``); this is for a transaction that learns only on the way.
+
+        The plan that results, for a write-back of n ids: a Nested Loop whose outer side is
+        the ids (``unnest`` of the arrays, or the ``= ANY`` array) and whose inner side is an
+        Index Scan using ``outbox_pkey`` per id, the owner and status checked on each row
+        found; n index lookups, whatever the table holds.
 
         The conditions on the held rows (``lease_owner = <owner>``, the status) are estimated
         from the last ANALYZE. When it saw no row leased to the owner, the outbox side was
@@ -219,8 +252,7 @@ class OutboxDatabase:
         if not ids:
             return 0
         moved = 0
-        with self.begin() as conn:
-            self.by_id(conn)
+        with self.begin(by_id=True) as conn:
             for chunk in self.chunks(ids):
                 cond = and_(self.ids_in(chunk), status_by_id(source))
                 if owner is not None:
@@ -243,8 +275,7 @@ class OutboxDatabase:
         if not ids:
             return
         names = ["outbox_id", "message_id", "at", "kind", "attempt", "reply_code", "detail"]
-        with self.begin() as conn:
-            self.by_id(conn)
+        with self.begin(by_id=True) as conn:
             for chunk in self.chunks(ids):
                 rows = select(
                     outbox.c.id,

@@ -104,7 +104,7 @@ class PublisherRegistry:
         beat: dict[str, Any] = {"heartbeat_at": now, "stopped_at": None}
         if stats is not None:
             beat["stats"] = stats
-        with self.db.begin() as conn:
+        with self.db.begin(by_id=bool(held)) as conn:  # the renewal below finds rows by id
             conn.execute(
                 update(publishers).where(publishers.c.publisher_id == publisher_id).values(**beat)
             )
@@ -114,7 +114,6 @@ class PublisherRegistry:
             if held is None:
                 mine = (outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_owner == publisher_id)
                 return conn.execute(renew.where(*mine)).rowcount
-            self.db.by_id(conn)
             return sum(  # by id, whatever the statistics say (``held``)
                 conn.execute(renew.where(self.db.held(publisher_id, chunk))).rowcount
                 for chunk in self.db.chunks(held)

@@ -26,7 +26,6 @@ from sqlalchemy import (
     column,
     func,
     literal,
-    literal_column,
     select,
     text,
     tuple_,
@@ -327,8 +326,7 @@ class PublisherStore:
                 params[f"u_{name}"] = [r[i] for r in rows]
         else:
             params["u_rows"] = json.dumps([[_sqlite_json(x) for x in r] for r in rows])
-        with self.db.begin() as conn:
-            self.db.by_id(conn)
+        with self.db.begin(by_id=True) as conn:
             return conn.execute(stmt, params).rowcount
 
     def _update_statement(self, columns: tuple[str, ...], names: tuple[str, ...]) -> Any:
@@ -346,7 +344,7 @@ class PublisherStore:
             v = self._pg_rows(columns, owner)
             holds = (
                 outbox.c.lease_owner == v.c.held_by,
-                outbox.c.status.concat(literal_column("''")) == v.c.held_as,
+                status_by_id(v.c.held_as),
             )
         else:
             v = self._sqlite_rows(columns)
@@ -516,8 +514,7 @@ class PublisherStore:
         )
         if self.db.is_postgres:
             held = held.with_for_update()
-        with self.db.unit_of_work(), self.db.begin() as conn:  # one transaction: rows stay locked
-            self.db.by_id(conn)
+        with self.db.unit_of_work(), self.db.begin(by_id=True) as conn:  # rows stay locked
             rows = conn.execute(held).all()
             spent_rows = [r for r in rows if _spent(r, max_attempts=max_attempts, nack=nack)]
             spent = [r.id for r in spent_rows]
@@ -583,8 +580,7 @@ class PublisherStore:
             "lease_until": None,
             "available_at": self.db.clock() + dt.timedelta(seconds=delay),
         }
-        with self.db.begin() as conn:
-            self.db.by_id(conn)
+        with self.db.begin(by_id=True) as conn:
             return conn.execute(
                 update(outbox).where(self.db.held(owner, ids)).values(**values)
             ).rowcount
@@ -638,8 +634,7 @@ class PublisherStore:
             "channel_id": None,
             "delivery_tag": None,
         }
-        with self.db.begin() as conn:
-            self.db.by_id(conn)
+        with self.db.begin(by_id=True) as conn:
             return sum(
                 conn.execute(
                     update(outbox).where(self.db.held(owner, chunk)).values(**values)

@@ -206,8 +206,9 @@ class Writeback:
     # ------------------------------------------------------------ on the DB thread
 
     def _write(self, *, out: Outcomes) -> Written:
-        """The whole write-back in one transaction (one commit)."""
-        with self.p.store.db.unit_of_work(durable=self.p.settings.synchronous_commit):
+        """The whole write-back in one transaction (one commit), every statement by id."""
+        db = self.p.store.db
+        with db.unit_of_work(durable=self.p.settings.synchronous_commit, by_id=True):
             return self._write_all(out)
 
     def _write_all(self, out: Outcomes) -> Written:

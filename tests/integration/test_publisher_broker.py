@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, make_url, select, update
+from sqlalchemy import Connection, Engine, event, make_url, select, update
 from sqlalchemy.exc import OperationalError
 
 from app.db import make_engine
@@ -192,10 +192,10 @@ class _CrashUndoesAWriteback(OutboxDatabase):
             raise OperationalError("BEGIN", {}, Exception("server closed the connection"))
 
     @contextlib.contextmanager
-    def unit_of_work(self, *, durable: bool = True) -> Iterator[None]:
+    def unit_of_work(self, *, durable: bool = True, by_id: bool = False) -> Iterator[None]:
         self._crashed()
         before = set(self.confirmed_ids())
-        with super().unit_of_work(durable=durable):
+        with super().unit_of_work(durable=durable, by_id=by_id):
             yield
         if not durable and not self.undone:
             self.undone = sorted(set(self.confirmed_ids()) - before)
@@ -212,10 +212,10 @@ class _CrashUndoesAWriteback(OutboxDatabase):
                 )
 
     @contextlib.contextmanager
-    def begin(self) -> Iterator[Connection]:
+    def begin(self, *, by_id: bool = False) -> Iterator[Connection]:
         if getattr(self._local, "conn", None) is None:  # a call of its own, not in a unit
             self._crashed()
-        with super().begin() as conn:
+        with super().begin(by_id=by_id) as conn:
             yield conn
 
     def confirmed_ids(self) -> list[int]:
@@ -743,3 +743,39 @@ async def test_several_channels_share_the_window(
         engine.dispose()
     seen = await consume_ids(amqp_url, topology["queue"], expect=3000)
     assert set(seen) == set(ids) and set(seen.values()) == {1}
+
+
+async def test_each_write_back_sends_its_settings_in_one_round_trip(
+    pg_engine: Engine, pg_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """A write-back's transaction sends ONE settings statement before its updates: the commit
+    that does not wait for the disk and the plans by id (``unit_of_work(by_id=True)``), where
+    there were two round trips. Seen on a real drain: every transaction that writes outcomes
+    back."""
+    add_rows(pg_engine, n=600, exchange=topology["exchange"], routing_key="rk")
+    transactions: dict[int, list[str]] = collections.defaultdict(list)
+    done: list[list[str]] = []
+
+    def sent(conn: Connection, _cur: Any, statement: str, *_: Any) -> None:
+        transactions[id(conn)].append(statement)
+
+    def committed(conn: Connection) -> None:
+        done.append(transactions.pop(id(conn), []))
+
+    event.listen(pg_engine, "before_cursor_execute", sent)
+    event.listen(pg_engine, "commit", committed)
+    try:
+        settings = settings_for(db_url=pg_url, amqp_url=amqp_url, claim_batch=100, window=200)
+        stats = await run_until_empty(settings, pg_engine)
+    finally:
+        event.remove(pg_engine, "before_cursor_execute", sent)
+        event.remove(pg_engine, "commit", committed)
+    assert stats.confirmed == 600
+    write_backs = [t for t in done if any("unnest" in s and "UPDATE outbox" in s for s in t)]
+    assert write_backs
+    for statements in write_backs:
+        settings_sent = [s for s in statements if "set_config" in s or "SET LOCAL" in s]
+        assert len(settings_sent) == 1, settings_sent
+        (one,) = settings_sent
+        assert "'synchronous_commit', 'off'" in one and "'enable_seqscan', 'off'" in one, one
+        assert statements[0] == one  # before any statement it shapes
