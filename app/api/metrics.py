@@ -1,7 +1,8 @@
 """``/metrics``: Prometheus text, built per request from the database (no global registry).
 
 Only what the database knows: rows per status, the oldest ages, possible duplicates, live
-publishers, operator republishes. Counters of what the publishers *did* (publishes, confirms,
+publishers, operator republishes, and on PostgreSQL the outbox table's size, dead rows and
+last vacuum (``outbox_table_*``). Counters of what the publishers *did* (publishes, confirms,
 nacks, closes, the confirm-latency histogram) are each publisher's own, served on its own port
 (``outbox_publisher_*``, :mod:`app.publisher.metrics`) and summed by Prometheus: never rebuilt
 from a table, never lowered by a restart.
@@ -46,6 +47,38 @@ class SnapshotCollector(Collector):
             rows.add_metric([status.value], count)
         yield rows
         yield from self._gauges()
+        yield from self._upkeep()
+
+    def _upkeep(self) -> Iterator[Metric]:
+        u = self.snap.upkeep
+        if u is None:  # SQLite
+            return
+        yield GaugeMetricFamily(
+            "outbox_table_live_rows",
+            "Live rows of the outbox table (PostgreSQL's statistics' estimate).",
+            value=u.live_rows,
+        )
+        yield GaugeMetricFamily(
+            "outbox_table_dead_rows",
+            "Dead row versions of the outbox table not yet vacuumed.",
+            value=u.dead_rows,
+        )
+        size = GaugeMetricFamily(
+            "outbox_table_size_bytes", "The outbox table on disk.", labels=["part"]
+        )
+        size.add_metric(["table"], u.table_bytes)
+        size.add_metric(["indexes"], u.index_bytes)
+        yield size
+        yield GaugeMetricFamily(
+            "outbox_table_last_vacuum_timestamp_seconds",
+            "When the outbox was last vacuumed, by autovacuum or by hand (0: never).",
+            value=u.last_vacuum_at.timestamp() if u.last_vacuum_at else 0.0,
+        )
+        yield CounterMetricFamily(
+            "outbox_table_autovacuums",
+            "Autovacuums of the outbox since PostgreSQL's statistics began.",
+            value=u.autovacuum_runs,
+        )
 
     def _gauges(self) -> Iterator[Metric]:
         snap = self.snap

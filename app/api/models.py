@@ -35,6 +35,7 @@ from app.outbox.actions import (
 from app.outbox.reports import PublisherReport
 from app.outbox.scope import CAUSE_LENGTH, CRITERIA, RepublishFilter, ScopeError
 from app.outbox.states import Status
+from app.outbox.upkeep import Upkeep, advice
 
 #: No control characters (PostgreSQL text refuses NUL), bounded length.
 TEXT_PATTERN = rf"^[^{CONTROL_CHARACTERS}]+$"
@@ -137,6 +138,54 @@ class PublisherOut(BaseModel):
     )
 
 
+class TableUpkeepOut(BaseModel):
+    """The outbox table's upkeep (PostgreSQL): docs/operations.md, "Autovacuum"."""
+
+    live_rows: int = Field(description="Live rows, PostgreSQL's statistics' estimate.")
+    dead_rows: int = Field(
+        description="Dead row versions not yet vacuumed (each row leaves three behind)."
+    )
+    table_bytes: int
+    index_bytes: int
+    last_vacuum_at: dt.datetime | None = Field(
+        description="The latest VACUUM of the outbox, by autovacuum or by hand."
+    )
+    last_analyze_at: dt.datetime | None
+    autovacuum_runs: int = Field(description="Autovacuums of the outbox since stats began.")
+    vacuum_running: bool
+    server_autovacuum: bool = Field(description="The server's autovacuum setting.")
+    naptime_seconds: float = Field(description="The server's autovacuum_naptime.")
+    table_settings: dict[str, str] = Field(
+        description="The outbox's own autovacuum storage parameters (migration 0020 sets "
+        "autovacuum_vacuum_cost_delay and autovacuum_vacuum_scale_factor)."
+    )
+    warnings: list[str] = Field(
+        description="Wrong now (outbox status --check warns): autovacuum off, or behind."
+    )
+    notes: list[str] = Field(
+        description="Settings that let dead rows pile up under load; shown, not alarmed on."
+    )
+
+    @classmethod
+    def of(cls, u: Upkeep, *, now: dt.datetime) -> TableUpkeepOut:
+        said = advice(u, now=now)
+        return cls(
+            live_rows=u.live_rows,
+            dead_rows=u.dead_rows,
+            table_bytes=u.table_bytes,
+            index_bytes=u.index_bytes,
+            last_vacuum_at=u.last_vacuum_at,
+            last_analyze_at=u.last_analyze_at,
+            autovacuum_runs=u.autovacuum_runs,
+            vacuum_running=u.vacuum_running,
+            server_autovacuum=u.server_autovacuum,
+            naptime_seconds=u.naptime_seconds,
+            table_settings=u.table_settings,
+            warnings=said.warnings,
+            notes=said.notes,
+        )
+
+
 class StatsOut(BaseModel):
     at: dt.datetime
     counts: StatusCounts
@@ -179,6 +228,11 @@ class StatsOut(BaseModel):
         description="A live publisher reports the broker blocking it (memory or disk alarm)."
     )
     publishers: list[PublisherOut]
+    table: TableUpkeepOut | None = Field(
+        default=None,
+        description="The outbox table's size, dead rows and autovacuum (PostgreSQL; null on "
+        "SQLite).",
+    )
 
     @classmethod
     def of(cls, s: queries.OutboxStats) -> StatsOut:
@@ -219,6 +273,7 @@ class StatsOut(BaseModel):
                 )
                 for p in s.publishers
             ],
+            table=TableUpkeepOut.of(s.upkeep, now=s.at) if s.upkeep is not None else None,
         )
 
 

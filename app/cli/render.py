@@ -10,6 +10,7 @@ from app.cli_output import cell, plain_table, say, show_table
 from app.outbox import queries
 from app.outbox.scope import RepublishFilter
 from app.outbox.states import Status
+from app.outbox.upkeep import Upkeep, advice
 
 
 def duration(seconds: float | None) -> str:
@@ -61,6 +62,11 @@ def render_stats(s: queries.OutboxStats) -> str:
         f"parked (uncommitted)  {s.parked}"
         + (f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else ""),
         f"delayed (not due yet) {s.delayed}" + _next_delayed(s),
+        *(
+            [f"{name:<21} {value}" for name, value in upkeep_lines(s.upkeep, s.at)]
+            if s.upkeep is not None
+            else []
+        ),
         "",
         f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known",
     ]
@@ -108,6 +114,7 @@ def show_stats(s: queries.OutboxStats) -> None:
                 + (f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else ""),
             ),
             ("delayed (not due yet)", str(s.delayed) + _next_delayed(s)),
+            *(upkeep_lines(s.upkeep, s.at) if s.upkeep is not None else []),
         ],
     )
     if s.blocked_publishers:
@@ -126,6 +133,36 @@ def show_stats(s: queries.OutboxStats) -> None:
     ]
     alive = f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known"
     show_table(["publisher", "host", "pid", "heartbeat", "state"], pubs, title=alive)
+
+
+def upkeep_lines(u: Upkeep, now: dt.datetime) -> list[tuple[str, str]]:
+    """The outbox table's upkeep as (figure, value) lines, its warnings and notes last."""
+    vacuumed = (
+        f"vacuumed {duration(_ago(u.last_vacuum_at, now))} ago"
+        if u.last_vacuum_at is not None
+        else "never vacuumed"
+    )
+    own = ", ".join(f"{k.removeprefix('autovacuum_')}={v}" for k, v in u.table_settings.items())
+    said = advice(u, now=now)
+    return [
+        (
+            "outbox table",
+            f"{_mb(u.table_bytes + u.index_bytes)} ({_mb(u.table_bytes)} + "
+            f"{_mb(u.index_bytes)} indexes), {u.live_rows:,} live rows, {u.dead_rows:,} dead",
+        ),
+        (
+            "autovacuum",
+            f"{'on' if u.server_autovacuum else 'OFF'}, naptime {u.naptime_seconds:g} s; "
+            f"{vacuumed}{' (running now)' if u.vacuum_running else ''}, "
+            f"{u.autovacuum_runs} autovacuums; the outbox's own: {own or 'none'}",
+        ),
+        *(("WARNING", w) for w in said.warnings),
+        *(("note", n) for n in said.notes),
+    ]
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB" if n >= 10e6 else f"{n / 1e6:,.1f} MB"
 
 
 def _ago(then: dt.datetime, now: dt.datetime) -> float:

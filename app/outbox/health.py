@@ -11,6 +11,7 @@ from enum import IntEnum
 
 from app.outbox.queries import OutboxStats
 from app.outbox.states import TERMINAL_FAILURES, Status
+from app.outbox.upkeep import advice
 
 
 class Level(IntEnum):
@@ -81,6 +82,8 @@ def verdict(stats: OutboxStats, limits: Thresholds = Thresholds()) -> Verdict:
     dead = len(stats.publishers) - stats.publishers_alive
     if dead and stats.publishers_alive:
         warn.append(f"{dead} known publisher(s) not alive")
+    if stats.upkeep is not None:  # the table's notes are shown, not alarmed on
+        warn.extend(advice(stats.upkeep, now=stats.at).warnings)
     if crit:
         return Verdict(Level.CRITICAL, crit + warn)
     return Verdict(Level.WARNING, warn) if warn else Verdict(Level.OK)

@@ -55,6 +55,7 @@ from app.outbox.schema import (
 )
 from app.outbox.scope import CAUSE_LENGTH, Scope
 from app.outbox.states import TERMINAL_FAILURES, Status
+from app.outbox.upkeep import Upkeep
 
 MAX_ROW_ID = 2**63 - 1
 T = TypeVar("T")
@@ -169,6 +170,8 @@ class OutboxStats:
     #: in the oldest pending age; and the earliest of those times
     delayed: int = 0
     next_delayed_at: dt.datetime | None = None
+    #: the outbox table's size, dead rows and autovacuum (PostgreSQL; None on SQLite)
+    upkeep: Upkeep | None = None
 
     @property
     def publishers_alive(self) -> int:
@@ -221,6 +224,45 @@ def status_counts(conn: Connection) -> tuple[dict[Status, int], int, bool]:
     )
     counts[Status.CONFIRMED] = int(conn.execute(confirmed).scalar_one())
     return counts, lost, False
+
+
+_UPKEEP = text(
+    """
+    SELECT s.n_live_tup, s.n_dead_tup, pg_table_size(c.oid), pg_indexes_size(c.oid),
+           greatest(s.last_vacuum, s.last_autovacuum), greatest(s.last_analyze, s.last_autoanalyze),
+           s.autovacuum_count,
+           EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.relid = c.oid),
+           current_setting('autovacuum') = 'on',
+           (SELECT setting::float FROM pg_settings WHERE name = 'autovacuum_naptime'),
+           coalesce(c.reloptions, '{}')
+    FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid
+    WHERE c.oid = to_regclass(:t)
+    """
+)
+
+
+def table_upkeep(conn: Connection) -> Upkeep | None:
+    """The outbox table's upkeep figures (PostgreSQL's statistics and settings, one
+    statement, no scan of the table); None elsewhere."""
+    if conn.dialect.name != "postgresql":
+        return None
+    row = conn.execute(_UPKEEP, {"t": outbox.name}).one_or_none()
+    if row is None:
+        return None
+    options = dict(o.split("=", 1) for o in row[10])
+    return Upkeep(
+        live_rows=int(row[0]),
+        dead_rows=int(row[1]),
+        table_bytes=int(row[2]),
+        index_bytes=int(row[3]),
+        last_vacuum_at=row[4],
+        last_analyze_at=row[5],
+        autovacuum_runs=int(row[6]),
+        vacuum_running=bool(row[7]),
+        server_autovacuum=bool(row[8]),
+        naptime_seconds=float(row[9]),
+        table_settings={k: v for k, v in options.items() if k.startswith("autovacuum")},
+    )
 
 
 def _estimated_rows(conn: Connection) -> int | None:
@@ -387,6 +429,7 @@ def read_stats(
         counts, lost, estimated = status_counts(conn)
         parked, parked_age = parked_rows(conn, now=now)
         delayed, next_delayed = delayed_rows(conn, now=now)
+        upkeep = table_upkeep(conn)
         return OutboxStats(
             at=now,
             counts=counts,
@@ -401,6 +444,7 @@ def read_stats(
             possible_duplicates=lost,
             operator_republished=operator_republished(conn),
             publishers=publisher_rows(conn, now=now, alive_after=alive_after),
+            upkeep=upkeep,
         )
 
 
@@ -1626,6 +1670,7 @@ class MetricsSnapshot:
     parked: int = 0
     oldest_parked_age_seconds: float | None = None
     delayed: int = 0
+    upkeep: Upkeep | None = None
 
 
 def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) -> MetricsSnapshot:
@@ -1652,6 +1697,7 @@ def metrics_snapshot(engine: Engine, *, now: dt.datetime, alive_after: float) ->
             parked=parked,
             oldest_parked_age_seconds=parked_age,
             delayed=delayed,
+            upkeep=table_upkeep(conn),
         )
 
 

@@ -18,12 +18,27 @@ from app.consumer import ConsumerMetrics
 from app.consumer import registry_for as consumer_registry
 from app.outbox.queries import MetricsSnapshot
 from app.outbox.states import Status
+from app.outbox.upkeep import Upkeep
 from app.publisher.metrics import PublisherMetrics, registry_for
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "outbox-alerts.yml"
 RULES_TEST = REPO / "deploy" / "prometheus" / "outbox-alerts-test.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "outbox-dashboard.json"
+
+
+UPKEEP = Upkeep(
+    live_rows=0,
+    dead_rows=0,
+    table_bytes=0,
+    index_bytes=0,
+    last_vacuum_at=None,
+    last_analyze_at=None,
+    autovacuum_runs=0,
+    vacuum_running=False,
+    server_autovacuum=True,
+    naptime_seconds=15.0,
+)
 
 
 def exported() -> set[str]:
@@ -43,6 +58,7 @@ def exported() -> set[str]:
                 operator_republished=0,
                 publishers_alive=0,
                 publishers_known=0,
+                upkeep=UPKEEP,
             )
         ).collect(),
     ]

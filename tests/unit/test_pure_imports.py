@@ -24,6 +24,7 @@ PURE = [
     "app.outbox.records",
     "app.outbox.scope",
     "app.outbox.states",
+    "app.outbox.upkeep",
     "app.amqp.codec",
     "app.amqp.errors",
     "app.publisher.destinations",

@@ -12,6 +12,7 @@ from app.api.console.base import PAGE, ConsoleError, page_router, param, render,
 from app.api.context import get_ctx
 from app.outbox import health, queries
 from app.outbox.states import TERMINAL_FAILURES, Status
+from app.outbox.upkeep import advice
 
 router = page_router()
 
@@ -85,6 +86,8 @@ def overview(request: Request) -> HTMLResponse:
         statuses=list(Status),
         parked_keys=parked_keys,
         failures=sum(stats.counts.get(s, 0) for s in TERMINAL_FAILURES),
+        # the table's warnings are in the verdict; its notes beside its figures
+        upkeep_notes=advice(stats.upkeep, now=stats.at).notes if stats.upkeep else [],
     )
 
 
