@@ -10,13 +10,17 @@ on its way pending → in_flight → confirmed:
 - ``wide``: one table, as the outbox is (primary key, unique ``message_id``, batch, the partial
   due, lease and lost-confirm indexes);
 - ``narrow``: ``message`` (primary key, unique ``message_id``, batch) and ``state`` (primary key,
-  due, lease, lost-confirm), one row each per message.
+  due, lease, lost-confirm), one row each per message;
+- ``brin`` (``--layouts wide,brin``): ``wide`` with the outbox's BRIN index on ``created_at``
+  (``ix_outbox_created``, migration 0018), to price that index alone.
 
 Each cycle inserts ``--rows`` rows (one statement, as a Spark task's COPY is one), claims them
 (the product's claim shape: ``FOR UPDATE SKIP LOCKED`` in a CTE, ``UPDATE … RETURNING`` the
 message; the narrow one joins the message table) and writes their confirms back (``UPDATE …
 FROM unnest(…)``, commit not waiting for the disk, as the publisher's write-backs). The layouts
-alternate cycle by cycle; both tables are analysed every 50 cycles so their plans stay alike.
+alternate cycle by cycle; every table is vacuumed and analysed every 50 cycles, so that their
+plans stay alike and row versions land on reused pages, as under autovacuum (a BRIN range is
+only summarised, and from then on kept up to date by every new version in it, once vacuumed).
 Prints each step's median and p90 time and WAL bytes per row. Hand-written SQL on both sides
 (not the product's statements), so only the difference between the two lines means anything.
 """
@@ -65,12 +69,18 @@ DDL = {
         *(s.format(t="state") for s in STATE_INDEXES),
     ],
 }
+DDL["brin"] = [
+    *(s.replace("wide", "brin") for s in DDL["wide"]),
+    "CREATE INDEX ON brin USING brin (created_at)",
+]
+TABLES = {"wide": ["wide"], "narrow": ["message", "state"], "brin": ["brin"]}
 ROWS = (
     "SELECT 'm-' || g, 'b', 'ex', 'rk', %(body)s "
     "FROM generate_series(%(first)s::bigint, %(last)s::bigint) g"
 )
 INSERT = {
     "wide": f"INSERT INTO wide (message_id, batch_id, exchange, routing_key, body) {ROWS}",
+    "brin": f"INSERT INTO brin (message_id, batch_id, exchange, routing_key, body) {ROWS}",
     "narrow": (
         f"WITH m AS (INSERT INTO message (message_id, batch_id, exchange, routing_key, body) "
         f"{ROWS} RETURNING id) INSERT INTO state (id) SELECT id FROM m"
@@ -90,11 +100,14 @@ DUE = (
     "ORDER BY available_at, id LIMIT 2000 FOR UPDATE SKIP LOCKED) "
 )
 CLAIM = {
-    "wide": DUE.format(t="wide")
-    + "UPDATE wide m "
-    + SET_CLAIMED.format(s="m")
-    + " FROM due WHERE m.id = due.id RETURNING "
-    + RETURNING.format(s="m"),
+    **{
+        t: DUE.format(t=t)
+        + f"UPDATE {t} m "
+        + SET_CLAIMED.format(s="m")
+        + " FROM due WHERE m.id = due.id RETURNING "
+        + RETURNING.format(s="m")
+        for t in ("wide", "brin")
+    },
     "narrow": DUE.format(t="state")
     + "UPDATE state s "
     + SET_CLAIMED.format(s="s")
@@ -107,7 +120,7 @@ WRITE_BACK = (
     "FROM (SELECT unnest(%(ids)s::bigint[]) AS id, unnest(%(tags)s::bigint[]) AS tag) AS v "
     "WHERE {t}.id = v.id AND {t}.status = 'in_flight' AND {t}.lease_owner = 'me'"
 )
-UPDATED = {"wide": "wide", "narrow": "state"}
+UPDATED = {"wide": "wide", "narrow": "state", "brin": "brin"}
 STEPS = ("insert", "claim", "write-back")
 
 
@@ -116,7 +129,14 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=300, help="cycles per layout")
     parser.add_argument("--rows", type=int, default=170, help="rows per cycle (a claim's size)")
     parser.add_argument("--body", type=int, default=256, help="body bytes per row")
+    parser.add_argument(
+        "--layouts", default="wide,narrow", help="two or more of wide, narrow, brin"
+    )
     args = parser.parse_args()
+    layouts = args.layouts.split(",")
+    if len(layouts) < 2 or not set(layouts) <= set(DDL) or len(set(layouts)) != len(layouts):
+        parser.error(f"--layouts: two or more of {', '.join(DDL)}, each once")
+    tables = ", ".join(t for layout in layouts for t in TABLES[layout])
     n, body = args.rows, bytes(i % 256 for i in range(args.body))
     times: dict[tuple[str, str], list[float]] = {}
     wal: dict[tuple[str, str], list[float]] = {}
@@ -124,8 +144,9 @@ def main() -> int:
         temp_postgres(Services.from_env()) as url,
         psycopg.connect(libpq_url(url), autocommit=True) as conn,
     ):
-        for statement in DDL["wide"] + DDL["narrow"]:
-            conn.execute(statement)
+        for layout in layouts:
+            for statement in DDL[layout]:
+                conn.execute(statement)
 
         def lsn() -> Any:
             return conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
@@ -141,8 +162,9 @@ def main() -> int:
         first = 0
         for cycle in range(args.cycles):
             if cycle % 50 == 0:
-                conn.execute("ANALYZE wide, message, state")
-            for layout in ("wide", "narrow") if cycle % 2 == 0 else ("narrow", "wide"):
+                conn.execute(f"VACUUM ANALYZE {tables}")
+            k = cycle % len(layouts)  # each layout first as often as the others
+            for layout in layouts[k:] + layouts[:k]:
                 values = {"body": body, "first": first, "last": first + n - 1}
 
                 def insert(layout: str = layout, values: dict[str, Any] = values) -> None:
@@ -175,7 +197,7 @@ def main() -> int:
     print(f"{args.cycles} cycles of {n} rows ({args.body}-byte bodies) per layout")
     print(f"{'step':<11} {'layout':<7} {'median ms':>9} {'p90 ms':>7} {'WAL B/row':>9}")
     for name in STEPS:
-        for layout in ("wide", "narrow"):
+        for layout in layouts:
             t = sorted(times[(layout, name)][skip:])
             w = statistics.median(wal[(layout, name)][skip:])
             print(
