@@ -152,7 +152,10 @@ class TableUpkeepOut(BaseModel):
     )
     last_analyze_at: dt.datetime | None
     autovacuum_runs: int = Field(description="Autovacuums of the outbox since stats began.")
-    vacuum_running: bool
+    vacuum_running: bool = Field(
+        description="A VACUUM of the outbox runs now. Autovacuum's workers are seen only by "
+        "a role with pg_read_all_stats; otherwise false while they run."
+    )
     server_autovacuum: bool = Field(description="The server's autovacuum setting.")
     naptime_seconds: float = Field(description="The server's autovacuum_naptime.")
     table_settings: dict[str, str] = Field(

@@ -38,6 +38,8 @@ class Upkeep:
     last_vacuum_at: dt.datetime | None
     last_analyze_at: dt.datetime | None
     autovacuum_runs: int
+    #: a VACUUM of the outbox runs now (``pg_stat_progress_vacuum``; autovacuum's workers are
+    #: visible only to a role with ``pg_read_all_stats``, else this stays False while they run)
     vacuum_running: bool
     #: the server's ``autovacuum`` and ``autovacuum_naptime``
     server_autovacuum: bool

@@ -762,14 +762,19 @@ async def test_each_write_back_sends_its_settings_in_one_round_trip(
     def committed(conn: Connection) -> None:
         done.append(transactions.pop(id(conn), []))
 
+    def rolled_back(conn: Connection) -> None:  # reads end so: their statements go with them
+        transactions.pop(id(conn), None)
+
     event.listen(pg_engine, "before_cursor_execute", sent)
     event.listen(pg_engine, "commit", committed)
+    event.listen(pg_engine, "rollback", rolled_back)
     try:
         settings = settings_for(db_url=pg_url, amqp_url=amqp_url, claim_batch=100, window=200)
         stats = await run_until_empty(settings, pg_engine)
     finally:
         event.remove(pg_engine, "before_cursor_execute", sent)
         event.remove(pg_engine, "commit", committed)
+        event.remove(pg_engine, "rollback", rolled_back)
     assert stats.confirmed == 600
     write_backs = [t for t in done if any("unnest" in s and "UPDATE outbox" in s for s in t)]
     assert write_backs
