@@ -1,5 +1,10 @@
 """Shared fixtures: real RabbitMQ and PostgreSQL on loopback, fresh migrated databases per test.
 
+Each run migrates once per backend and copies (test time is product time): PostgreSQL databases
+are ``CREATE DATABASE ... TEMPLATE`` copies of one migrated template (about 20 ms with the drop,
+where TRUNCATE of the 13 tables would save about as much and share state between tests), SQLite
+files copies of one migrated file (0.5 ms against 0.12-0.7 s for a migration).
+
 The suite never reads the service's own settings. Every ``OUTBOX_*`` variable of the calling shell
 is removed from the test process's environment before any test runs (an operator's
 ``OUTBOX_DATABASE_URL`` must not become a database the tests create and drop in); the suite has
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import time
 import uuid
@@ -135,11 +141,31 @@ def pg_template(service_urls: dict[str, str]) -> Iterator[str]:
     name = f"outbox_tmpl_{uuid.uuid4().hex[:10]}"
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(service_urls["pg"]).set(database=name).render_as_string(hide_password=False)
-    migrate(url)
+    migrate(database_url(service_urls, name))
     yield name
     drop_database(admin, name)
     admin.dispose()
+
+
+def database_url(service_urls: dict[str, str], name: str) -> str:
+    """The URL of database ``name`` on the suite's PostgreSQL."""
+    return make_url(service_urls["pg"]).set(database=name).render_as_string(hide_password=False)
+
+
+def copy_database(admin: Engine, *, template: str, prefix: str) -> str:
+    """A new database ``prefix...`` copied from ``template``; retried, since PostgreSQL copies
+    only a template nobody is connected to (an autovacuum worker may be)."""
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
+    for attempt in range(40):
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
+            return name
+        except DBAPIError:
+            if attempt == 39:
+                raise
+            time.sleep(0.25)
+    raise AssertionError("unreachable")
 
 
 def drop_database(admin: Engine, name: str) -> None:
@@ -159,20 +185,27 @@ def drop_database(admin: Engine, name: str) -> None:
 def pg_url(service_urls: dict[str, str], pg_template: str) -> Iterator[str]:
     """URL of a fresh, migrated PostgreSQL database of this test's own."""
     admin = make_engine(service_urls["pg"], isolation_level="AUTOCOMMIT")
-    name = f"outbox_t_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
-    yield make_url(service_urls["pg"]).set(database=name).render_as_string(hide_password=False)
+    name = copy_database(admin, template=pg_template, prefix="outbox_t_")
+    yield database_url(service_urls, name)
     drop_database(admin, name)
     admin.dispose()
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated SQLite file; each test copies it. Migrations leave it in rollback-journal
+    mode with every connection closed, so the file alone is the whole database."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "outbox.db"
+    migrate(f"sqlite:///{path}")
+    return path
+
+
 @pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    """URL of a fresh, migrated SQLite file of this test's own."""
-    url = f"sqlite:///{tmp_path / 'outbox.db'}"
-    migrate(url)
-    return url
+def sqlite_url(tmp_path: Path, sqlite_template: Path) -> str:
+    """URL of a fresh, migrated SQLite file of this test's own (a copy of the template)."""
+    path = tmp_path / "outbox.db"
+    shutil.copyfile(sqlite_template, path)
+    return f"sqlite:///{path}"
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
