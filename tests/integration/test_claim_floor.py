@@ -18,7 +18,7 @@ from sqlalchemy import Engine, insert, text
 
 from app.outbox.schema import held
 from app.outbox.store import CLAIM_REWALK
-from tests.integration.test_large_outbox import _nodes, captured
+from tests.large_outbox import captured, plan_nodes
 from tests.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
@@ -141,7 +141,7 @@ def _index_buffers(engine: Engine, sent: list[tuple[str, Any]]) -> int:
                 f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {claim_sql}", params
             ).scalar()
             conn.rollback()
-        (walk,) = [n for n in _nodes(plan[0]["Plan"]) if n.get("Index Name") == "ix_outbox_due"]
+        (walk,) = [n for n in plan_nodes(plan[0]["Plan"]) if n.get("Index Name") == "ix_outbox_due"]
         buffers = int(walk["Shared Hit Blocks"]) + int(walk["Shared Read Blocks"])
     return buffers
 

@@ -26,7 +26,7 @@ from sqlalchemy import Engine, text
 from app.outbox.queries import delayed_rows, status_counts
 from app.outbox.records import Published
 from app.outbox.states import Status
-from tests.integration.test_large_outbox import _nodes, captured
+from tests.large_outbox import captured, plan_nodes
 from tests.outbox_clients import OutboxClients
 
 NOW = dt.datetime(2026, 11, 25, 12, 0, tzinfo=dt.UTC)
@@ -77,7 +77,7 @@ def generic_plan(
         cur.execute(f"EXPLAIN (FORMAT JSON) EXECUTE claim{arguments}", parameters)
         plan = cur.fetchone()[0]  # type: ignore[index]
         cur.execute("DEALLOCATE claim")
-    return list(_nodes(plan[0]["Plan"]))
+    return list(plan_nodes(plan[0]["Plan"]))
 
 
 def walks_the_due_index(nodes: list[dict[str, Any]]) -> bool:
@@ -167,7 +167,7 @@ def test_delayed_rows_stay_out_of_the_claims_walk(engine: Engine) -> None:
                 conn.exec_driver_sql(statement, values)
         plan = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {claim}", params).scalar()
         conn.rollback()
-    walk = [n for n in _nodes(plan[0]["Plan"]) if n.get("Index Name") == "ix_outbox_due"]
+    walk = [n for n in plan_nodes(plan[0]["Plan"]) if n.get("Index Name") == "ix_outbox_due"]
     assert len(walk) == 1 and walk[0]["Actual Rows"] == SMALL
     assert walk[0].get("Rows Removed by Filter", 0) == 0
     with engine.connect() as conn:  # the statement `outbox status` sends
@@ -177,7 +177,7 @@ def test_delayed_rows_stay_out_of_the_claims_walk(engine: Engine) -> None:
         count = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", values).scalar()
     scans = {
         (n["Node Type"], n.get("Index Name"))
-        for n in _nodes(count[0]["Plan"])
+        for n in plan_nodes(count[0]["Plan"])
         if n.get("Relation Name") == "outbox"
     }
     assert scans == {("Index Only Scan", "ix_outbox_delayed")}, scans
@@ -266,7 +266,7 @@ def test_write_backs_look_their_rows_up_by_id_whatever_the_statistics(
                 if "set_config" in setting:
                     conn.exec_driver_sql(setting, values)
             plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", params).scalar()
-        custom = outbox_scans(list(_nodes(plan[0]["Plan"])))
+        custom = outbox_scans(list(plan_nodes(plan[0]["Plan"])))
         generic = outbox_scans(generic_plan(engine, sent, first=first))
         assert custom == generic == {("Index Scan", "outbox_pkey")}, (name, custom, generic)
 

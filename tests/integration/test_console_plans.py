@@ -3,9 +3,9 @@
 and the overview's rates.
 
 The statements checked are the ones production sends, captured from the engine while the
-console's own query functions run on ``test_large_outbox``'s table (a row a second for ~11.6
-days, almost every row confirmed; the 500 failed rows in the middle), then explained with their
-parameters (``EXPLAIN (FORMAT JSON)``, no timing). A walk of the table is a ``Seq Scan`` of
+console's own query functions run on the table of ``tests/large_outbox.py`` (a row a second for
+~11.6 days, almost every row confirmed; the 500 failed rows in the middle), then explained with
+their parameters (``EXPLAIN (FORMAT JSON)``, no timing). A walk of the table is a ``Seq Scan`` of
 ``outbox``, or an ``Index Scan`` of its primary key with no index condition: the plan
 ``ORDER BY id LIMIT 50`` got for a status search, which read 900,000 rows to find 50.
 PostgreSQL only.
@@ -25,12 +25,7 @@ from app.api.console.base import PAGE
 from app.outbox import queries
 from app.outbox.scope import Scope
 from app.outbox.states import Status
-from tests.integration.test_large_outbox import (
-    NOW,
-    _nodes,
-    captured,
-)
-from tests.integration.test_large_outbox import large as large  # the fixture
+from tests.large_outbox import NOW, captured, plan_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +48,7 @@ def explained(engine: Engine, run: Callable[[], Any]) -> tuple[Any, list[tuple[s
             if not statement.lstrip().upper().startswith(("SELECT", "WITH")):
                 continue
             plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters).scalar()
-            nodes = list(_nodes(plan[0]["Plan"]))
+            nodes = list(plan_nodes(plan[0]["Plan"]))
             used = {n["Index Name"] for n in nodes if "Index Name" in n}
             used |= {"WALK"} if any(walks_of_outbox(n) for n in nodes) else set()
             out.append((statement, used))
@@ -106,7 +101,7 @@ def test_the_check_sees_the_walk_that_ordering_by_id_made(large: Engine, scope: 
     assert n == 1, statement
     with large.connect() as conn:
         plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {old}", parameters).scalar()
-    assert any(walks_of_outbox(node) for node in _nodes(plan[0]["Plan"]))
+    assert any(walks_of_outbox(node) for node in plan_nodes(plan[0]["Plan"]))
 
 
 def test_batches_newest_first_walk_the_batch_index_both_ways(large: Engine) -> None:
@@ -148,7 +143,7 @@ def test_overview_rates_read_the_samples_not_the_rows(large: Engine) -> None:
     assert not rates.sampled  # the table was built by hand: no publisher sampled it
 
 
-#: Every console page, as an operator opens them on this table (rows of ``test_large_outbox``).
+#: Every console page, as an operator opens them on this table (rows of ``tests/large_outbox.py``).
 CONSOLE_PAGES = (
     "/ui",
     "/ui/failures",
