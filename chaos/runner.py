@@ -123,7 +123,6 @@ class Scenario:
     produce: Step | None = None
     verifier_prefetch: int = 500
     verifier_flush: float = 0.05
-    reduced: bool = True  # also in make test (tests/chaos), with 2k rows
     #: a fault that lasts minutes: ``make chaos-long`` only (``python -m chaos.run --long``)
     long: bool = False
     #: on the matrix's three-node cluster, into a quorum queue (the publisher gets a multi-host

@@ -1662,7 +1662,6 @@ SCENARIOS: list[Scenario] = [
         spark_driver_kill,
         produce=produce_with_spark,
         trigger=0.0,
-        reduced=False,  # Spark starts twice: the full matrix only
         timeout=480,
     ),
     Scenario(
@@ -1675,7 +1674,6 @@ SCENARIOS: list[Scenario] = [
         setup=publishers_on_nodes_1_2,
         verify=moved_off_the_killed_node,
         env=CLUSTER_ENV,
-        reduced=False,
     ),
     Scenario(
         "17b",
@@ -1686,7 +1684,6 @@ SCENARIOS: list[Scenario] = [
         setup=verifier_off_the_leader,
         verify=a_new_leader,
         env=CLUSTER_ENV,
-        reduced=False,
     ),
     Scenario(
         "17c",
@@ -1701,7 +1698,6 @@ SCENARIOS: list[Scenario] = [
         trigger=0.1,
         verify=rows_waited_without_spending,
         env=CLUSTER_ENV,
-        reduced=False,
         timeout=360,
     ),
     Scenario(
@@ -1716,7 +1712,6 @@ SCENARIOS: list[Scenario] = [
         teardown=thaw_everything,
         flow=8.0,
         env=CLUSTER_ENV,
-        reduced=False,
     ),
     Scenario(
         "17e",
@@ -1730,7 +1725,6 @@ SCENARIOS: list[Scenario] = [
         trigger=0.05,
         verify=rows_flowed_through_the_restart,
         env=CLUSTER_ENV,
-        reduced=False,
         timeout=360,
     ),
     Scenario(
@@ -1746,7 +1740,6 @@ SCENARIOS: list[Scenario] = [
         verify=ordered_through_the_leader_change,
         flow=4.0,
         env={**CLUSTER_ENV, **_env(claim_batch=50, window=150)},
-        reduced=False,
     ),
     Scenario(
         "17g",
@@ -1762,7 +1755,6 @@ SCENARIOS: list[Scenario] = [
         verify=kit_effects_through_the_leader_change,
         teardown=stop_the_kits,
         env=CLUSTER_ENV,
-        reduced=False,
     ),
     Scenario(
         "17c-long",
@@ -1775,7 +1767,6 @@ SCENARIOS: list[Scenario] = [
         trigger=0.1,
         verify=long_outage_accounted,
         env=CLUSTER_ENV,
-        reduced=False,
         long=True,
         timeout=LONG_OUTAGE + 400,
     ),
@@ -1791,7 +1782,6 @@ SCENARIOS: list[Scenario] = [
         trigger=0.1,
         verify=long_fault_accounted,
         teardown=broker_started,
-        reduced=False,
         long=True,
         timeout=LONG_OUTAGE + 600,
     ),
@@ -1808,7 +1798,6 @@ SCENARIOS: list[Scenario] = [
         trigger=0.1,
         verify=long_fault_accounted,
         teardown=postgres_started,
-        reduced=False,
         long=True,
         timeout=LONG_OUTAGE + 600,
     ),
@@ -1823,7 +1812,6 @@ SCENARIOS: list[Scenario] = [
         trigger=0.1,
         verify=long_fault_accounted,
         teardown=reset_disk_limit,
-        reduced=False,
         long=True,
         timeout=DISK_ALARM + 600,
     ),
@@ -1831,4 +1819,3 @@ SCENARIOS: list[Scenario] = [
 
 
 BY_KEY = {s.key: s for s in SCENARIOS}
-REDUCED = [s.key for s in SCENARIOS if s.reduced]

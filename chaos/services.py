@@ -26,7 +26,7 @@ CLUSTER = REPO / "deploy" / "local" / "cluster.sh"
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 #: the matrix's three-node cluster: AMQP on 5781-5783 (distribution +20000), data in .local/chaos
 MATRIX_CLUSTER_PORT = 5781
-#: ``make chaos`` and the reduced set in ``make test`` use different instances, so both can run.
+#: ``make chaos`` and the harness checks in ``make test`` use different instances: both can run.
 MATRIX_PORTS = (5683, 5443)
 _KEEP_ENV = ("OUTBOX_PG_BIN",)
 
