@@ -11,7 +11,7 @@ from pyspark.sql import functions as F
 from tests.spark import dbview
 from tests.spark.test_spark_writer import orders
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.spark_api]
 
 
 def save(df: DataFrame, url: str) -> None:

@@ -34,6 +34,7 @@ def test_header_names_the_publisher_refuses_are_a_config_error() -> None:
         )
 
 
+@pytest.mark.spark_api
 def test_a_header_value_over_its_share_fails_the_batch_or_is_rejected_alone(
     spark: SparkSession, db_url: str
 ) -> None:

@@ -192,6 +192,7 @@ def test_a_failed_held_batch_leaves_nothing_and_a_late_task_publishes_nothing(
     assert sorted(claimed_ids(repo)) == ["1", "2", "3"]
 
 
+@pytest.mark.spark_api
 @pytest.mark.parametrize("key", [None, "id"], ids=["derived-ids", "key-column"])
 def test_fail_mode_reads_each_micro_batch_once(
     spark: SparkSession, pg_url: str, tmp_path: Path, key: str | None
@@ -222,6 +223,7 @@ def test_fail_mode_reads_each_micro_batch_once(
     assert dbview.count(pg_url, "outbox_held") == 0
 
 
+@pytest.mark.spark_api
 def test_fail_mode_stream_with_a_bad_row_publishes_nothing_of_its_batch(
     spark: SparkSession, pg_url: str, tmp_path: Path
 ) -> None:
@@ -277,6 +279,7 @@ def test_a_held_insert_wakes_no_publisher_and_lifting_the_hold_does(pg_url: str)
         assert [n.channel for n in listener.notifies(timeout=2, stop_after=1)] == ["outbox_new"]
 
 
+@pytest.mark.spark_api
 def test_a_failed_write_job_publishes_nothing_and_its_rerun_releases_every_row(
     spark: SparkSession, db_url: str, repo: OutboxClients, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -111,6 +111,7 @@ def test_two_rows_of_one_batch_with_one_key_and_different_content(
     assert "1 message id conflict(s) rejected, first: message id '5'" in caplog.text
 
 
+@pytest.mark.spark_api
 def test_foreach_batch_and_data_source_report_conflicts_too(
     spark: SparkSession, db_url: str
 ) -> None:
@@ -134,6 +135,7 @@ def test_foreach_batch_and_data_source_report_conflicts_too(
     assert not [r for r in dbview.outbox(db_url) if r["batch_id"] == "mirror:1"]
 
 
+@pytest.mark.spark_api
 def test_max_connections_caps_the_partitions_that_write_at_once(
     spark: SparkSession, pg_url: str, tmp_path: Path
 ) -> None:

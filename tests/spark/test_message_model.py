@@ -112,6 +112,7 @@ def options(url: str, **kw: Any) -> dict[str, Any]:
     return base | kw
 
 
+@pytest.mark.spark_api
 def test_every_message_attribute_lands_in_the_outbox_row(spark: SparkSession, db_url: str) -> None:
     result = write_outbox(rows(spark, 4), batch_id=1, **options(db_url))
     assert result.written == 4
@@ -161,6 +162,7 @@ def props(row: dict[str, Any]) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
+@pytest.mark.spark_api
 def test_kafka_headers_are_decoded_and_bad_values_are_refused_or_rejected(
     spark: SparkSession, db_url: str
 ) -> None:
@@ -194,6 +196,7 @@ def test_kafka_headers_are_decoded_and_bad_values_are_refused_or_rejected(
     assert {r["message_id"] for r in dbview.rejects(db_url)} == {"k1", "k2"}
 
 
+@pytest.mark.spark_api
 def test_bad_property_values_name_the_column_and_the_rest_is_written(
     spark: SparkSession, db_url: str
 ) -> None:
@@ -213,6 +216,7 @@ def test_bad_property_values_name_the_column_and_the_rest_is_written(
     assert reasons["m2"] == "ttl_ms is -5, outside 0..4294967295"
 
 
+@pytest.mark.spark_api
 def test_schema_and_option_errors_for_the_message_columns(
     spark: SparkSession, sqlite_url: str
 ) -> None:

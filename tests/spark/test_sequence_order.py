@@ -14,7 +14,7 @@ from pyspark.sql import functions as F
 from spark_writer import OutboxConfigError, OutboxSchemaError, OutboxSink, write_outbox
 from tests.spark import dbview
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.spark_api]
 
 KEYS, PER_KEY = 12, 40
 

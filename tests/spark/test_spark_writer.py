@@ -37,7 +37,7 @@ from spark_writer import (
 )
 from tests.spark import dbview
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.spark_api]
 
 ORDERS = StructType(
     [
