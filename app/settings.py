@@ -96,8 +96,27 @@ class Settings(BaseSettings):
     destination_nack_burst: int = Field(
         default=20,
         ge=1,
-        description="Nacks to one exchange in a row, no ack between: a "
-        "destination outage (exchange paused, rows kept pending, nack budgets untouched).",
+        description="Fewest nacks to one exchange, with no ack of it for destination_outage_after, "
+        "that make a destination outage (exchange paused, rows kept pending, nack budgets "
+        "untouched); fewer are charged to the rows.",
+    )
+    destination_outage_after: float = Field(
+        default=1.0,
+        gt=0,
+        description="Seconds an exchange must nack and ack nothing before it is judged out; "
+        "nacks while it acks other rows are the rows' fault (charged).",
+    )
+    destination_outage_max_wait: float = Field(
+        default=300.0,
+        gt=0,
+        description="Longest a destination outage keeps its rows waiting without spending their "
+        "nack budget, counted from the outage's start; then its nacks are charged.",
+    )
+    return_grace: float = Field(
+        default=10.0,
+        ge=0,
+        description="Seconds after each (re)connect in which a 312 NO_ROUTE return is retried "
+        "with backoff (bindings still being recovered), not ended `returned` (0 = off).",
     )
     confirm_timeout: float = Field(
         default=30.0, gt=0, description="A publish unconfirmed this long means the channel is dead."

@@ -31,6 +31,8 @@ FAST = {
     "reconnect_max_delay": 0.5,
     "confirm_timeout": 30.0,
     "publisher_metrics_port": 0,
+    # returns right after connecting end rows here at once; the grace has tests of its own
+    "return_grace": 0.0,
 }
 
 

@@ -13,6 +13,7 @@ import datetime as dt
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -57,9 +58,24 @@ def _set_local(settings: Sequence[tuple[str, str]]) -> TextClause:
     return text(f"SELECT {calls}")
 
 
-_ASYNC_COMMIT = _set_local(_ASYNC_COMMIT_SETTINGS)
+#: With a commit that does not wait for the disk: how far the WAL is on disk now, and where it
+#: ends now (past the commit record of every transaction committed before this one), as byte
+#: positions. The publisher learns from them when its earlier write-backs became durable.
+_WAL_POSITIONS = ", pg_current_wal_flush_lsn() - '0/0', pg_current_wal_insert_lsn() - '0/0'"
 _BY_ID = _set_local(_BY_ID_SETTINGS)
-_ASYNC_COMMIT_BY_ID = _set_local(_ASYNC_COMMIT_SETTINGS + _BY_ID_SETTINGS)
+_ASYNC_COMMIT = text(_set_local(_ASYNC_COMMIT_SETTINGS).text + _WAL_POSITIONS)
+_ASYNC_COMMIT_BY_ID = text(
+    _set_local(_ASYNC_COMMIT_SETTINGS + _BY_ID_SETTINGS).text + _WAL_POSITIONS
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WalPositions:
+    """PostgreSQL WAL byte positions: ``flushed`` is on disk; ``end`` lies past the commit of
+    every transaction that had committed when it was read."""
+
+    flushed: int
+    end: int
 
 
 def storable(text: str) -> str:
@@ -148,7 +164,8 @@ class OutboxDatabase:
             try:
                 with conn.begin():
                     if self.is_postgres and not durable:
-                        conn.execute(_ASYNC_COMMIT_BY_ID if by_id else _ASYNC_COMMIT)
+                        row = conn.execute(_ASYNC_COMMIT_BY_ID if by_id else _ASYNC_COMMIT).one()
+                        self._local.wal = WalPositions(flushed=int(row[1]), end=int(row[2]))
                         if by_id:
                             conn.info["by_id"] = conn.get_transaction()
                     elif by_id:
@@ -166,6 +183,11 @@ class OutboxDatabase:
                 if sqlite_relaxed:
                     conn.exec_driver_sql("PRAGMA synchronous=FULL")
                     conn.commit()
+
+    def wal_positions(self) -> WalPositions | None:
+        """PostgreSQL: the WAL positions read at the start of this thread's last unit of work
+        with ``durable=False`` (None before one, and on SQLite)."""
+        return getattr(self._local, "wal", None)
 
     def on_commit(self, done: Callable[[], None]) -> None:
         """Run ``done`` once the unit of work in progress has committed (at once outside one)."""

@@ -43,6 +43,8 @@ COUNTERS: tuple[str, ...] = (
     "destination_outages",
     "postponed",
     "confirm_timeouts",
+    "outages_overdue",
+    "returns_retried",
 )
 
 
@@ -76,13 +78,19 @@ class PublisherReport(BaseModel):
     db_errors: int = Field(0, ge=0, description="Database calls that failed (retried).")
     blocked_seconds: float = Field(0.0, ge=0, description="Time the broker blocked publishing.")
     destination_outages: int = Field(
-        0, ge=0, description="Exchanges paused for nacking everything (a burst of nacks)."
+        0, ge=0, description="Exchanges paused for nacking everything (no ack for a while)."
     )
     postponed: int = Field(
         0, ge=0, description="Rows put back pending for a destination outage (no budget spent)."
     )
     confirm_timeouts: int = Field(
         0, ge=0, description="Connections dropped for a confirm overdue past confirm_timeout."
+    )
+    outages_overdue: int = Field(
+        0, ge=0, description="Destination outages past destination_outage_max_wait: charged."
+    )
+    returns_retried: int = Field(
+        0, ge=0, description="NO_ROUTE returns within return_grace of connecting: retried."
     )
 
     connected: bool = Field(False, description="Connected to the broker now.")

@@ -60,8 +60,18 @@ _ANY_KEY_OPEN = text(_FIRST_OPEN_KEY)
 #: PostgreSQL: the same, and when no key is open (no keyed claim will run), the settings of the
 #: unkeyed claim at once: one round trip fewer on every claim of an outbox without open keys.
 #: With a key open they stay unset here: the keyed claim keeps the planner's choice.
+#:
+#: It also bounds how long this claim's transaction may sit idle (``CLAIM_IDLE_TIMEOUT``): a
+#: claim's ``FOR UPDATE SKIP LOCKED`` keeps a lock on every row it locked and then dropped on
+#: re-checking it (a row another publisher claimed a moment before: PostgreSQL follows the
+#: update, locks the new version and finds it no longer due). A publisher frozen between its
+#: claim and its COMMIT (SIGSTOP, a GC or VM pause) held those rows, so the other publisher's
+#: write-back of them waited the whole freeze (20 s at the default lease, issue 44). Past this
+#: limit the server ends the frozen session and frees them; the claim is retried.
+CLAIM_IDLE_TIMEOUT_MS = 500
 _ANY_KEY_OPEN_ELSE_WALK = text(
-    f"SELECT k.open, CASE WHEN k.open IS NULL THEN {_WALK_SETTINGS} END"
+    f"SELECT k.open, CASE WHEN k.open IS NULL THEN {_WALK_SETTINGS} END,"
+    f" set_config('idle_in_transaction_session_timeout', '{CLAIM_IDLE_TIMEOUT_MS}', true)"
     f" FROM (SELECT ({_FIRST_OPEN_KEY}) AS open OFFSET 0) AS k"  # OFFSET 0: one probe, not two
 )
 
@@ -586,15 +596,22 @@ class PublisherStore:
             ).rowcount
 
     def release(
-        self, *, owner: str, ids: Sequence[int], lost: bool, error: str | None = None
+        self,
+        *,
+        owner: str,
+        ids: Sequence[int],
+        lost: bool,
+        error: str | None = None,
+        delay: float = 0.0,
     ) -> int:
-        """Give held rows back to ``pending``, due now.
+        """Give held rows back to ``pending``, due now (or in ``delay`` seconds).
 
         ``lost=True``: they were published but their confirm will never come (channel or
         connection gone), so the next publish may be a duplicate: count it in ``lost_confirms``.
         """
+        now = self.db.clock()
         values: dict[str, Any] = {
-            "available_at": self.db.clock(),
+            "available_at": now + dt.timedelta(seconds=delay) if delay else now,
             "lease_owner": None,
             "lease_until": None,
             "lost_confirms": outbox.c.lost_confirms + (1 if lost else 0),

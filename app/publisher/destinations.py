@@ -14,6 +14,9 @@ from enum import StrEnum
 from app.outbox.records import Backoff
 
 DEFAULT_EXCHANGE = ""
+#: An outage that begins again within this many seconds of the last one's end continues it
+#: (its pause, and its age towards ``outage_max_wait``, the time between not counted).
+FLAP_MEMORY = 60.0
 
 
 class DestinationState(StrEnum):
@@ -33,15 +36,32 @@ class _Entry:
     reason: str = ""
     since: float = 0.0  # an outage: when it began (kept through its probes)
     probe: int | None = None  # an outage: the row published as its probe, in flight
+    #: an outage past its bound: publishable, and every nack of it is charged to its row
+    charging: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """An outage that ended (an ack, or past its bound), remembered a while: one that begins
+    again soon after continues it (its start and its pause), so a destination that takes a
+    probe now and then and refuses the rest cannot keep rows waiting past the bound."""
+
+    at: float
+    since: float
+    failures: int
 
 
 class Destinations:
     """Per-exchange state with expiry; ``now`` is a monotonic clock passed in by the caller."""
 
-    def __init__(self, *, backoff: Backoff, ok_ttl: float = 60.0) -> None:
+    def __init__(
+        self, *, backoff: Backoff, ok_ttl: float = 60.0, outage_max_wait: float = 300.0
+    ) -> None:
         self._backoff = backoff
         self._ok_ttl = ok_ttl
+        self.max_wait = outage_max_wait
         self._entries: dict[str, _Entry] = {}
+        self._ended: dict[str, _Ended] = {}
 
     def state(self, exchange: str, now: float) -> DestinationState:
         if exchange == DEFAULT_EXCHANGE:
@@ -71,7 +91,11 @@ class Destinations:
         }
 
     def ok(self, exchange: str, now: float) -> None:
-        self._entries[exchange] = _Entry(DestinationState.OK, now + self._ok_ttl)
+        """The exchange exists (checked). An outage past its bound keeps charging its nacks:
+        only an ack ends that (:meth:`recovered`)."""
+        entry = self._entries.get(exchange)
+        charging = entry is not None and entry.charging
+        self._entries[exchange] = _Entry(DestinationState.OK, now + self._ok_ttl, charging=charging)
 
     def unchecked(self, exchange: str, now: float) -> float:
         """A check could not run (no connection, no channel, a timeout): its rows stay parked
@@ -131,13 +155,47 @@ class Destinations:
         )
         if ongoing and entry is not None and entry.state is DestinationState.OUTAGE:
             return max(0.0, entry.until - now), False  # late nacks of the same outage
-        failures = (entry.failures if ongoing and entry is not None else 0) + 1
-        delay = self._backoff.delay(failures)
-        since = entry.since if ongoing and entry is not None else now
+        if ongoing and entry is not None:
+            failures, since = entry.failures, entry.since
+        else:
+            ended = self._ended.pop(exchange, None)
+            if ended is not None and now - ended.at < FLAP_MEMORY:
+                # the time it took rows between the two does not count towards the bound
+                failures, since = ended.failures, ended.since + (now - ended.at)
+            else:
+                failures, since = 0, now
+        delay = self._backoff.delay(failures + 1)
         self._entries[exchange] = _Entry(
-            DestinationState.OUTAGE, now + delay, failures, reason, since
+            DestinationState.OUTAGE, now + delay, failures + 1, reason, since
         )
         return delay, not ongoing
+
+    def overdue(self, exchange: str, now: float) -> bool:
+        """Has this exchange's outage (counted from its start, across flaps) lasted
+        ``outage_max_wait``? Then it ends: the exchange is publishable, and its nacks are
+        charged to the rows until an ack of it (:meth:`charging`)."""
+        entry = self._entries.get(exchange)
+        if entry is None or entry.state not in (DestinationState.OUTAGE, DestinationState.PROBING):
+            return False
+        if now - entry.since < self.max_wait:
+            return False
+        self._ended[exchange] = _Ended(now, entry.since, entry.failures)
+        self._entries[exchange] = _Entry(
+            DestinationState.OK, now + self._ok_ttl, reason=entry.reason, charging=True
+        )
+        return True
+
+    def charging(self, exchange: str) -> bool:
+        """Past an outage's bound, no ack since: every nack of it is the rows' fault."""
+        entry = self._entries.get(exchange)
+        return entry is not None and entry.charging
+
+    def outage_age(self, exchange: str, now: float) -> float:
+        """Seconds since the exchange's outage began (0 when none)."""
+        entry = self._entries.get(exchange)
+        if entry is None or entry.state not in (DestinationState.OUTAGE, DestinationState.PROBING):
+            return 0.0
+        return now - entry.since
 
     def left(self, exchange: str, now: float) -> float:
         """Seconds left of an outage's pause (0 when none)."""
@@ -168,9 +226,13 @@ class Destinations:
         """A publish to ``exchange`` was confirmed: an outage ends. Returns how long it
         lasted (None: there was no outage)."""
         entry = self._entries.get(exchange)
+        if entry is not None and entry.charging:  # an ack: its nacks are judged by the rule again
+            self._entries[exchange] = _Entry(DestinationState.OK, now + self._ok_ttl)
+            return None
         if entry is None or entry.state not in (DestinationState.OUTAGE, DestinationState.PROBING):
             return None
-        self.ok(exchange, now)
+        self._ended[exchange] = _Ended(now, entry.since, entry.failures)
+        self._entries[exchange] = _Entry(DestinationState.OK, now + self._ok_ttl)
         return now - entry.since
 
     def outages(self) -> list[str]:

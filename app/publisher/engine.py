@@ -53,7 +53,14 @@ from app.publisher.metrics import PublisherMetrics, PublisherStats, registry_for
 from app.publisher.outages import OutageParts, Outages
 from app.publisher.sender import Sender, SenderParts
 from app.publisher.session import Session
-from app.publisher.settlement import CloseCause, Quarantine, lose, settle
+from app.publisher.settlement import (
+    CloseCause,
+    Quarantine,
+    early_return_reason,
+    early_returns,
+    lose,
+    settle,
+)
 from app.publisher.spans import batch_spans
 from app.publisher.wakeup import Signal
 from app.publisher.writeback import Writeback, WritebackParts
@@ -97,7 +104,11 @@ class Publisher:
         )
         self.holdings = Holdings()
         self.quarantine = Quarantine()
-        self.destinations = Destinations(backoff=self.backoff, ok_ttl=EXCHANGE_OK_TTL)
+        self.destinations = Destinations(
+            backoff=self.backoff,
+            ok_ttl=EXCHANGE_OK_TTL,
+            outage_max_wait=settings.destination_outage_max_wait,
+        )
         self.db = DbThread(claims_apart=store.db.is_postgres, clock=clock)
         self.spans = batch_spans(enabled=settings.publisher_tracing, publisher_id=self.publisher_id)
         self.session = Session(
@@ -154,6 +165,7 @@ class Publisher:
                 reconnect=self.session.reconnect,
             ),
             burst=settings.destination_nack_burst,
+            outage_after=settings.destination_outage_after,
         )
         self.claimer = Claimer(
             ClaimerParts(
@@ -178,6 +190,7 @@ class Publisher:
         self.probes: ProbeServer | None = None
         self.metrics.gauges = self._gauges
         self._stop = asyncio.Event()
+        self._early_logged: float | None = None  # the connection whose early returns were logged
         self._settled = Signal()
         self._tasks: dict[str, asyncio.Task[Any]] = {}
 
@@ -385,6 +398,7 @@ class Publisher:
         self._observe_latency(events, now)
         m = self.metrics
         m.nacked += sum(len(e.row_ids) for e in events if isinstance(e, Nacked))
+        events = self._hold_back_early_returns(events)
         tally = settle(self.outages.answered(events), self.writeback.out, self.quarantine)
         m.confirmed += tally.confirmed
         m.returned += tally.returned
@@ -395,6 +409,7 @@ class Publisher:
 
     def lost(self, events: list[Event], cause: CloseCause) -> None:
         """A channel or the connection went away with publishes outstanding."""
+        events = self._hold_back_early_returns(events)
         tally = lose(
             events,
             self.writeback.out,
@@ -432,6 +447,36 @@ class Publisher:
         self.writeback.wake.set()
         self._settled.set()
         self.sender.work.set()
+
+    def _hold_back_early_returns(self, events: list[Event]) -> list[Event]:
+        """``312 NO_ROUTE`` returns within ``return_grace`` of connecting: the rows go back to
+        be published again after a backoff (per row, growing with its attempts), nothing spent;
+        the other events are returned for settlement."""
+        grace = self.settings.return_grace
+        events, early = early_returns(events, in_grace=self.session.connection_age() < grace)
+        if not early:
+            return events
+        out, held = self.writeback.out, self.holdings.held
+        for event in early:
+            row = held.get(event.row_id)
+            delay = self.backoff.delay(row.attempts if row is not None else 1)
+            out.postpone(early_return_reason(event, grace), delay, [event.row_id])
+        self.quarantine.settled(e.row_id for e in early)
+        self.outages.lost([e.row_id for e in early])
+        self.metrics.returns_retried += len(early)
+        connected_at = self.session.connected_at
+        log_at = logging.WARNING if self._early_logged != connected_at else logging.DEBUG
+        self._early_logged = connected_at
+        log.log(
+            log_at,
+            "%d publishes returned %s within %.1fs of connecting (return_grace %gs): the broker "
+            "may still be recovering its bindings; published again with backoff",
+            len(early),
+            f"{early[0].reply_code} {early[0].reply_text}",
+            self.session.connection_age(),
+            grace,
+        )
+        return events
 
     def connection_changed(self) -> None:
         self.sender.work.set()

@@ -120,6 +120,8 @@ class PublisherMetrics:
     destination_outages: int
     postponed: int
     confirm_timeouts: int
+    outages_overdue: int
+    returns_retried: int
 
     @property
     def lost(self) -> int:
@@ -212,10 +214,14 @@ COUNTER_HELP: dict[str, str] = {
     "flushes": "Write-backs committed (one transaction each).",
     "db_errors": "Database calls that failed and were retried.",
     "blocked_seconds": "Time the broker blocked publishing (resource alarm).",
-    "destination_outages": "Exchanges paused because they nacked a burst of publishes with no "
-    "ack between (no quorum, a full reject-publish queue).",
+    "destination_outages": "Exchanges paused because they nacked publishes and acked none for "
+    "destination_outage_after (no quorum, a full reject-publish queue).",
     "postponed": "Rows put back pending for a destination outage (no nack budget spent).",
     "confirm_timeouts": "Connections dropped because a confirm was overdue (confirm_timeout).",
+    "outages_overdue": "Destination outages that lasted past destination_outage_max_wait: "
+    "their rows spend their nack budget from then on.",
+    "returns_retried": "Publishes returned NO_ROUTE within return_grace of connecting (bindings "
+    "not recovered yet), put back to be published again.",
 }
 GAUGE_HELP: dict[str, str] = {
     "held": "Rows held: claimed and not yet settled in the database.",

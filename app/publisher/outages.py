@@ -5,7 +5,9 @@ The verdict on nacks is pure (:mod:`app.publisher.nackruns`); this part applies 
 nacks go to the write-back as nacks, an outage pauses the exchange
 (:meth:`~app.publisher.destinations.Destinations.outage`), postpones its rows, logs once, and
 counts it; an ack of a publish to a paused exchange ends the outage (logged with its
-duration). Runs its own timer for the verdicts that wait (:data:`nackruns.VERDICT_AFTER`).
+duration). An outage that has kept rows waiting ``destination_outage_max_wait`` (counted from
+its start, across short recoveries) is over for its rows: its nacks are charged from then on.
+Runs its own timer for the verdicts that wait (``destination_outage_after``).
 """
 
 from __future__ import annotations
@@ -15,17 +17,17 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from app.confirms import Confirmed, Event, Nacked
+from app.confirms import Confirmed, Event, Nacked, Returned
 from app.publisher.destinations import Destinations
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
-from app.publisher.nackruns import NackRuns
+from app.publisher.nackruns import OUTAGE_AFTER, NackRuns
 from app.publisher.outcomes import Outcomes
 from app.publisher.settlement import Quarantine, outage_reason
 
 log = logging.getLogger("app.publisher")
 
-OUTAGE_WHY = "the broker nacked {n} publishes in a row, no ack between"
+OUTAGE_WHY = "the broker nacked {n} publishes and acked none for {s:g}s"
 #: a nacked probe drops the connection at most this often per exchange (seconds)
 REFRESH_EVERY = 10.0
 
@@ -48,9 +50,15 @@ class OutageParts:
 
 
 class Outages:
-    def __init__(self, parts: OutageParts, *, burst: int) -> None:
+    def __init__(
+        self,
+        parts: OutageParts,
+        *,
+        burst: int,
+        outage_after: float = OUTAGE_AFTER,
+    ) -> None:
         self.p = parts
-        self.runs = NackRuns(burst=burst)
+        self.runs = NackRuns(burst=burst, outage_after=outage_after)
         self._timer: asyncio.TimerHandle | None = None
         #: exchange -> when a nacked probe to it last dropped the connection
         self._refreshed: dict[str, float] = {}
@@ -63,22 +71,25 @@ class Outages:
             if isinstance(event, Nacked):
                 self._nacked(event.row_ids)
             else:
-                if isinstance(event, Confirmed) and (self.runs or self.p.destinations.outages()):
+                if isinstance(event, Confirmed):
                     self._acked(event.row_ids)
+                elif isinstance(event, Returned):
+                    self.lost([event.row_id])  # a returned probe says nothing: pick another
                 rest.append(event)
         return rest
 
     def lost(self, ids: Sequence[int]) -> None:
-        """Rows lost with their channel or connection: a probe among them is picked again."""
+        """Rows that left without an ack or a nack (lost with their channel or connection,
+        returned, put back): a probe among them is picked again, or its exchange's parked rows
+        would wait for an answer that never comes."""
         for exchange in self.p.destinations.probe_lost(set(ids)):
             self.p.unpark(exchange)
 
     def release_all(self) -> list[int]:
         """Stop: rows waiting for a verdict go back as they were (no nack charged)."""
-        ids = self.runs.due(float("inf"))
         if self._timer is not None:
             self._timer.cancel()
-        return ids
+        return self.runs.release_all()
 
     # ------------------------------------------------------------ nacks and acks
 
@@ -91,9 +102,12 @@ class Outages:
         p.quarantine.settled(ids)
         charged: list[int] = []
         for exchange, rows in _by_exchange(ids, self._exchange).items():
-            if exchange is None:
-                charged += rows  # not held any more: the write-back's guard decides
+            if exchange is None or p.destinations.charging(exchange):
+                charged += rows  # not held any more (the write-back's guard decides), or overdue
             elif p.destinations.in_outage(exchange):
+                if self._overdue(exchange, now):
+                    charged += rows
+                    continue
                 probe = p.destinations.probe(exchange)
                 self._outage(exchange, rows, now)
                 last = self._refreshed.get(exchange)
@@ -103,22 +117,17 @@ class Outages:
                     self._refreshed[exchange] = now
                     p.reconnect(f"the probe to exchange {exchange!r} was nacked")
             else:
-                verdict = self.runs.nacked(exchange, rows, now)
-                for name, out in verdict.outage.items():
-                    self._outage(name, out, now, why=OUTAGE_WHY.format(n=len(out)))
-        if charged:
-            p.outcomes().nacked.extend(charged)
-            p.written()
+                charged += self.runs.nacked(exchange, rows, now)
+        self._charge(charged)
         self._arm()
 
     def _acked(self, ids: Sequence[int]) -> None:
         p, now = self.p, self.p.clock()
-        seen = {self._exchange(i) for i in ids}
         charged: list[int] = []
-        for exchange in seen:
+        for exchange in {self._exchange(i) for i in ids}:
             if exchange is None:
                 continue
-            charged += self.runs.acked(exchange)
+            charged += self.runs.acked(exchange, now)
             lasted = p.destinations.recovered(exchange, now)
             if lasted is not None:
                 self._refreshed.pop(exchange, None)
@@ -126,22 +135,46 @@ class Outages:
                     "exchange %r takes publishes again: its outage lasted %.1fs", exchange, lasted
                 )
                 p.unpark(exchange)
-        if charged:
-            p.outcomes().nacked.extend(charged)
-            p.written()
+        self._charge(charged)
+
+    def _charge(self, ids: list[int]) -> None:
+        """Nacks that are the rows' fault: each spends the row's nack budget."""
+        if ids:
+            self.p.outcomes().nacked.extend(ids)
+            self.p.written()
+
+    def _overdue(self, exchange: str, now: float) -> bool:
+        """An outage that has kept rows waiting ``destination_outage_max_wait``: from now on its
+        nacks are charged (until an ack of it), and the rows parked behind its probe go."""
+        p = self.p
+        if not p.destinations.overdue(exchange, now):
+            return False
+        p.metrics.outages_overdue += 1
+        log.warning(
+            "exchange %r has refused every publish for %.0fs (OUTBOX_DESTINATION_OUTAGE_MAX_WAIT): "
+            "its rows now spend their nack budget and end nacked after max_attempts",
+            exchange,
+            p.destinations.max_wait,
+        )
+        p.unpark(exchange)
+        return True
 
     def _outage(self, exchange: str, ids: list[int], now: float, *, why: str = "") -> None:
         p = self.p
         reason = why or p.destinations.reason(exchange) or "nacks"
         delay, new = p.destinations.outage(exchange, reason, now)
+        if self._overdue(exchange, now):  # it continues one that already waited its bound
+            self._charge(ids)
+            return
         if new:
             p.metrics.destination_outages += 1
             log.warning(
                 "exchange %r is out (%s: a queue without a quorum, or full with "
-                "reject-publish): paused, its rows wait without spending attempts; "
-                "probing again in %.1fs",
+                "reject-publish): paused, its rows wait without spending attempts for at most "
+                "%.0fs; probing again in %.1fs",
                 exchange,
                 reason,
+                p.destinations.max_wait,
                 delay,
             )
         else:
@@ -161,10 +194,13 @@ class Outages:
 
     def _verdicts(self) -> None:
         self._timer = None
-        charged = self.runs.due(self.p.clock())
-        if charged:
-            self.p.outcomes().nacked.extend(charged)
-            self.p.written()
+        now = self.p.clock()
+        verdict = self.runs.due(now)
+        self._charge(verdict.charged)
+        for exchange, ids in verdict.outage.items():
+            self._outage(
+                exchange, ids, now, why=OUTAGE_WHY.format(n=len(ids), s=self.runs.outage_after)
+            )
         self._arm()
 
 

@@ -155,6 +155,8 @@ class Session:
         self._clock = clock
         self._rng = rng
         self.conn: AMQPConnection | None = None
+        #: when the current connection was opened (monotonic): returns soon after are retried
+        self.connected_at: float | None = None
         self.generation = 0
         self.channels: dict[int, Channel] = {}
         self.blocked = False
@@ -199,6 +201,12 @@ class Session:
     @property
     def connected(self) -> bool:
         return self.conn is not None and self.conn.is_open
+
+    def connection_age(self) -> float:
+        """Seconds since the current connection opened (infinite when none is open)."""
+        if self.connected_at is None:
+            return float("inf")
+        return self._clock() - self.connected_at
 
     def outstanding(self) -> int:
         return sum(ch.ledger.outstanding for ch in self.channels.values())
@@ -289,6 +297,7 @@ class Session:
                 conn.abort(reason="setup failed")
             return None
         self.conn = conn
+        self.connected_at = self._clock()
         self.blocked, self.blocked_reason = False, None
         self._last_cause = PLAIN
         self.channels = {cid: Channel(cid, ChannelLedger(channel_id=cid)) for cid in ids}

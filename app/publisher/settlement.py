@@ -234,6 +234,35 @@ def _returned(event: Returned, out: Outcomes, tally: Tally, quarantine: Quaranti
     quarantine.settled((event.row_id,))
 
 
+#: The reply code of a mandatory publish no queue is bound for (``basic.return``).
+NO_ROUTE = 312
+
+
+def early_returns(events: Sequence[Event], *, in_grace: bool) -> tuple[list[Event], list[Returned]]:
+    """Split out the ``312 NO_ROUTE`` returns that came within the return grace of a connection
+    (``in_grace``): after a broker restart a durable queue's binding may not be recovered yet
+    when the broker takes connections again, so such a return says "not ready", not
+    "unroutable". Returns (the other events, the early returns)."""
+    if not in_grace:
+        return list(events), []
+    rest: list[Event] = []
+    early: list[Returned] = []
+    for event in events:
+        if isinstance(event, Returned) and event.reply_code == NO_ROUTE:
+            early.append(event)
+        else:
+            rest.append(event)
+    return rest, early
+
+
+def early_return_reason(event: Returned, grace: float) -> str:
+    """The reason kept on a row whose return came within the grace: retried, nothing spent."""
+    return (
+        f"returned {event.reply_code} {event.reply_text} within {grace:g}s of connecting "
+        "(the broker may still be recovering its bindings): published again"
+    )
+
+
 def lose(
     events: Sequence[Event],
     out: Outcomes,

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from app.confirms import Sent, TagNoteMap
+from app.outbox.database import WalPositions
 from app.outbox.records import Backoff, Published
 from app.outbox.states import Status
 from app.outbox.store import PublisherStore
@@ -38,10 +39,26 @@ log = logging.getLogger("app.publisher")
 
 #: The longest the loop sleeps with nothing to write (it re-checks due tag notes after it).
 IDLE_CHECK = 0.25
-#: How long the ids of a write-back committed without waiting for the disk are remembered: a
-#: database crash can undo such a commit only until its WAL is flushed, within 3 x
-#: ``wal_writer_delay`` (PostgreSQL's default: 600 ms), or by any durable commit before that.
+#: SQLite: how long the ids of a write-back committed without waiting for the disk
+#: (``synchronous = NORMAL``) are remembered. PostgreSQL says when each became durable instead
+#: (:class:`Undoable`): a fixed horizon there missed 996 republished rows in a crash trial whose
+#: WAL writer had stalled 3 s.
 UNDO_HORIZON = 2.0
+
+
+@dataclass(slots=True)
+class Undoable:
+    """A write-back committed without waiting for the disk: a database crash may still undo it.
+
+    ``end``: a WAL position past its commit record (PostgreSQL), learned at the next
+    write-back, whose first statement reads the positions; once the WAL is flushed past it, the
+    write-back is durable and forgotten. None: not known yet."""
+
+    at: float
+    ids: list[int]
+    end: int | None = None
+
+
 RETRY_PAUSE = 1.0
 
 
@@ -70,8 +87,8 @@ class Writeback:
         self.out = Outcomes()
         self.wake = Signal()
         self.stopped = False
-        # (when, ids) of recent write-backs a database crash could still undo (not durable)
-        self._undoable: deque[tuple[float, list[int]]] = deque()
+        # recent write-backs a database crash could still undo (not durable yet)
+        self._undoable: deque[Undoable] = deque()
         self.settling: frozenset[int] = frozenset()  # rows the running write-back settles
         self._done = Signal()  # a write-back finished (settling emptied)
 
@@ -118,7 +135,7 @@ class Writeback:
         started = time.perf_counter()
         self.settling = frozenset(out.settled_ids())
         try:
-            written = await p.db.call(self._write, out=out)
+            written, wal = await p.db.call(self._write, out=out)
         except Exception:
             self._finished()
             p.metrics.db_errors += 1  # the outage is logged once, by the database lane
@@ -135,7 +152,9 @@ class Writeback:
         self._count(written)
         settled = list(out.settled_ids())
         if not p.settings.synchronous_commit:
-            self._undoable.append((p.clock(), settled))
+            if wal is not None:
+                self._durable(wal)
+            self._undoable.append(Undoable(p.clock(), settled))
             self._forget_durable()
         news = bool(out.lost or out.released or out.postponed) or self._keys_moved_on(settled)
         p.holdings.forget(settled)
@@ -171,23 +190,39 @@ class Writeback:
             await self._done.wait(IDLE_CHECK)
         return waited
 
+    def _durable(self, wal: WalPositions) -> None:
+        """PostgreSQL, read at the start of the write-back just committed: every earlier one
+        ended before ``wal.end``; those the WAL on disk (``wal.flushed``) has passed are durable.
+        Not while a database call has failed with no orphan check since: the server may have
+        crashed and come back on a WAL that never held them."""
+        if self.p.db.failed_at is not None:
+            return
+        for entry in self._undoable:
+            if entry.end is None:
+                entry.end = wal.end
+        while self._undoable and (end := self._undoable[0].end) is not None and end <= wal.flushed:
+            self._undoable.popleft()
+
     def _forget_durable(self) -> None:
-        """Drop the write-backs older than :data:`UNDO_HORIZON` before now, or before the first
-        database call that failed and no orphan check has followed: on disk by then. (Measured
-        from now alone, an outage longer than the horizon forgot the write-backs a crash had
-        just undone, and their rows were published again as never published.)"""
+        """SQLite: drop the write-backs older than :data:`UNDO_HORIZON` before now, or before the
+        first database call that failed and no orphan check has followed: on disk by then.
+        (Measured from now alone, an outage longer than the horizon forgot the write-backs a
+        crash had just undone, and their rows were published again as never published.)
+        PostgreSQL's are dropped by :meth:`_durable` when the server says so."""
+        if self.p.store.db.is_postgres:
+            return
         now = self.p.clock()
         failed_at = self.p.db.failed_at
         oldest = (now if failed_at is None else min(now, failed_at)) - UNDO_HORIZON
-        while self._undoable and self._undoable[0][0] < oldest:
+        while self._undoable and self._undoable[0].at < oldest:
             self._undoable.popleft()
 
     def undoable(self) -> frozenset[int]:
-        """Rows this publisher settled in commits that did not wait for the disk, within
-        :data:`UNDO_HORIZON`: a database crash may have put them back in ``in_flight`` under our
+        """Rows this publisher settled in commits that did not wait for the disk and are not
+        known durable: a database crash may have put them back in ``in_flight`` under our
         lease. Published and settled, so a re-publish of one may be a duplicate."""
         self._forget_durable()  # after an idle spell the last write-backs are durable too
-        return frozenset(i for _, ids in self._undoable for i in ids)
+        return frozenset(i for entry in self._undoable for i in entry.ids)
 
     def _count(self, w: Written) -> None:
         m = self.p.metrics
@@ -205,11 +240,14 @@ class Writeback:
 
     # ------------------------------------------------------------ on the DB thread
 
-    def _write(self, *, out: Outcomes) -> Written:
-        """The whole write-back in one transaction (one commit), every statement by id."""
+    def _write(self, *, out: Outcomes) -> tuple[Written, WalPositions | None]:
+        """The whole write-back in one transaction (one commit), every statement by id; with
+        the WAL positions its first statement read (PostgreSQL, commits not waiting)."""
         db = self.p.store.db
-        with db.unit_of_work(durable=self.p.settings.synchronous_commit, by_id=True):
-            return self._write_all(out)
+        durable = self.p.settings.synchronous_commit
+        with db.unit_of_work(durable=durable, by_id=True):
+            written = self._write_all(out)
+        return written, None if durable else db.wal_positions()
 
     def _write_all(self, out: Outcomes) -> Written:
         """One store call per outcome kind (and reason)."""
@@ -258,7 +296,8 @@ class Writeback:
         for reason, ids in out.failed.items():
             failed += store.mark_failed(owner=owner, ids=ids, reason=reason)
         for reason, ids in out.lost.items():
-            lost += store.release(owner=owner, ids=ids, lost=True, error=reason)
+            for delay, group in self._lost_backoff(ids).items():
+                lost += store.release(owner=owner, ids=group, lost=True, error=reason, delay=delay)
         if out.released:
             released = store.release(owner=owner, ids=out.released, lost=False)
         postponed = 0
@@ -277,6 +316,20 @@ class Writeback:
             released,
             postponed,
         )
+
+    def _lost_backoff(self, ids: list[int]) -> dict[float, list[int]]:
+        """Rows whose confirm was lost, by the delay before they are due again: none on a
+        row's first attempt (a connection lost once, a failover: published again at once),
+        then a backoff growing with its attempts, so no broker that drops every publish's
+        channel or connection makes a row go out several times a second."""
+        held, backoff = self.p.holdings.held, self.p.backoff
+        out: dict[float, list[int]] = {}
+        for row_id in ids:
+            row = held.get(row_id)
+            attempts = row.attempts if row is not None else 1
+            delay = round(backoff.delay(attempts - 1), 3) if attempts > 1 else 0.0
+            out.setdefault(delay, []).append(row_id)
+        return out
 
     def _confirm(self, ids: list[int], sent: dict[int, Sent]) -> int:
         published, bare = _published(ids, sent)

@@ -784,3 +784,26 @@ async def test_each_write_back_sends_its_settings_in_one_round_trip(
         (one,) = settings_sent
         assert "'synchronous_commit', 'off'" in one and "'enable_seqscan', 'off'" in one, one
         assert statements[0] == one  # before any statement it shapes
+
+
+async def test_write_backs_are_forgotten_once_postgres_says_they_are_on_disk(
+    pg_engine: Engine, pg_url: str, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """Issue 44: the rows of a write-back committed without waiting for the disk are kept as
+    "a crash may undo this" until the server's WAL on disk has passed its commit, read from the
+    next write-back's first statement, not for a fixed 2 s. On a real drain the publisher ends
+    remembering only the write-backs after the last WAL flush it heard of."""
+    add_rows(pg_engine, n=3000, exchange=topology["exchange"], routing_key="rk")
+    settings = settings_for(db_url=pg_url, amqp_url=amqp_url, claim_batch=100, window=300)
+    publisher = Publisher(settings=settings, store=PublisherStore(pg_engine))
+    with pg_engine.connect() as conn:  # the server's own record of its WAL, to compare with
+        before = conn.exec_driver_sql("SELECT pg_current_wal_insert_lsn() - '0/0'").scalar_one()
+    async with asyncio.timeout(120):
+        stats = await publisher.run(until_empty=True)
+    assert stats.confirmed == 3000
+    flushes = publisher.metrics.flushes
+    kept = list(publisher.writeback._undoable)
+    assert flushes >= 5 and len(kept) < flushes / 2, (flushes, len(kept))
+    ends = [e.end for e in kept if e.end is not None]
+    assert all(int(end) > int(before) for end in ends)  # positions of this run's WAL
+    assert kept[-1].end is None  # the last one: no later write-back has told where it ended

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from app.confirms import Nacked
+from app.confirms import Nacked, Returned
 from app.outbox.records import Backoff, ClaimedRow
 from app.publisher.destinations import Destinations
 from app.publisher.holdings import Holdings
@@ -25,6 +25,7 @@ class Harness:
     def __init__(self) -> None:
         self.now = 0.0
         self.reconnects: list[float] = []
+        self.unparked: list[str] = []
         self.destinations = Destinations(backoff=Backoff(base=0.1, cap=0.1))
         self.holdings = Holdings()
         self.outcomes = Outcomes()
@@ -36,7 +37,7 @@ class Harness:
                 metrics=PublisherMetrics(),
                 outcomes=lambda: self.outcomes,
                 written=lambda: None,
-                unpark=lambda exchange: None,
+                unpark=self.unparked.append,
                 clock=lambda: self.now,
                 reconnect=lambda reason: self.reconnects.append(self.now),
             ),
@@ -65,3 +66,15 @@ def test_a_nacked_row_that_is_not_the_probe_does_not_reconnect() -> None:
     h.holdings.held[9] = _row(9)
     h.outages.answered([Nacked(row_ids=(9,))])  # the probe is 1, still out
     assert h.reconnects == [1.0]
+
+
+def test_a_returned_probe_lets_another_go() -> None:
+    """Found by the conformance suite: the outage's probe was a row with no binding; its return
+    is no ack and no nack, and the exchange's parked rows waited for the probe for ever."""
+    h = Harness()
+    h.now = 1.0
+    h.holdings.held[5] = _row(5)
+    h.destinations.probing(EX, 5, 1.0)
+    rest = h.outages.answered([Returned(5, "m5", 312, "NO_ROUTE")])
+    assert rest == [Returned(5, "m5", 312, "NO_ROUTE")]  # settled as returned, as ever
+    assert h.destinations.probe(EX) is None and h.unparked == [EX]  # another row probes
