@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,10 @@ class Published:
     mandatory: bool
     properties: commands.Basic.Properties
     body: bytes
+    #: when it arrived (monotonic), and the channel it came on (channel ids are reused after a
+    #: close: this tells one life of channel 1 from the next)
+    at: float = field(default_factory=time.monotonic)
+    chan: object = None
 
     @property
     def message_id(self) -> str:
@@ -89,6 +94,7 @@ class FakeConnection(asyncio.Protocol):
         self.heartbeat = 0
         self.frames_in = 0
         self.body_frames = 0
+        self.opened_at = time.monotonic()
         self._beat: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ scripting
@@ -308,6 +314,7 @@ class FakeConnection(asyncio.Protocol):
             bool(method.mandatory),
             props,
             body,
+            chan=ch,
         )
         self.broker._record(pub)
 
