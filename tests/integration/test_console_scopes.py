@@ -385,3 +385,18 @@ def test_the_history_of_a_message_keeps_every_fact_in_the_broker_s_words(
     history = text(browser, "history")
     assert "attempt 1: the broker returned it as unroutable (312 NO_ROUTE), then acked" in history
     assert "confirmed by the broker" not in history
+
+
+@pytest.mark.parametrize("page", ["999999999999999999", "184467440737095517"])
+def test_a_page_past_any_outbox_is_a_404_console_page(
+    server: Server, page: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 48: the offset of ``/ui/failures?page=999999999999999999`` overflowed PostgreSQL's
+    bigint before the page count was checked: a 500, and the SQL with its parameters logged."""
+    caplog.set_level(logging.DEBUG)
+    with httpx.Client(base_url=server.base, timeout=15) as client:
+        client.post("/ui/login", data={"token": READ})
+        r = client.get("/ui/failures", params={"page": page})
+    assert r.status_code == 404, r.text
+    assert f"There is no page {page} of the failures" in r.text and "Traceback" not in r.text
+    assert not any("OFFSET" in rec.getMessage().upper() for rec in caplog.records)
