@@ -204,6 +204,8 @@ class EnqueueMetrics:
     invalid: int = 0
     conflicts: int = 0
     delayed: int = 0
+    #: messages whose trace context was malformed and ignored (W3C: a new trace starts)
+    trace_ignored: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -228,7 +230,14 @@ def enqueue_collector(metrics: EnqueueMetrics = METRICS) -> Any:
                 "Messages handed to enqueue, by outcome",
                 labels=["outcome"],
             )
-            for outcome in ("inserted", "duplicates", "invalid", "conflicts", "delayed"):
+            for outcome in (
+                "inserted",
+                "duplicates",
+                "invalid",
+                "conflicts",
+                "delayed",
+                "trace_ignored",
+            ):
                 fam.add_metric([outcome], getattr(metrics, outcome))
             yield fam
 
@@ -269,7 +278,7 @@ def _row(
 ) -> dict[str, Any]:
     if not isinstance(message, Message):
         raise ContentError(f"expected an outbox Message, got {type(message).__name__}")
-    headers = _mapping(message.headers, what="headers")
+    headers = _own_trace_checked(_mapping(message.headers, what="headers"), message)
     own = headers is not None and tracing.TRACEPARENT in headers  # its own traceparent stays
     if message.traceparent is not None or (message.tracestate is not None and not own):
         headers = {**(headers or {}), **_trace_headers(message, context)}
@@ -311,11 +320,42 @@ def _mapping(value: object, *, what: str) -> dict[str, Any] | None:
 
 
 def _trace_headers(message: Message, context: tracing.TraceContext | None) -> dict[str, str]:
+    """The trace context a message carries: its ``traceparent=`` (and ``tracestate=``), or the
+    current span's. Usually copied from an incoming request, so malformed is the client's doing:
+    W3C Trace Context says an invalid parent is ignored and a new trace started, never that the
+    request fails (issue 48: a client's bad header was a 500 for the whole request)."""
     if message.traceparent is not None:
-        return tracing.checked_headers(message.traceparent, message.tracestate)
-    if message.tracestate is not None:
-        raise ContentError("tracestate given without a traceparent")
+        if not isinstance(message.traceparent, str):  # not a header value: the caller's bug
+            raise ContentError(
+                f"traceparent must be a string, got {type(message.traceparent).__name__}"
+            )
+        try:
+            return tracing.checked_headers(message.traceparent, message.tracestate)
+        except ContentError as exc:
+            _trace_ignored(message, str(exc))
+    elif message.tracestate is not None:
+        _trace_ignored(message, "tracestate given without a traceparent")
     return dict(context) if context else {}
+
+
+def _own_trace_checked(headers: dict[str, Any] | None, message: Message) -> dict[str, Any] | None:
+    """A message's own ``traceparent`` header (and its ``tracestate``), checked like
+    ``traceparent=``: malformed, both are left out (a new trace), never sent on unchecked."""
+    if headers is None or tracing.TRACEPARENT not in headers:
+        return headers
+    try:
+        tracing.checked_headers(headers[tracing.TRACEPARENT], headers.get(tracing.TRACESTATE))
+    except ContentError as exc:
+        _trace_ignored(message, f"its traceparent header: {exc}")
+        return {
+            k: v for k, v in headers.items() if k not in (tracing.TRACEPARENT, tracing.TRACESTATE)
+        }
+    return headers
+
+
+def _trace_ignored(message: Message, why: str) -> None:
+    METRICS.add(trace_ignored=1)
+    log.debug("message %r: trace context ignored, a new trace starts: %s", message.message_id, why)
 
 
 def _mandatory(value: object) -> bool:

@@ -20,14 +20,14 @@ import os
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 from sqlalchemy import CheckConstraint, Column, Integer, MetaData, Table, Text, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.db import make_engine
-from app.outbox.enqueue import Message, MessageConflict, enqueue
+from app.outbox.enqueue import InvalidMessage, Message, MessageConflict, enqueue
 
 metadata = MetaData()
 orders = Table(
@@ -62,7 +62,11 @@ def create_app(*, database_url: str, exchange: str = "orders") -> FastAPI:
             yield s
 
     @app.post("/orders", response_model=OrderOut, status_code=201)
-    def create_order(order: OrderIn, s: Annotated[Session, Depends(session)]) -> OrderOut:
+    def create_order(
+        order: OrderIn,
+        s: Annotated[Session, Depends(session)],
+        traceparent: Annotated[str | None, Header()] = None,
+    ) -> OrderOut:
         event = Message(
             exchange=exchange,
             routing_key="order.created",
@@ -71,6 +75,8 @@ def create_app(*, database_url: str, exchange: str = "orders") -> FastAPI:
             content_type="application/json",
             properties={"type": "order.created"},
             ordering_key=order.order_id,
+            # the caller's trace goes on with the event; a malformed header starts a new trace
+            traceparent=traceparent,
         )
         try:
             with s.begin():  # one transaction: the event first, then the order
@@ -81,6 +87,8 @@ def create_app(*, database_url: str, exchange: str = "orders") -> FastAPI:
             raise HTTPException(status_code=422, detail="order refused by the database") from exc
         except MessageConflict as exc:  # the same order id again, with other content
             raise HTTPException(status_code=409, detail=str(exc)) from exc
+        except InvalidMessage as exc:  # an id no message can carry (a NUL, over 255 bytes)
+            raise HTTPException(status_code=422, detail=exc.reason) from exc
         return OrderOut(
             order_id=order.order_id,
             event_message_id=event.message_id,

@@ -91,3 +91,31 @@ async def test_an_order_and_its_event_commit_together_or_not_at_all(
         assert json.loads(got.body) == {"order_id": "o-1", "item": "book", "quantity": 2}
         await asyncio.sleep(0.5)
         assert await queue.get(fail=False) is None  # one message: no refused, no retried one
+
+
+async def test_bad_client_input_is_a_4xx_and_a_bad_trace_header_is_ignored(pg_url: str) -> None:
+    """Issue 48: an order id no message id can carry (a NUL; 98 three-byte characters make a
+    294-byte id) escaped the example as InvalidMessage, a 500; a client's malformed
+    ``traceparent`` header, passed on as the docs suggest, was a 500 too. Now a 422 naming the
+    problem, and a new trace; nothing is written for the refused orders."""
+    service = load_example()
+    app = service.create_app(database_url=pg_url, exchange="orders-example")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://orders.test") as client:
+        for bad in ("nul\x00id", "€" * 98):
+            r = await client.post("/orders", json={"order_id": bad, "item": "x", "quantity": 1})
+            assert r.status_code == 422, r.text
+        r = await client.post(
+            "/orders",
+            json={"order_id": "traced", "item": "x", "quantity": 1},
+            headers={"traceparent": "00-not-a-trace-01"},
+        )
+        assert r.status_code == 201, r.text
+    engine = make_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(select(outbox.c.message_id, outbox.c.headers)).all()
+    finally:
+        engine.dispose()
+    assert [m for m, _ in rows] == ["order-traced-created"]
+    assert "traceparent" not in (rows[0][1] or {})
