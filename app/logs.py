@@ -49,12 +49,31 @@ def _utc(record: logging.LogRecord) -> str:
     return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+#: Line breaks and the other C0 controls (and DEL, and the C1 line breaks), written escaped in a
+#: text line: a value a record quotes (a message id, a routing key, a broker's reply text) can
+#: come from anyone who writes a row, and a newline in it forged a whole log line (issue 48).
+_CONTROLS = {
+    **{c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, 0x85] if c != 0x09},  # a tab stays
+    0x0A: "\\n",
+    0x0D: "\\r",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and control characters escaped: one log line, always."""
+    return text.translate(_CONTROLS)
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_utc(record)} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        line = (
+            f"{_utc(record)} {record.levelname:<7} {record.name}: {one_line(record.getMessage())}"
+        )
         extra = _extra(record)
         if extra:
-            line += " " + " ".join(f"{k}={v}" for k, v in extra.items())
+            line += " " + " ".join(f"{k}={one_line(str(v))}" for k, v in extra.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return redact(line)

@@ -57,3 +57,23 @@ def test_json_lines_are_one_object_each() -> None:
     assert (doc["level"], doc["logger"], doc["channels"]) == ("INFO", "app.publisher", 2)
     assert doc["message"] == "connected to amqp://guest:***@127.0.0.1:5673/"
     assert doc["ts"].endswith("Z")
+
+
+def test_a_value_with_a_newline_cannot_forge_a_text_line() -> None:
+    """Issue 48: a message id with a newline, quoted by the consumer kit's log line, wrote a
+    second, forged line in the text format. Every record is one line: its line breaks and other
+    control characters are written escaped (JSON lines were one object each already)."""
+    stream = io.StringIO()
+    configure(level="INFO", fmt="text", stream=stream)
+    try:
+        forged = "m-1\n2026-11-29T00:00:00.000Z INFO    app.api: operator admin signed in"
+        logging.getLogger("app.consumer").warning(
+            "message %r failed", forged, extra={"key": "a\r\nb"}
+        )
+        logging.getLogger("app.consumer").warning("message %s failed\x1b[2K\u2028tab\there", forged)
+    finally:
+        configure(level="WARNING")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert "m-1\\n2026-11-29" in lines[1] and "\\x1b[2K\\u2028tab\there" in lines[1]
+    assert lines[0].endswith("key=a\\r\\nb")
