@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from app.outbox.content import HEADER_NAME_MAX, RESERVED_HEADERS
+from app.outbox.content import EXCHANGE_NAME, HEADER_NAME_MAX, RESERVED_HEADERS
 from spark_writer.errors import OutboxConfigError
 
 #: RabbitMQ's default largest message (``max_message_size``), 16 MiB.
@@ -117,6 +117,11 @@ def _problems(o: OutboxOptions) -> list[str]:
     for name, literal in (("exchange", o.exchange), ("routing_key", o.routing_key)):
         if literal is not None and len(literal.encode()) > SHORTSTR_MAX:
             out.append(f"{name} is longer than {SHORTSTR_MAX} bytes")
+    if o.exchange is not None and not EXCHANGE_NAME.match(o.exchange):
+        out.append(
+            f"exchange {o.exchange[:80]!r} holds characters no publish can carry: letters, "
+            "digits, space and - _ . : @ # , / + only"
+        )
     for name in o.header_columns:  # header names as the publisher accepts them
         if len(name.encode()) > HEADER_NAME_MAX:
             out.append(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -323,6 +324,25 @@ class CheckedRow(NamedTuple):
     properties: dict[str, Any]
 
 
+#: The characters an exchange name may hold: the publisher's AMQP codec (pamqp's domain rule for
+#: ``exchange-name``) refuses any other at encode, so a row naming such an exchange ended
+#: ``failed`` at publish with "Invalid value for exchange" (issue 48). Written out here, the pure
+#: module imports no pamqp; ``tests/unit/test_content.py`` holds it equal to pamqp's.
+EXCHANGE_NAME = re.compile(r"^[a-zA-Z0-9-_.:@#,/+ ]*$")
+
+
+def check_exchange(value: object) -> str:
+    """An exchange name: a ``shortstr`` (``""`` is the default exchange) of the characters the
+    publisher can encode (:data:`EXCHANGE_NAME`)."""
+    name = check_shortstr(value, what="exchange", empty_ok=True)
+    if not EXCHANGE_NAME.match(name):
+        raise ContentError(
+            f"exchange {name[:80]!r} holds characters no publish can carry: letters, digits, "
+            "space and - _ . : @ # , / + only"
+        )
+    return name
+
+
 def check_row(
     *,
     exchange: object,
@@ -340,7 +360,7 @@ def check_row(
     if content_type is not None:
         ctype = check_shortstr(content_type, what="content_type", empty_ok=True) or None
     return CheckedRow(
-        exchange=check_shortstr(exchange, what="exchange", empty_ok=True),
+        exchange=check_exchange(exchange),
         routing_key=check_shortstr(routing_key, what="routing key", empty_ok=True),
         message_id=check_shortstr(message_id, what="message_id"),
         content_type=ctype,

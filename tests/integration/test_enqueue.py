@@ -161,6 +161,11 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
         "later than the year 9998",
     ),
     ("traceparent not a string", {"traceparent": 7}, "traceparent must be a string, got int"),
+    (
+        "an exchange the publisher cannot encode",
+        {"exchange": "no such exchange! (x)"},
+        "holds characters no publish can carry",
+    ),
     ("mandatory not a bool", {"mandatory": "yes"}, "mandatory must be a boolean"),
 ]
 

@@ -171,3 +171,24 @@ def test_any_stored_content_is_checked_or_refused_never_a_crash(
         assert str(exc)
     else:
         json.dumps(checked.headers, allow_nan=False)  # a field table can carry it
+
+
+def test_the_exchange_rule_is_the_codecs() -> None:
+    """The pure module keeps its own copy of pamqp's exchange-name rule: the same pattern."""
+    from pamqp.constants import DOMAIN_REGEX
+
+    from app.outbox.content import EXCHANGE_NAME
+
+    assert EXCHANGE_NAME.pattern == DOMAIN_REGEX["exchange-name"].pattern
+
+
+@pytest.mark.parametrize("name", ["no such exchange! (x)", "ex\nchange", "é", "a*b"])
+def test_an_exchange_name_no_publish_can_carry_is_refused(name: str) -> None:
+    """Issue 48: enqueue accepted ``"no such exchange! (x)"`` and the row ended ``failed`` at
+    publish with "Invalid value for exchange"; the publisher's own codec rule now runs first."""
+    from pamqp import commands
+
+    with pytest.raises(ValueError, match="Invalid value for exchange"):
+        commands.Basic.Publish(exchange=name)  # what the publisher would do with it
+    with pytest.raises(ContentError, match="holds characters no publish can carry"):
+        check_row(**row(exchange=name), limits=LIMITS)

@@ -27,6 +27,7 @@ def test_keywords_and_the_value_build_the_same_options() -> None:
         (None, {"sink": "orders"}, "option 'url' is required"),
         (OutboxOptions(**BASE), {"sink": "other"}, "not both"),
         ({"url": "x"}, {}, "must be an OutboxOptions, not dict"),
+        (None, {**BASE, "exchange": "orders!"}, "holds characters no publish can carry"),
     ],
 )
 def test_bad_writer_options_get_a_clear_error(
