@@ -69,8 +69,15 @@ cluster-stop:  ## stop the three-node cluster that `make cluster` started
 migrate: venv services  ## create or upgrade the outbox schema (OUTBOX_DATABASE_URL, default local PostgreSQL)
 	@$(LOCAL_ENV) $(VENV)/bin/outbox migrate
 
+# Two workers (pytest-xdist): the tests wait on brokers, databases and processes more than they
+# compute. A module, or modules sharing a slow or port-bound fixture, run on one worker
+# (UNITS in tests/conftest.py).
+# PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope)
+
 test: venv services tools  ## run the whole test suite against the local services
-	@$(VENV)/bin/pytest $(PYTEST_ARGS)
+	@$(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
 
 # What differs between PySpark versions (the tests marked spark_api: the writers' use of the
 # Spark API), on PostgreSQL; the rest of the Spark tests ran on the newest in make test.
@@ -81,7 +88,7 @@ test-unit: venv  ## the pure tests: no service started, no Spark, seconds
 	@$(VENV)/bin/pytest tests/unit -m "not spark and not slow and not chaos" $(PYTEST_ARGS)
 
 test-fast: venv services tools  ## the suite without Spark, slow scenarios and the fault matrix
-	@$(VENV)/bin/pytest -m "not spark and not slow and not chaos" $(PYTEST_ARGS)
+	@$(VENV)/bin/pytest $(XDIST) -m "not spark and not slow and not chaos" $(PYTEST_ARGS)
 
 bench: venv services tools  ## measure the product against bare publishing loops (BENCH_SCALE=4 for bigger)
 	@bench/ensure-jdbc.sh

@@ -113,6 +113,56 @@ def _local_env() -> dict[str, str]:
     return dict(pairs)
 
 
+#: How ``make test`` shares the tests between its two workers (pytest-xdist, ``-n 2 --dist
+#: loadscope``): each module is a unit of work that runs on one worker (its module-scoped
+#: fixtures, a broker or a browser of its own, are built once), and the modules that share a
+#: slow or port-bound session fixture are one unit together, so it is built once per run: the
+#: SparkSession, the 1,000,000-row outbox, the three-node cluster on fixed ports. xdist hands the
+#: units with the most tests out first. (Not ``xdist_group`` marks with ``--dist loadgroup``:
+#: pytest 9.2 ignores the node ids that rewrites, pytest-dev/pytest-xdist#1386.)
+UNITS = {
+    "tests/spark/": "spark",
+    "tests/integration/test_large_outbox.py": "large-outbox",
+    "tests/integration/test_console_plans.py": "large-outbox",
+    "tests/integration/test_cluster.py": "cluster",
+}
+#: the session fixtures built once per run, and the unit of every test that uses one
+ONCE = {"spark": "spark", "large_database": "large-outbox", "cluster": "cluster"}
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit a test runs in under two workers: its entry of ``UNITS``, or its module."""
+    path = nodeid.split("::", 1)[0]
+    return next((unit for prefix, unit in UNITS.items() if path.startswith(prefix)), path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` with the units of ``work_unit``."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return Units(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses a fixture of ``ONCE`` outside its unit fails the collection: two
+    workers would each build it (or fight over its ports)."""
+    wrong = []
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        needed = {unit for fixture, unit in ONCE.items() if fixture in names}
+        if needed - {work_unit(item.nodeid)}:
+            wrong.append(f"{item.nodeid} needs unit {sorted(needed)[0]!r}")
+    if wrong:
+        raise pytest.UsageError("add to UNITS in tests/conftest.py:\n" + "\n".join(wrong))
+
+
 @pytest.fixture(scope="session")
 def service_urls() -> dict[str, str]:
     """AMQP and admin PostgreSQL URLs of running services: the suite's own variables, or the
