@@ -520,7 +520,7 @@ class _Run:
             content_type=props.content_type,
             redelivered=redelivered,
         )
-        count = _delivery_count(message.headers)
+        count = _delivery_count(message.headers, redelivered=redelivered)
         held = Held(
             tag=tag, message=message, redelivered=redelivered or count > 0, broker_count=count
         )
@@ -974,8 +974,13 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def _delivery_count(headers: Mapping[str, Any]) -> int:
+def _delivery_count(headers: Mapping[str, Any], *, redelivered: bool) -> int:
     """A quorum queue's ``x-delivery-count`` header (absent on a first delivery and on classic
-    queues): how often the broker had this message back before."""
+    queues): how often the broker had this message back before. Trusted only on a delivery the
+    broker flags ``redelivered``: on a first one the header can only be the producer's (a
+    quorum queue adds it from the second delivery on, overwriting any), and a producer's
+    ``x-delivery-count: 999`` once dead-lettered a message before its handler ever ran."""
+    if not redelivered:
+        return 0
     value = headers.get("x-delivery-count")
     return value if isinstance(value, int) and value > 0 else 0

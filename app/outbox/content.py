@@ -40,7 +40,12 @@ DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 MAX_PROPERTIES_BYTES = 8 * 1024
 INT64 = (-(2**63), 2**63 - 1)
 #: Headers the publisher sets on every publish; a row may not set them itself.
-RESERVED_HEADERS = frozenset({"x-outbox-id", "x-outbox-attempt"})
+PUBLISHER_HEADERS = frozenset({"x-outbox-id", "x-outbox-attempt"})
+#: Set by the broker, read by consumers as the broker's word: a quorum queue's redelivery count.
+#: A producer's own ``x-delivery-count: 999`` dead-lettered a message on its first delivery
+#: without its handler running (issue 48).
+BROKER_HEADERS = frozenset({"x-delivery-count"})
+RESERVED_HEADERS = PUBLISHER_HEADERS | BROKER_HEADERS
 DELIVERY_MODES = (1, 2)
 PERSISTENT = 2
 
@@ -189,7 +194,8 @@ def _check_table(table: dict[Any, Any], *, depth: int, path: str) -> None:
         if not (type(key) is str and 0 < len(key) <= HEADER_NAME_MAX and key.isascii()):
             _check_name(key, path=path)
         if depth == 1 and key in RESERVED_HEADERS:
-            raise ContentError(f"header {key!r} is set by the publisher; a row may not set it")
+            who = "the broker" if key in BROKER_HEADERS else "the publisher"
+            raise ContentError(f"header {key!r} is set by {who}; a row may not set it")
         if item is None or (type(item) is str and item.isascii()):
             continue  # the common values, without building their path
         _check_value(item, depth=depth, path=f"{path}.{key}")

@@ -275,3 +275,18 @@ def test_the_inbox_runs_a_handler_once_and_rolls_back_with_it(db_url: str) -> No
         assert purge_inbox(eng, older_than=dt.timedelta(seconds=-1)) == 2
     finally:
         eng.dispose()
+
+
+async def test_a_producer_s_own_delivery_count_dead_letters_nothing(
+    amqp_url: str, engine: Engine, queue: str
+) -> None:
+    """Issue 48: a message published (by anyone) with ``x-delivery-count: 999`` to a classic
+    queue was dead-lettered on its first delivery without its handler running, logged as "the
+    broker returned it 999 times". On a first delivery the header can only be the producer's:
+    the handler runs, once."""
+    await publish(amqp_url, queue, ["forged-1", "forged-2"], **{"x-delivery-count": 999})
+    async with consuming(amqp_url, engine, queue, prefetch=10) as consumer:
+        await until(lambda: consumer.metrics.counts["acked"] == 2, what="2 acks")
+    assert sorted(effects(engine)) == ["forged-1", "forged-2"]
+    assert consumer.metrics.counts["dead_lettered"] == 0
+    assert await depth(amqp_url, queue + ".dlq") == 0

@@ -398,3 +398,15 @@ def test_a_malformed_incoming_trace_context_starts_a_new_trace(
         assert headers.get("kept") == 1
     assert (rows["m-2"]["headers"] or {})["traceparent"] == GOOD_PARENT
     assert api.METRICS.trace_ignored == before + 1
+
+
+def test_a_broker_header_cannot_be_enqueued(engine: Engine) -> None:
+    """Issue 48: enqueue accepted ``x-delivery-count``, the header consumers read as the
+    broker's count of redeliveries."""
+    with (
+        Session(engine) as session,
+        session.begin(),
+        pytest.raises(InvalidMessage, match="'x-delivery-count' is set by the broker"),
+    ):
+        enqueue(session, [msg(1, headers={"x-delivery-count": 999})])
+    assert stored(engine) == {}
