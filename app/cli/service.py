@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from app.cli.common import (
+    EXIT_FAILURE,
     EXIT_OK,
     Failure,
     Sub,
@@ -36,12 +37,26 @@ def _cmd_publish(settings: Settings, args: argparse.Namespace) -> int:
     from app.publisher.service import main as run_publisher_main  # lazy: the CLI imports without it
 
     try:
-        rc = run_publisher_main(settings)
+        stats = run_publisher_main(settings, until_empty=args.until_empty)
     except SchemaMismatch as exc:
         raise Failure(str(exc)) from None
     except OutboxError as exc:  # e.g. another publisher holds this SQLite outbox
         raise Failure(str(exc)) from None
-    return rc if isinstance(rc, int) else EXIT_OK
+    if not args.until_empty:
+        return EXIT_OK
+    print(
+        f"outbox publish: drained: {stats.confirmed} confirmed, {stats.failed} failed, "
+        f"{stats.returned} returned, {stats.nacked_final} nacked, {stats.lost} possible "
+        f"duplicates in {stats.elapsed_seconds:.1f}s"
+    )
+    if stats.ended_badly:
+        print(
+            f"outbox publish: {stats.ended_badly} rows ended failed, returned or nacked: "
+            "see `outbox failures`",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
@@ -238,7 +253,15 @@ def _add_publish(sub: Sub) -> None:
     pub = sub.add_parser(
         "publish",
         help="run a publisher: outbox rows to RabbitMQ with publisher confirms",
-        description="Run a publisher until SIGINT/SIGTERM, then settle and stop.",
+        description="Run a publisher until SIGINT/SIGTERM, then settle and stop. With "
+        "--until-empty, stop once no row is in flight and none is due within backoff_max "
+        "(a cron or Airflow task): exit 0, or 1 when rows of this run ended failed, returned "
+        "or nacked.",
+    )
+    pub.add_argument(
+        "--until-empty",
+        action="store_true",
+        help="stop once the outbox is drained; exit 1 if rows ended failed, returned or nacked",
     )
     pub.set_defaults(func=_cmd_publish)
 

@@ -267,12 +267,23 @@ class Publisher:
         try:
             await self.probes.start()
         except OSError as exc:
-            self.probes = None
-            raise RuntimeError(
-                f"cannot serve /metrics on {s.publisher_metrics_host}:"
-                f"{s.publisher_metrics_port}: {exc} (set OUTBOX_PUBLISHER_METRICS_PORT; 0 picks "
-                "a free port)"
-            ) from exc
+            if s.publisher_metrics_port == 0:
+                self.probes = None
+                raise RuntimeError(
+                    f"cannot serve /metrics on {s.publisher_metrics_host}: {exc}"
+                ) from exc
+            # a second publisher on the host, another service on the port: publishing matters
+            # more than the port; a scrape or probe set to that port finds nothing, and says so
+            self.probes = ProbeServer(routes, host=s.publisher_metrics_host, port=0)
+            await self.probes.start()
+            log.error(
+                "cannot serve /metrics and the probes on %s:%d (%s): serving them on %s instead "
+                "(set OUTBOX_PUBLISHER_METRICS_PORT to a free port, or 0 for any)",
+                s.publisher_metrics_host,
+                s.publisher_metrics_port,
+                exc,
+                self.probes.url,
+            )
 
     async def _run_tasks(self, stop: asyncio.Event | None, until_empty: bool) -> None:
         self.housekeeping = Housekeeping(

@@ -132,4 +132,6 @@ class Housekeeping:
         p = self.p
         if not p.idle():
             return False
-        return await p.db.call(p.store.count_open) == 0
+        # a row backing off comes due within backoff_max: wait for it; later ones (a delayed
+        # message) are the next run's
+        return await p.db.call(p.store.count_open, due_within=p.settings.backoff_max) == 0

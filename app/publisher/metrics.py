@@ -66,6 +66,12 @@ class PublisherStats:
     reconnects: int
     lease_lost: int
     elapsed_seconds: float
+    nacked_final: int = 0
+
+    @property
+    def ended_badly(self) -> int:
+        """Rows this run ended ``failed``, ``returned`` or ``nacked``: an operator's work."""
+        return self.failed + self.returned + self.nacked_final
 
 
 class PublisherMetrics:
@@ -187,6 +193,7 @@ class PublisherMetrics:
             reconnects=self.reconnects,
             lease_lost=self.lease_lost,
             elapsed_seconds=time.monotonic() - self.started_at,
+            nacked_final=self.nacked_final,
         )
 
 

@@ -810,3 +810,38 @@ def test_declare_makes_the_exchange_and_a_bound_queue_idempotently(
         assert rc == EXIT_USAGE and "needs a quorum queue" in err, err
     finally:
         asyncio.run(_delete(amqp_url, name))
+
+
+# --------------------------------------------------------------------------------- publish
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_publish_until_empty_exits_once_drained_and_says_what_failed(
+    env: str,
+    engine: Engine,
+    amqp_url: str,
+    topology: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 48, item 11: a cron or Airflow task had to poll the table and send SIGTERM.
+    ``outbox publish --until-empty`` stops once no row is in flight or due soon (a message
+    delayed to tomorrow is the next run's), exits 0 when every row of the run was confirmed
+    and 1 when some ended failed, returned or nacked."""
+    monkeypatch.setenv("OUTBOX_AMQP_URL", amqp_url)
+    monkeypatch.setenv("OUTBOX_PUBLISHER_METRICS_PORT", "0")
+    monkeypatch.setenv("OUTBOX_RETURN_GRACE", "0")
+    add_rows(engine, n=20, exchange=topology["exchange"], routing_key="rk")
+    tomorrow = dt.datetime.now(dt.UTC) + dt.timedelta(days=1)
+    add_rows(engine, n=1, exchange=topology["exchange"], routing_key="rk", available_at=tomorrow)
+    rc, out, _ = run(capsys, "publish", "--until-empty")
+    assert rc == EXIT_OK, out
+    assert "drained: 20 confirmed, 0 failed, 0 returned" in out
+    add_rows(engine, n=2, exchange=topology["exchange"], routing_key="nobody-listens")
+    rc, out, err = run(capsys, "publish", "--until-empty")
+    assert rc == EXIT_FAILURE
+    assert "0 confirmed, 0 failed, 2 returned" in out
+    assert "2 rows ended failed, returned or nacked" in err
+    with engine.connect() as conn:
+        counts = dict(conn.execute(select(outbox.c.status, func.count()).group_by("status")).all())
+    assert counts == {"confirmed": 20, "returned": 2, "pending": 1}

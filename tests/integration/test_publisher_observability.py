@@ -260,3 +260,33 @@ def test_outbox_publish_logs_its_lifecycle(
 def test_publisher_rows_are_settled_before_the_metrics_test_ends(engine: Engine) -> None:
     """Sanity: the fixtures give each test a database of its own (nothing left from others)."""
     assert rows(engine) == []
+
+
+async def test_a_taken_metrics_port_moves_the_probes_not_the_publisher(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 48, item 11: a publisher whose metrics port was taken (a second publisher on the
+    host) exited. It now publishes, serves its metrics and probes on a free port, and says so at
+    ERROR."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    engine = make_engine(sqlite_url)
+    try:
+        add_rows(engine, n=5, exchange="")
+        async with FakeBroker(auto_ack=True) as broker:
+            settings = settings_for(
+                db_url=sqlite_url, amqp_url=broker.url, publisher_metrics_port=port
+            )
+            with caplog.at_level("ERROR", logger="app.publisher"):
+                async with running_publisher(settings, engine) as publisher:
+                    await wait_rows(engine, all_in("confirmed"))
+                    assert publisher.probes is not None and publisher.probes.url
+                    assert f":{port}" not in publisher.probes.url
+        assert f"cannot serve /metrics and the probes on 127.0.0.1:{port}" in caplog.text
+    finally:
+        taken.close()
+        engine.dispose()
