@@ -85,6 +85,10 @@ def test_the_drained_check_counts_open_rows_from_their_indexes(large: Engine) ->
         ).scalar_one()
     assert open_rows == expected > 0
     assert seq_scans_on_outbox(large, sent) == []
+    # what the publisher asks: pending rows due within backoff_max (a range of ix_outbox_due)
+    soon, sent = captured(large, lambda: repo.store.count_open(due_within=60.0))
+    assert 0 < soon <= open_rows
+    assert seq_scans_on_outbox(large, sent) == []
     plain = [("SELECT count(*) FROM outbox WHERE status IN ('pending', 'in_flight')", {})]
     assert len(seq_scans_on_outbox(large, plain)) == 1  # what it replaced
 
