@@ -9,7 +9,7 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop cluster cluster-stop migrate test test-spark-oldest test-unit test-fast demo bench soak chaos chaos-long lint serve publish clean tools lock audit
+.PHONY: help venv services services-stop cluster cluster-stop migrate test test-spark-oldest test-unit test-fast demo bench soak conformance chaos chaos-long lint serve publish clean tools lock audit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -96,6 +96,12 @@ bench: venv services tools  ## measure the product against bare publishing loops
 
 soak: venv services tools  ## steady load for 30 min: latency per window, RSS, sizes, charts (SOAK_ARGS="--minutes 5")
 	@$(LOCAL_ENV) $(PY) -m bench.soak $(SOAK_ARGS)
+
+# The confirm core against generated broker schedules (tests/conformance; make test plays 150):
+# the fake broker on loopback and a SQLite file per schedule, no service needed.
+CONFORMANCE_EXAMPLES ?= 5000
+conformance: venv  ## the confirm core over 5,000 generated broker schedules (CONFORMANCE_EXAMPLES=N)
+	@CONFORMANCE_EXAMPLES=$(CONFORMANCE_EXAMPLES) $(VENV)/bin/pytest tests/conformance -p no:cacheprovider $(PYTEST_ARGS)
 
 # The matrix starts (and stops) a RabbitMQ and a PostgreSQL of its own with $(SERVICES) on ports
 # 5683/5443, data in .local/chaos: it stops and kills them, so it never touches the shared ones.
