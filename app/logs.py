@@ -32,10 +32,28 @@ _SECRET_IN_QUERY = re.compile(
 _STANDARD = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 
 
+#: Secrets this process holds (the API's tokens, its session key), masked wherever they appear:
+#: a token sent in a query parameter of any other name (``?t=…``) reached the access log
+#: verbatim (issue 48). Only values of 12 characters or more (shorter ones are refused anyway).
+_SECRETS: set[str] = set()
+_SECRETS_RE: re.Pattern[str] | None = None
+
+
+def add_secrets(*values: str | None) -> None:
+    """Mask these values in every log line from now on (``***``)."""
+    global _SECRETS_RE
+    _SECRETS.update(v for v in values if v and len(v) >= 12)
+    if _SECRETS:
+        longest_first = sorted(_SECRETS, key=len, reverse=True)
+        _SECRETS_RE = re.compile("|".join(re.escape(v) for v in longest_first))
+
+
 def redact(text: str) -> str:
     """``scheme://user:password@host`` -> ``scheme://user:***@host`` and ``?access_token=x`` ->
-    ``?access_token=***``, anywhere in ``text``."""
+    ``?access_token=***``, anywhere in ``text``; and every value of :func:`add_secrets`."""
     text = _PASSWORD_IN_URL.sub(r"\g<scheme>\g<user>:***@", text)
+    if _SECRETS_RE is not None:
+        text = _SECRETS_RE.sub("***", text)
     return _SECRET_IN_QUERY.sub(r"\g<name>***", text)
 
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
+from pydantic import SecretStr
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -15,6 +16,7 @@ from app.api.context import ApiContext
 from app.api.limits import AuthThrottle, BodyLimit, LoopbackHostOnly
 from app.api.strict import reject_unknown_query
 from app.db import head_revision, make_engine
+from app.logs import add_secrets
 from app.outbox.actions import OperatorActions
 from app.outbox.database import Clock, OutboxDatabase, utcnow
 from app.settings import Settings
@@ -51,12 +53,21 @@ class StrictTransport:
         await self.app(scope, receive, with_hsts)
 
 
+def _secrets(settings: Settings) -> list[SecretStr]:
+    return [
+        t
+        for t in (settings.api_token, settings.operator_token, settings.session_secret)
+        if t is not None
+    ]
+
+
 def create_app(
     settings: Settings, *, clock: Clock = utcnow, engine: Engine | None = None
 ) -> FastAPI:
     """Build the API for ``settings``; :class:`~app.api.auth.ApiConfigError` when it has no
     tokens (and is not explicitly insecure). ``engine`` given: the caller owns it."""
     check_auth_config(settings)
+    add_secrets(*(t.get_secret_value() for t in _secrets(settings)))
     owned = engine is None
     engine = engine or make_engine(settings.database_url.get_secret_value())
     ctx = ApiContext(

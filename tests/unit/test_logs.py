@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from pathlib import Path
 
 from app.logs import configure, redact
 
@@ -77,3 +78,37 @@ def test_a_value_with_a_newline_cannot_forge_a_text_line() -> None:
     assert len(lines) == 2, lines
     assert "m-1\\n2026-11-29" in lines[1] and "\\x1b[2K\\u2028tab\there" in lines[1]
     assert lines[0].endswith("key=a\\r\\nb")
+
+
+def test_a_secret_of_the_process_is_masked_under_any_name() -> None:
+    """Issue 48, item 7: a token in a query parameter of any other name (``?t=...``, a path, a
+    header echoed in an error) reached the log verbatim; only ``access_token=`` and its kin were
+    masked. The API registers its tokens and session key: masked wherever they appear."""
+    from app.logs import add_secrets
+
+    token = "op-" + "k" * 40
+    add_secrets(token, "short", None)
+    line = redact(f'GET /v1/stats?t={token}&x=1 HTTP/1.1" 401 and again {token[:-1]} {token}')
+    assert token not in line and line.count("***") == 2
+    assert token[:-1] in line  # a shorter string is not the secret
+    assert redact("short") == "short"  # too short to mask without masking everything
+
+
+def test_the_api_masks_its_own_tokens_in_every_log_line(tmp_path: Path) -> None:
+    from app.api import create_app
+    from app.logs import TextFormatter
+    from app.settings import Settings
+
+    read, operator = "read-" + "r" * 40, "oper-" + "o" * 40
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'o.db'}",
+        api_token=read,
+        operator_token=operator,
+    )
+    create_app(settings)
+    record = logging.makeLogRecord(
+        {"name": "uvicorn.access", "levelno": 20, "levelname": "INFO", "msg": "%s"}
+    )
+    record.args = (f"GET /v1/stats?key={read}&op={operator}",)
+    line = TextFormatter().format(record)
+    assert read not in line and operator not in line and line.count("***") == 2
