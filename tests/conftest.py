@@ -56,6 +56,17 @@ def _scrub_process_environment() -> None:
 _scrub_process_environment()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist starts its workers after this module scrubbed the environment: hand them the
+    suite's own variables, which their ``TEST_ENV`` takes in ``pytest_configure``."""
+    node.workerinput[TEST_PREFIX] = dict(TEST_ENV)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    TEST_ENV.update(getattr(config, "workerinput", {}).get(TEST_PREFIX, {}))
+
+
 def services_env() -> dict[str, str]:
     """The environment for ``services.sh``: the suite's ports and data directory only."""
     env = scrubbed_environ(os.environ)
