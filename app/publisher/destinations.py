@@ -8,6 +8,7 @@ exponentially; only its own rows wait.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -213,8 +214,8 @@ class Destinations:
             entry.state, entry.probe = DestinationState.PROBING, row_id
             entry.until = min(entry.until, now)
 
-    def probe_lost(self, ids: set[int]) -> list[str]:
-        """Rows lost with their connection: the exchanges whose probe was among them."""
+    def probe_lost(self, ids: Collection[int]) -> list[str]:
+        """Rows gone without an answer: the exchanges whose probe was among them."""
         out = []
         for name, entry in self._entries.items():
             if entry.probe is not None and entry.probe in ids:

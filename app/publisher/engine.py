@@ -133,6 +133,7 @@ class Publisher:
                 freed=self._freed,
                 clock=clock,
                 made_due=self._made_due,
+                gone=lambda ids: self.outages.lost(ids),
                 spans=self.spans,
             )
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from app.confirms import Confirmed, Event, Nacked, Returned
@@ -78,11 +78,14 @@ class Outages:
                 rest.append(event)
         return rest
 
-    def lost(self, ids: Sequence[int]) -> None:
+    def lost(self, ids: Collection[int]) -> None:
         """Rows that left without an ack or a nack (lost with their channel or connection,
-        returned, put back): a probe among them is picked again, or its exchange's parked rows
-        would wait for an answer that never comes."""
-        for exchange in self.p.destinations.probe_lost(set(ids)):
+        returned, put back, settled by the write-back however they ended): a probe among them
+        is picked again, or its exchange's parked rows would wait for an answer that never
+        comes."""
+        if not self.p.destinations.outages():
+            return
+        for exchange in self.p.destinations.probe_lost(ids):
             self.p.unpark(exchange)
 
     def release_all(self) -> list[int]:

@@ -78,6 +78,9 @@ class WritebackParts:
     freed: Callable[[], None]  # rows left the window: wake the claimer
     clock: Callable[[], float]
     made_due: Callable[[], None] = lambda: None  # rows became due: news for the claimer
+    #: rows the write-back took out of this publisher's hands, however they ended: an outage's
+    #: probe among them is no longer awaited (engine: ``Outages.lost``)
+    gone: Callable[[frozenset[int]], None] = lambda ids: None
     spans: BatchSpans | None = None  # OUTBOX_PUBLISHER_TRACING
 
 
@@ -158,6 +161,7 @@ class Writeback:
             self._forget_durable()
         news = bool(out.lost or out.released or out.postponed) or self._keys_moved_on(settled)
         p.holdings.forget(settled)
+        p.gone(self.settling)
         if p.spans is not None:
             p.spans.settled(out)
         self._finished()

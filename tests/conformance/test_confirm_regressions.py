@@ -112,3 +112,34 @@ def test_a_returned_probe_does_not_hold_its_exchange(template: Path, workdir: Pa
     )
     for _ in range(3):
         _play(Schedule(rows, (), window=64, channels=2), template, workdir)
+
+
+def test_a_probe_returned_before_its_channel_closed_does_not_hold_its_exchange(
+    template: Path, workdir: Path
+) -> None:
+    """Found by the generator (5,000 schedules, on the fix above): the outage's probe was
+    returned and then its channel closed, so its return came with the close, not with an
+    answer; the probe was never cleared and four rows stayed parked ``in_flight``. Now any row
+    the write-back takes out of the publisher's hands clears a probe it was."""
+    rows = (
+        RowSpec("a", "normal", 1),
+        RowSpec("a", "normal", 3),
+        RowSpec("a", "normal", 1),
+        RowSpec("b", "normal", 1),
+        RowSpec("a", "normal", 3),
+        RowSpec("a", "normal", 3),
+    )
+    steps = (
+        Return(pick=0, code=312),
+        Cut(drop=True),
+        Answer(nack=True, pick=29, multiple=True),
+        Answer(nack=False, pick=1, multiple=True),
+        CloseChannel(pick=0),
+        Junk(kind="settled", pick=17),
+        Block(seconds=0.05),
+        Return(pick=0, code=312),
+        CloseChannel(pick=12),
+        CloseChannel(pick=0),
+    )
+    for _ in range(3):
+        _play(Schedule(rows, steps, window=64, channels=1), template, workdir)

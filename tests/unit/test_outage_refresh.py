@@ -78,3 +78,16 @@ def test_a_returned_probe_lets_another_go() -> None:
     rest = h.outages.answered([Returned(5, "m5", 312, "NO_ROUTE")])
     assert rest == [Returned(5, "m5", 312, "NO_ROUTE")]  # settled as returned, as ever
     assert h.destinations.probe(EX) is None and h.unparked == [EX]  # another row probes
+
+
+def test_a_probe_settled_any_other_way_lets_another_go() -> None:
+    """Found by the conformance suite: the probe was returned and its channel closed, so its
+    return came with the close; the write-back settled it ``returned`` and nobody cleared the
+    probe. The write-back now hands every row it settles to ``Outages.lost``."""
+    h = Harness()
+    h.now = 1.0
+    h.destinations.probing(EX, 7, 1.0)
+    h.outages.lost(frozenset({3, 7}))
+    assert h.destinations.probe(EX) is None and h.unparked == [EX]
+    h.outages.lost(frozenset({7}))  # once cleared, nothing more happens
+    assert h.unparked == [EX]
