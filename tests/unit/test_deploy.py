@@ -137,7 +137,8 @@ def _workloads() -> dict[str, Any]:
 WORKLOADS = _workloads()
 #: The secrets each process reads; a pod mounts these keys of outbox-secrets and no other.
 SECRETS_NEEDED = {
-    "outbox-api": {"DATABASE_URL", "AMQP_URL", "API_TOKEN", "OPERATOR_TOKEN"},
+    # the API reads the database only (issue 48: it was given the broker URL it never used)
+    "outbox-api": {"DATABASE_URL", "API_TOKEN", "OPERATOR_TOKEN"},
     "outbox-publisher": {"DATABASE_URL", "AMQP_URL"},
     "outbox-migrate": {"DATABASE_URL"},
     "outbox-purge": {"DATABASE_URL"},
@@ -223,7 +224,7 @@ def _ports(policies: list[dict[str, Any]], direction: str) -> set[tuple[str, int
 #: What each workload talks to: ingress (who reaches it) and egress (what it reaches).
 DNS, POSTGRES, AMQP = {("UDP", 53), ("TCP", 53)}, {("TCP", 5432)}, {("TCP", 5672), ("TCP", 5671)}
 TRAFFIC = {
-    "outbox-api": ({("TCP", 8443)}, DNS | POSTGRES | AMQP),
+    "outbox-api": ({("TCP", 8443)}, DNS | POSTGRES),
     "outbox-publisher": ({("TCP", 9600)}, DNS | POSTGRES | AMQP),
     "outbox-migrate": (set(), DNS | POSTGRES),
     "outbox-purge": (set(), DNS | POSTGRES),
@@ -445,3 +446,12 @@ def test_systemd_knows_every_directive(tmp_path: Path) -> None:
         check=False,
     )
     assert (done.returncode, done.stderr.strip()) == (0, "")
+
+
+def test_the_api_behind_the_ingress_trusts_its_forwarded_addresses() -> None:
+    """Issue 48, item 6: the k8s API sat behind the ingress with no
+    ``OUTBOX_API_FORWARDED_ALLOW_IPS``: every audit row kept the ingress's address and all
+    clients shared one throttle bucket."""
+    (container,) = WORKLOADS["outbox-api"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env.get("OUTBOX_API_FORWARDED_ALLOW_IPS")
