@@ -271,7 +271,9 @@ class Settings(BaseSettings):
         "when the API starts; instead of OUTBOX_SESSION_SECRET.",
     )
     api_probe_timeout: float = Field(
-        default=3.0, gt=0, description="Most wait of /readyz for the database (the API never talks to the broker)."
+        default=3.0,
+        gt=0,
+        description="Most wait of /readyz for the database (the API reads no broker).",
     )
     stats_latency_window: float = Field(
         default=900.0, gt=0, description="Confirms of the last N seconds feed latency percentiles."
