@@ -32,10 +32,14 @@ class Settings(BaseSettings):
         "server_hostname, no_verify_ssl, auth=plain|external (docs/operations.md).",
     )
     api_token: SecretStr | None = Field(
-        default=None, description="Bearer token for read endpoints."
+        default=None,
+        description="Bearer token for read endpoints: 32 to 512 characters that cannot be "
+        "guessed (`outbox token` prints one).",
     )
     operator_token: SecretStr | None = Field(
-        default=None, description="Bearer token for write (operator) endpoints."
+        default=None,
+        description="Bearer token for write (operator) endpoints, also reads: 32 to 512 "
+        "characters that cannot be guessed (`outbox token` prints one).",
     )
     database_url_file: str | None = Field(
         default=None,

@@ -647,7 +647,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     )
     samples: list[Sample] = []
     windows: list[Window] = []
-    token = secrets.token_urlsafe(16)
+    token = secrets.token_urlsafe(32)
     with (
         temp_postgres(services) as db_url,
         topology(services, "soak", max_length=QUEUE_MAX_LENGTH) as topo,

@@ -6,6 +6,7 @@ appear in a response or a log line.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 from dataclasses import dataclass
@@ -27,8 +28,15 @@ bearer = HTTPBearer(
 )
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
-#: Shortest token accepted: 16 characters (`openssl rand -hex 16` gives 32).
-MIN_TOKEN_LENGTH = 16
+#: Shortest token accepted: 32 characters (`outbox token` gives 43, `openssl rand -hex 32` 64).
+MIN_TOKEN_LENGTH = 32
+#: Longest token accepted (a bearer header is a line of an HTTP request).
+MAX_TOKEN_LENGTH = 512
+#: Fewest distinct characters in a token: 32 random hex digits hold 10 or fewer with a
+#: probability of about 1e-4 (`outbox token`'s 43 base64url characters: none in 100,000 tries).
+MIN_DISTINCT_CHARACTERS = 10
+#: A token whose neighbouring characters mostly repeat or count up or down is a pattern.
+MAX_PATTERN_SHARE = 0.5
 #: Placeholders of the deploy examples and documentation: never real tokens.
 PLACEHOLDERS = ("change-me", "changeme", "replace-me", "example", "token", "secret", "password")
 log = logging.getLogger("app.api.auth")
@@ -60,16 +68,33 @@ def check_auth_config(settings: Settings) -> None:
     for name, token in (("OUTBOX_API_TOKEN", read), ("OUTBOX_OPERATOR_TOKEN", op)):
         if token is None:
             continue
-        value = token.get_secret_value().strip()
-        if len(value) < MIN_TOKEN_LENGTH:
-            raise ApiConfigError(
-                f"{name} is shorter than {MIN_TOKEN_LENGTH} characters: "
-                "generate one with `openssl rand -hex 32`"
-            )
-        if any(value.lower().startswith(p) for p in PLACEHOLDERS):
-            raise ApiConfigError(
-                f"{name} is a documented placeholder: set a real secret (`openssl rand -hex 32`)"
-            )
+        weakness = token_weakness(token.get_secret_value())
+        if weakness is not None:
+            raise ApiConfigError(f"{name} {weakness}: generate one with `outbox token`")
+
+
+def token_weakness(token: str) -> str | None:
+    """Why ``token`` can be guessed (or is no token), or None: a placeholder, under 32 or over
+    512 characters, under 10 distinct characters, a third of it twice (``Pass-2026-Pass-2026``),
+    or mostly neighbours that repeat or count by one (``aaaa...``, ``1234...``, ``abcd...``).
+    The reason never quotes the token."""
+    value = token.strip()
+    if any(value.lower().startswith(p) for p in PLACEHOLDERS):
+        return "is a documented placeholder, not a secret"
+    if len(value) < MIN_TOKEN_LENGTH:
+        return f"is shorter than {MIN_TOKEN_LENGTH} characters"
+    if len(value) > MAX_TOKEN_LENGTH:
+        return f"is longer than {MAX_TOKEN_LENGTH} characters"
+    if len(set(value)) < MIN_DISTINCT_CHARACTERS:
+        return f"has fewer than {MIN_DISTINCT_CHARACTERS} distinct characters"
+    stretch = -(-len(value) // 3)
+    seen = {value[i : i + stretch] for i in range(len(value) - stretch + 1)}
+    if len(seen) < len(value) - stretch + 1:
+        return "holds a stretch of a third of its length twice"
+    steps = [ord(b) - ord(a) for a, b in itertools.pairwise(value)]
+    if sum(abs(step) <= 1 for step in steps) > MAX_PATTERN_SHARE * len(steps):
+        return "is mostly repeated or counting characters"
+    return None
 
 
 def _same(a: SecretStr, b: SecretStr) -> bool:
@@ -89,21 +114,28 @@ def role_of(
     ctx: ApiContext | None = None,
     client: str = "unknown",
 ) -> Role:
-    """The role a request's bearer token grants; 401 when missing or unknown, 429 once a client
-    failed too often (counted in ``ctx.throttle``).
+    """The role a request's bearer token grants; 401 when missing or unknown, 429 for every
+    request of a client over its budget of failures (counted in ``ctx.throttle``).
 
-    The token is checked first (in constant time) and only failures meet the throttle: a valid
-    token is never refused, so wrong tokens sent from an operator's address (a shared NAT, a
-    page they visit) cannot lock the operator out. Guessing stays bounded: a client over its
-    budget gets 429 for every wrong token, and a token has at least 16 characters.
+    Over the budget the right token gets 429 too: answering it would tell a guesser which guess
+    was right, and the budget would bound nothing. The price is that wrong tokens sent from an
+    operator's address (a shared NAT) hold the operator's bearer requests and new console
+    sign-ins off for up to the window (60 s); a console session already signed in is not
+    throttled. Only failures are counted, and a token is long enough (check_auth_config) that the
+    budget is not what keeps it secret.
     """
     if not _has_tokens(settings):
         return Role.OPERATOR  # check_auth_config let this through: explicit insecure mode
+    if ctx is not None:
+        try:
+            ctx.throttle.check(client)  # over its budget: 429 whatever the token, not counted
+        except HTTPException:
+            log.warning("authentication refused from %s: over its budget of failures", client)
+            raise
     try:
         return _role(settings, credentials)
     except HTTPException:
         if ctx is not None:
-            ctx.throttle.check(client)  # over its budget: 429, not counted again
             ctx.throttle.failed(client)
         log.warning("failed authentication from %s", client)
         raise

@@ -424,12 +424,35 @@ def _add_demo(sub: Sub) -> None:
     dem.set_defaults(func=_cmd_demo)
 
 
+def _cmd_token(settings: Settings, args: argparse.Namespace) -> int:
+    import secrets
+
+    from app.api.auth import token_weakness
+
+    while True:  # 32 random bytes never fail the check in practice; the loop makes it certain
+        token = secrets.token_urlsafe(32)
+        if token_weakness(token) is None:
+            print(token)
+            return EXIT_OK
+
+
+def _add_token(sub: Sub) -> None:
+    tok = sub.add_parser(
+        "token",
+        help="print a new API token (OUTBOX_API_TOKEN, OUTBOX_OPERATOR_TOKEN)",
+        description="Print a random token of 32 bytes (43 URL-safe characters) that `outbox "
+        "serve` accepts. Generate one for each of OUTBOX_API_TOKEN and OUTBOX_OPERATOR_TOKEN.",
+    )
+    tok.set_defaults(func=_cmd_token)
+
+
 def register(sub: Sub) -> None:
     """This group's commands (running the parts: migrate, publish, serve, consume, declare,
-    demo)."""
+    demo, token)."""
     _add_migrate(sub)
     _add_publish(sub)
     _add_serve(sub)
     _add_consume(sub)
     _add_declare(sub)
     _add_demo(sub)
+    _add_token(sub)

@@ -100,7 +100,8 @@ CONSOLE_PAGES = {
     "parked": "/ui/parked",
     "audit": "/ui/audit",
 }
-_READ, _OPERATOR = "bench-read-token-0123456789", "bench-operator-token-0123456789"
+_READ = "bench-read-Qv8Lm3Tz6Xc1Kw9Bn4Hd7Rp2Gy5Fs0"
+_OPERATOR = "bench-oper-Zh3Kq7Wm1Lc8Xv4Bn6Td9Rp2Gy5Fs0"
 
 
 async def _console_ms(url: str, engine: Engine) -> dict[str, float]:

@@ -244,6 +244,21 @@ def test_serve_refuses_without_tokens_and_insecure_off_loopback(
     assert rc == EXIT_USAGE and "loopback" in err
 
 
+def test_serve_refuses_a_guessable_token_from_a_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 48, Medium 1: `Operator-Pass-2026` was accepted, also through *_FILE."""
+    for name in ("OUTBOX_API_TOKEN", "OUTBOX_OPERATOR_TOKEN", "OUTBOX_API_INSECURE"):
+        monkeypatch.delenv(name, raising=False)
+    secret = tmp_path / "operator-token"
+    secret.write_text("Operator-Pass-2026\n")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"sqlite:///{tmp_path / 'o.db'}")
+    monkeypatch.setenv("OUTBOX_OPERATOR_TOKEN_FILE", str(secret))
+    rc, _, err = run(capsys, "serve")
+    assert rc == EXIT_USAGE and "OUTBOX_OPERATOR_TOKEN is shorter than 32" in err, err
+    assert "Operator-Pass" not in err and "outbox token" in err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -172,10 +172,10 @@ def test_no_console_page_walks_the_table(large: Engine) -> None:
     from app.api import create_app
     from app.settings import Settings
 
-    operator = "plans-operator-token-0123456789"
+    operator = "plans-oper-Wm5Qz8Kd2Xr7Nc4Vb9Ht3Lp6Gy1Fs0"
     settings = Settings(
         database_url=SecretStr(large.url.render_as_string(hide_password=False)),
-        api_token=SecretStr("plans-read-token-0123456789"),
+        api_token=SecretStr("plans-read-Hq4Zc9Lw2Tm7Xv5Bn8Kd3Rp6Gy1Fs0"),
         operator_token=SecretStr(operator),
         amqp_url=SecretStr("amqp://guest:guest@127.0.0.1:1/"),
     )

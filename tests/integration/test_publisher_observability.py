@@ -38,8 +38,8 @@ from tests.publisher_support import (
     wait_rows,
 )
 
-READ = "read-token-" + "r" * 24
-OPERATOR = "operator-token-" + "o" * 24
+READ = "read-Dn6Tq2Wz9Lc4Xm7Kv3Bh8Rp5Gy1Fs0"
+OPERATOR = "oper-Yc3Lq8Vw5Tz2Nm9Kx4Bd7Rh6Gp1Fs0"
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from tests.outbox_clients import OutboxClients
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
-READ, OPERATOR = "read-3b1f0c9e5a7d4c21", "oper-8d2a77c4e91b0f36"
+READ, OPERATOR = "read-Tz5Kq9Wm2Lc7Xv4Bn8Hd3Rp6Gy1Fs0", "oper-Vh7Lm3Qz9Xc2Kw5Bn8Td4Rp6Gy1Fs0"
 #: values that differ from run to run (ids, ages, the publisher's name)
 VOLATILE = {"message_id", "publisher", "channel_id", "delivery_tag", "age_seconds"}
 

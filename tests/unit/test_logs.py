@@ -99,7 +99,7 @@ def test_the_api_masks_its_own_tokens_in_every_log_line(tmp_path: Path) -> None:
     from app.logs import TextFormatter
     from app.settings import Settings
 
-    read, operator = "read-" + "r" * 40, "oper-" + "o" * 40
+    read, operator = "read-Gm4Tq8Wz2Lc6Xv9Bn3Kd7Rp5Hy1Fs0", "oper-Nc2Lq7Vw4Tz9Xm5Kd8Bh3Rp6Gy1Fs0"
     settings = Settings(
         database_url=f"sqlite:///{tmp_path / 'o.db'}",
         api_token=read,
