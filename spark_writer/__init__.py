@@ -2,10 +2,12 @@
 ``format("outbox")`` data source. Every row lands in the outbox exactly once per ``message_id``.
 """
 
+from spark_writer.delivery import Delivery
 from spark_writer.envelope import derive_message_id
 from spark_writer.errors import (
     OutboxConfigError,
     OutboxDataError,
+    OutboxDeliveryError,
     OutboxSchemaError,
     OutboxWriterError,
     ProblemCount,
@@ -25,9 +27,11 @@ except ImportError as missing:  # OutboxSink and write_outbox work on PySpark 3.
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "BatchResult",
+    "Delivery",
     "OutboxConfigError",
     "OutboxDataError",
     "OutboxDataSource",
+    "OutboxDeliveryError",
     "OutboxOptions",
     "OutboxSchemaError",
     "OutboxSink",

@@ -14,6 +14,11 @@ price is one more write of each row on release, paid only here: ``OutboxSink`` a
 ``write_outbox`` hold the batch from the driver before their tasks write (one row in
 ``outbox_held``), which a streaming data source cannot (Spark gives its driver no hook before a
 micro-batch's tasks); reject mode needs neither.
+
+With option ``wait`` = ``confirmed`` (and ``waitTimeout``, seconds), ``commit`` waits until the
+broker settled the batch's rows and fails the write (the job, or the streaming query) naming
+the batch and the counts when a row was not confirmed. The batch stays recorded: Spark's
+``abort`` after the failed commit finds nothing to remove.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from spark_writer.writer import (
     PartitionResult,
     WritePlan,
     commit_batch,
+    delivered,
     discard_unrecorded,
     log,
     write_partition,
@@ -139,9 +145,10 @@ class OutboxBatchWriter(DataSourceArrowWriter):
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         _driver_log()
         plan = self.plan
-        commit_batch(
+        result = commit_batch(
             options=plan.options, batch=plan.batch, results=_results(messages), parked=plan.park
         )
+        delivered(result, options=plan.options)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         if self.plan.park:
@@ -173,7 +180,8 @@ class OutboxStreamWriter(DataSourceStreamArrowWriter):
         _driver_log()
         batch = self._batch(messages, batchId)
         results = _results(messages)
-        commit_batch(options=self.options, batch=batch, results=results, parked=self.park)
+        result = commit_batch(options=self.options, batch=batch, results=results, parked=self.park)
+        delivered(result, options=self.options)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         if self.park:

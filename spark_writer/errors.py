@@ -3,7 +3,11 @@
 ``OutboxWriterError``
 ├── ``OutboxConfigError``: the writer's options are wrong (the caller's code).
 ├── ``OutboxSchemaError``: the DataFrame lacks a column or a column has the wrong type.
-└── ``OutboxDataError``: rows hold values the outbox cannot take; the batch is not recorded.
+├── ``OutboxDataError``: rows hold values the outbox cannot take; the batch is not recorded.
+└── ``OutboxDeliveryError``: (``wait="confirmed"``) rows of a recorded batch ended returned,
+    nacked or failed at the broker, or were not settled by the timeout (the broker, the
+    publisher or the topology: not the caller's code). The batch stays recorded; a re-run adds
+    no row and waits again.
 
 A row whose message id the outbox holds for another message (a conflict) is a bad row too.
 Database failures are not wrapped: psycopg and sqlite3 errors propagate as they are. A failed
@@ -14,7 +18,11 @@ were held or parked, and are removed); a re-run of the batch adds only what is m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from spark_writer.delivery import Delivery
+    from spark_writer.writer import BatchResult
 
 
 class ProblemCount(NamedTuple):
@@ -66,3 +74,28 @@ class OutboxDataError(OutboxWriterError, ValueError):
             f"batch {batch_id}: {invalid} invalid row(s), {done} ({'; '.join(parts)}). "
             "Fix the rows or pass on_invalid='reject' to send them to outbox_rejects."
         )
+
+
+class OutboxDeliveryError(OutboxWriterError):
+    """``wait="confirmed"``: rows of the batch were not all confirmed. ``delivery`` says what
+    became of each (per status, the first reasons); ``timed_out``: rows were still open when
+    the wait ended. The batch is recorded: re-running it writes nothing and waits again."""
+
+    def __init__(self, delivery: Delivery) -> None:
+        self.delivery = delivery
+        #: the writer's result with this delivery (set by the writer that waited)
+        self.result: BatchResult | None = None
+        self.batch_id = delivery.batch_id
+        self.timed_out = delivery.timed_out
+        d = delivery
+        if d.timed_out:
+            head = f"not settled after waiting {d.waited:.1f}s: {d.counts()}"
+            if d.open and not d.retrying and d.pending == d.open and d.confirmed == 0:
+                head += " (no row was claimed: is a publisher running on this outbox?)"
+        else:
+            head = f"{d.rows - d.confirmed} of {d.rows} row(s) not delivered: {d.counts()}"
+        reasons = f" ({d.first_reasons()})" if d.reasons else ""
+        advice = "The batch is recorded: re-running the job adds no row and waits again" + (
+            f"; republish with `outbox republish --batch {d.batch_id}`" if d.undelivered else ""
+        )
+        super().__init__(f"batch {d.batch_id}: {head}{reasons}. {advice}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from app.outbox.content import EXCHANGE_NAME, HEADER_NAME_MAX, RESERVED_HEADERS
+from spark_writer.delivery import DEFAULT_WAIT_TIMEOUT, Wait, checked_timeout, checked_wait
 from spark_writer.errors import OutboxConfigError
 
 #: RabbitMQ's default largest message (``max_message_size``), 16 MiB.
@@ -77,6 +78,12 @@ class OutboxOptions:
     #: the connection is made: keep the password out of ``url``, so it is never in Spark's
     #: conf, plan, UI or event log (libpq's ``PGPASSFILE`` works too)
     password_file: str | None = None
+    #: when a write returns: ``"written"`` (its rows are in the outbox) or ``"confirmed"``
+    #: (every row settled at the broker: the writer waits, returns the ``Delivery`` and raises
+    #: ``OutboxDeliveryError`` when a row ended returned, nacked or failed, or at the timeout)
+    wait: Wait = "written"
+    #: seconds ``wait="confirmed"`` waits for the batch's rows to settle
+    wait_timeout: float = DEFAULT_WAIT_TIMEOUT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "header_columns", tuple(self.header_columns))
@@ -160,6 +167,11 @@ def _problems(o: OutboxOptions) -> list[str]:
         out.append("max_body_bytes must be at least 1")
     if o.on_invalid not in ("fail", "reject"):
         out.append(f"on_invalid must be 'fail' or 'reject', not {o.on_invalid!r}")
+    for check, value in ((checked_wait, o.wait), (checked_timeout, o.wait_timeout)):
+        try:
+            check(value)
+        except ValueError as error:
+            out.append(str(error))
     return out
 
 
@@ -246,6 +258,13 @@ def _convert(name: str, key: str, value: str) -> object:
         return value.strip().lower() == "true"
     if name == "max_body_bytes":
         return _to_int(key, value)
+    if name == "wait_timeout":
+        try:
+            return float(value)
+        except ValueError:
+            raise OutboxConfigError(f"option {key!r} must be seconds, not {value!r}") from None
+    if name == "wait":
+        return value.strip().lower()
     return value
 
 

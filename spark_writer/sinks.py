@@ -26,6 +26,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.window import Window
 
 from spark_writer.envelope import DIGEST, OCCURRENCE, BatchRef
+from spark_writer.errors import OutboxDeliveryError
 from spark_writer.options import OutboxOptions, options_of
 from spark_writer.validate import check_schema
 from spark_writer.writer import (
@@ -35,6 +36,7 @@ from spark_writer.writer import (
     WritePlan,
     batch_recorded,
     commit_batch,
+    delivered,
     discard_unrecorded,
     hold_batch,
     log,
@@ -82,12 +84,23 @@ class OutboxSink:
         batch = BatchRef(
             sink=self.options.sink, spark_batch_id=batch_id, query_id=_query_id(batch_df)
         )
-        result = run_batch(
-            batch_df, options=self.options, batch=batch, on_committed=self.on_partition_committed
-        )
+        try:
+            result = run_batch(
+                batch_df,
+                options=self.options,
+                batch=batch,
+                on_committed=self.on_partition_committed,
+            )
+        except OutboxDeliveryError as error:  # written and recorded, not delivered
+            if error.result is not None:
+                self._done(error.result)
+            raise
+        self._done(result)
+        return result
+
+    def _done(self, result: BatchResult) -> None:
         self.last_result = result
         self.totals.add(result)
-        return result
 
 
 @dataclass
@@ -107,6 +120,16 @@ class SinkTotals:
     duplicates: int = 0
     rejected: int = 0
     conflicts: int = 0
+    #: ``wait="confirmed"``: the batches' rows as the wait left them (``Delivery``), and the
+    #: batches whose wait ended at its timeout or with rows not confirmed
+    confirmed: int = 0
+    returned: int = 0
+    nacked: int = 0
+    failed: int = 0
+    skipped: int = 0
+    unsettled: int = 0
+    timed_out_batches: int = 0
+    undelivered_batches: int = 0
 
     def add(self, result: BatchResult) -> None:
         self.batches += 1
@@ -116,6 +139,16 @@ class SinkTotals:
         self.duplicates += result.duplicates
         self.rejected += result.rejected
         self.conflicts += result.conflicts
+        d = result.delivery
+        if d is not None:
+            self.confirmed += d.confirmed
+            self.returned += d.returned
+            self.nacked += d.nacked
+            self.failed += d.failed
+            self.skipped += d.skipped
+            self.unsettled += d.open
+            self.timed_out_batches += d.timed_out
+            self.undelivered_batches += not d.ok
 
 
 def write_outbox(
@@ -149,7 +182,14 @@ def run_batch(
 ) -> BatchResult:
     """Write every partition from its executor (checking its rows on the way: the input is read
     once), then record the batch on the driver. In fail mode the batch is held meanwhile, so
-    nothing of it is published unless every row of every partition was good."""
+    nothing of it is published unless every row of every partition was good. Then, with
+    ``wait="confirmed"``, wait until the broker settled its rows (``writer.delivered``)."""
+    return delivered(_write_batch(df, options, batch, on_committed), options=options)
+
+
+def _write_batch(
+    df: DataFrame, options: OutboxOptions, batch: BatchRef, on_committed: OnCommitted | None
+) -> BatchResult:
     check_schema(df.schema, options)
     if batch_recorded(options=options, batch=batch):
         return replayed_result(batch)

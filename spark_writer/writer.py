@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.types import StructType
 
 from spark_writer.db import CONFLICT, KeyConflicts, Store, open_store
+from spark_writer.delivery import Delivery
 from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, Problem, Rejected
-from spark_writer.errors import OutboxDataError, ProblemCount
+from spark_writer.errors import OutboxDataError, OutboxDeliveryError, ProblemCount
 from spark_writer.options import OutboxOptions
+from spark_writer.watch import wait_for_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,7 @@ class BatchResult:
     rejected: int
     replayed: bool
     conflicts: int = 0
+    delivery: Delivery | None = None
 
 
 #: The driver logs one line per batch (what it wrote, replays, rejects) under this name.
@@ -297,6 +300,29 @@ def commit_batch(
         replayed=not fresh,
         conflicts=conflicts,
     )
+
+
+def delivered(result: BatchResult, *, options: OutboxOptions) -> BatchResult:
+    """``wait="confirmed"``: wait on the driver until the recorded batch's rows are settled,
+    log what became of them (one line per batch) and return the result with its ``Delivery``;
+    ``OutboxDeliveryError`` (carrying that result) when a row is not confirmed. A replayed
+    batch is waited on too: a re-run after a timeout waits for the rows the first run wrote."""
+    if options.wait != "confirmed":
+        return result
+    delivery = wait_for_batch(options, result.batch_id)
+    result = replace(result, delivery=delivery)
+    if delivery.ok:
+        log.info(
+            "outbox batch %s: delivered in %.1fs: %s",
+            result.batch_id,
+            delivery.waited,
+            delivery.counts(),
+        )
+        return result
+    error = OutboxDeliveryError(delivery)
+    error.result = result
+    log.error("outbox batch %s not delivered: %s", result.batch_id, error)
+    raise error
 
 
 def store_for(options: OutboxOptions) -> Store:
