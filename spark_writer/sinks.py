@@ -28,6 +28,7 @@ from pyspark.sql.window import Window
 from spark_writer.envelope import DIGEST, OCCURRENCE, BatchRef
 from spark_writer.errors import OutboxDeliveryError
 from spark_writer.options import OutboxOptions, options_of
+from spark_writer.progress import OutboxProgress
 from spark_writer.validate import check_schema
 from spark_writer.writer import (
     BatchResult,
@@ -79,6 +80,13 @@ class OutboxSink:
         #: (Spark's progress cannot carry them: see ``SinkTotals``)
         self.last_result: BatchResult | None = None
         self.totals = SinkTotals()
+        #: ``spark.streams.addListener(sink.progress)``: each micro-batch's Spark progress with
+        #: what the outbox did (``progress.OutboxProgress``)
+        self.progress = OutboxProgress(
+            url=self.options.url,
+            sink=self.options.sink,
+            password_file=self.options.password_file,
+        )
 
     def __call__(self, batch_df: DataFrame, batch_id: int) -> BatchResult:
         batch = BatchRef(
@@ -93,14 +101,15 @@ class OutboxSink:
             )
         except OutboxDeliveryError as error:  # written and recorded, not delivered
             if error.result is not None:
-                self._done(error.result)
+                self._done(batch, error.result)
             raise
-        self._done(result)
+        self._done(batch, result)
         return result
 
-    def _done(self, result: BatchResult) -> None:
+    def _done(self, batch: BatchRef, result: BatchResult) -> None:
         self.last_result = result
         self.totals.add(result)
+        self.progress.record(batch.query_id, result, batch.spark_batch_id)
 
 
 @dataclass
@@ -109,8 +118,10 @@ class SinkTotals:
 
     Spark reports a ``foreachBatch`` sink's ``numOutputRows`` as -1 and collects no metric a
     ``foreachBatch`` function observes (``observe()`` inside the function reaches no
-    ``StreamingQueryProgress``: tried on PySpark 4.x), so what the writer did is here, in the
-    driver's log line per batch, and in ``outbox batches``.
+    ``StreamingQueryProgress``: tried on PySpark 4.x), so what the writer did is here, per
+    micro-batch beside Spark's progress in ``sink.progress`` (a listener), in the driver's log
+    line per batch, and in ``outbox batches``. The delivery figures count with
+    ``wait="confirmed"`` only: the rows as the wait left them.
     """
 
     batches: int = 0

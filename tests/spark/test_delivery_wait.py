@@ -9,9 +9,14 @@ while the publisher runs on the test's loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import subprocess
+import sys
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,8 @@ from pyspark.sql import DataFrame, SparkSession
 
 from app.db import make_engine
 from spark_writer import OutboxDeliveryError, OutboxSink, write_outbox
+from spark_writer.progress import OutboxProgress
+from tests.conftest import REPO, scrubbed_environ
 from tests.publisher_support import declare, delete, running_publisher, settings_for
 from tests.spark.test_spark_writer import await_stream
 
@@ -126,25 +133,156 @@ async def test_an_unroutable_key_fails_the_job_naming_the_returned_rows(
     assert "outbox republish --batch waits:1" in message
 
 
-async def test_a_stream_waits_per_micro_batch_and_its_sink_counts_the_delivery(
+def file_source(spark: SparkSession, tmp_path: Path, n: int) -> DataFrame:
+    """A stream of ``n`` rows in two files, one micro-batch each."""
+    source = tmp_path / "in"
+    frame(spark, n).coalesce(2).write.json(str(source))
+    schema = "id string, key string, body string"
+    return spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(source))
+
+
+def kept_progress(listener: OutboxProgress, query: Any, batches: int) -> list[dict[str, Any]]:
+    """The listener's progress once Spark's listener bus delivered ``batches`` events."""
+    deadline = time.monotonic() + 30
+    while len(listener.progress(query)) < batches:
+        assert time.monotonic() < deadline, listener.progress(query)
+        time.sleep(0.05)
+    return listener.progress(query)
+
+
+@pytest.mark.spark_api
+async def test_a_streams_progress_shows_each_micro_batchs_delivery(
+    spark: SparkSession,
+    pg_url: str,
+    amqp_url: str,
+    exchange: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``OutboxSink`` waits per micro-batch; ``sink.progress``, a listener, puts Spark's own
+    progress of each micro-batch beside what the outbox did with it, and logs a line."""
+    caplog.set_level(logging.INFO, logger="spark_writer.progress")
+    sink = OutboxSink(**options(pg_url, exchange, sink="waits-stream", message_id_column=None))
+    spark.streams.addListener(sink.progress)
+    engine = make_engine(pg_url)
+    try:
+        async with running_publisher(settings_for(db_url=pg_url, amqp_url=amqp_url), engine):
+            query = (
+                file_source(spark, tmp_path, 60)
+                .writeStream.foreachBatch(sink)
+                .option("checkpointLocation", str(tmp_path / "checkpoint"))
+                .trigger(availableNow=True)
+                .start()
+            )
+            await asyncio.to_thread(await_stream, query)
+        kept = await asyncio.to_thread(kept_progress, sink.progress, query, 2)
+    finally:
+        spark.streams.removeListener(sink.progress)
+        engine.dispose()
+    assert [p["batchId"] for p in kept] == [0, 1]
+    for p in kept:
+        o = p["outbox"]
+        assert p["sink"]["numOutputRows"] == -1  # Spark's own figure for foreachBatch
+        assert o["batchId"] == f"waits-stream:{p['batchId']}"
+        assert o["written"] == o["rows"] == o["confirmed"] == p["numInputRows"] > 0
+        assert (o["returned"], o["nacked"], o["failed"], o["pending"]) == (0, 0, 0, 0)
+        assert o["waitSeconds"] >= 0
+    t = sink.totals
+    assert (t.batches, t.rows, t.written, t.confirmed, t.undelivered_batches) == (2, 60, 60, 60, 0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "spark_writer.progress"]
+    assert any(
+        f"batch 1: {kept[1]['numInputRows']} input rows in" in line
+        and "outbox batch waits-stream:1: " in line
+        and "confirmed, 0 returned, 0 nacked, 0 failed, 0 skipped, 0 open" in line
+        for line in lines
+    ), lines
+
+
+@pytest.mark.spark_api
+async def test_a_data_source_stream_waits_and_its_progress_reads_the_outbox(
     spark: SparkSession, pg_url: str, amqp_url: str, exchange: str, tmp_path: Path
 ) -> None:
-    sink = OutboxSink(**options(pg_url, exchange, sink="waits-stream"))
-    source = tmp_path / "in"
-    frame(spark, 60).write.json(str(source))
+    """``format("outbox")`` with ``wait``: each micro-batch commits once its rows are
+    confirmed. Its commit runs in a Python worker of its own, so the listener, given the sink
+    and the query's name, reads each batch's rows per status from the outbox; Spark's own
+    ``numOutputRows`` counts the rows written."""
+    listener = OutboxProgress(url=pg_url, sink="waits-ds", query_name="waits-ds")
+    spark.streams.addListener(listener)
     engine = make_engine(pg_url)
-    async with running_publisher(settings_for(db_url=pg_url, amqp_url=amqp_url), engine):
-        query = (
-            spark.readStream.schema("id string, key string, body string")
-            .option("maxFilesPerTrigger", 1)
-            .json(str(source))
-            .writeStream.foreachBatch(sink)
-            .option("checkpointLocation", str(tmp_path / "checkpoint"))
-            .trigger(availableNow=True)
-            .start()
-        )
-        await asyncio.to_thread(await_stream, query)
-    engine.dispose()
-    t = sink.totals
-    assert (t.rows, t.written, t.confirmed, t.undelivered_batches) == (60, 60, 60, 0)
-    assert sink.last_result is not None and sink.last_result.delivery is not None
+    try:
+        async with running_publisher(settings_for(db_url=pg_url, amqp_url=amqp_url), engine):
+            query = (
+                file_source(spark, tmp_path, 40)
+                .writeStream.format("outbox")
+                .queryName("waits-ds")
+                .option("url", pg_url)
+                .option("sink", "waits-ds")
+                .option("exchange", exchange)
+                .option("routingKeyColumn", "key")
+                .option("bodyColumn", "body")
+                .option("messageIdColumn", "id")
+                .option("wait", "confirmed")
+                .option("waitTimeout", "60")
+                .option("checkpointLocation", str(tmp_path / "checkpoint"))
+                .trigger(availableNow=True)
+                .start()
+            )
+            await asyncio.to_thread(await_stream, query)
+        kept = await asyncio.to_thread(kept_progress, listener, query, 2)
+    finally:
+        spark.streams.removeListener(listener)
+        engine.dispose()
+    assert sum(p["outbox"]["confirmed"] for p in kept) == 40
+    for p in kept:
+        o = p["outbox"]
+        assert o["rows"] == o["confirmed"] == p["sink"]["numOutputRows"] == p["numInputRows"]
+        assert "written" not in o  # the data source's result stays in its worker
+
+
+@contextlib.contextmanager
+def publisher_process(db_url: str, amqp_url: str) -> Iterator[None]:
+    """``python -m app.publisher`` of this test's own: a ``format("outbox")`` batch write finds
+    the data source only from the thread that registered it, so it runs on the test's thread
+    and the publisher beside it in a process (returns end rows ``returned`` at once)."""
+    env = scrubbed_environ(os.environ) | {
+        "OUTBOX_DATABASE_URL": db_url,
+        "OUTBOX_AMQP_URL": amqp_url,
+        "OUTBOX_RETURN_GRACE": "0",
+        "OUTBOX_PUBLISHER_METRICS_PORT": "0",
+        "OUTBOX_SHUTDOWN_TIMEOUT": "5",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.publisher"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.spark_api
+def test_a_data_source_write_that_waits_fails_naming_the_returned_rows(
+    spark: SparkSession, pg_url: str, amqp_url: str, exchange: str
+) -> None:
+    writer = (
+        frame(spark, 10, key="nowhere")
+        .write.format("outbox")
+        .mode("append")
+        .option("url", pg_url)
+        .option("sink", "waits-ds")
+        .option("batchId", 5)
+        .option("exchange", exchange)
+        .option("routingKeyColumn", "key")
+        .option("bodyColumn", "body")
+        .option("messageIdColumn", "id")
+        .option("wait", "confirmed")
+        .option("waitTimeout", "60")
+    )
+    not_delivered = r"batch waits-ds:5: 10 of 10 row\(s\) not delivered: .* 10 returned"
+    with publisher_process(pg_url, amqp_url), pytest.raises(Exception, match=not_delivered):
+        writer.save()
