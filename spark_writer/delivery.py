@@ -151,10 +151,15 @@ def look_for_blocked(poll: Poll, previous: Poll | None) -> bool:
 
 
 def next_interval(interval: float, *, query_seconds: float) -> float:
-    """The pause before the next poll: growing by half from 50 ms to 1 s, and never under ten
-    times what the last poll's queries took (the wait costs the database at most a tenth of one
-    connection's time, whatever the batch's size)."""
-    return max(min(interval * 1.5, 1.0), 10 * query_seconds)
+    """The pause before the next poll: growing by half from 50 ms to ``LONGEST_PAUSE``, and never
+    under ten times what the last poll's queries took (the wait costs the database at most a
+    tenth of one connection's time, whatever the batch's size)."""
+    return max(min(interval * 1.5, LONGEST_PAUSE), 10 * query_seconds)
+
+
+#: The longest pause between polls of a small batch: what the wait adds, at most, to a batch
+#: settled just after a poll.
+LONGEST_PAUSE = 0.5
 
 
 FIRST_INTERVAL = 0.05

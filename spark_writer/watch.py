@@ -5,7 +5,7 @@ Each poll is one aggregate over the batch's own rows through ``ix_outbox_batch_w
 is its own short transaction, none stays open while the wait sleeps. Two more statements run
 only when they can say something: the rows blocked behind a failed row of their ordering key
 (when rows failed, or nothing moved since the last poll), and the first failure reasons (once,
-at the end, when rows failed). The pause between polls grows from 50 ms to 1 s and is never
+at the end, when rows failed). The pause between polls grows from 50 ms to 0.5 s and is never
 under ten times what the last poll took (``delivery.next_interval``).
 """
 

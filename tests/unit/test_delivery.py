@@ -49,11 +49,11 @@ def test_blocked_rows_are_looked_for_after_a_failure_or_when_nothing_moved() -> 
     assert not look_for_blocked(Poll(counts={"confirmed": 5, "failed": 1}), None)  # none open
 
 
-def test_the_pause_grows_to_a_second_and_stays_ten_times_the_query() -> None:
+def test_the_pause_grows_to_half_a_second_and_stays_ten_times_the_query() -> None:
     pauses = [0.05]
     for _ in range(10):
         pauses.append(next_interval(pauses[-1], query_seconds=0.001))
-    assert pauses[1] == pytest.approx(0.075) and pauses[-1] == 1.0
+    assert pauses[1] == pytest.approx(0.075) and pauses[-1] == 0.5
     assert next_interval(0.05, query_seconds=0.3) == pytest.approx(3.0)
 
 
