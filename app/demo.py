@@ -3,20 +3,25 @@
 Order events as JSON files -> a Spark Structured Streaming job writing through the foreachBatch
 sink -> the outbox (SQLite embedded default, or ``OUTBOX_DATABASE_URL``) -> the publisher on
 confirm-mode channels -> RabbitMQ -> the consumer kit (inbox, manual acks), checking every
-message arrived and had its effect once.
+message arrived and had its effect once. The publisher runs beside the Spark job, which writes
+with ``wait="confirmed"``: each micro-batch commits only once RabbitMQ confirmed its rows, and
+the job reports what the broker made of them from Spark's side (``sink.totals`` and its
+progress listener).
 Each run has its own id, input folder, checkpoint, sink name and queue, so running it again works.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import random
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,11 +51,17 @@ class DemoReport:
     duplicates_received: int = 0
     lost_confirms: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    #: what the Spark job learnt with wait="confirmed" (its sink's totals)
+    spark_confirmed: int = 0
+    spark_undelivered: int = 0
+    #: one line per micro-batch: Spark's progress with the outbox's delivery
+    spark_progress: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         confirmed = self.statuses.get("confirmed", 0)
-        return self.written == self.rows == confirmed and self.missing == 0
+        seen = self.spark_confirmed == confirmed and not self.spark_undelivered
+        return self.written == self.rows == confirmed and self.missing == 0 and seen
 
 
 def progress(console: Console) -> Progress:
@@ -164,21 +175,34 @@ async def consume_all(
 # ------------------------------------------------------------------ steps
 
 
+@dataclass
+class SparkSide:
+    """What the Spark job saw: the sink's totals and a line per micro-batch's progress."""
+
+    batches: int = 0
+    written: int = 0
+    confirmed: int = 0
+    undelivered: int = 0
+    progress: list[str] = field(default_factory=list)
+
+
 def run_spark_job(
     settings: Settings,
     *,
     input_dir: Path,
     checkpoint: Path,
     sink: str,
-    on_progress: Callable[[], None] = lambda: None,
-) -> None:
-    """Structured Streaming over the JSON files, written through the foreachBatch sink;
-    ``on_progress`` is called about every second while the query runs."""
+    on_progress: Callable[[int], None] = lambda confirmed: None,
+) -> SparkSide:
+    """Structured Streaming over the JSON files, written through the foreachBatch sink, each
+    micro-batch waiting until RabbitMQ confirmed its rows; ``on_progress`` gets the rows
+    confirmed so far about every second while the query runs."""
     import os
 
     from pyspark.sql import SparkSession
 
     from spark_writer import OutboxSink
+    from spark_writer.progress import progress_line
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors use this interpreter
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -211,19 +235,69 @@ def run_spark_job(
             message_id_column="event_id",
             header_columns=["order_id"],
             ordering_key_column="order_id",
+            wait="confirmed",  # a micro-batch commits once the broker confirmed its rows
+            wait_timeout=120,
         )
-        query = (
-            stream.writeStream.foreachBatch(writer)  # type: ignore[arg-type]  # returns a result
-            .option("checkpointLocation", str(checkpoint))
-            .trigger(availableNow=True)
-            .start()
+        spark.streams.addListener(writer.progress)
+        try:
+            query = (
+                stream.writeStream.foreachBatch(writer)  # type: ignore[arg-type]  # a result
+                .queryName(sink)
+                .option("checkpointLocation", str(checkpoint))
+                .trigger(availableNow=True)
+                .start()
+            )
+            while not query.awaitTermination(1):
+                on_progress(writer.totals.confirmed)
+            on_progress(writer.totals.confirmed)
+            kept = _kept_progress(writer.progress, query, writer.totals.batches)
+        finally:
+            spark.streams.removeListener(writer.progress)
+        t = writer.totals
+        return SparkSide(
+            batches=t.batches,
+            written=t.written,
+            confirmed=t.confirmed,
+            undelivered=t.returned + t.nacked + t.failed + t.skipped + t.unsettled,
+            progress=[progress_line(doc) for doc in kept],
         )
-        while not query.awaitTermination(1):
-            on_progress()
-        on_progress()
     finally:
         if ours:
             spark.stop()
+
+
+def _kept_progress(listener: Any, query: Any, batches: int) -> list[dict[str, Any]]:
+    """The listener's progress of ``query`` once Spark's listener bus delivered every batch's
+    (it runs apart from the query; a few seconds at most)."""
+    deadline = time.monotonic() + 10
+    while len(listener.progress(query)) < batches and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kept: list[dict[str, Any]] = listener.progress(query)
+    return kept
+
+
+@contextlib.contextmanager
+def publisher_running(settings: Settings) -> Iterator[None]:
+    """The publisher on a loop in a thread of this process while the block runs; stopped
+    gracefully (it settles its window) when the block ends."""
+    from app.publisher.service import run_publisher
+
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    own_port = settings.model_copy(update={"publisher_metrics_port": 0})
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(run_publisher(own_port, stop=stop)),
+        name="demo-publisher",
+        daemon=True,
+    )
+    thread.start()
+    try:
+        yield
+    finally:
+        if thread.is_alive():
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(60)
+        loop.close()
 
 
 def outbox_counts(engine: Engine, sink: str) -> dict[str, int]:
@@ -237,34 +311,6 @@ def outbox_counts(engine: Engine, sink: str) -> dict[str, int]:
     counts = {status: int(n) for status, n, _ in rows}
     counts["_lost_confirms"] = sum(int(lost or 0) for _, _, lost in rows)
     return counts
-
-
-def run_publisher_until_drained(
-    settings: Settings, engine: Engine, sink: str, rows: int, bar: Progress
-) -> None:
-    """The publisher in this process until the outbox is drained, with a progress bar."""
-    from app.publisher.service import run_publisher
-
-    task = bar.add_task("publish + confirm", total=rows)
-
-    async def watch(stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            done = outbox_counts(engine, sink)
-            bar.update(task, completed=rows - done.get("pending", 0) - done.get("in_flight", 0))
-            await asyncio.sleep(0.25)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        watcher = asyncio.create_task(watch(stop))
-        try:
-            own_port = settings.model_copy(update={"publisher_metrics_port": 0})
-            await run_publisher(own_port, until_empty=True)
-        finally:
-            stop.set()
-            await watcher
-        bar.update(task, completed=rows)
-
-    asyncio.run(main())
 
 
 def run_demo(
@@ -288,19 +334,21 @@ def run_demo(
 
     with progress(console) as bar:
         t = time.monotonic()
-        task = bar.add_task(f"Spark -> outbox ({files} batches)", total=rows)
-        run_spark_job(
-            settings,
-            input_dir=base / "input",
-            checkpoint=base / "checkpoint",
-            sink=sink,
-            on_progress=lambda: bar.update(task, completed=_written(engine, sink)),
-        )
+        task = bar.add_task(f"Spark -> confirmed ({files} batches)", total=rows)
+        with publisher_running(settings):
+            spark_side = run_spark_job(
+                settings,
+                input_dir=base / "input",
+                checkpoint=base / "checkpoint",
+                sink=sink,
+                on_progress=lambda confirmed: bar.update(task, completed=confirmed),
+            )
         report.timings["spark"] = time.monotonic() - t
         report.written = _written(engine, sink)
-        t = time.monotonic()
-        run_publisher_until_drained(settings, engine, sink, report.written, bar)
-        report.timings["publish"] = time.monotonic() - t
+        report.batches = spark_side.batches
+        report.spark_confirmed = spark_side.confirmed
+        report.spark_undelivered = spark_side.undelivered
+        report.spark_progress = spark_side.progress
         task = bar.add_task("consume + verify", total=report.written)
         handled, duplicates = asyncio.run(
             consume_all(
@@ -338,12 +386,17 @@ def print_summary(report: DemoReport, settings: Settings, console: Console) -> N
     table = Table(title=f"outbox demo {report.run_id}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    publish_s = report.timings.get("publish", 0.0)
-    rate = report.written / publish_s if publish_s else 0.0
+    spark_s = report.timings.get("spark", 0.0)
+    rate = report.written / spark_s if spark_s else 0.0
     rows: list[tuple[str, str]] = [
         ("rows generated", f"{report.rows:,}"),
         ("rows written to the outbox (Spark)", f"{report.written:,}"),
-        ("confirmed by RabbitMQ", f"{report.statuses.get('confirmed', 0):,}"),
+        (
+            f"confirmed, as the Spark job saw it ({report.batches} batches waited)",
+            f"{report.spark_confirmed:,}",
+        ),
+        ("not delivered, as the Spark job saw it", f"{report.spark_undelivered:,}"),
+        ("confirmed by RabbitMQ (the outbox)", f"{report.statuses.get('confirmed', 0):,}"),
         (
             "returned / nacked / failed",
             "{:,} / {:,} / {:,}".format(
@@ -358,12 +411,15 @@ def print_summary(report: DemoReport, settings: Settings, console: Console) -> N
             "duplicates received / lost confirms",
             f"{report.duplicates_received} / {report.lost_confirms}",
         ),
-        ("Spark write time", f"{report.timings.get('spark', 0):.1f} s"),
-        ("publish + confirm throughput", f"{rate:,.0f} msg/s"),
+        ("Spark job time (written and confirmed)", f"{spark_s:.1f} s"),
+        ("written + confirmed throughput", f"{rate:,.0f} msg/s"),
     ]
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+    console.print("[bold]Spark's progress per micro-batch, with its delivery:[/]")
+    for line in report.spark_progress:
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
     verdict = "[green]OK: every row confirmed and received[/]" if report.ok else "[red]FAILED[/]"
     console.print(verdict)
     console.print(

@@ -27,6 +27,14 @@ def test_demo_confirms_and_delivers_every_row(
     assert report.statuses == {"confirmed": 600}
     assert report.received == 600 and report.missing == 0
     assert report.ok
-    assert "OK: every row confirmed and received" in (tmp_path / "out.txt").read_text()
+    assert (report.batches, report.spark_confirmed, report.spark_undelivered) == (2, 600, 0)
+    out = (tmp_path / "out.txt").read_text()
+    assert "OK: every row confirmed and received" in out
+    assert "confirmed, as the Spark job saw it (2 batches waited)" in out
+    assert len(report.spark_progress) == 2, report.spark_progress
+    assert all(
+        "0 returned, 0 nacked, 0 failed, 0 skipped, 0 open" in line
+        for line in report.spark_progress
+    )
     again = run_demo(settings, rows=300, files=1, workdir=tmp_path / "demo", console=console)
     assert again.ok and again.written == 300, "a second run must work (its own event ids)"
