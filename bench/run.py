@@ -35,6 +35,7 @@ GROUPS = (
     "memory",
     "latency",
     "spark",
+    "spark_wait",
     "consume",
     "operate",
 )
@@ -110,6 +111,15 @@ TARGETS = [
         "consume_kit_batch_handler",
         "consume_aio_pika_manual_ack",
         0.6,
+    ),
+    # wait="confirmed": the job that ends once its rows are confirmed against the same write's
+    # delivery without the wait (the last confirm of a wait="written" job), same run, same
+    # frame (a report: what the wait's polls and its pause after the last confirm cost)
+    (
+        "ratio_spark_wait_confirmed_vs_written_then_confirmed",
+        "spark_wait_confirmed_rows",
+        "spark_wait_written_then_confirmed_rows",
+        0.9,
     ),
     # the application API: 10,000 messages in one transaction at most 1.2 x the hand-written
     # executemany (times in ms, so the ratio is raw / API >= 1 / 1.2)
@@ -194,6 +204,41 @@ def _spark(services: Services, sizes: Sizes) -> list[Measured]:
     ]
 
 
+def _spark_wait(services: Services, sizes: Sizes) -> list[Measured]:
+    """``write_outbox`` of the ``spark`` group's rows with a publisher running: ending when
+    written against ending when confirmed (bench/workloads/spark_wait.py)."""
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1")
+    with temp_postgres(services) as url:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.workloads.spark_wait",
+                "--rows",
+                str(sizes.spark),
+                "--url",
+                url,
+                "--amqp",
+                services.amqp_url,
+                "--repeats",
+                str(REPEATS),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            check=True,
+        )
+    runs = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    keys = {
+        # the job's own time with the default wait="written"
+        "written_job": "spark_wait_written_rows",
+        # the same job's rows until the last one was confirmed
+        "written_delivered": "spark_wait_written_then_confirmed_rows",
+        # the job's own time with wait="confirmed": it ends once the rows are confirmed
+        "confirmed_job": "spark_wait_confirmed_rows",
+    }
+    return [Measured(key=key, unit="rows/s", runs=runs[name]) for name, key in keys.items()]
+
+
 class Bench:
     def __init__(self, services: Services, sizes: Sizes) -> None:
         self.services = services
@@ -231,6 +276,7 @@ class Bench:
         self.group("memory", lambda: [drain.run_memory(s, z, one_x=self._drain_rss())])
         self.group("latency", lambda: self._latency())
         self.group("spark", lambda: _spark(s, z))
+        self.group("spark_wait", lambda: _spark_wait(s, z))
         self.group("consume", lambda: consume.run(s, z))
         self.group("operate", lambda: operate.run(s, z))
         self.group("claim", lambda: claim.run(s, z))
