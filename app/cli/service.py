@@ -427,7 +427,7 @@ def _add_demo(sub: Sub) -> None:
 def _cmd_token(settings: Settings, args: argparse.Namespace) -> int:
     import secrets
 
-    from app.api.auth import token_weakness
+    from app.tokens import token_weakness
 
     while True:  # 32 random bytes never fail the check in practice; the loop makes it certain
         token = secrets.token_urlsafe(32)
