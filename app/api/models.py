@@ -374,6 +374,8 @@ MESSAGE_FIELD_DOCS = {
     "nacks": "Broker nacks of this row (its nack budget: max_attempts).",
     "lost_confirms": "Publishes whose confirm never came: possible duplicates.",
     "body_size": "The body's length in bytes.",
+    "last_error": "Why the row failed; a reason over 8,192 characters is cut and says so.",
+    "reply_text": "The broker's reply; over 8,192 characters it is cut and says so.",
 }
 
 
@@ -388,7 +390,10 @@ def _message_fields() -> dict[str, Any]:
     } | {
         "body_base64": (
             str | None,
-            Field(description="The body, only with `include_body=true`."),
+            Field(
+                description="The body, only with `include_body=true`: its first MiB when "
+                "`body_size` is larger."
+            ),
         )
     }
 

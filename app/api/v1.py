@@ -28,6 +28,7 @@ from app.api.models import (
 from app.outbox import queries
 from app.outbox.actions import RequestIdReused
 from app.outbox.scope import RepublishFilter
+from app.outbox.shown import MAX_SHOWN_BODY
 from app.outbox.states import Status
 
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
@@ -159,9 +160,17 @@ def get_batch(ctx: Ctx, batch_id: BatchId) -> BatchOut:
 def get_message(
     ctx: Ctx,
     message_id: Annotated[Text, Path(examples=["order-1-0"])],
-    include_body: Annotated[bool, Query(description="Add the body, base64.")] = False,
+    include_body: Annotated[
+        bool,
+        Query(
+            description="Add the body, base64: its first MiB (`body_size` is the whole "
+            "body's; `outbox message --body` prints it whole)."
+        ),
+    ] = False,
 ) -> MessageOut:
-    found = queries.message(ctx.engine, message_id=message_id, include_body=include_body)
+    found = queries.message(
+        ctx.engine, message_id=message_id, include_body=include_body, body_limit=MAX_SHOWN_BODY
+    )
     if found is None:
         raise HTTPException(404, f"no message {message_id!r}")
     return MessageOut.of(found)

@@ -25,6 +25,7 @@ from app.outbox.database import OutboxDatabase
 from app.outbox.queries import scope_conditions
 from app.outbox.schema import audit, events, outbox
 from app.outbox.scope import RepublishFilter
+from app.outbox.shown import kept_reasons
 from app.outbox.states import TERMINAL_FAILURES, Status, check_transition
 
 #: The texts an operator gives for the audit trail (who acts, why a row is skipped) are one line
@@ -171,8 +172,7 @@ class OperatorActions:
             outbox.c.status,
             outbox.c.attempts,
             outbox.c.reply_code,
-            outbox.c.last_error,
-            outbox.c.reply_text,
+            *kept_reasons(),
         ).where(cond)
         pick = pick.order_by(outbox.c.id).limit(limit)
         if self.db.is_postgres and not dry_run:
@@ -284,8 +284,7 @@ class OperatorActions:
                 outbox.c.ordering_key,
                 outbox.c.attempts,
                 outbox.c.reply_code,
-                outbox.c.last_error,
-                outbox.c.reply_text,
+                *kept_reasons(),
             ).where(outbox.c.message_id == message_id)
             found = conn.execute(pick.with_for_update() if self.db.is_postgres else pick).first()
             if found is None:

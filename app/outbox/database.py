@@ -36,6 +36,7 @@ from sqlalchemy import (
 )
 
 from app.outbox.schema import audit, events, outbox
+from app.outbox.shown import kept
 from app.outbox.states import Status, check_transition
 
 Clock = Callable[[], dt.datetime]
@@ -306,7 +307,7 @@ class OutboxDatabase:
                     literal(kind, Text),
                     outbox.c.attempts,
                     outbox.c.reply_code,
-                    outbox.c.last_error,
+                    kept(outbox.c.last_error),
                 ).where(self.ids_in(chunk), *where)
                 conn.execute(insert(events).from_select(names, rows))
 

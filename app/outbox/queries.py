@@ -54,6 +54,15 @@ from app.outbox.schema import (
     samples,
 )
 from app.outbox.scope import CAUSE_LENGTH, Scope
+from app.outbox.shown import (
+    MAX_SHOWN_DOCUMENT,
+    MAX_SHOWN_TEXT,
+    body_of,
+    capped_length,
+    document_of,
+    marked,
+    text_of,
+)
 from app.outbox.states import TERMINAL_FAILURES, Status
 from app.outbox.upkeep import Upkeep
 
@@ -966,26 +975,56 @@ class MessageRecord:
     body: bytes | None
 
 
-#: JSON columns are read as text and decoded with bounds (``content.load_document``): a hostile
-#: document must show as unreadable, never fail the request.
-_MESSAGE_COLUMNS = [
-    cast(c, Text).label(c.name) if c.name in ("headers", "properties") else c
-    for c in outbox.c
-    if c.name != "body"
-]
-MAX_SHOWN_DOCUMENT = 1024 * 1024
+#: Text columns a reader sees cut at :data:`~app.outbox.shown.MAX_SHOWN_TEXT` characters.
+_SHOWN_TEXT = (
+    "message_id",
+    "batch_id",
+    "exchange",
+    "routing_key",
+    "content_type",
+    "ordering_key",
+    "lease_owner",
+    "last_error",
+    "reply_text",
+)
 
 
-def message(engine: Engine, *, message_id: str, include_body: bool = False) -> MessageRecord | None:
+def _message_columns() -> list[Any]:
+    """Every column but the body, each bounded (:mod:`app.outbox.shown`): JSON columns are
+    read as text only when short enough, then decoded with bounds (``content.load_document``),
+    so a hostile document shows as unreadable and never fails the request."""
+    cols: list[Any] = []
+    for c in outbox.c:
+        if c.name in ("headers", "properties"):
+            cols += document_of(c)
+        elif c.name in _SHOWN_TEXT:
+            cols += text_of(c)
+        elif c.name != "body":
+            cols.append(c)
+    return cols
+
+
+_MESSAGE_COLUMNS = _message_columns()
+
+
+def message(
+    engine: Engine,
+    *,
+    message_id: str,
+    include_body: bool = False,
+    body_limit: int | None = None,
+) -> MessageRecord | None:
+    """One row by its message id; its body only with ``include_body``, and then at most
+    ``body_limit`` bytes of it (``body_size`` is the whole body's)."""
     cols = [*_MESSAGE_COLUMNS, func.length(outbox.c.body).label("body_size")]
     if include_body:
-        cols.append(outbox.c.body)
+        cols.append(body_of(outbox.c.body, limit=body_limit))
     stmt = select(*cols).where(outbox.c.message_id == message_id)
     with engine.connect() as conn:
         row = conn.execute(stmt).mappings().first()
     if row is None:
         return None
-    values = dict(row)
+    values = marked(row)
     values["body"] = bytes(values["body"]) if include_body else None
     values["status"] = Status(values["status"])
     values["headers"] = _as_dict(values["headers"])
@@ -1010,11 +1049,13 @@ class MessageEvent:
 
 def message_events(engine: Engine, *, outbox_id: int, limit: int = 200) -> list[MessageEvent]:
     """The message's recorded events, oldest first (the last ``limit`` of them)."""
-    cols = [events.c[name] for name in MessageEvent.__slots__]
+    cols: list[Any] = []
+    for name in MessageEvent.__slots__:
+        cols += text_of(events.c[name]) if name in ("detail", "actor") else [events.c[name]]
     stmt = select(*cols).where(events.c.outbox_id == outbox_id).order_by(events.c.id.desc())
     with engine.connect() as conn:
         rows = conn.execute(stmt.limit(limit)).mappings().all()
-    return [MessageEvent(**row) for row in reversed(rows)]
+    return [MessageEvent(**marked(row)) for row in reversed(rows)]
 
 
 #: What an operator searches messages by (all given conditions hold): the same value a
@@ -1109,22 +1150,13 @@ class MessageSlice:
 
 
 def _row_bytes() -> ColumnElement[int]:
-    """Characters of a row's variable-size text: what it weighs in a page."""
-    sized = [
-        cast(outbox.c.headers, Text),
-        cast(outbox.c.properties, Text),
-        outbox.c.last_error,
-        outbox.c.reply_text,
-        outbox.c.message_id,
-        outbox.c.batch_id,
-        outbox.c.exchange,
-        outbox.c.routing_key,
-        outbox.c.ordering_key,
-        outbox.c.lease_owner,
-    ]
+    """Characters of a row's variable-size text as a reader is shown it (each value cut as
+    :mod:`app.outbox.shown` cuts it): what the row weighs in a page."""
     total: ColumnElement[int] = literal(ROW_OVERHEAD_BYTES)
-    for column in sized:
-        total = total + func.coalesce(func.length(column), 0)
+    for name in ("headers", "properties"):
+        total = total + capped_length(cast(outbox.c[name], Text), MAX_SHOWN_DOCUMENT)
+    for name in _SHOWN_TEXT:
+        total = total + capped_length(outbox.c[name], MAX_SHOWN_TEXT)
     return total
 
 
@@ -1174,7 +1206,7 @@ def search_messages(
         )
     out = []
     for row in rows:
-        values = dict(row)
+        values = marked(row)
         values.update(
             body=None,
             status=Status(values["status"]),
@@ -1188,6 +1220,8 @@ def search_messages(
 def _as_dict(value: Any) -> dict[str, Any] | None:
     """A JSON column as an object: producers may have stored anything (a non-object is shown
     wrapped, an unreadable document as the reason)."""
+    if isinstance(value, dict):  # already the reason it cannot be shown (shown.marked)
+        return value
     try:
         doc = load_document(value, what="document", max_bytes=MAX_SHOWN_DOCUMENT)
     except ContentError as exc:
@@ -1266,13 +1300,16 @@ def writer_rejects(
 ) -> list[WriterReject]:
     """``outbox_rejects``, newest first (keyset pages: ``before`` the last id of the previous
     page), all of them or one batch's (``ix_outbox_rejects_batch``)."""
-    stmt = select(rejects).order_by(rejects.c.id.desc()).limit(limit)
+    cols: list[Any] = []
+    for c in rejects.c:
+        cols += text_of(c) if c.name in ("message_id", "reason", "row_json", "sink") else [c]
+    stmt = select(*cols).order_by(rejects.c.id.desc()).limit(limit)
     if batch_id is not None:
         stmt = stmt.where(rejects.c.batch_id == batch_id)
     if before is not None:
         stmt = stmt.where(rejects.c.id < before)
     with engine.connect() as conn:
-        rows = conn.execute(stmt).mappings().all()
+        rows = [marked(r) for r in conn.execute(stmt).mappings().all()]
     return [
         WriterReject(
             id=r["id"],
@@ -1626,9 +1663,9 @@ def parked_keys(engine: Engine, *, limit: int = 100, after: str | None = None) -
     stmt = (
         select(
             o.c.ordering_key,
-            o.c.message_id,
+            *text_of(o.c.message_id, name="message_id"),
             o.c.status,
-            o.c.last_error,
+            *text_of(o.c.last_error, name="last_error"),
             o.c.reply_code,
             func.coalesce(o.c.confirmed_at, o.c.published_at, o.c.claimed_at).label("since"),
             waiting.label("waiting"),
@@ -1640,16 +1677,16 @@ def parked_keys(engine: Engine, *, limit: int = 100, after: str | None = None) -
     if after is not None:
         stmt = stmt.where(o.c.ordering_key > after)
     with engine.connect() as conn:
-        rows = conn.execute(stmt).all()
+        rows = [marked(r) for r in conn.execute(stmt).mappings().all()]
     return [
         ParkedKey(
-            ordering_key=r.ordering_key,
-            blocking_message_id=r.message_id,
-            blocking_status=Status(r.status),
-            blocking_error=r.last_error,
-            blocking_reply_code=r.reply_code,
-            parked_since=r.since,
-            waiting=int(r.waiting),
+            ordering_key=r["ordering_key"],
+            blocking_message_id=r["message_id"],
+            blocking_status=Status(r["status"]),
+            blocking_error=r["last_error"],
+            blocking_reply_code=r["reply_code"],
+            parked_since=r["since"],
+            waiting=int(r["waiting"]),
         )
         for r in rows
     ]

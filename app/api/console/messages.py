@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import datetime as dt
 from typing import Any
 
@@ -86,7 +87,9 @@ def message(request: Request, message_id: str) -> HTMLResponse:
     session = session_of(request)
     ctx = get_ctx(request)
     check_path_id(message_id, "message id")
-    found = queries.message(ctx.engine, message_id=message_id[:MAX_FIELD], include_body=True)
+    found = queries.message(
+        ctx.engine, message_id=message_id[:MAX_FIELD], include_body=True, body_limit=BODY_READ
+    )
     if found is None:
         raise ConsoleError(404, f"There is no message {message_id!r}.")
     own = {
@@ -108,27 +111,35 @@ def message(request: Request, message_id: str) -> HTMLResponse:
         session=session,
         m=found,
         history=_history(found, events),
-        body=_body(found.body),
+        body=_body(found.body, size=found.body_size),
         actions=actions[:20],
         failed=found.status in TERMINAL_FAILURES,
     )
 
 
-#: Most characters of a body the message page shows (the REST API has it whole).
+#: Most characters of a body the message page shows (the REST API has its first MiB).
 BODY_SHOWN = 4096
+#: Most body bytes the page reads: :data:`BODY_SHOWN` characters of UTF-8, whatever the body.
+BODY_READ = 4 * BODY_SHOWN
 
 
-def _body(body: bytes | None) -> tuple[str, str]:
+def _body(body: bytes | None, *, size: int) -> tuple[str, str]:
     """The body to show (escaped by the template) and how: its text when it is UTF-8, else
-    its first bytes in hex; cut at :data:`BODY_SHOWN` characters."""
+    its first bytes in hex; cut at :data:`BODY_SHOWN` characters. ``body`` may be the first
+    :data:`BODY_READ` of ``size`` bytes (a character cut at its end is left out)."""
     if body is None:
         return "", "no body"
     try:
-        shown, how = body.decode("utf-8"), "text"
+        shown, how = (
+            codecs.getincrementaldecoder("utf-8")().decode(body, final=len(body) >= size),
+            "text",
+        )
     except UnicodeDecodeError:
         shown, how = body[: BODY_SHOWN // 2].hex(" "), "binary, in hex"
-    if len(shown) > BODY_SHOWN or (how != "text" and len(body) > BODY_SHOWN // 2):
-        return shown[:BODY_SHOWN], f"{how}, cut at {BODY_SHOWN} characters of {len(body)} bytes"
+    if len(shown) > BODY_SHOWN or len(body) < size or (how != "text" and size > BODY_SHOWN // 2):
+        return shown[
+            :BODY_SHOWN
+        ], f"{how}, cut at {min(len(shown), BODY_SHOWN)} characters of {size} bytes"
     return shown, how
 
 
