@@ -13,6 +13,7 @@ from spark_writer.errors import (
     ProblemCount,
 )
 from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OutboxOptions
+from spark_writer.progress import OutboxProgress
 from spark_writer.sinks import OutboxSink, SinkTotals, write_outbox
 from spark_writer.writer import BatchResult, PartitionResult
 
@@ -33,6 +34,7 @@ __all__ = [
     "OutboxDataSource",
     "OutboxDeliveryError",
     "OutboxOptions",
+    "OutboxProgress",
     "OutboxSchemaError",
     "OutboxSink",
     "OutboxWriterError",

@@ -24,8 +24,7 @@ import pytest
 from pyspark.sql import DataFrame, SparkSession
 
 from app.db import make_engine
-from spark_writer import OutboxDeliveryError, OutboxSink, write_outbox
-from spark_writer.progress import OutboxProgress
+from spark_writer import OutboxDeliveryError, OutboxProgress, OutboxSink, write_outbox
 from tests.conftest import REPO, scrubbed_environ
 from tests.publisher_support import declare, delete, running_publisher, settings_for
 from tests.spark.test_spark_writer import await_stream
