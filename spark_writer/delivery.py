@@ -90,11 +90,15 @@ class Delivery:
         parts = [f"{self.confirmed} confirmed"]
         parts += [f"{getattr(self, s)} {s}" for s in FAILURES if getattr(self, s)]
         if self.pending:
-            extra = [f"{n} {what}" for n, what in ((self.retrying, "retrying"),) if n]
-            extra += [f"{self.blocked} blocked behind a failed row of their key"] * bool(
-                self.blocked
-            )
-            parts.append(f"{self.pending} pending" + (f" ({', '.join(extra)})" if extra else ""))
+            why = [
+                f"{n} {what}"
+                for n, what in (
+                    (self.retrying, "retrying"),
+                    (self.blocked, "blocked behind a failed row of their key"),
+                )
+                if n
+            ]
+            parts.append(f"{self.pending} pending" + (f" ({', '.join(why)})" if why else ""))
         if self.in_flight:
             parts.append(f"{self.in_flight} in flight")
         return f"{self.rows} row(s): " + ", ".join(parts)
@@ -157,12 +161,11 @@ def next_interval(interval: float, *, query_seconds: float) -> float:
     return max(min(interval * 1.5, LONGEST_PAUSE), 10 * query_seconds)
 
 
+#: The first pause between polls.
+FIRST_INTERVAL = 0.05
 #: The longest pause between polls of a small batch: what the wait adds, at most, to a batch
 #: settled just after a poll.
 LONGEST_PAUSE = 0.5
-
-
-FIRST_INTERVAL = 0.05
 
 
 def checked_wait(wait: object) -> Wait:
