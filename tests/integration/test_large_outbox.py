@@ -130,3 +130,47 @@ def test_purge_walks_the_primary_key_and_deletes_exactly_the_rows_past_retention
     assert (
         repo.retention.purge_confirmed(older_than=retention, chunk=10_000) == 0
     )  # nothing left to do
+
+
+class _Recording:
+    """A psycopg connection that keeps every statement sent through ``execute``."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.sent: list[tuple[str, Any]] = []
+
+    def execute(self, statement: str, parameters: Any) -> Any:
+        self.sent.append((statement, parameters))
+        return self.conn.execute(statement, parameters)
+
+
+def test_the_spark_writers_wait_reads_a_batch_through_its_index(large: Engine) -> None:
+    """``wait="confirmed"`` polls a batch's rows per status, looks for rows blocked behind a
+    failed row of their key and reads the first reasons: through the batch's own index
+    (``ix_outbox_batch_written``), never the table. Batch ``b:40`` holds the failures,
+    ``b:99`` the pending and in-flight rows."""
+    from spark_writer.db import PostgresStore, pg_conninfo
+    from spark_writer.watch import BatchRows
+
+    store = PostgresStore(pg_conninfo(large.url.render_as_string(hide_password=False)))
+    recording = _Recording(store.conn)
+    store.conn = recording
+    try:
+        failed = BatchRows(store, "b:40")
+        counts, reasons = failed.poll().counts, failed.reasons()
+        open_rows = BatchRows(store, "b:99")
+        waiting, blocked = open_rows.poll(), open_rows.blocked()
+    finally:
+        recording.conn.close()
+    assert counts == {
+        "confirmed": 8750,
+        "failed": 500,
+        "returned": 500,
+        "nacked": 200,
+        "skipped": 50,
+    }
+    assert reasons[0][:3] == ("failed", "exchange 'orders': 404 NOT_FOUND", 500)
+    assert waiting.counts == {"confirmed": 9001, "pending": 800, "in_flight": 199}
+    assert waiting.retrying == 800 and blocked == 0  # claimed once (attempts 1); no keys
+    assert len(recording.sent) == 4
+    assert seq_scans_on_outbox(large, recording.sent) == []
