@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from psycopg.types.array import ListBinaryDumper
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError
 
 import migrations
 from app.outbox.schema import VERSION_TABLE
@@ -55,6 +58,51 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     if engine.dialect.driver == "psycopg":
         event.listen(engine, "connect", _binary_lists)
     return engine
+
+
+#: The execution option that bounds a statement's time (:func:`bounded`).
+BOUND = "outbox_statement_timeout"
+
+
+def bounded(engine: Engine, seconds: float) -> Engine:
+    """``engine``'s pool, with each statement run through the returned engine stopped once it
+    ran ``seconds`` (0: no bound); statements through ``engine`` itself stay unbounded.
+
+    PostgreSQL: ``SET LOCAL statement_timeout`` at the first statement of each transaction (a
+    lock wait counts too). SQLite: a progress handler that interrupts the statement, its
+    fetching included, past its deadline. The error is :func:`stopped_by_bound`'s."""
+    if seconds <= 0:
+        return engine
+    if not event.contains(engine, "before_cursor_execute", _bound_statement):
+        event.listen(engine, "before_cursor_execute", _bound_statement)
+    return engine.execution_options(**{BOUND: float(seconds)})
+
+
+def _bound_statement(
+    conn: Connection, cursor: Any, _stmt: str, _params: Any, context: Any, _many: bool
+) -> None:
+    seconds = context.execution_options.get(BOUND) if context is not None else None
+    if conn.dialect.name == "sqlite":
+        dbapi = conn.connection.dbapi_connection
+        if seconds:
+            deadline = time.monotonic() + seconds
+            dbapi.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)  # type: ignore[union-attr]
+        else:
+            dbapi.set_progress_handler(None, 10_000)  # type: ignore[union-attr]
+        return
+    if seconds and conn.dialect.name == "postgresql":
+        transaction = conn.get_transaction()
+        if conn.info.get(BOUND) is not transaction:  # once per transaction: SET LOCAL ends with it
+            cursor.execute(f"SET LOCAL statement_timeout = {max(1, int(seconds * 1000))}")
+            conn.info[BOUND] = transaction
+
+
+def stopped_by_bound(exc: DBAPIError) -> bool:
+    """Whether ``exc`` is a statement stopped by :func:`bounded` (or any statement timeout)."""
+    orig = exc.orig
+    if isinstance(orig, sqlite3.OperationalError):
+        return "interrupted" in str(orig)
+    return getattr(orig, "sqlstate", None) == "57014"  # query_canceled
 
 
 def _binary_lists(dbapi_conn: Any, _record: Any) -> None:

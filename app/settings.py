@@ -249,6 +249,14 @@ class Settings(BaseSettings):
         le=16 * 1024 * 1024,
         description="Largest request body the API reads (413 above it, before any parsing).",
     )
+    api_statement_timeout: float = Field(
+        default=10.0,
+        ge=0,
+        le=3600,
+        description="Longest a statement of the API's and the console's reads may run, in "
+        "seconds (a search, a page, a count): then it is stopped and the request answered "
+        "503 saying how to narrow it; 0: no bound. Operator actions are not bounded.",
+    )
     api_auth_failures_per_minute: int = Field(
         default=20,
         ge=1,

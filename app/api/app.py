@@ -15,7 +15,7 @@ from app.api.auth import check_auth_config
 from app.api.context import ApiContext
 from app.api.limits import AuthThrottle, BodyLimit, LoopbackHostOnly
 from app.api.strict import reject_unknown_query
-from app.db import head_revision, make_engine
+from app.db import bounded, head_revision, make_engine
 from app.logs import add_secrets
 from app.outbox.actions import OperatorActions
 from app.outbox.database import Clock, OutboxDatabase, utcnow
@@ -72,7 +72,7 @@ def create_app(
     engine = engine or make_engine(settings.database_url.get_secret_value())
     ctx = ApiContext(
         settings=settings,
-        engine=engine,
+        engine=bounded(engine, settings.api_statement_timeout),
         actions=OperatorActions(OutboxDatabase(engine, clock=clock)),
         clock=clock,
         head_revision=head_revision(),

@@ -19,8 +19,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.db import stopped_by_bound
 
 PROBLEM_JSON = "application/problem+json"
 log = logging.getLogger("app.api")
@@ -92,9 +94,22 @@ async def _invalid(request: Request, exc: Exception) -> ProblemResponse:
 
 
 async def _database_unavailable(request: Request, exc: Exception) -> ProblemResponse:
-    """Connection refused, lock timeout, server gone: the database's fault, not a bug."""
+    """Connection refused, lock timeout, server gone: the database's fault, not a bug. A
+    statement stopped at the API's time bound says so, and how to narrow the request."""
+    if isinstance(exc, DBAPIError) and stopped_by_bound(exc):
+        bound = request.app.state.ctx.settings.api_statement_timeout
+        log.warning("api: %s stopped at its time bound (%g s)", request.url.path, bound)
+        return problem(503, too_slow(bound), request=request)
     log.warning("api: database unavailable on %s: %s", request.url.path, type(exc).__name__)
     return problem(503, f"database unavailable: {type(exc).__name__}", request=request)
+
+
+def too_slow(bound: float) -> str:
+    """What a reader is told when its request ran into the API's time bound."""
+    return (
+        f"the query ran longer than {bound:g} s (OUTBOX_API_STATEMENT_TIMEOUT) and was "
+        "stopped: narrow it (a status, a batch, an exchange, a time range) and retry"
+    )
 
 
 async def _schema_missing(request: Request, _exc: Exception) -> ProblemResponse:

@@ -21,6 +21,8 @@ from app import rates as charts
 from app.api.console import store
 from app.api.console.session import COOKIE, Session, SessionError, SessionSigner
 from app.api.context import client_address, get_ctx
+from app.api.problems import too_slow
+from app.db import stopped_by_bound
 from app.outbox.actions import MAX_ACTOR, has_control_characters
 from app.outbox.scope import CAUSE_LENGTH, Scope, ScopeError
 from app.outbox.states import Status
@@ -90,6 +92,11 @@ class ConsoleRoute(APIRoute):
             try:
                 return await handler(request)
             except (OperationalError, InterfaceError) as exc:
+                if stopped_by_bound(exc):
+                    bound = get_ctx(request).settings.api_statement_timeout
+                    log.warning("console: %s stopped at its time bound", request.url.path)
+                    said = too_slow(bound)
+                    return error_page(request, 503, said[0].upper() + said[1:] + ".")
                 log.warning("console: database unavailable: %s", type(exc).__name__)
                 message = f"The database is unavailable ({type(exc).__name__}); try again."
                 return error_page(request, 503, message)
