@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Secrets that may come from a file instead: ``OUTBOX_<NAME>_FILE`` (a Kubernetes or Docker
 #: secret, a systemd credential) holds the value, trailing newlines dropped.
-SECRET_FILES = ("database_url", "amqp_url", "api_token", "operator_token")
+SECRET_FILES = ("database_url", "amqp_url", "api_token", "operator_token", "metrics_token")
 
 
 class Settings(BaseSettings):
@@ -41,6 +41,11 @@ class Settings(BaseSettings):
         description="Bearer token for write (operator) endpoints, also reads: 32 to 512 "
         "characters that cannot be guessed (`outbox token` prints one).",
     )
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token that reads /metrics and nothing else (for Prometheus: no "
+        "message, body or reason); the read and operator tokens read /metrics too.",
+    )
     database_url_file: str | None = Field(
         default=None,
         description="A file holding the database URL (a mounted secret, "
@@ -55,6 +60,10 @@ class Settings(BaseSettings):
     operator_token_file: str | None = Field(
         default=None,
         description="A file holding the operator token; instead of OUTBOX_OPERATOR_TOKEN.",
+    )
+    metrics_token_file: str | None = Field(
+        default=None,
+        description="A file holding the metrics token; instead of OUTBOX_METRICS_TOKEN.",
     )
     api_insecure: bool = Field(
         default=False, description="Allow the API to start with no tokens (local use only)."

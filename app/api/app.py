@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import console, health, keys, metrics, operators, problems, v1
-from app.api.auth import check_auth_config
+from app.api.auth import _has_tokens, check_auth_config
 from app.api.context import ApiContext
 from app.api.limits import AuthThrottle, BodyLimit, LoopbackHostOnly
 from app.api.strict import reject_unknown_query
@@ -56,7 +56,12 @@ class StrictTransport:
 def _secrets(settings: Settings) -> list[SecretStr]:
     return [
         t
-        for t in (settings.api_token, settings.operator_token, settings.session_secret)
+        for t in (
+            settings.api_token,
+            settings.operator_token,
+            settings.metrics_token,
+            settings.session_secret,
+        )
         if t is not None
     ]
 
@@ -99,7 +104,7 @@ def create_app(
     # outermost: a body over the limit is refused before any parsing or token check
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_body_bytes)
     app.add_middleware(StrictTransport)
-    if settings.api_insecure and not (settings.api_token or settings.operator_token):
+    if settings.api_insecure and not _has_tokens(settings):
         app.add_middleware(LoopbackHostOnly)  # no tokens: no answer to a rebound DNS name
     app.include_router(health.router)
     app.include_router(v1.router)

@@ -36,14 +36,15 @@ class ApiConfigError(ValueError):
 
 
 class Role(IntEnum):
+    METRICS = 0
     READER = 1
     OPERATOR = 2
 
 
 def check_auth_config(settings: Settings) -> None:
     """Refuse to serve without tokens (unless explicitly insecure) or with one token for both."""
-    read, op = settings.api_token, settings.operator_token
-    if read is None and op is None and not settings.api_insecure:
+    read, op, metrics = settings.api_token, settings.operator_token, settings.metrics_token
+    if read is None and op is None and metrics is None and not settings.api_insecure:
         raise ApiConfigError(
             "no API token configured: set OUTBOX_API_TOKEN (read) and OUTBOX_OPERATOR_TOKEN "
             "(operator), or run `outbox serve --insecure` (OUTBOX_API_INSECURE=true) "
@@ -54,7 +55,16 @@ def check_auth_config(settings: Settings) -> None:
             "OUTBOX_API_TOKEN and OUTBOX_OPERATOR_TOKEN must differ: the read token "
             "would grant operator actions"
         )
-    for name, token in (("OUTBOX_API_TOKEN", read), ("OUTBOX_OPERATOR_TOKEN", op)):
+    if metrics is not None and any(t is not None and _same(metrics, t) for t in (read, op)):
+        raise ApiConfigError(
+            "OUTBOX_METRICS_TOKEN must differ from the other tokens: it would grant what they do"
+        )
+    named = (
+        ("OUTBOX_API_TOKEN", read),
+        ("OUTBOX_OPERATOR_TOKEN", op),
+        ("OUTBOX_METRICS_TOKEN", metrics),
+    )
+    for name, token in named:
         if token is None:
             continue
         weakness = token_weakness(token.get_secret_value())
@@ -113,17 +123,34 @@ def _role(settings: Settings, credentials: HTTPAuthorizationCredentials | None) 
         )
     given = credentials.credentials.encode("utf-8", "surrogateescape")
     is_op = _matches(given, settings.operator_token)
-    is_reader = _matches(given, settings.api_token)  # both compared: timing shows no order
+    is_reader = _matches(given, settings.api_token)  # all compared: timing shows no order
+    is_metrics = _matches(given, settings.metrics_token)
     if is_op:
         return Role.OPERATOR
     if is_reader:
         return Role.READER
+    if is_metrics:
+        return Role.METRICS
     raise HTTPException(401, "invalid bearer token", CHALLENGE)
 
 
 def require_reader(
     credentials: Credentials, ctx: Annotated[ApiContext, Depends(get_ctx)], request: Request
 ) -> Role:
+    role = role_of(ctx.settings, credentials, ctx=ctx, client=client_address(request))
+    if role < Role.READER:
+        raise HTTPException(403, METRICS_ONLY)
+    return role
+
+
+#: What a request with the metrics token is told anywhere but /metrics.
+METRICS_ONLY = "this token reads /metrics only (OUTBOX_METRICS_TOKEN): use OUTBOX_API_TOKEN"
+
+
+def require_metrics(
+    credentials: Credentials, ctx: Annotated[ApiContext, Depends(get_ctx)], request: Request
+) -> Role:
+    """Any token: the metrics token, the read token or the operator token."""
     return role_of(ctx.settings, credentials, ctx=ctx, client=client_address(request))
 
 
@@ -160,7 +187,9 @@ def require_operator(
 
 
 def _has_tokens(settings: Settings) -> bool:
-    return settings.api_token is not None or settings.operator_token is not None
+    return any(
+        t is not None for t in (settings.api_token, settings.operator_token, settings.metrics_token)
+    )
 
 
 class TokenJsonRoute(StrictJsonRoute):

@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from app.api.auth import require_reader
+from app.api.auth import require_metrics
 from app.api.context import ApiContext, get_ctx
 from app.api.models import ErrorBody
 from app.outbox.queries import MetricsSnapshot, metrics_snapshot
@@ -135,7 +135,7 @@ router = APIRouter(tags=["metrics"])
 
 @router.get(
     "/metrics",
-    dependencies=[Depends(require_reader)],
+    dependencies=[Depends(require_metrics)],
     response_class=Response,
     responses={
         200: {

@@ -1043,6 +1043,43 @@ def test_outbox_token_gives_tokens_the_api_accepts(sqlite_url: str) -> None:
 # ------------------------------------------------------------------------------ metrics
 
 
+METRICS = "metrics-Jx5Qw8Lc2Tz7Vm4Kb9Nd3Rp6Gy1Fs0"
+
+
+async def test_the_metrics_token_reads_metrics_and_nothing_else(sqlite_url: str) -> None:
+    """Issue 48, Low 6: /metrics needed the read token, which also reads message bodies; a
+    Prometheus server now gets a token that reads /metrics only."""
+    engine = make_engine(sqlite_url)
+    seeded = seed_every_state(engine, Clock())
+    app = create_app(settings_for(sqlite_url, metrics_token=SecretStr(METRICS)), engine=engine)
+    m = {"Authorization": f"Bearer {METRICS}"}
+    async with client_for(app) as c:
+        assert (await c.get("/metrics", headers=m)).status_code == 200
+        assert (await c.get("/metrics", headers=R)).status_code == 200, "the read token too"
+        for path in ("/v1/stats", f"/v1/messages/{seeded.lost}?include_body=true", "/v1/failures"):
+            r = await c.get(path, headers=m)
+            assert r.status_code == 403 and "reads /metrics only" in r.json()["detail"], path
+        r = await c.post("/v1/republish", json={"request_id": "m-1", "all": True}, headers=m)
+        assert r.status_code == 403
+        page = await c.post(
+            "/ui/login", data={"token": METRICS}, headers={"Origin": "http://outbox.test"}
+        )
+        assert page.status_code == 403 and "outbox_session" not in page.cookies
+        assert "reads /metrics only" in page.text
+    engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("metrics", "why"),
+    [(READ, "must differ"), (OPERATOR, "must differ"), ("metrics-" + "m" * 30, "distinct")],
+)
+def test_the_metrics_token_must_differ_and_not_be_guessable(
+    sqlite_url: str, metrics: str, why: str
+) -> None:
+    with pytest.raises(ApiConfigError, match=why):
+        create_app(settings_for(sqlite_url, metrics_token=SecretStr(metrics)))
+
+
 async def test_metrics_are_what_the_database_knows(client: httpx.AsyncClient) -> None:
     """The API's /metrics: rows per status and ages from the outbox, nothing rebuilt from the
     publishers' reports (their counters and histograms are on their own ports)."""

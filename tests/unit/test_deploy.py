@@ -138,7 +138,7 @@ WORKLOADS = _workloads()
 #: The secrets each process reads; a pod mounts these keys of outbox-secrets and no other.
 SECRETS_NEEDED = {
     # the API reads the database only (issue 48: it was given the broker URL it never used)
-    "outbox-api": {"DATABASE_URL", "API_TOKEN", "OPERATOR_TOKEN"},
+    "outbox-api": {"DATABASE_URL", "API_TOKEN", "OPERATOR_TOKEN", "METRICS_TOKEN"},
     "outbox-publisher": {"DATABASE_URL", "AMQP_URL"},
     "outbox-migrate": {"DATABASE_URL"},
     "outbox-purge": {"DATABASE_URL"},

@@ -15,6 +15,7 @@ VALUES = {
     "amqp_url": "amqps://outbox:amqp-secret-from-file@rabbit:5671/",
     "api_token": "read-token-from-a-file-0123456789",
     "operator_token": "operator-token-from-a-file-0123456789",
+    "metrics_token": "metrics-token-from-a-file-0123456789",
 }
 
 

@@ -107,6 +107,18 @@ async def login(request: Request) -> Response:
             next=target,
             message=message,
         )
+    if role < Role.READER:
+        log.warning("console: sign-in with the metrics token refused, from %s", client)
+        return render(
+            request,
+            "login.html",
+            session=None,
+            code=403,
+            insecure=insecure,
+            next=target,
+            message="This token reads /metrics only: use OUTBOX_API_TOKEN to look or "
+            "OUTBOX_OPERATOR_TOKEN to act.",
+        )
     principal = (
         "anonymous (insecure mode)"
         if insecure
