@@ -48,6 +48,7 @@ import datetime as dt
 import functools
 import json
 import logging
+import re
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -58,10 +59,12 @@ from sqlalchemy import (
     Connection,
     Insert,
     Select,
+    TextClause,
     bindparam,
     case,
     func,
     select,
+    text,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -445,6 +448,42 @@ def insert_statement(dialect: str, optional: tuple[str, ...] = ()) -> Insert:
     return make(outbox).values(values)
 
 
+@functools.cache
+def insert_one_statement(dialect: str, optional: tuple[str, ...] = ()) -> TextClause:
+    """One message's ``INSERT … ON CONFLICT (message_id) DO NOTHING RETURNING id``: the whole
+    call in one round trip when the id is new (the ordinary web request), the stored row looked
+    up and compared only when it is not.
+
+    Built from :func:`insert_statement`, compiled once here and kept as typed text: SQLAlchemy
+    2.0's dialect ``Insert`` (``ON CONFLICT``) has no cache key, so it was compiled again on
+    every call, 0.75 ms of CPU per message on this machine."""
+    base = insert_statement(dialect, optional)
+    assert isinstance(base, postgresql.Insert | sqlite.Insert)
+    stmt = base.on_conflict_do_nothing(index_elements=["message_id"]).returning(outbox.c.id)
+    named = (postgresql if dialect == "postgresql" else sqlite).dialect(paramstyle="named")
+    binds = [bindparam(c, type_=outbox.c[c].type) for c in (*_COLUMNS, *optional)]
+    sql = str(stmt.compile(dialect=named))
+    sql = re.sub(r":(\w+)::(\w+)", r"CAST(:\1 AS \2)", sql)  # text() reads '::' as no bind
+    return text(sql).bindparams(*binds)
+
+
+def _settled_one(row: dict[str, Any], inserted: bool, stored: Iterable[Any]) -> Enqueued:
+    """The outcome of one message's insert: new, a duplicate of the stored row, or a conflict
+    with it. A conflict on an id this transaction cannot see (a concurrent transaction's row,
+    seen through a snapshot that predates it) is a race."""
+    if inserted:
+        return outcome([row], [row])
+    found = list(stored)
+    if not found:
+        METRICS.add(conflicts=1)
+        log.warning("enqueue raced another transaction on message_id %r", row["message_id"])
+        raise EnqueueRaced(
+            f"another transaction holds message_id {row['message_id']!r} and this one cannot "
+            "see it yet: roll back, and retry if you like (the retry compares them)"
+        )
+    return outcome([row], sort_out([row], found))
+
+
 def stored_statement(ids: Sequence[str]) -> Select[Any]:
     """The stored content of these ids (PostgreSQL: one array parameter; SQLite: ``IN``)."""
     return select(outbox.c.message_id, *(outbox.c[c] for c in CONTENT_COLUMNS)).where(
@@ -546,6 +585,12 @@ def enqueue(
     conn = target.connection() if isinstance(target, Session) else target
     dialect = conn.dialect.name
     ids = [r["message_id"] for r in rows]
+    if len(rows) == 1:
+        [row] = rows
+        one = insert_one_statement(dialect, optional_columns(rows))
+        inserted = conn.execute(one, row).first() is not None
+        stored = () if inserted else conn.execute(next(iter(_stored(dialect, ids))))
+        return _settled_one(row, inserted, stored)
     new = sort_out(rows, [f for stmt in _stored(dialect, ids) for f in conn.execute(stmt)])
     if new:
         with _guarded(len(new)):
@@ -567,6 +612,12 @@ async def enqueue_async(
         return Enqueued(inserted=(), duplicates=())
     conn = await target.connection() if isinstance(target, AsyncSession) else target
     dialect = conn.dialect.name
+    if len(rows) == 1:
+        [row] = rows
+        one = insert_one_statement(dialect, optional_columns(rows))
+        inserted = (await conn.execute(one, row)).first() is not None
+        lookup = next(iter(_stored(dialect, [row["message_id"]])))
+        return _settled_one(row, inserted, () if inserted else await conn.execute(lookup))
     found: list[Any] = []
     for lookup in _stored(dialect, [r["message_id"] for r in rows]):
         found += list(await conn.execute(lookup))
@@ -586,6 +637,12 @@ def psycopg_insert(optional: tuple[str, ...]) -> str:
         columns.append("available_at")
         values.append("greatest(%(not_before)s, now())")
     return f"INSERT INTO outbox ({', '.join(columns)}) VALUES ({', '.join(values)})"
+
+
+@functools.cache
+def psycopg_insert_one(optional: tuple[str, ...]) -> str:
+    """:func:`psycopg_insert` for one message: new, or nothing written and nothing returned."""
+    return psycopg_insert(optional) + " ON CONFLICT (message_id) DO NOTHING RETURNING id"
 
 
 _PSYCOPG_STORED = (
@@ -612,6 +669,13 @@ def enqueue_psycopg(
     if not rows:
         return Enqueued(inserted=(), duplicates=())
     with conn.cursor(row_factory=namedtuple_row) as cur:
+        if len(rows) == 1:
+            [row] = rows
+            one = dict(row, headers=_json(row["headers"], Json))
+            one["properties"] = _json(row["properties"], Json)
+            inserted = cur.execute(psycopg_insert_one(optional_columns(rows)), one).fetchone()
+            stored = () if inserted else cur.execute(_PSYCOPG_STORED, ([row["message_id"]],))
+            return _settled_one(row, inserted is not None, [_Stored(f) for f in stored])
         found = cur.execute(_PSYCOPG_STORED, ([r["message_id"] for r in rows],)).fetchall()
         new = sort_out(rows, [_Stored(f) for f in found])
         if new:
