@@ -53,7 +53,8 @@ class Delivery:
     ``rows``: the batch's rows in the outbox (rows a writer skipped as replays of another
     batch's message are that batch's; rejected rows are not in the outbox). ``pending`` holds
     ``retrying``; ``blocked`` rows are among ``pending``. ``timed_out``: the wait ended at its
-    timeout with rows still open.
+    timeout with rows still open; ``stopped``: it ended because its streaming query was
+    stopped meanwhile.
     """
 
     batch_id: str
@@ -70,6 +71,7 @@ class Delivery:
     reasons: tuple[Reason, ...] = ()
     waited: float = 0.0
     timed_out: bool = False
+    stopped: bool = False
 
     @property
     def undelivered(self) -> int:
@@ -83,7 +85,7 @@ class Delivery:
     @property
     def ok(self) -> bool:
         """Every row of the batch confirmed."""
-        return self.confirmed == self.rows and not self.timed_out
+        return self.confirmed == self.rows and not self.timed_out and not self.stopped
 
     def counts(self) -> str:
         """``"1000 row(s): 960 confirmed, 40 returned"`` (zero figures left out)."""
@@ -116,6 +118,7 @@ def delivery_of(
     reasons: Sequence[Reason] = (),
     waited: float = 0.0,
     timed_out: bool = False,
+    stopped: bool = False,
 ) -> Delivery:
     """The summary of one poll of the batch's rows."""
     c = poll.counts
@@ -134,6 +137,7 @@ def delivery_of(
         reasons=tuple(reasons),
         waited=waited,
         timed_out=timed_out,
+        stopped=stopped,
     )
 
 

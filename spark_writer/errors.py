@@ -88,7 +88,9 @@ class OutboxDeliveryError(OutboxWriterError):
         self.batch_id = delivery.batch_id
         self.timed_out = delivery.timed_out
         d = delivery
-        if d.timed_out:
+        if d.stopped:
+            head = f"its streaming query was stopped after waiting {d.waited:.1f}s: {d.counts()}"
+        elif d.timed_out:
             head = f"not settled after waiting {d.waited:.1f}s: {d.counts()}"
             if d.open and not d.retrying and d.pending == d.open and d.confirmed == 0:
                 head += " (no row was claimed: is a publisher running on this outbox?)"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -98,6 +98,7 @@ class OutboxSink:
                 options=self.options,
                 batch=batch,
                 on_committed=self.on_partition_committed,
+                stopped=_query_stopped(batch_df, batch.query_id),
             )
         except OutboxDeliveryError as error:  # written and recorded, not delivered
             if error.result is not None:
@@ -189,13 +190,19 @@ def write_outbox(
 
 
 def run_batch(
-    df: DataFrame, *, options: OutboxOptions, batch: BatchRef, on_committed: OnCommitted | None
+    df: DataFrame,
+    *,
+    options: OutboxOptions,
+    batch: BatchRef,
+    on_committed: OnCommitted | None,
+    stopped: Callable[[], bool] | None = None,
 ) -> BatchResult:
     """Write every partition from its executor (checking its rows on the way: the input is read
     once), then record the batch on the driver. In fail mode the batch is held meanwhile, so
     nothing of it is published unless every row of every partition was good. Then, with
     ``wait="confirmed"``, wait until the broker settled its rows (``writer.delivered``)."""
-    return delivered(_write_batch(df, options, batch, on_committed), options=options)
+    result = _write_batch(df, options, batch, on_committed)
+    return delivered(result, options=options, stopped=stopped)
 
 
 def _write_batch(
@@ -329,6 +336,21 @@ def _arrow_task(
         on_committed=on_committed,
     )
     yield pa.RecordBatch.from_pydict({"result": [pickle.dumps(result)]})
+
+
+def _query_stopped(df: DataFrame, query_id: str | None) -> Callable[[], bool] | None:
+    """Whether the streaming query running this micro-batch was stopped: Spark's ``stop()``
+    waits for the ``foreachBatch`` function to return, so a wait for delivery asks this at each
+    poll. None where the query cannot be asked (its id unknown: Spark Connect)."""
+    if query_id is None:
+        return None
+    streams = df.sparkSession.streams
+
+    def stopped() -> bool:
+        query = streams.get(query_id)
+        return query is None or not query.isActive
+
+    return stopped
 
 
 def _query_id(df: DataFrame) -> str | None:

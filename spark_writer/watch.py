@@ -84,11 +84,14 @@ def await_delivery(
     *,
     batch_key: str,
     timeout: float,
+    stopped: Callable[[], bool] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Delivery:
     """Poll until every row of the batch is settled (or blocked behind a failed row of its
-    key), or ``timeout`` seconds passed; what became of the rows either way."""
+    key), ``timeout`` seconds passed, or ``stopped()`` says the streaming query was stopped
+    (Spark's ``stop()`` waits for the batch function: it must not wait for the timeout); what
+    became of the rows either way."""
     rows = BatchRows(store, batch_key)
     start = clock()
     deadline = start + timeout
@@ -100,21 +103,27 @@ def await_delivery(
             poll = poll._replace(blocked=rows.blocked())
         now = clock()
         done = settled(poll)
-        if done or now >= deadline:
+        halted = not done and stopped is not None and stopped()
+        if done or halted or now >= deadline:
             failed = any(poll.counts.get(s, 0) for s in FAILURES)
             return delivery_of(
                 batch_key,
                 poll,
                 reasons=rows.reasons() if failed else (),
                 waited=now - start,
-                timed_out=not done,
+                timed_out=not done and not halted,
+                stopped=halted,
             )
         interval = next_interval(interval, query_seconds=now - began)
         sleep(min(interval, deadline - now))
         previous = poll
 
 
-def wait_for_batch(options: OutboxOptions, batch_key: str) -> Delivery:
+def wait_for_batch(
+    options: OutboxOptions, batch_key: str, *, stopped: Callable[[], bool] | None = None
+) -> Delivery:
     """``await_delivery`` on a connection of its own to the options' outbox."""
     with open_store(options.url, password_file=options.password_file) as store:
-        return await_delivery(store, batch_key=batch_key, timeout=options.wait_timeout)
+        return await_delivery(
+            store, batch_key=batch_key, timeout=options.wait_timeout, stopped=stopped
+        )

@@ -302,14 +302,17 @@ def commit_batch(
     )
 
 
-def delivered(result: BatchResult, *, options: OutboxOptions) -> BatchResult:
+def delivered(
+    result: BatchResult, *, options: OutboxOptions, stopped: Callable[[], bool] | None = None
+) -> BatchResult:
     """``wait="confirmed"``: wait on the driver until the recorded batch's rows are settled,
     log what became of them (one line per batch) and return the result with its ``Delivery``;
     ``OutboxDeliveryError`` (carrying that result) when a row is not confirmed. A replayed
-    batch is waited on too: a re-run after a timeout waits for the rows the first run wrote."""
+    batch is waited on too: a re-run after a timeout waits for the rows the first run wrote.
+    ``stopped``: the streaming query was stopped (the wait ends, and fails, at once)."""
     if options.wait != "confirmed":
         return result
-    delivery = wait_for_batch(options, result.batch_id)
+    delivery = wait_for_batch(options, result.batch_id, stopped=stopped)
     result = replace(result, delivery=delivery)
     if delivery.ok:
         log.info(

@@ -5,6 +5,7 @@ polls, what the summary and the error say, and the options as untrusted input.""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -110,3 +111,91 @@ def test_data_source_wait_options_are_parsed_and_checked() -> None:
     ]:
         with pytest.raises(OutboxConfigError, match=message):
             from_spark_options({**BASE, **raw})
+
+
+class _Conn:
+    """A connection answering the wait's statements from a script: one poll's rows per call
+    of the status count, and a fixed answer to the others."""
+
+    def __init__(self, polls: list[list[tuple[str, int, int]]], blocked: int = 0) -> None:
+        self.polls = polls
+        self.blocked = blocked
+        self.sent: list[str] = []
+
+    def execute(self, sql: str, params: object) -> _Conn:
+        if "GROUP BY status" in sql:
+            self.sent.append("poll")
+            self.rows: list[tuple[object, ...]] = self.polls.pop(0) if self.polls else []
+        elif "EXISTS" in sql:
+            self.sent.append("blocked")
+            self.rows = [(self.blocked,)]
+        else:
+            self.sent.append("reasons")
+            self.rows = [("returned", "312 NO_ROUTE", 1, "m0")]
+        return self
+
+    def fetchall(self) -> list[tuple[object, ...]]:
+        return self.rows
+
+
+class _Store:
+    def __init__(self, conn: _Conn) -> None:
+        self.conn = conn
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pauses: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(round(seconds, 4))
+        self.now += seconds
+
+
+def wait(conn: _Conn, *, timeout: float = 10.0, stopped: Any = None) -> tuple[Any, _Clock]:
+    from spark_writer.watch import await_delivery
+
+    clock = _Clock()
+    delivery = await_delivery(
+        _Store(conn),  # type: ignore[arg-type]
+        batch_key="b:1",
+        timeout=timeout,
+        stopped=stopped,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    return delivery, clock
+
+
+def test_the_wait_polls_until_settled_with_growing_pauses() -> None:
+    pending = [("pending", 2, 0), ("confirmed", 1, 1)]
+    retrying = [("pending", 1, 1), ("confirmed", 2, 2)]
+    conn = _Conn([pending, retrying, retrying, [("confirmed", 3, 3)]])
+    delivery, clock = wait(conn)
+    assert delivery.ok and delivery.confirmed == 3 and delivery.waited == pytest.approx(0.35625)
+    assert clock.pauses == [0.075, 0.1125, 0.1688]
+    # the third poll saw nothing move: it looked for blocked rows (none); no failure, no reasons
+    assert conn.sent == ["poll", "poll", "poll", "blocked", "poll"]
+
+
+def test_the_wait_ends_at_its_timeout_or_when_the_query_stops() -> None:
+    stuck = [("pending", 3, 0)]
+    late, clock = wait(_Conn([stuck] * 100), timeout=2.0)
+    assert late.timed_out and not late.stopped and late.waited == pytest.approx(2.0)
+    assert sum(clock.pauses) == pytest.approx(2.0) and max(clock.pauses) == 0.5
+    asked = []
+    halted, clock = wait(_Conn([stuck] * 100), stopped=lambda: asked.append(1) or len(asked) > 2)
+    assert halted.stopped and not halted.timed_out and not halted.ok and len(clock.pauses) == 2
+    assert "its streaming query was stopped after waiting" in str(OutboxDeliveryError(halted))
+
+
+def test_a_failure_with_every_open_row_blocked_ends_the_wait_with_the_reasons() -> None:
+    conn = _Conn([[("returned", 1, 1), ("pending", 4, 0), ("confirmed", 5, 5)]], blocked=4)
+    delivery, clock = wait(conn)
+    assert clock.pauses == [] and delivery.blocked == 4 and delivery.returned == 1
+    assert conn.sent == ["poll", "blocked", "reasons"]
+    assert delivery.reasons == (Reason("returned", "312 NO_ROUTE", 1, "m0"),)
