@@ -1,15 +1,23 @@
-"""The FastAPI example of docs/examples/orders_service.py, run as documented: an order and its
-event commit together (the real publisher delivers the event to a real broker), an order the
-database refuses leaves no message, and a retried request leaves one message."""
+"""The FastAPI examples of docs/examples/, run as documented: an order and its event commit
+together (the real publisher delivers the event to a real broker), an order the database refuses
+leaves no message, and a retried request leaves one message. The sync example runs in process;
+the async one (``orders_service_async.py``, issue 48) under a real uvicorn, as its docstring
+says to run it."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import json
+import os
+import socket
+import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from types import ModuleType
 
 import aio_pika
@@ -24,10 +32,11 @@ from tests.conftest import REPO
 from tests.publisher_support import declare, delete, run_until_empty, settings_for
 
 EXAMPLE = REPO / "docs" / "examples" / "orders_service.py"
+ASYNC_EXAMPLE = REPO / "docs" / "examples" / "orders_service_async.py"
 
 
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("orders_service_example", EXAMPLE)
+def load_example(path: Path = EXAMPLE) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -46,13 +55,62 @@ async def orders_topology(amqp_url: str) -> AsyncIterator[dict[str, str]]:
     await delete(amqp_url, exchanges=(names["exchange"],), queues=(names["queue"],))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def orders_service(
+    kind: str, *, db_url: str, exchange: str
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the example: the sync one in process, the async one under uvicorn with the
+    command of its docstring."""
+    if kind == "sync":
+        app = load_example().create_app(database_url=db_url, exchange=exchange)
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://orders.test") as c:
+                yield c
+        finally:
+            app.state.engine.dispose()
+        return
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(ORDERS_DATABASE_URL=db_url, ORDERS_EXCHANGE=exchange)
+    command = ["uvicorn", "--factory", "docs.examples.orders_service_async:app_from_env"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *command, "--port", str(port), "--log-level", "warning"],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/openapi.json", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "uvicorn did not start"
+            await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            yield c
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_an_order_and_its_event_commit_together_or_not_at_all(
-    pg_url: str, amqp_url: str, orders_topology: dict[str, str]
+    pg_url: str, amqp_url: str, orders_topology: dict[str, str], kind: str
 ) -> None:
     service = load_example()
-    app = service.create_app(database_url=pg_url, exchange=orders_topology["exchange"])
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://orders.test") as client:
+    exchange = orders_topology["exchange"]
+    async with orders_service(kind, db_url=pg_url, exchange=exchange) as client:
 
         async def post(order_id: str, quantity: int) -> tuple[int, dict[str, object]]:
             r = await client.post(
@@ -82,7 +140,6 @@ async def test_an_order_and_its_event_commit_together_or_not_at_all(
         assert stats.confirmed == 1
     finally:
         engine.dispose()
-        app.state.engine.dispose()
     conn = await aio_pika.connect(amqp_url)
     async with conn:
         queue = await (await conn.channel()).get_queue(orders_topology["queue"], ensure=False)
@@ -94,15 +151,15 @@ async def test_an_order_and_its_event_commit_together_or_not_at_all(
         assert await queue.get(fail=False) is None  # one message: no refused, no retried one
 
 
-async def test_bad_client_input_is_a_4xx_and_a_bad_trace_header_is_ignored(pg_url: str) -> None:
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_bad_client_input_is_a_4xx_and_a_bad_trace_header_is_ignored(
+    pg_url: str, kind: str
+) -> None:
     """Issue 48: an order id no message id can carry (a NUL; 98 three-byte characters make a
     294-byte id) escaped the example as InvalidMessage, a 500; a client's malformed
     ``traceparent`` header, passed on as the docs suggest, was a 500 too. Now a 422 naming the
     problem, and a new trace; nothing is written for the refused orders."""
-    service = load_example()
-    app = service.create_app(database_url=pg_url, exchange="orders-example")
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://orders.test") as client:
+    async with orders_service(kind, db_url=pg_url, exchange="orders-example") as client:
         for bad in ("nul\x00id", "€" * 98):
             r = await client.post("/orders", json={"order_id": bad, "item": "x", "quantity": 1})
             assert r.status_code == 422, r.text
