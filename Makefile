@@ -38,10 +38,11 @@ $(VENV_OLDEST)/.installed: pyproject.toml $(LOCK)
 tools:  ## Java 17+, jq, promtool, chromium and chromium-driver (Debian packages when missing)
 	@deploy/local/ensure-tools.sh
 
-lock:  ## rewrite requirements-dev.lock from a fresh resolve of pyproject.toml (then run make test)
+lock:  ## rewrite requirements-dev.lock from a fresh resolve, and the image's hashed lock (then make test)
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install -q -e '.[dev]'
 	{ sed -n 1,3p $(LOCK); .venv-lock/bin/pip freeze --exclude-editable | grep -v '^outbox-sink'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
+	$(PY) deploy/image_lock.py
 
 audit: venv  ## known vulnerabilities in the locked dependencies (pip-audit; NOT RUN when its database is unreachable)
 	@$(PY) -m pip install -q pip-audit >/dev/null 2>&1 || { echo "make audit: NOT RUN (pip-audit not installable)"; exit 0; }

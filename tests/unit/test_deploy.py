@@ -5,16 +5,20 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from app.cli import build_parser
 from app.settings import Settings
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
 YAMLS = sorted([*DEPLOY.glob("*.yml"), *DEPLOY.glob("k8s/*.yaml")])
 ENV_FILES = sorted([*DEPLOY.glob("systemd/*"), DEPLOY / "Dockerfile"])
 KNOWN = {f"OUTBOX_{name.upper()}" for name in Settings.model_fields}
@@ -273,16 +277,51 @@ def _dockerfile() -> list[tuple[str, str]]:
     ]
 
 
-def test_the_image_installs_the_locked_versions() -> None:
+IMAGE_LOCK = REPO / "deploy" / "requirements-image.lock"
+
+
+def _image_pins() -> dict[str, tuple[str, list[str]]]:
+    """name -> (version, hashes) of deploy/requirements-image.lock."""
+    text = IMAGE_LOCK.read_text().replace("\\\n", " ")
+    pins = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        pin, *options = line.split()
+        name, _, version = pin.partition("==")
+        hashes = [o.removeprefix("--hash=sha256:") for o in options]
+        assert version and all(o.startswith("--hash=sha256:") for o in options), line
+        assert hashes and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), line
+        pins[canonicalize_name(name)] = (version, hashes)
+    return pins
+
+
+def test_the_image_installs_only_hashed_files_of_the_tested_versions() -> None:
+    """Issue 48, Low 7: the lock had no hashes. The image installs from a lock whose every pin
+    carries the SHA-256 of each of its files (``--require-hashes``), at the versions of
+    requirements-dev.lock, and builds the project with no index and no other download."""
     steps = _dockerfile()
     copied = " ".join(args for op, args in steps if op == "COPY").split()
-    assert "requirements-dev.lock" in copied
-    installs = [c for op, args in steps if op == "RUN" for c in args.split("&&") if "pip" in c]
-    package = [c.split() for c in installs if c.split()[-1] == "."]
-    assert package, installs
-    for words in package:  # the package and its dependencies, pinned by the lock
-        assert words[words.index("-c") + 1] == "requirements-dev.lock", words
-    assert any({"--upgrade", "setuptools"} <= set(c.split()) for c in installs), installs
+    assert "deploy/requirements-image.lock" in copied
+    installs = [c.split() for op, args in steps if op == "RUN" for c in args.split("&&")]
+    installs = [c for c in installs if c[:2] == ["pip", "install"]]
+    assert len(installs) == 2, installs
+    locked, package = installs
+    assert {"--require-hashes", "--no-deps", "-r", "requirements-image.lock"} <= set(locked)
+    assert package[-1] == "." and {"--no-deps", "--no-build-isolation"} <= set(package)
+    pins = _image_pins()
+    dev = {}
+    for line in (REPO / "requirements-dev.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            dev[canonicalize_name(name)] = version.strip()
+    for name, (version, _) in pins.items():
+        if name not in ("pip", "setuptools", "wheel", "packaging"):
+            assert dev.get(name) == version, (name, version, dev.get(name))
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"]:
+        assert canonicalize_name(Requirement(requirement).name) in pins, requirement
+    assert {"pip", "setuptools", "wheel"} <= set(pins)
 
 
 def test_the_image_runs_as_a_numeric_non_root_user() -> None:
