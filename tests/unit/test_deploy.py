@@ -339,6 +339,7 @@ def test_the_image_runs_as_a_numeric_non_root_user() -> None:
 # ---------------------------------------------------------------- docker compose
 
 COMPOSE = DEPLOY / "docker-compose.yml"
+INIT_ROLES = DEPLOY / "postgres" / "init-roles.sh"
 SECRET_NAME = re.compile(r"PASS|TOKEN|SECRET|_URL$|KEY$")
 
 
@@ -370,6 +371,8 @@ def test_compose_passes_secrets_as_files_to_the_images_that_read_them() -> None:
                 assert (service, variable) == ("rabbitmq", "RABBITMQ_DEFAULT_PASS"), variable
                 assert str(value).startswith("${RABBITMQ_PASSWORD:?"), value
         wanted = {v.removeprefix("/run/secrets/") for k, v in env.items() if k.endswith("_FILE")}
+        if service == "postgres":  # and the roles' passwords, which its init script reads
+            wanted |= set(re.findall(r"\$\(secret (\w+)\)", INIT_ROLES.read_text()))
         assert mounted == wanted, f"{service} mounts secrets it does not read"
     outbox = {
         n: s["environment"]
