@@ -557,6 +557,10 @@ def _outstanding_where(
     return and_(cond, sent.is_not(None), later)
 
 
+#: The names an outstanding confirm shows, each cut (:mod:`app.outbox.shown`).
+_OUTSTANDING_NAMES = ("message_id", "batch_id", "lease_owner", "exchange", "routing_key")
+
+
 def outstanding_confirms(
     engine: Engine,
     *,
@@ -567,14 +571,16 @@ def outstanding_confirms(
 ) -> Page[OutstandingConfirm]:
     """In-flight rows, oldest publish first (claimed-but-unsent rows lead), keyset paginated."""
     sent = _sent_at().label("sent_at")
+    shown = [*(text_of(outbox.c[n]) for n in _OUTSTANDING_NAMES)]
+    plain = [c for c in outbox.c if c.name not in _OUTSTANDING_NAMES and c.name != "body"]
     stmt = (
-        select(outbox, sent)
+        select(*plain, *(c for pair in shown for c in pair), sent)
         .where(_outstanding_where(flt, now=now, after=after))
         .order_by(case((_sent_at().is_(None), 0), else_=1), _sent_at(), outbox.c.id)
         .limit(limit + 1)
     )
     with engine.connect() as conn:
-        rows = conn.execute(stmt).mappings().all()
+        rows = [marked(r) for r in conn.execute(stmt).mappings().all()]
     items = [_outstanding(row, now) for row in rows[:limit]]
     cursor = None
     if len(rows) > limit:

@@ -9,6 +9,7 @@ of a 60 MB reason was 120 MB of HTML, and a republish copied the whole reason in
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import subprocess
@@ -108,6 +109,35 @@ async def test_every_answer_about_the_worst_row_is_bounded_and_says_what_it_cut(
     with worst_engine.connect() as conn:
         [detail] = conn.execute(select(events.c.detail).where(events.c.message_id == worst))
         assert detail[0] == "\x01" * MAX_SHOWN_TEXT, "the event keeps the reason's start"
+
+
+async def test_outstanding_confirms_of_rows_with_huge_names_are_bounded(
+    db_url: str, worst_engine: Engine
+) -> None:
+    """Names no index bounds (an in-flight row's exchange and lease owner, inserted by hand)."""
+    ids = add_rows(worst_engine, n=3, batch_id="worst:2", prefix="flight")
+    huge = "e" * 5_000_000
+    with worst_engine.begin() as conn:
+        conn.execute(
+            update(outbox)
+            .where(outbox.c.message_id.in_(ids))
+            .values(
+                status="in_flight",
+                exchange=huge,
+                lease_owner=huge,
+                lease_until=dt.datetime(2999, 1, 1, tzinfo=dt.UTC),
+                claimed_at=dt.datetime.now(dt.UTC),
+            )
+        )
+    app = create_app(settings_for(db_url), engine=worst_engine)
+    async with client_for(app) as c:
+        r = await c.get("/v1/confirms/outstanding", headers=R)
+    assert r.status_code == 200 and len(r.content) < ANSWER_BOUND, len(r.content)
+    items = r.json()["items"]
+    assert [i["message_id"] for i in items] == ids
+    assert all(
+        i["exchange"].endswith("shown]") and i["publisher"].endswith("shown]") for i in items
+    )
 
 
 async def test_the_console_pages_of_the_worst_row_are_bounded(
