@@ -339,18 +339,19 @@ def _arrow_task(
 
 
 def _query_stopped(df: DataFrame, query_id: str | None) -> Callable[[], bool] | None:
-    """Whether the streaming query running this micro-batch was stopped: Spark's ``stop()``
-    waits for the ``foreachBatch`` function to return, so a wait for delivery asks this at each
-    poll. None where the query cannot be asked (its id unknown: Spark Connect)."""
+    """Whether the streaming query running this micro-batch is being stopped. Spark's
+    ``stop()`` sets the query's state, interrupts its stream execution thread and waits for the
+    ``foreachBatch`` function to return; PySpark runs the function on a Python thread pinned to
+    that JVM thread, so its interrupt flag says it. (The function's session is a clone whose
+    ``streams`` knows no query.) Inert where the thread is not pinned (it is never interrupted
+    then); None on Spark Connect, which has no JVM here."""
     if query_id is None:
         return None
-    streams = df.sparkSession.streams
-
-    def stopped() -> bool:
-        query = streams.get(query_id)
-        return query is None or not query.isActive
-
-    return stopped
+    try:
+        thread = df.sparkSession.sparkContext._jvm.java.lang.Thread.currentThread()  # type: ignore[union-attr]
+    except Exception:  # no JVM gateway in this process
+        return None
+    return lambda: bool(thread.isInterrupted())
 
 
 def _query_id(df: DataFrame) -> str | None:
