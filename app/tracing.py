@@ -21,8 +21,6 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from app.outbox.content import ContentError
-
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 #: The spec's limit for ``tracestate`` (32 list members of at most 256 characters, but
@@ -31,29 +29,35 @@ TRACESTATE_MAX = 512
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _TRACESTATE = re.compile(r"[\x20-\x7e]*")
 
+
+class TraceContextError(ValueError):
+    """A trace context that is not W3C Trace Context. Callers ignore it and start a new trace
+    (W3C: an invalid parent is ignored), never fail on it."""
+
+
 #: ``{"traceparent": ..., "tracestate": ...}`` (tracestate only when there is one)
 TraceContext = dict[str, str]
 
 
 def checked_headers(traceparent: object, tracestate: object = None) -> TraceContext:
-    """A trace context given by a caller, checked; raises :class:`ContentError`."""
+    """A trace context given by a caller, checked; raises :class:`TraceContextError`."""
     if not isinstance(traceparent, str):
-        raise ContentError(f"traceparent must be a string, got {type(traceparent).__name__}")
+        raise TraceContextError(f"traceparent must be a string, got {type(traceparent).__name__}")
     match = _TRACEPARENT.fullmatch(traceparent)
     if match is None:
-        raise ContentError(
+        raise TraceContextError(
             f"traceparent {traceparent[:80]!r} is not W3C trace context "
             "(version-traceid-parentid-flags in lower-case hex, 00-<32>-<16>-<2>)"
         )
     version, trace_id, parent_id, _flags = match.groups()
     if version == "ff" or set(trace_id) == {"0"} or set(parent_id) == {"0"}:
-        raise ContentError(f"traceparent {traceparent!r} has an invalid version or a zero id")
+        raise TraceContextError(f"traceparent {traceparent!r} has an invalid version or a zero id")
     out = {TRACEPARENT: traceparent}
     if tracestate is not None:
         if not isinstance(tracestate, str):
-            raise ContentError(f"tracestate must be a string, got {type(tracestate).__name__}")
+            raise TraceContextError(f"tracestate must be a string, got {type(tracestate).__name__}")
         if len(tracestate) > TRACESTATE_MAX or not _TRACESTATE.fullmatch(tracestate):
-            raise ContentError(
+            raise TraceContextError(
                 f"tracestate must be printable ASCII of at most {TRACESTATE_MAX} characters"
             )
         if tracestate:
@@ -90,7 +94,7 @@ def current_context() -> TraceContext | None:
         return None
     try:
         return checked_headers(carrier[TRACEPARENT], carrier.get(TRACESTATE))
-    except ContentError:
+    except TraceContextError:
         return None
 
 

@@ -334,7 +334,7 @@ def _trace_headers(message: Message, context: tracing.TraceContext | None) -> di
             )
         try:
             return tracing.checked_headers(message.traceparent, message.tracestate)
-        except ContentError as exc:
+        except tracing.TraceContextError as exc:
             _trace_ignored(message, str(exc))
     elif message.tracestate is not None:
         _trace_ignored(message, "tracestate given without a traceparent")
@@ -348,7 +348,7 @@ def _own_trace_checked(headers: dict[str, Any] | None, message: Message) -> dict
         return headers
     try:
         tracing.checked_headers(headers[tracing.TRACEPARENT], headers.get(tracing.TRACESTATE))
-    except ContentError as exc:
+    except tracing.TraceContextError as exc:
         _trace_ignored(message, f"its traceparent header: {exc}")
         return {
             k: v for k, v in headers.items() if k not in (tracing.TRACEPARENT, tracing.TRACESTATE)

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from app.outbox.content import ContentError
-from app.tracing import checked_headers, trace_id_of
+from app.tracing import TraceContextError, checked_headers, trace_id_of
 from tests.conftest import REPO
 
 GOOD = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -44,7 +43,7 @@ def test_a_w3c_traceparent_and_tracestate_pass() -> None:
 def test_a_malformed_trace_context_is_refused(
     traceparent: object, tracestate: object, reason: str
 ) -> None:
-    with pytest.raises(ContentError, match=reason):
+    with pytest.raises(TraceContextError, match=reason):
         checked_headers(traceparent, tracestate)
 
 
