@@ -2,8 +2,9 @@
 no database, no clock (``watch`` polls the outbox and feeds these).
 
 A row is *settled* when it left ``pending`` and ``in_flight`` for good: ``confirmed`` (the
-broker acked it, no return), or a terminal failure, ``returned``, ``nacked``, ``failed``
-(and ``skipped``, an operator's decision that it will not be delivered). A row back in
+broker acked it, no return), a terminal failure (``returned``, ``nacked``, ``failed``), or
+``skipped``: an operator's audited decision that a failed row will not be delivered, which
+settles it without failing the wait (else a re-run of the batch could never pass). A row back in
 ``pending`` after a nack, a lost confirm or a ``312 NO_ROUTE`` within the return grace is
 *retrying*: not settled, the publisher sends it again. A keyed row behind a row of its key that
 ended in a failure is *blocked*: it moves only when an operator republishes or skips that row,
@@ -22,7 +23,8 @@ WAITS: tuple[Wait, ...] = ("written", "confirmed")
 #: Seconds ``wait="confirmed"`` waits for a batch's rows by default.
 DEFAULT_WAIT_TIMEOUT = 300.0
 
-#: Terminal states that are not a delivery, in the order a report names them.
+#: Terminal states that are not a delivery, in the order a report names them (``skipped``
+#: among them: not delivered, but an operator's decision, not a failure of the wait).
 FAILURES = ("returned", "nacked", "failed", "skipped")
 OPEN = ("pending", "in_flight")
 
@@ -75,8 +77,8 @@ class Delivery:
 
     @property
     def undelivered(self) -> int:
-        """Rows that ended in a failure (returned, nacked, failed, skipped)."""
-        return self.returned + self.nacked + self.failed + self.skipped
+        """Rows that ended in a failure (returned, nacked, failed)."""
+        return self.returned + self.nacked + self.failed
 
     @property
     def open(self) -> int:
@@ -84,8 +86,9 @@ class Delivery:
 
     @property
     def ok(self) -> bool:
-        """Every row of the batch confirmed."""
-        return self.confirmed == self.rows and not self.timed_out and not self.stopped
+        """Every row of the batch confirmed (or skipped by an operator)."""
+        settled_well = self.confirmed + self.skipped == self.rows
+        return settled_well and not self.timed_out and not self.stopped
 
     def counts(self) -> str:
         """``"1000 row(s): 960 confirmed, 40 returned"`` (zero figures left out)."""

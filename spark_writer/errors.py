@@ -77,7 +77,8 @@ class OutboxDataError(OutboxWriterError, ValueError):
 
 
 class OutboxDeliveryError(OutboxWriterError):
-    """``wait="confirmed"``: rows of the batch were not all confirmed. ``delivery`` says what
+    """``wait="confirmed"``: rows of the batch were not all confirmed (an operator's skip
+    aside). ``delivery`` says what
     became of each (per status, the first reasons); ``timed_out``: rows were still open when
     the wait ended. The batch is recorded: re-running it writes nothing and waits again."""
 
@@ -95,7 +96,8 @@ class OutboxDeliveryError(OutboxWriterError):
             if d.open and not d.retrying and d.pending == d.open and d.confirmed == 0:
                 head += " (no row was claimed: is a publisher running on this outbox?)"
         else:
-            head = f"{d.rows - d.confirmed} of {d.rows} row(s) not delivered: {d.counts()}"
+            missing = d.rows - d.confirmed - d.skipped
+            head = f"{missing} of {d.rows} row(s) not delivered: {d.counts()}"
         reasons = f" ({d.first_reasons()})" if d.reasons else ""
         advice = "The batch is recorded: re-running the job adds no row and waits again" + (
             f"; republish with `outbox republish --batch {d.batch_id}`" if d.undelivered else ""

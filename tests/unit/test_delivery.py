@@ -58,6 +58,14 @@ def test_the_pause_grows_to_half_a_second_and_stays_ten_times_the_query() -> Non
     assert next_interval(0.05, query_seconds=0.3) == pytest.approx(3.0)
 
 
+def test_an_operators_skip_settles_a_row_without_failing_the_wait() -> None:
+    skipped = delivery_of("orders:5", Poll(counts={"confirmed": 9, "skipped": 1}))
+    assert skipped.ok and skipped.undelivered == 0
+    assert skipped.counts() == "10 row(s): 9 confirmed, 1 skipped"
+    returned = delivery_of("orders:6", Poll(counts={"confirmed": 9, "returned": 1}))
+    assert not returned.ok and returned.undelivered == 1
+
+
 def test_the_summary_and_the_errors_name_the_batch_and_the_counts() -> None:
     ok = delivery_of("orders:1", Poll(counts={"confirmed": 3}), waited=0.4)
     assert ok.ok and ok.counts() == "3 row(s): 3 confirmed"
