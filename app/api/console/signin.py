@@ -68,6 +68,19 @@ def _posted_here(request: Request) -> bool:
     return referer is None or urlsplit(referer).netloc == host
 
 
+#: What a refused sign-in is told, by why it was refused.
+ANOTHER_SITE = (
+    "This sign-in was not sent from this console's page: open the console and sign in there."
+)
+THROTTLED = "Too many failed sign-ins from your address: wait a minute."
+WRONG_TOKEN = (
+    "That token is not valid here: use OUTBOX_API_TOKEN to look or OUTBOX_OPERATOR_TOKEN to act."
+)
+METRICS_TOKEN = (
+    "This token reads /metrics only: use OUTBOX_API_TOKEN to look or OUTBOX_OPERATOR_TOKEN to act."
+)
+
+
 @router.post("/login")
 async def login(request: Request) -> Response:
     ctx = get_ctx(request)
@@ -76,49 +89,24 @@ async def login(request: Request) -> Response:
     client = client_address(request)
     token = (form.get("token") or [""])[0]
     insecure = not _has_tokens(ctx.settings)
+
+    def refused(code: int, message: str) -> Response:
+        return render(
+            request, "login.html", session=None, code=code, insecure=insecure, next=target,
+            message=message,
+        )  # fmt: skip
+
     if not _posted_here(request):
         log.warning("console: sign-in posted from another site refused, from %s", client)
-        return render(
-            request,
-            "login.html",
-            session=None,
-            code=403,
-            insecure=insecure,
-            next=target,
-            message="This sign-in was not sent from this console's page: "
-            "open the console and sign in there.",
-        )
+        return refused(403, ANOTHER_SITE)
     try:
         creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token)
         role = role_of(ctx.settings, creds if token else None, ctx=ctx, client=client)
     except HTTPException as exc:
-        message = (
-            "Too many failed sign-ins from your address: wait a minute."
-            if exc.status_code == 429
-            else "That token is not valid here: use OUTBOX_API_TOKEN to look or "
-            "OUTBOX_OPERATOR_TOKEN to act."
-        )
-        return render(
-            request,
-            "login.html",
-            session=None,
-            code=exc.status_code,
-            insecure=insecure,
-            next=target,
-            message=message,
-        )
+        return refused(exc.status_code, THROTTLED if exc.status_code == 429 else WRONG_TOKEN)
     if role < Role.READER:
         log.warning("console: sign-in with the metrics token refused, from %s", client)
-        return render(
-            request,
-            "login.html",
-            session=None,
-            code=403,
-            insecure=insecure,
-            next=target,
-            message="This token reads /metrics only: use OUTBOX_API_TOKEN to look or "
-            "OUTBOX_OPERATOR_TOKEN to act.",
-        )
+        return refused(403, METRICS_TOKEN)
     principal = (
         "anonymous (insecure mode)"
         if insecure
@@ -126,6 +114,13 @@ async def login(request: Request) -> Response:
         if role >= Role.OPERATOR
         else "read-token"
     )
+    return await _signed_in(request, role, principal, target=target, client=client)
+
+
+async def _signed_in(
+    request: Request, role: Role, principal: str, *, target: str, client: str
+) -> Response:
+    """A new session: kept on the server, its cookie set, and the browser sent on."""
     signer = await run_in_threadpool(signer_of, request)
     cookie, session = signer.issue(role, principal, now=now_ts(request))
     expires = dt.datetime.fromtimestamp(session.expires, dt.UTC)
@@ -135,7 +130,7 @@ async def login(request: Request) -> Response:
         session_id=session.nonce,
         principal=principal,
         expires=expires,
-        now=ctx.now(),
+        now=get_ctx(request).now(),
     )
     log.info("console: %s signed in from %s", principal, client)
     response = RedirectResponse(target, 303, headers=SECURITY_HEADERS)
