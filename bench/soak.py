@@ -13,7 +13,7 @@ its dead tuples and autovacuum runs, the claims' mean time (the publishers' own
 confirm latency (``created_at`` -> ``confirmed_at``) of the rows created in that window.
 
 It prints a table, writes ``bench/results/soak.json`` and draws PNG charts into ``--charts``
-(default ``docs/soak``), then checks the targets: the p99 of every window within 1.5 x the
+(default ``bench/results/soak``), then checks the targets: the p99 of every window within 1.5 x the
 first window's, publisher RSS growth under 10 %, and the table bounded by retention (once
 purging runs, the outbox's total size stops growing). Exits 1 when a target is missed, 2 when
 the run itself broke (a row lost, a publisher crashed).
@@ -1152,7 +1152,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="outbox purge --sleep-coef (default: the product's, OUTBOX_PURGE_SLEEP_COEF)",
     )
-    parser.add_argument("--charts", type=Path, default=REPO_ROOT / "docs" / "soak")
+    parser.add_argument("--charts", type=Path, default=REPO_ROOT / "bench" / "results" / "soak")
     parser.add_argument(
         "--floor-minutes",
         type=float,

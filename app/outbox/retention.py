@@ -91,7 +91,7 @@ class Retention:
         sleeps ``sleep_coef`` times as long as that window took (``pt-archiver``'s
         ``--sleep-coef``). At 1 the purge holds the database at most half the time and takes
         twice as long, so its rows must take well under its interval: in the 30-minute soak a
-        purge paced at 1 fell behind a minute's rows at 4,768 rows/s (docs/soak). 0, the
+        purge paced at 1 fell behind a minute's rows at 4,768 rows/s (bench/results/soak). 0, the
         default, runs the windows back to back."""
         cutoff = self.db.clock() - older_than
         with self.db.begin() as conn:  # the publishers' samples past retention go with them
