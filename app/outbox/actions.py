@@ -69,6 +69,36 @@ class SkipResult:
     audit_id: int
 
 
+def _as_it_was() -> list[Any]:
+    """A row's columns as an operator's event records it before the action."""
+    return [
+        outbox.c.id,
+        outbox.c.message_id,
+        outbox.c.status,
+        outbox.c.ordering_key,
+        outbox.c.attempts,
+        outbox.c.reply_code,
+        *kept_reasons(),
+    ]
+
+
+def _waiting_behind(conn: Connection, found: Any) -> int:
+    """The pending rows of ``found``'s ordering key after it: what a skip releases."""
+    if found.ordering_key is None:
+        return 0
+    return int(
+        conn.execute(
+            select(func.count())
+            .select_from(outbox)
+            .where(
+                outbox.c.ordering_key == found.ordering_key,
+                outbox.c.id > found.id,
+                outbox.c.status == Status.PENDING,
+            )
+        ).scalar_one()
+    )
+
+
 class CannotSkip(ValueError):
     """The row does not exist or is not a terminal failure (nothing changed)."""
 
@@ -166,15 +196,7 @@ class OperatorActions:
         who: tuple[str | None, str | None] = (None, None),
     ) -> RepublishResult:
         cond = self._filter_cond(flt)
-        pick = select(
-            outbox.c.id,
-            outbox.c.message_id,
-            outbox.c.status,
-            outbox.c.attempts,
-            outbox.c.reply_code,
-            *kept_reasons(),
-        ).where(cond)
-        pick = pick.order_by(outbox.c.id).limit(limit)
+        pick = select(*_as_it_was()).where(cond).order_by(outbox.c.id).limit(limit)
         if self.db.is_postgres and not dry_run:
             pick = pick.with_for_update(skip_locked=True)
         with self.db.begin() as conn:
@@ -190,23 +212,7 @@ class OperatorActions:
                 return RepublishResult(
                     dry_run=True, count=len(rows), matched=matched, sample=sample, audit_id=None
                 )
-            for status in {Status(r.status) for r in rows}:
-                check_transition(status, Status.PENDING)
-            ids = [r.id for r in rows]
-            for chunk in self.db.chunks(ids):
-                conn.execute(
-                    update(outbox)
-                    .where(self.db.ids_in(chunk), cond)
-                    .values(
-                        status=Status.PENDING,
-                        attempts=0,
-                        nacks=0,
-                        available_at=self.db.clock(),
-                        last_error=None,
-                        reply_code=None,
-                        reply_text=None,
-                    )
-                )
+            ids = self._back_to_pending(conn, rows, cond)
             result = {"count": len(ids), "matched": matched, "sample": sample, "limit": limit}
             self.db.notify_new(conn)
             audit_id = self.db.audit(
@@ -226,6 +232,29 @@ class OperatorActions:
         return RepublishResult(
             dry_run=False, count=len(ids), matched=matched, sample=sample, audit_id=int(audit_id)
         )
+
+    def _back_to_pending(
+        self, conn: Connection, rows: Sequence[Any], cond: ColumnElement[bool]
+    ) -> list[int]:
+        """Put ``rows`` (still matching ``cond``) back to ``pending`` with fresh budgets."""
+        for status in {Status(r.status) for r in rows}:
+            check_transition(status, Status.PENDING)
+        ids = [r.id for r in rows]
+        for chunk in self.db.chunks(ids):
+            conn.execute(
+                update(outbox)
+                .where(self.db.ids_in(chunk), cond)
+                .values(
+                    status=Status.PENDING,
+                    attempts=0,
+                    nacks=0,
+                    available_at=self.db.clock(),
+                    last_error=None,
+                    reply_code=None,
+                    reply_text=None,
+                )
+            )
+        return ids
 
     def _operator_events(
         self,
@@ -259,6 +288,19 @@ class OperatorActions:
                 ],
             )
 
+    def _skippable(self, conn: Connection, message_id: str, sources: list[str]) -> Any:
+        """The row to skip, locked; :class:`CannotSkip` unless it is a terminal failure."""
+        pick = select(*_as_it_was()).where(outbox.c.message_id == message_id)
+        found = conn.execute(pick.with_for_update() if self.db.is_postgres else pick).first()
+        if found is None:
+            raise CannotSkip(f"no row with message_id {message_id!r}")
+        if found.status not in sources:
+            raise CannotSkip(
+                f"{message_id!r} is {found.status}: only a terminal failure "
+                f"({', '.join(sorted(sources))}) can be skipped"
+            )
+        return found
+
     def skip(
         self,
         *,
@@ -277,39 +319,13 @@ class OperatorActions:
         for source in TERMINAL_FAILURES:
             check_transition(source, Status.SKIPPED)
         with self.db.begin() as conn:
-            pick = select(
-                outbox.c.id,
-                outbox.c.message_id,
-                outbox.c.status,
-                outbox.c.ordering_key,
-                outbox.c.attempts,
-                outbox.c.reply_code,
-                *kept_reasons(),
-            ).where(outbox.c.message_id == message_id)
-            found = conn.execute(pick.with_for_update() if self.db.is_postgres else pick).first()
-            if found is None:
-                raise CannotSkip(f"no row with message_id {message_id!r}")
-            if found.status not in sources:
-                raise CannotSkip(
-                    f"{message_id!r} is {found.status}: only a terminal failure "
-                    f"({', '.join(sorted(sources))}) can be skipped"
-                )
+            found = self._skippable(conn, message_id, sources)
             conn.execute(
                 update(outbox)
                 .where(outbox.c.id == found.id, outbox.c.status.in_(sources))
                 .values(status=Status.SKIPPED, last_error=f"skipped by {actor}: {reason}")
             )
-            released = 0
-            if found.ordering_key is not None:
-                released = conn.execute(
-                    select(func.count())
-                    .select_from(outbox)
-                    .where(
-                        outbox.c.ordering_key == found.ordering_key,
-                        outbox.c.id > found.id,
-                        outbox.c.status == Status.PENDING,
-                    )
-                ).scalar_one()
+            released = _waiting_behind(conn, found)
             if released:
                 self.db.notify_new(conn)
             result = {
