@@ -2,7 +2,7 @@
 ``format("outbox")`` data source. Every row lands in the outbox exactly once per ``message_id``.
 """
 
-from spark_writer.delivery import Delivery
+from spark_writer.delivery import BatchResult, Delivery
 from spark_writer.envelope import derive_message_id
 from spark_writer.errors import (
     OutboxConfigError,
@@ -15,7 +15,7 @@ from spark_writer.errors import (
 from spark_writer.options import DEFAULT_MAX_BODY_BYTES, OutboxOptions
 from spark_writer.progress import OutboxProgress
 from spark_writer.sinks import OutboxSink, SinkTotals, write_outbox
-from spark_writer.writer import BatchResult, PartitionResult
+from spark_writer.writer import PartitionResult
 
 try:  # format("outbox"): PySpark's Python data source API with Arrow writers (4.1 and later)
     from spark_writer.datasource import OutboxDataSource, register_data_source

@@ -191,3 +191,26 @@ def checked_timeout(timeout: object) -> float:
             f"wait_timeout must be a finite number of seconds above 0, not {timeout!r}"
         )
     return float(timeout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchResult:
+    """The outcome of one batch.
+
+    ``rows``: rows in the batch; ``written``: rows new to the outbox; ``duplicates``: fit rows
+    whose ``message_id`` was there already for the same message (a retried task, a re-run, the
+    same row twice): true replays, nothing lost; ``rejected``: rows put in ``outbox_rejects``,
+    ``conflicts`` among them (reject mode): rows whose ``message_id`` the outbox holds for
+    another message (another sink, exchange, routing key, body, headers, ...); ``replayed``:
+    the batch had been recorded before. ``rows == written + duplicates + rejected``.
+    """
+
+    batch_id: str
+    spark_batch_id: int
+    rows: int
+    written: int
+    duplicates: int
+    rejected: int
+    replayed: bool
+    conflicts: int = 0
+    delivery: Delivery | None = None

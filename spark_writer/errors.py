@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from spark_writer.delivery import Delivery
-    from spark_writer.writer import BatchResult
+    from spark_writer.delivery import BatchResult, Delivery
 
 
 class ProblemCount(NamedTuple):

@@ -26,9 +26,8 @@ from typing import Any
 from pyspark.sql.streaming.listener import StreamingQueryListener
 
 from spark_writer.db import open_store
-from spark_writer.delivery import FAILURES, Delivery, delivery_of
+from spark_writer.delivery import FAILURES, BatchResult, Delivery, delivery_of
 from spark_writer.watch import BatchRows
-from spark_writer.writer import BatchResult
 
 log = logging.getLogger("spark_writer.progress")
 

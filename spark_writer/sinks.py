@@ -25,13 +25,13 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.window import Window
 
+from spark_writer.delivery import BatchResult
 from spark_writer.envelope import DIGEST, OCCURRENCE, BatchRef
 from spark_writer.errors import OutboxDeliveryError
 from spark_writer.options import OutboxOptions, options_of
 from spark_writer.progress import OutboxProgress
 from spark_writer.validate import check_schema
 from spark_writer.writer import (
-    BatchResult,
     OnCommitted,
     PartitionResult,
     WritePlan,

@@ -15,7 +15,7 @@ import pyarrow as pa
 from pyspark.sql.types import StructType
 
 from spark_writer.db import CONFLICT, KeyConflicts, Store, open_store
-from spark_writer.delivery import Delivery
+from spark_writer.delivery import BatchResult
 from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, Problem, Rejected
 from spark_writer.errors import OutboxDataError, OutboxDeliveryError, ProblemCount
 from spark_writer.options import OutboxOptions
@@ -55,29 +55,6 @@ class PartitionResult:
     conflicts: int = 0
     skipped: bool = False
     problems: tuple[ProblemCount, ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class BatchResult:
-    """The outcome of one batch.
-
-    ``rows``: rows in the batch; ``written``: rows new to the outbox; ``duplicates``: fit rows
-    whose ``message_id`` was there already for the same message (a retried task, a re-run, the
-    same row twice): true replays, nothing lost; ``rejected``: rows put in ``outbox_rejects``,
-    ``conflicts`` among them (reject mode): rows whose ``message_id`` the outbox holds for
-    another message (another sink, exchange, routing key, body, headers, ...); ``replayed``:
-    the batch had been recorded before. ``rows == written + duplicates + rejected``.
-    """
-
-    batch_id: str
-    spark_batch_id: int
-    rows: int
-    written: int
-    duplicates: int
-    rejected: int
-    replayed: bool
-    conflicts: int = 0
-    delivery: Delivery | None = None
 
 
 #: The driver logs one line per batch (what it wrote, replays, rejects) under this name.
