@@ -226,7 +226,8 @@ def test_a_publisher_frozen_inside_its_claim_delays_the_others_by_a_second_at_mo
         store = PublisherStore(frozen_engine)
         while not froze.is_set():
             try:
-                store.claim(owner="frozen", limit=5, lease_seconds=lease)
+                # one attempt: claim() would claim again once the server ended this session
+                store.claim_once(owner="frozen", limit=5, lease_seconds=lease)
             except Exception as exc:  # the server ended the frozen session: expected
                 thawed.append(exc)
                 return
@@ -272,3 +273,38 @@ def test_a_publisher_frozen_inside_its_claim_delays_the_others_by_a_second_at_mo
             longest, last_at, last = max(longest, at - last_at), at, count
     longest = max(longest, seen[-1][0] - last_at)
     assert longest <= 1.0, f"the other publisher confirmed nothing for {longest:.1f}s"
+
+
+def test_a_claim_whose_session_the_server_ended_for_a_pause_claims_again(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CI on two busy cores: a process paused 0.5 s between the claim's first statement and its
+    claim statement had its session ended (``CLAIM_IDLE_TIMEOUT_MS``), and the claim raised.
+    The transaction rolled back with the session, so ``claim`` claims again at once, says so at
+    WARNING, and a second end in a row is raised."""
+    from app.outbox.store import CLAIM_IDLE_TIMEOUT_MS, PublisherStore
+
+    add_rows(engine, n=5, exchange="")
+    store = PublisherStore(engine)
+    real = store._any_key_open
+    pauses = [CLAIM_IDLE_TIMEOUT_MS / 1000 + 0.5]
+
+    def paused(conn: Any) -> bool:
+        found = real(conn)
+        if pauses:
+            time.sleep(pauses.pop())  # idle inside the claim's transaction, past its limit
+        return found
+
+    store._any_key_open = paused  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="app.outbox.store"):
+        got = store.claim(owner="p", limit=5, lease_seconds=30)
+    assert len(got) == 5 and not pauses
+    assert "the server ended its session, idle in its transaction" in caplog.text
+    with engine.connect() as conn:
+        owners = conn.execute(select(outbox.c.lease_owner).where(outbox.c.status == "in_flight"))
+        assert [o for (o,) in owners] == ["p"] * 5
+
+    add_rows(engine, n=2, exchange="")
+    pauses[:] = [1.0, 1.0]
+    with pytest.raises(Exception, match="idle-in-transaction"):
+        store.claim(owner="p", limit=5, lease_seconds=30)
