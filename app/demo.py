@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -34,6 +34,9 @@ from sqlalchemy import Engine, func, select
 from app.db import make_engine, migrate
 from app.outbox.schema import outbox
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 EXCHANGE = "demo.orders"
 EVENTS = ("order.created", "order.paid", "order.shipped")
@@ -186,23 +189,12 @@ class SparkSide:
     progress: list[str] = field(default_factory=list)
 
 
-def run_spark_job(
-    settings: Settings,
-    *,
-    input_dir: Path,
-    checkpoint: Path,
-    sink: str,
-    on_progress: Callable[[int], None] = lambda confirmed: None,
-) -> SparkSide:
-    """Structured Streaming over the JSON files, written through the foreachBatch sink, each
-    micro-batch waiting until RabbitMQ confirmed its rows; ``on_progress`` gets the rows
-    confirmed so far about every second while the query runs."""
+def _demo_spark() -> tuple[SparkSession, bool]:
+    """A local Spark on loopback for the demo, and whether this job started it (and so stops
+    it: a session the caller had running is left running)."""
     import os
 
     from pyspark.sql import SparkSession
-
-    from spark_writer import OutboxSink
-    from spark_writer.progress import progress_line
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors use this interpreter
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -219,6 +211,24 @@ def run_spark_job(
     )
     if ours:
         spark.sparkContext.setLogLevel("ERROR")
+    return spark, ours
+
+
+def run_spark_job(
+    settings: Settings,
+    *,
+    input_dir: Path,
+    checkpoint: Path,
+    sink: str,
+    on_progress: Callable[[int], None] = lambda confirmed: None,
+) -> SparkSide:
+    """Structured Streaming over the JSON files, written through the foreachBatch sink, each
+    micro-batch waiting until RabbitMQ confirmed its rows; ``on_progress`` gets the rows
+    confirmed so far about every second while the query runs."""
+    from spark_writer import OutboxSink
+    from spark_writer.progress import progress_line
+
+    spark, ours = _demo_spark()
     try:
         schema = (
             "event_id STRING, event_type STRING, order_id STRING, customer_id STRING, "

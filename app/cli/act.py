@@ -8,6 +8,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from app.cli.common import (
     EXIT_OK,
@@ -184,15 +185,7 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     retention = Retention(engine)
     try:
         if args.dry_run:
-            would = retention.count_purgeable(older_than=dt.timedelta(days=days))
-            if args.json:
-                print_json({"dry_run": True, "older_than_days": days, "would_delete": would})
-                return EXIT_OK
-            print(
-                f"would delete {would} confirmed rows confirmed more than {days:g} days ago "
-                "(dry run: nothing deleted)"
-            )
-            return EXIT_OK
+            return _purge_dry_run(retention, days, as_json=args.json)
         live = fancy(sys.stderr) and not args.json
         total = retention.count_purgeable(older_than=dt.timedelta(days=days)) if live else None
         coef = settings.purge_sleep_coef if args.sleep_coef is None else args.sleep_coef
@@ -216,30 +209,50 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
         )
     finally:
         engine.dispose()
-    if args.json:
-        print_json(
-            {
-                "dry_run": False,
-                "older_than_days": days,
-                "deleted": deleted,
-                "seconds": round(seconds, 3),
-                "sleep_coef": coef,
-                "inbox_older_than_days": inbox_days,
-                "inbox_deleted": forgotten,
-                "audit_id": audit_id,
-            }
-        )
+    done = {
+        "dry_run": False,
+        "older_than_days": days,
+        "deleted": deleted,
+        "seconds": round(seconds, 3),
+        "sleep_coef": coef,
+        "inbox_older_than_days": inbox_days,
+        "inbox_deleted": forgotten,
+        "audit_id": audit_id,
+    }
+    _print_purge(done, as_json=args.json)
+    return EXIT_OK
+
+
+def _purge_dry_run(retention: Retention, days: float, *, as_json: bool) -> int:
+    would = retention.count_purgeable(older_than=dt.timedelta(days=days))
+    if as_json:
+        print_json({"dry_run": True, "older_than_days": days, "would_delete": would})
         return EXIT_OK
-    paced = f", paced at --sleep-coef {coef:g}" if coef > 0 else ""
     print(
-        f"deleted {deleted} confirmed rows confirmed more than {days:g} days ago "
-        f"in {seconds:.1f} s{paced}"
-    )
-    print(
-        f"deleted {forgotten} consumer inbox rows older than {inbox_days:g} days "
-        "(OUTBOX_INBOX_RETENTION_DAYS)"
+        f"would delete {would} confirmed rows confirmed more than {days:g} days ago "
+        "(dry run: nothing deleted)"
     )
     return EXIT_OK
+
+
+def _print_purge(done: dict[str, Any], *, as_json: bool) -> None:
+    if as_json:
+        print_json(done)
+        return
+    coef, days, inbox_days = (
+        done["sleep_coef"],
+        done["older_than_days"],
+        done["inbox_older_than_days"],
+    )
+    paced = f", paced at --sleep-coef {coef:g}" if coef > 0 else ""
+    print(
+        f"deleted {done['deleted']} confirmed rows confirmed more than {days:g} days ago "
+        f"in {done['seconds']:.1f} s{paced}"
+    )
+    print(
+        f"deleted {done['inbox_deleted']} consumer inbox rows older than {inbox_days:g} days "
+        "(OUTBOX_INBOX_RETENTION_DAYS)"
+    )
 
 
 def _republish_filter(args: argparse.Namespace) -> RepublishFilter:

@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import sys
 from pathlib import Path
+from typing import Any
 
 from app.cli.common import (
     EXIT_FAILURE,
@@ -121,19 +122,41 @@ def _loopback(host: str) -> bool:
 def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
     """Run the consumer kit on QUEUE with the handler MODULE:FUNCTION until SIGTERM/SIGINT."""
     import asyncio
+
+    from app.consumer import consumer_engine
+
+    handler = _load_handler(args.handler)
+    config = _consumer_config(settings, args)
+    engine = consumer_engine(
+        settings.database_url.get_secret_value(), concurrency=config.concurrency
+    )
+    check_schema(engine)
+    try:
+        asyncio.run(_consume(settings, args, config, engine, handler))
+    finally:
+        engine.dispose()
+    return EXIT_OK
+
+
+def _load_handler(given: str) -> Any:
+    """The handler ``MODULE:FUNCTION``; a usage error naming it when it cannot be loaded."""
     import importlib
-    import signal
 
-    from app.consumer import Consumer, ConsumerConfig, consumer_engine
-
-    module_name, _, attr = args.handler.partition(":")
+    module_name, _, attr = given.partition(":")
     try:
         handler = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise UsageError(f"cannot load handler {args.handler!r}: {exc}") from None
+        raise UsageError(f"cannot load handler {given!r}: {exc}") from None
     if not callable(handler):
-        raise UsageError(f"handler {args.handler!r} is not callable")
-    config = ConsumerConfig(
+        raise UsageError(f"handler {given!r} is not callable")
+    return handler
+
+
+def _consumer_config(settings: Settings, args: argparse.Namespace) -> Any:
+    """The kit's config: each flag given, else its setting."""
+    from app.consumer import ConsumerConfig
+
+    return ConsumerConfig(
         name=args.name or args.queue,
         queue=args.queue,
         mode=args.mode or settings.consumer_mode,
@@ -145,50 +168,53 @@ def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
         dead_letter_exchange=args.dead_letter_exchange,
         dead_letter_routing_key=args.dead_letter_routing_key,
     )
-    engine = consumer_engine(
-        settings.database_url.get_secret_value(), concurrency=config.concurrency
+
+
+async def _consume(
+    settings: Settings, args: argparse.Namespace, config: Any, engine: Any, handler: Any
+) -> None:
+    """The kit until SIGTERM or SIGINT, with its probes when a metrics port is given."""
+    import asyncio
+    import signal
+
+    from app.consumer import Consumer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    given = {"batch_handler" if args.batches else "handler": handler}
+    consumer = Consumer(
+        config=config, amqp_url=settings.amqp_url.get_secret_value(), engine=engine, **given
     )
-    check_schema(engine)
-
-    async def consume() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        given = {"batch_handler" if args.batches else "handler": handler}
-        consumer = Consumer(
-            config=config, amqp_url=settings.amqp_url.get_secret_value(), engine=engine, **given
-        )
-        probes = None
-        if args.metrics_port is not None:  # /metrics, /healthz, /readyz of this process
-            from app.consumer import registry_for
-            from app.probes import ProbeServer, check_route, metrics_route
-
-            def alive() -> tuple[bool, dict[str, object]]:
-                return True, {"consumer": config.name}
-
-            probes = ProbeServer(
-                {
-                    "/metrics": metrics_route(registry_for(consumer.metrics, consumer=config.name)),
-                    "/healthz": check_route(alive),
-                    "/readyz": check_route(consumer.ready),
-                },
-                host=args.metrics_host,
-                port=args.metrics_port,
-            )
-            await probes.start()
-            print(f"outbox consume: metrics on {probes.url}/metrics", file=sys.stderr)
-        try:
-            await consumer.run(stop)
-        finally:
-            if probes is not None:
-                await probes.close()
-
+    probes = None
+    if args.metrics_port is not None:  # /metrics, /healthz, /readyz of this process
+        probes = _consumer_probes(consumer, config.name, args)
+        await probes.start()
+        print(f"outbox consume: metrics on {probes.url}/metrics", file=sys.stderr)
     try:
-        asyncio.run(consume())
+        await consumer.run(stop)
     finally:
-        engine.dispose()
-    return EXIT_OK
+        if probes is not None:
+            await probes.close()
+
+
+def _consumer_probes(consumer: Any, name: str, args: argparse.Namespace) -> Any:
+    from app.consumer import registry_for
+    from app.probes import ProbeServer, check_route, metrics_route
+
+    def alive() -> tuple[bool, dict[str, object]]:
+        return True, {"consumer": name}
+
+    return ProbeServer(
+        {
+            "/metrics": metrics_route(registry_for(consumer.metrics, consumer=name)),
+            "/healthz": check_route(alive),
+            "/readyz": check_route(consumer.ready),
+        },
+        host=args.metrics_host,
+        port=args.metrics_port,
+    )
 
 
 def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
@@ -312,6 +338,13 @@ def _add_consume(sub: Sub) -> None:
         help="the handler takes (messages, connection): a window's messages at once",
     )
     con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
+    _consume_tuning(con)
+    _consume_outlets(con)
+    con.set_defaults(func=_cmd_consume)
+
+
+def _consume_tuning(con: argparse.ArgumentParser) -> None:
+    """The kit's tuning flags; each defaults to its OUTBOX_CONSUMER_* setting."""
     con.add_argument(
         "--prefetch",
         type=bounded_int(1, 65535),
@@ -352,6 +385,10 @@ def _add_consume(sub: Sub) -> None:
         help="seconds a handler may run before its attempt fails (default "
         "OUTBOX_CONSUMER_HANDLER_TIMEOUT, 60)",
     )
+
+
+def _consume_outlets(con: argparse.ArgumentParser) -> None:
+    """Where dead letters and the kit's metrics go."""
     con.add_argument(
         "--dead-letter-exchange",
         default=None,
@@ -370,7 +407,6 @@ def _add_consume(sub: Sub) -> None:
         help="serve /metrics, /healthz, /readyz on this port (0: any free one)",
     )
     con.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
-    con.set_defaults(func=_cmd_consume)
 
 
 def _add_declare(sub: Sub) -> None:
