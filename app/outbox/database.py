@@ -23,51 +23,24 @@ from sqlalchemy import (
     Connection,
     Engine,
     Text,
-    TextClause,
     and_,
     any_,
     bindparam,
     insert,
     literal,
-    literal_column,
     select,
     text,
     update,
 )
 
+from app.outbox.planner import ASYNC_COMMIT, ASYNC_COMMIT_BY_ID, BY_ID, status_by_id
+from app.outbox.planner import written as written
 from app.outbox.schema import audit, events, outbox
 from app.outbox.shown import kept
 from app.outbox.states import Status, check_transition
 
 Clock = Callable[[], dt.datetime]
 SQLITE_MAX_IDS = 10_000
-
-#: Transaction-local settings, each one ``set_config(name, value, true)``. In one statement
-#: (one round trip) when a unit of work wants both: a publisher's write-back.
-#: ``synchronous_commit``: this transaction's commit does not wait for the disk (the
-#: publisher's outcomes only). The ``enable_*``: the plans of statements that find their rows
-#: by id look each id up in ``outbox_pkey``, never a sequential or bitmap scan, a hash or a
-#: merge join (:meth:`OutboxDatabase.by_id`).
-_ASYNC_COMMIT_SETTINGS = (("synchronous_commit", "off"),)
-_BY_ID_SETTINGS = tuple(
-    (f"enable_{kind}", "off") for kind in ("seqscan", "bitmapscan", "hashjoin", "mergejoin")
-)
-
-
-def _set_local(settings: Sequence[tuple[str, str]]) -> TextClause:
-    calls = " || ".join(f"set_config('{name}', '{value}', true)" for name, value in settings)
-    return text(f"SELECT {calls}")
-
-
-#: With a commit that does not wait for the disk: how far the WAL is on disk now, and where it
-#: ends now (past the commit record of every transaction committed before this one), as byte
-#: positions. The publisher learns from them when its earlier write-backs became durable.
-_WAL_POSITIONS = ", pg_current_wal_flush_lsn() - '0/0', pg_current_wal_insert_lsn() - '0/0'"
-_BY_ID = _set_local(_BY_ID_SETTINGS)
-_ASYNC_COMMIT = text(_set_local(_ASYNC_COMMIT_SETTINGS).text + _WAL_POSITIONS)
-_ASYNC_COMMIT_BY_ID = text(
-    _set_local(_ASYNC_COMMIT_SETTINGS + _BY_ID_SETTINGS).text + _WAL_POSITIONS
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,35 +65,6 @@ def utcnow() -> dt.datetime:
 
 class OutboxError(Exception):
     """Base of the outbox clients' own errors."""
-
-
-def status_by_id(status: Status | ColumnElement[Any]) -> ColumnElement[bool]:
-    """``status = <status>`` (a status, or a value the statement carries, such as a column of
-    the rows a write-back joins) for a statement that finds its rows by id (the write-backs, the
-    lease renewal of held rows, the events recorded for rows just moved), written
-    ``status || '' = '<status>'``: the same test, but one that proves no partial index's
-    predicate, so the ids drive the plan (primary key lookups) whatever the statistics say.
-
-    Written plainly it proves ``ix_outbox_lease``'s (``status = 'in_flight'``). After an
-    ANALYZE that saw next to no row in flight, PostgreSQL then started the write-back from
-    that index (every in-flight row and the dead entries of rows in flight since the last
-    vacuum, estimated at one) and matched the ids in a filter: 414-498 ms per write-back in
-    the soak instead of a few, until the next ANALYZE
-    (tests/integration/test_claim_plan.py).
-
-    ``lease_owner = <owner>`` steered the plan the same way when the last ANALYZE saw no row
-    leased (write-backs of 3-38 s on a 100,000-row outbox with 8,000 ids in ``make bench``):
-    hence :meth:`OutboxDatabase.by_id` too."""
-    value = literal(status.value, Text) if isinstance(status, Status) else status
-    return outbox.c.status.concat(literal_column("''")) == value
-
-
-def written(value: Any) -> Any:
-    """A value written into the statement, not bound: only then can a prepared statement's
-    generic plan (psycopg prepares on the fifth run; PostgreSQL may keep that plan until the
-    next ANALYZE) prove a partial index's predicate, such as ``status = 'pending'``
-    (tests/integration/test_claim_plan.py)."""
-    return literal(value, literal_execute=True)
 
 
 class OutboxDatabase:
@@ -165,7 +109,7 @@ class OutboxDatabase:
             try:
                 with conn.begin():
                     if self.is_postgres and not durable:
-                        row = conn.execute(_ASYNC_COMMIT_BY_ID if by_id else _ASYNC_COMMIT).one()
+                        row = conn.execute(ASYNC_COMMIT_BY_ID if by_id else ASYNC_COMMIT).one()
                         self._local.wal = WalPositions(flushed=int(row[1]), end=int(row[2]))
                         if by_id:
                             conn.info["by_id"] = conn.get_transaction()
@@ -235,24 +179,14 @@ class OutboxDatabase:
         ``outbox_pkey``, whatever the statistics say. PostgreSQL, once per transaction; the
         settings last until its end, so a transaction that sends this sends only such
         statements. Callers ask for it with ``begin(by_id=True)`` (or a unit of work's
-        ``by_id=True``); this is for a transaction that learns only on the way.
-
-        The plan that results, for a write-back of n ids: a Nested Loop whose outer side is
-        the ids (``unnest`` of the arrays, or the ``= ANY`` array) and whose inner side is an
-        Index Scan using ``outbox_pkey`` per id, the owner and status checked on each row
-        found; n index lookups, whatever the table holds.
-
-        The conditions on the held rows (``lease_owner = <owner>``, the status) are estimated
-        from the last ANALYZE. When it saw no row leased to the owner, the outbox side was
-        estimated at one row, and on a small outbox a write-back of 8,000 confirms ran as a
-        sequential scan joined to every id in a nested loop: 3-38 s per write-back in
-        ``make bench`` instead of tens of ms (tests/integration/test_claim_plan.py)."""
+        ``by_id=True``); this is for a transaction that learns only on the way. The plan and
+        why: :data:`app.outbox.planner.BY_ID_SETTINGS` (tests/integration/test_claim_plan.py)."""
         if not self.is_postgres:
             return
         transaction = conn.get_transaction()
         if transaction is not None and conn.info.get("by_id") is transaction:
             return
-        conn.execute(_BY_ID)
+        conn.execute(BY_ID)
         conn.info["by_id"] = transaction
 
     def held(self, owner: str, ids: Sequence[int]) -> ColumnElement[bool]:

@@ -9,13 +9,11 @@ returned tell it so.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
-    ARRAY,
     BigInteger,
     Connection,
     Engine,
@@ -24,100 +22,34 @@ from sqlalchemy import (
     Text,
     bindparam,
     cast,
-    column,
     func,
-    literal,
     select,
-    text,
     tuple_,
     update,
 )
 from sqlalchemy.exc import DBAPIError
 
-from app.outbox.database import OutboxDatabase, status_by_id, storable, written
+from app.outbox.database import OutboxDatabase, storable
+from app.outbox.heldrows import HeldRowUpdates
+from app.outbox.planner import (
+    ANY_KEY_OPEN,
+    ANY_KEY_OPEN_ELSE_WALK,
+    CLAIM_IDLE_TIMEOUT_MS,
+    IDLE_IN_TRANSACTION_TIMEOUT,
+    KEY_HEADS,
+    WALK_DUE_INDEX,
+    ClaimFloor,
+    pending_test,
+    status_by_id,
+    written,
+)
 from app.outbox.records import Backoff, ClaimedRow, Published, RetryOutcome, ReturnedRow
-from app.outbox.schema import KEY_OPEN, held, outbox
+from app.outbox.schema import held, outbox
 from app.outbox.states import Status, check_transition
 
 log = logging.getLogger("app.outbox.store")
 
-#: The unkeyed claim walks ix_outbox_due from the last row it claimed (PostgreSQL), not from
-#: the index's first entry: the entries of every row claimed since the last VACUUM stay in the
-#: index until it runs, and a walk from the start steps over all of them, a cost that grows with
-#: the traffic. Rows that land behind that floor (committed by a transaction older than the
-#: floor's row, a held batch released, a claim of another publisher rolled back, a row inserted
-#: with an old ``available_at``) wait for the next walk from the start: one every this long.
-CLAIM_REWALK = dt.timedelta(seconds=1)
-
-#: Before the unkeyed claim: walk ix_outbox_due in order, never a bitmap scan, a sequential
-#: scan or a sort, whatever the statistics say (see ``PublisherStore.claim``).
-_WALK_SETTINGS = (
-    "set_config('enable_bitmapscan', 'off', true) || set_config('enable_seqscan', 'off', true)"
-    " || set_config('enable_sort', 'off', true)"
-)
-_WALK_DUE_INDEX = text(f"SELECT {_WALK_SETTINGS}")
-#: any row holding its ordering key open: the predicate and the order of ix_outbox_key_open,
-#: so it reads the first entry of that (small) index (``LIMIT 1`` alone chose a scan of the
-#: whole table, which finds nothing when no row has a key)
-_FIRST_OPEN_KEY = f"SELECT ordering_key FROM outbox WHERE {KEY_OPEN} ORDER BY ordering_key LIMIT 1"
-_ANY_KEY_OPEN = text(_FIRST_OPEN_KEY)
-#: PostgreSQL: the same, and when no key is open (no keyed claim will run), the settings of the
-#: unkeyed claim at once: one round trip fewer on every claim of an outbox without open keys.
-#: With a key open they stay unset here: the keyed claim keeps the planner's choice.
-#:
-#: It also bounds how long this claim's transaction may sit idle (``CLAIM_IDLE_TIMEOUT``): a
-#: claim's ``FOR UPDATE SKIP LOCKED`` keeps a lock on every row it locked and then dropped on
-#: re-checking it (a row another publisher claimed a moment before: PostgreSQL follows the
-#: update, locks the new version and finds it no longer due). A publisher frozen between its
-#: claim and its COMMIT (SIGSTOP, a GC or VM pause) held those rows, so the other publisher's
-#: write-back of them waited the whole freeze (20 s at the default lease, issue 44). Past this
-#: limit the server ends the frozen session and frees them; the claim is retried.
-CLAIM_IDLE_TIMEOUT_MS = 500
-#: PostgreSQL's SQLSTATE for a session ended by ``idle_in_transaction_session_timeout``.
-IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
-_ANY_KEY_OPEN_ELSE_WALK = text(
-    f"SELECT k.open, CASE WHEN k.open IS NULL THEN {_WALK_SETTINGS} END,"
-    f" set_config('idle_in_transaction_session_timeout', '{CLAIM_IDLE_TIMEOUT_MS}', true)"
-    f" FROM (SELECT ({_FIRST_OPEN_KEY}) AS open OFFSET 0) AS k"  # OFFSET 0: one probe, not two
-)
-
-#: The head of every ordering key: its first row still open (not confirmed, not skipped). A
-#: loose index scan over ``ix_outbox_key_open``: one probe per open key, however many rows wait
-#: behind each head (a hot key with 100,000 waiting rows costs one probe, not 100,000).
-# the predicate of ix_outbox_key_open, on alias ``o`` (so the planner uses that index)
-_OPEN = KEY_OPEN.replace("ordering_key", "o.ordering_key").replace("status", "o.status")
-_KEY_HEADS = (
-    text(
-        f"""
-WITH RECURSIVE keys(k) AS (
-    SELECT (SELECT o.ordering_key FROM outbox o WHERE {_OPEN} ORDER BY o.ordering_key LIMIT 1)
-    UNION ALL
-    SELECT (SELECT o.ordering_key FROM outbox o WHERE o.ordering_key > keys.k AND {_OPEN}
-            ORDER BY o.ordering_key LIMIT 1)
-    FROM keys WHERE keys.k IS NOT NULL
-)
-SELECT (SELECT o.id FROM outbox o WHERE o.ordering_key = keys.k AND {_OPEN}
-        ORDER BY o.id LIMIT 1) AS id
-FROM keys WHERE keys.k IS NOT NULL
-"""
-    )
-    .columns(column("id", BigInteger))
-    .subquery("key_heads")
-)
-
-
 PUBLISH_FACTS = ("channel_id", "delivery_tag", "published_at")
-SQLITE_TIME = "%Y-%m-%d %H:%M:%S.%f"  # SQLAlchemy's SQLite DATETIME text format
-
-
-def _sqlite_json(value: Any) -> Any:
-    """A value as SQLite stores it, for ``json_each``: datetimes as naive-UTC text."""
-    if isinstance(value, dt.datetime):
-        aware = value if value.tzinfo else value.replace(tzinfo=dt.UTC)
-        return aware.astimezone(dt.UTC).strftime(SQLITE_TIME)
-    return value
-
-
 #: The claim reads the JSON columns as text: decoding them here would let one row's content
 #: (3,000 levels of nesting, say) fail the whole claim, for every publisher, forever.
 CLAIM_COLUMNS = (
@@ -144,18 +76,13 @@ class PublisherStore:
         self.db = OutboxDatabase.of(db)
         # the claim statements (keyed, from a floor), built once
         self._claims: dict[tuple[bool, bool], Any] = {}
-        #: the unkeyed claim's floor: (available_at, id) of the last row it took, and when it
-        #: last walked from the start (PostgreSQL; see CLAIM_REWALK)
-        self._floor: tuple[dt.datetime, int] | None = None
-        self._walked_at: dt.datetime | None = None
-        #: rows this repository put back to pending may sit behind the floor (their
-        #: ``available_at`` is now, which can equal the floor's): the next claim walks from
-        #: the start. Set once their transaction committed, so that walk sees them.
-        self._rewalk = False
-        self._updates: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}  # write-backs
+        #: where the unkeyed claim's walk starts (PostgreSQL); rows this repository put back
+        #: to pending may sit behind it: ``_walk_from_start`` once their transaction committed
+        self._floor = ClaimFloor()
+        self._update_rows = HeldRowUpdates(self.db)  # the write-backs' one statement
 
     def _walk_from_start(self) -> None:
-        self._rewalk = True
+        self._floor.rewalk()
 
     # ---------------------------------------------------------------- hot path
 
@@ -169,7 +96,7 @@ class PublisherStore:
         id)``, in the index's order (a range condition on ix_outbox_due)."""
         due = (
             select(outbox.c.id)
-            .where(outbox.c.status == self._pending(keyed), outbox.c.available_at <= now)
+            .where(outbox.c.status == pending_test(keyed), outbox.c.available_at <= now)
             # NOT IN, not NOT EXISTS: PostgreSQL cannot turn it into an anti-join, so the plan
             # stays the walk of ix_outbox_due with the (few) held batch ids hashed once per
             # statement, whatever it guesses about outbox_held (never analysed, it guessed 1,200
@@ -179,24 +106,12 @@ class PublisherStore:
             .limit(limit)
         )
         if keyed:
-            due = due.where(outbox.c.id.in_(select(_KEY_HEADS.c.id)))
+            due = due.where(outbox.c.id.in_(select(KEY_HEADS.c.id)))
         else:
             due = due.where(outbox.c.ordering_key.is_(None))
         if floor is not None:
             due = due.where(tuple_(outbox.c.available_at, outbox.c.id) >= tuple_(*floor))
         return due.with_for_update(skip_locked=True) if self.db.is_postgres else due
-
-    @staticmethod
-    def _pending(keyed: bool) -> Any:
-        """'pending' for the claim's status test. Unkeyed: written into the statement, so a
-        prepared claim's generic plan (psycopg prepares it on its fifth run; PostgreSQL may keep
-        that plan until the next ANALYZE) can prove ix_outbox_due's predicate and walk it.
-        Keyed: bound. Written in, it let the keyed claim's generic plan walk ix_outbox_due and
-        join every row to the materialised key heads (a comparison per due row and key head);
-        bound, the plan starts from the key heads."""
-        if keyed:
-            return Status.PENDING
-        return written(Status.PENDING.value)
 
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedRow]:
         """:meth:`claim_once`, again at once when the server ended its session for sitting idle
@@ -231,74 +146,49 @@ class PublisherStore:
         (PostgreSQL re-checks ``status`` of a row it had to wait for), never claimed twice.
         """
         check_transition(Status.PENDING, Status.IN_FLIGHT)
+        if limit <= 0:
+            return []
         now = self.db.clock()
-        params = {
+        params: dict[str, Any] = {
             "claim_now": now,
             "claim_owner": owner,
             "claim_until": now + dt.timedelta(seconds=lease_seconds),
+            "claim_limit": limit,
         }
         rows: list[Any] = []
-        walking = False  # the unkeyed claim's settings are made
         with self.db.begin() as conn:
-            for keyed in (True, False):
-                left = limit - len(rows)
-                if left <= 0:
-                    break
-                if keyed and not self._any_key_open(conn):
-                    # No open keyed row (a tiny partial index says so): skip the keyed claim.
-                    # Without keys PostgreSQL's plan for it, once ANALYZE has seen the outbox,
-                    # walked every due row looking for a key head.
-                    walking = self.db.is_postgres
-                    continue
-                if not keyed and self.db.is_postgres and not walking:
-                    # This claim must walk ix_outbox_due in order and stop after ``left`` rows.
-                    # An outbox's statistics always lag its content (a queue: every row passes
-                    # through in seconds). With a backlog written since the last ANALYZE,
-                    # PostgreSQL guessed few due rows and chose a bitmap scan of every due row
-                    # and a sort; the prepared claim's generic plan (kept once chosen, until the
-                    # next ANALYZE) was a sequential scan of the whole table and a sort. Both
-                    # cost in proportion to the backlog, on every claim. With 'pending' written
-                    # into the statement (``_due``) and these settings, the walk of the index
-                    # is the only plan without a penalty, custom or generic
-                    # (tests/integration/test_claim_plan.py). The keyed claim before it keeps
-                    # the planner's choice.
-                    conn.execute(_WALK_DUE_INDEX)
-                if not keyed and self.db.is_postgres:
-                    rows += self._claim_from_floor(conn, {**params, "claim_limit": left}, now)
-                    continue
-                stmt = self._claim_statement(keyed)
-                rows += conn.execute(stmt, {**params, "claim_limit": left}).all()
+            # PostgreSQL: one round trip says whether a key is open and, when none is, makes
+            # the unkeyed claim's walk settings (app/outbox/planner.py)
+            if self._any_key_open(conn):
+                rows = list(conn.execute(self._claim_statement(True), params).all())
+                if self.db.is_postgres and len(rows) < limit:
+                    conn.execute(WALK_DUE_INDEX)
+            if len(rows) < limit:
+                params["claim_limit"] = limit - len(rows)
+                rows += self._claim_unkeyed(conn, params, now)
         claimed = [ClaimedRow._make(row) for row in rows]
         claimed.sort(key=lambda r: r.id)
         return claimed
 
     def _any_key_open(self, conn: Connection) -> bool:
         """Whether a row holds its ordering key open. PostgreSQL: when none does, the same
-        round trip makes the unkeyed claim's settings (``_ANY_KEY_OPEN_ELSE_WALK``)."""
+        round trip makes the unkeyed claim's settings; it also bounds the claim's idle time."""
         if not self.db.is_postgres:
-            return conn.execute(_ANY_KEY_OPEN).first() is not None
-        return conn.execute(_ANY_KEY_OPEN_ELSE_WALK).scalar() is not None
+            return conn.execute(ANY_KEY_OPEN).first() is not None
+        return conn.execute(ANY_KEY_OPEN_ELSE_WALK).scalar() is not None
 
-    def _claim_from_floor(
+    def _claim_unkeyed(
         self, conn: Connection, params: dict[str, Any], now: dt.datetime
     ) -> list[Any]:
-        """The unkeyed claim on PostgreSQL: from the floor, or from the start once per
-        :data:`CLAIM_REWALK` (and when there is no floor yet); the floor moves to the last row
-        taken. Rows come back with their ``available_at`` last, which is cut off here."""
-        floor, walked = self._floor, self._walked_at
-        floored = floor is not None and walked is not None and now - walked < CLAIM_REWALK
-        if self._rewalk:
-            self._rewalk = floored = False
-        if floored:
-            assert floor is not None
+        """The unkeyed claim; on PostgreSQL from the :class:`ClaimFloor` (its rows come back
+        with their ``available_at`` last, which moves the floor and is cut off here)."""
+        if not self.db.is_postgres:
+            return list(conn.execute(self._claim_statement(False), params).all())
+        floor = self._floor.start(now)
+        if floor is not None:
             params = {**params, "floor_at": floor[0], "floor_id": floor[1]}
-        else:
-            self._walked_at = now
-        got = conn.execute(self._claim_statement(False, floored=floored), params).all()
-        if got:
-            # the walk took every row it could up to this one (it skipped only rows locked by
-            # another claim or in a held batch): the next walk goes on from here
-            self._floor = max((row[-1], row[0]) for row in got)
+        got = conn.execute(self._claim_statement(False, floored=floor is not None), params).all()
+        self._floor.moved([(row[-1], row[0]) for row in got])
         return [row[:-1] for row in got]
 
     def _claim_statement(self, keyed: bool, *, floored: bool = False) -> Any:
@@ -334,83 +224,6 @@ class PublisherStore:
         stmt = stmt.returning(*CLAIM_COLUMNS, *extra)
         self._claims[(keyed, floored)] = stmt
         return stmt
-
-    # -------------------------------------------- per-row values, one statement
-
-    def _update_rows(
-        self,
-        owner: str,
-        rows: Sequence[Sequence[Any]],
-        columns: Sequence[str],
-        values: dict[str, Any],
-    ) -> int:
-        """``UPDATE outbox SET <columns> = per-row values, <values> WHERE held by owner`` for
-        ``rows`` of ``(id, *column values)``, as ONE statement: ``FROM unnest(arrays)`` on
-        PostgreSQL, ``FROM json_each(:rows)`` on SQLite. Returns the rows updated.
-
-        ``values`` are plain values, bound: the statement is built once per repository and
-        shape (columns and value names). Building it and its cache key cost about 0.3 ms of
-        Python on every write-back."""
-        if not rows:
-            return 0
-        stmt = self._update_statement(tuple(columns), tuple(values))
-        params: dict[str, Any] = {"u_owner": owner}
-        params.update((f"v_{name}", value) for name, value in values.items())
-        if self.db.is_postgres:
-            for i, name in enumerate(["id", *columns]):
-                params[f"u_{name}"] = [r[i] for r in rows]
-        else:
-            params["u_rows"] = json.dumps([[_sqlite_json(x) for x in r] for r in rows])
-        with self.db.begin(by_id=True) as conn:
-            return conn.execute(stmt, params).rowcount
-
-    def _update_statement(self, columns: tuple[str, ...], names: tuple[str, ...]) -> Any:
-        key = (columns, names)
-        stmt = self._updates.get(key)
-        if stmt is not None:
-            return stmt
-        owner = bindparam("u_owner", type_=outbox.c.lease_owner.type)
-        bound = {name: bindparam(f"v_{name}", type_=outbox.c[name].type) for name in names}
-        if self.db.is_postgres:
-            # The held rows' conditions are join conditions, on values the rows ``v`` carry:
-            # PostgreSQL cannot estimate them on ``outbox`` alone (from an ANALYZE that saw no
-            # row leased: one row), so with ``by_id``'s settings each id is looked up in
-            # outbox_pkey (tests/integration/test_claim_plan.py).
-            v = self._pg_rows(columns, owner)
-            holds = (
-                outbox.c.lease_owner == v.c.held_by,
-                status_by_id(v.c.held_as),
-            )
-        else:
-            v = self._sqlite_rows(columns)
-            holds = (outbox.c.lease_owner == owner, status_by_id(Status.IN_FLIGHT))
-        stmt = (
-            update(outbox)
-            .where(outbox.c.id == v.c.id, *holds)
-            .values(**{c: v.c[c] for c in columns}, **bound)
-        )
-        self._updates[key] = stmt
-        return stmt
-
-    @staticmethod
-    def _pg_rows(columns: Sequence[str], owner: Any) -> Any:
-        names = ["id", *columns]
-        return select(
-            *[
-                func.unnest(bindparam(f"u_{name}", type_=ARRAY(outbox.c[name].type))).label(name)
-                for name in names
-            ],
-            owner.label("held_by"),
-            literal(Status.IN_FLIGHT.value, Text).label("held_as"),
-        ).subquery("v")
-
-    @staticmethod
-    def _sqlite_rows(columns: Sequence[str]) -> Any:
-        each = func.json_each(bindparam("u_rows", type_=Text)).table_valued("value").alias("j")
-        names = ["id", *columns]
-        return select(
-            *[func.json_extract(each.c.value, f"$[{i}]").label(n) for i, n in enumerate(names)]
-        ).subquery("v")
 
     # ---------------------------------------------------------------- outcomes
 

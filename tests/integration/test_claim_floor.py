@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, insert, text
 
+from app.outbox.planner import CLAIM_REWALK
 from app.outbox.schema import held
-from app.outbox.store import CLAIM_REWALK
 from tests.large_outbox import captured, plan_nodes
 from tests.outbox_clients import OutboxClients
 
@@ -192,8 +192,8 @@ def test_rows_released_at_the_floors_own_time_are_claimed_at_once(engine: Engine
     got = repo.store.claim(owner="p1", limit=3, lease_seconds=60)
     with repo.db.unit_of_work():  # as the write-back does: the walk waits for the commit
         repo.store.release(owner="p1", ids=[got[0].id], lost=True, error="channel closed")
-        assert not repo.store._rewalk
-    assert repo.store._rewalk
+        assert not repo.store._floor._rewalk
+    assert repo.store._floor._rewalk
     assert claim(repo, 10) == ["s000"]
     assert repo.store.mark_confirmed(owner="p1", ids=[got[0].id]) == 1
     clock.advance(120)  # the other two rows' lease runs out

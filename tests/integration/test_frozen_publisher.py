@@ -282,7 +282,8 @@ def test_a_claim_whose_session_the_server_ended_for_a_pause_claims_again(
     claim statement had its session ended (``CLAIM_IDLE_TIMEOUT_MS``), and the claim raised.
     The transaction rolled back with the session, so ``claim`` claims again at once, says so at
     WARNING, and a second end in a row is raised."""
-    from app.outbox.store import CLAIM_IDLE_TIMEOUT_MS, PublisherStore
+    from app.outbox.planner import CLAIM_IDLE_TIMEOUT_MS
+    from app.outbox.store import PublisherStore
 
     add_rows(engine, n=5, exchange="")
     store = PublisherStore(engine)

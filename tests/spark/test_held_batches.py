@@ -30,7 +30,7 @@ from sqlalchemy import make_url
 
 from app.cli import main
 from app.db import make_engine
-from app.outbox.store import CLAIM_REWALK
+from app.outbox.planner import CLAIM_REWALK
 from spark_writer import OutboxDataError, OutboxOptions, OutboxSink, write_outbox
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, commit_batch, hold_batch, write_partition
