@@ -19,8 +19,9 @@ from app.api.auth import Caller, TokenJsonRoute, require_operator, require_reade
 from app.api.context import ApiContext, get_ctx
 from app.api.models import OPERATOR_TEXT_PATTERN, ParkedKeyOut, ParkedKeyPage, Text, utf8_text
 from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
-from app.outbox import queries
 from app.outbox.actions import MAX_REASON, CannotSkip, SkipResult
+from app.outbox.read.keys import parked_keys
+from app.outbox.read.messages import message
 
 log = logging.getLogger("app.api.keys")
 Ctx = Annotated[ApiContext, Depends(get_ctx)]
@@ -71,7 +72,7 @@ def get_parked_keys(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     after: Annotated[Text | None, Query(description="Last key of the previous page.")] = None,
 ) -> ParkedKeyPage:
-    found = queries.parked_keys(ctx.engine, limit=limit, after=after)
+    found = parked_keys(ctx.engine, limit=limit, after=after)
     nxt = found[-1].ordering_key if len(found) == limit else None
     return ParkedKeyPage(items=[ParkedKeyOut.of(k) for k in found], next_after=nxt)
 
@@ -88,7 +89,7 @@ def skip_message(
     message_id: Annotated[Text, Path()],
     body: Annotated[SkipRequest, Body()],
 ) -> SkipOut:
-    if queries.message(ctx.engine, message_id=message_id) is None:
+    if message(ctx.engine, message_id=message_id) is None:
         raise HTTPException(404, f"no message {message_id!r}")
     try:
         result = ctx.actions.skip(

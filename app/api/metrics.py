@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from app.api.auth import require_metrics
 from app.api.context import ApiContext, get_ctx
 from app.api.models import ErrorBody
-from app.outbox.queries import MetricsSnapshot, metrics_snapshot
+from app.outbox.read.metrics import MetricsSnapshot, metrics_snapshot
 from app.outbox.states import Status
 
 

@@ -25,13 +25,18 @@ from pydantic import (
     model_validator,
 )
 
-from app.outbox import queries
 from app.outbox.actions import (
     CONTROL_CHARACTERS,
     MAX_ACTOR,
     OPERATOR_TEXT_FORBIDDEN,
     RepublishResult,
 )
+from app.outbox.read.batches import BatchSummary
+from app.outbox.read.failures import FailureGroup
+from app.outbox.read.keys import ParkedKey
+from app.outbox.read.messages import MessageRecord
+from app.outbox.read.outstanding import OutstandingConfirm
+from app.outbox.read.stats import OutboxStats
 from app.outbox.reports import PublisherReport
 from app.outbox.scope import CAUSE_LENGTH, CRITERIA, RepublishFilter, ScopeError
 from app.outbox.states import Status
@@ -238,7 +243,7 @@ class StatsOut(BaseModel):
     )
 
     @classmethod
-    def of(cls, s: queries.OutboxStats) -> StatsOut:
+    def of(cls, s: OutboxStats) -> StatsOut:
         lat = s.confirm_latency
         return cls(
             at=s.at,
@@ -303,7 +308,7 @@ class OutstandingOut(BaseModel):
     lost_confirms: int
 
     @classmethod
-    def of(cls, o: queries.OutstandingConfirm) -> OutstandingOut:
+    def of(cls, o: OutstandingConfirm) -> OutstandingOut:
         return cls(**{name: getattr(o, name) for name in cls.model_fields})
 
 
@@ -339,7 +344,7 @@ class BatchOut(BaseModel):
     )
 
     @classmethod
-    def of(cls, b: queries.BatchSummary) -> BatchOut:
+    def of(cls, b: BatchSummary) -> BatchOut:
         values: dict[str, Any] = {n: getattr(b, n) for n in cls.model_fields if n != "counts"}
         return cls(**values, counts=StatusCounts.of(b.counts))
 
@@ -362,7 +367,7 @@ class MessageOutBase(BaseModel):
     body, base64-encoded (``body_base64``)."""
 
     @classmethod
-    def of(cls, m: queries.MessageRecord) -> MessageOutBase:
+    def of(cls, m: MessageRecord) -> MessageOutBase:
         values: dict[str, Any] = {n: getattr(m, n) for n in cls.model_fields if n != "body_base64"}
         values["body_base64"] = base64.b64encode(m.body).decode() if m.body is not None else None
         return cls(**values)
@@ -380,12 +385,12 @@ MESSAGE_FIELD_DOCS = {
 
 
 def _message_fields() -> dict[str, Any]:
-    """The answer's fields: every field of :class:`queries.MessageRecord` but the raw body, with
+    """The answer's fields: every field of :class:`MessageRecord` but the raw body, with
     its type (one shape for a message row: a column added there is in the answer too)."""
-    hints = get_type_hints(queries.MessageRecord, globalns=vars(queries))
+    hints = get_type_hints(MessageRecord)
     return {
         f.name: (hints[f.name], Field(description=MESSAGE_FIELD_DOCS.get(f.name)))
-        for f in dataclasses.fields(queries.MessageRecord)
+        for f in dataclasses.fields(MessageRecord)
         if f.name != "body"
     } | {
         "body_base64": (
@@ -534,7 +539,7 @@ class FailureGroupOut(BaseModel):
     sample_message_id: str = Field(description="One message of the group (GET /v1/messages/{id}).")
 
     @classmethod
-    def of(cls, g: queries.FailureGroup) -> FailureGroupOut:
+    def of(cls, g: FailureGroup) -> FailureGroupOut:
         return cls(
             status=g.status.value,
             exchange=g.exchange,
@@ -552,7 +557,7 @@ class FailuresOut(BaseModel):
     rows: int = Field(description="Terminal failures in the groups shown.")
 
     @classmethod
-    def of(cls, groups: Sequence[queries.FailureGroup]) -> FailuresOut:
+    def of(cls, groups: Sequence[FailureGroup]) -> FailuresOut:
         return cls(groups=[FailureGroupOut.of(g) for g in groups], rows=sum(g.rows for g in groups))
 
 
@@ -566,7 +571,7 @@ class ParkedKeyOut(BaseModel):
     waiting: int = Field(description="Later rows of the key, not yet published.")
 
     @classmethod
-    def of(cls, k: queries.ParkedKey) -> ParkedKeyOut:
+    def of(cls, k: ParkedKey) -> ParkedKeyOut:
         return cls(
             ordering_key=k.ordering_key,
             blocking_message_id=k.blocking_message_id,

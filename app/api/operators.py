@@ -15,7 +15,10 @@ from app.api.auth import TokenJsonRoute, require_reader
 from app.api.context import ApiContext, get_ctx
 from app.api.models import FailuresOut, MessageOut, Text, UtcDatetime
 from app.api.v1 import ERRORS
-from app.outbox import queries
+from app.outbox.read.audit import audit_trail
+from app.outbox.read.failures import failures_by_cause
+from app.outbox.read.messages import search_messages
+from app.outbox.read.rejects import writer_rejects
 from app.outbox.scope import Scope, ScopeError
 from app.outbox.states import Status
 
@@ -47,7 +50,7 @@ class AuditPage(BaseModel):
 
 @router.get("/failures", response_model=FailuresOut, summary="Terminal failures by cause")
 def get_failures(ctx: Ctx, limit: Annotated[int, Query(ge=1, le=500)] = 50) -> FailuresOut:
-    return FailuresOut.of(queries.failures_by_cause(ctx.engine, limit=limit))
+    return FailuresOut.of(failures_by_cause(ctx.engine, limit=limit))
 
 
 @router.get("/audit", response_model=AuditPage, summary="Operator actions, newest first")
@@ -56,7 +59,7 @@ def get_audit(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
 ) -> AuditPage:
-    entries = queries.audit_trail(ctx.engine, limit=limit, before=before)
+    entries = audit_trail(ctx.engine, limit=limit, before=before)
     items = [
         AuditOut(
             id=e.id,
@@ -104,7 +107,7 @@ def get_rejects(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
 ) -> RejectPage:
-    found = queries.writer_rejects(ctx.engine, batch_id=batch_id, limit=limit, before=before)
+    found = writer_rejects(ctx.engine, batch_id=batch_id, limit=limit, before=before)
     items = [
         RejectOut(
             id=r.id,
@@ -166,7 +169,7 @@ def _search(
                 }
             ]
         ) from None
-    found = queries.search_messages(ctx.engine, flt=flt, limit=limit, after=after)
+    found = search_messages(ctx.engine, flt=flt, limit=limit, after=after)
     more = found.truncated or len(found.items) == limit
     nxt = found.items[-1].id if more and found.items else None
     return MessagePage(

@@ -25,8 +25,12 @@ from app.api.models import (
     StatsOut,
     Text,
 )
-from app.outbox import queries
 from app.outbox.actions import RequestIdReused
+from app.outbox.read.batches import BatchCursor, batch_exists, batch_summary, list_batches
+from app.outbox.read.cursors import BadCursor
+from app.outbox.read.messages import message
+from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
+from app.outbox.read.stats import read_stats
 from app.outbox.scope import RepublishFilter
 from app.outbox.shown import MAX_SHOWN_BODY
 from app.outbox.states import Status
@@ -66,7 +70,7 @@ router = APIRouter(
 )
 
 
-def _bad_cursor(exc: queries.BadCursor) -> RequestValidationError:
+def _bad_cursor(exc: BadCursor) -> RequestValidationError:
     return RequestValidationError(
         [{"type": "value_error", "loc": ("query", "cursor"), "msg": str(exc), "input": None}]
     )
@@ -74,7 +78,7 @@ def _bad_cursor(exc: queries.BadCursor) -> RequestValidationError:
 
 @router.get("/stats", response_model=StatsOut, summary="Counts, ages, latency, publishers")
 def get_stats(ctx: Ctx) -> StatsOut:
-    stats = queries.read_stats(
+    stats = read_stats(
         ctx.engine,
         now=ctx.now(),
         alive_after=ctx.alive_after,
@@ -101,15 +105,13 @@ def get_outstanding(
     cursor: Annotated[Cursor | None, Query(description="next_cursor of the previous page")] = None,
 ) -> OutstandingPage:
     try:
-        after = queries.OutstandingKey.decode(cursor) if cursor else None
-    except queries.BadCursor as exc:
+        after = OutstandingKey.decode(cursor) if cursor else None
+    except BadCursor as exc:
         raise _bad_cursor(exc) from None
-    flt = queries.OutstandingFilter(
+    flt = OutstandingFilter(
         publisher=publisher, exchange=exchange, batch_id=batch_id, min_age_seconds=min_age_seconds
     )
-    page = queries.outstanding_confirms(
-        ctx.engine, now=ctx.now(), flt=flt, limit=limit, after=after
-    )
+    page = outstanding_confirms(ctx.engine, now=ctx.now(), flt=flt, limit=limit, after=after)
     return OutstandingPage(
         items=[OutstandingOut.of(o) for o in page.items], next_cursor=page.next_cursor
     )
@@ -127,10 +129,10 @@ def get_batches(
     ] = None,
 ) -> BatchPage:
     try:
-        at = queries.BatchCursor.decode(cursor) if cursor else None
-    except queries.BadCursor as exc:
+        at = BatchCursor.decode(cursor) if cursor else None
+    except BadCursor as exc:
         raise _bad_cursor(exc) from None
-    page = queries.list_batches(ctx.engine, limit=limit, cursor=at, status=status)
+    page = list_batches(ctx.engine, limit=limit, cursor=at, status=status)
     return BatchPage(
         items=[BatchOut.of(b) for b in page.items],
         next_cursor=page.older_cursor,
@@ -145,7 +147,7 @@ BatchId = Annotated[Text, Path(description="As the Spark sink wrote it", example
     "/batches/{batch_id}", response_model=BatchOut, responses=NOT_FOUND, summary="One batch"
 )
 def get_batch(ctx: Ctx, batch_id: BatchId) -> BatchOut:
-    found = queries.batch_summary(ctx.engine, batch_id=batch_id)
+    found = batch_summary(ctx.engine, batch_id=batch_id)
     if found is None:
         raise HTTPException(404, f"no batch {batch_id!r}")
     return BatchOut.of(found)
@@ -168,7 +170,7 @@ def get_message(
         ),
     ] = False,
 ) -> MessageOut:
-    found = queries.message(
+    found = message(
         ctx.engine, message_id=message_id, include_body=include_body, body_limit=MAX_SHOWN_BODY
     )
     if found is None:
@@ -185,7 +187,7 @@ def get_message(
 def republish_batch(
     ctx: Ctx, actor: Operator, batch_id: BatchId, body: Annotated[BatchRepublishRequest, Body()]
 ) -> RepublishOut:
-    if not queries.batch_exists(ctx.engine, batch_id=batch_id):
+    if not batch_exists(ctx.engine, batch_id=batch_id):
         raise HTTPException(404, f"no batch {batch_id!r}")
     return _republish(ctx, caller=actor, flt=body.to_filter(batch_id), req=body)
 

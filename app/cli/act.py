@@ -29,13 +29,14 @@ from app.cli.common import (
 )
 from app.cli.render import render_republish
 from app.cli_output import fancy, progress, show_table
-from app.outbox import queries
 from app.outbox.actions import (
     MAX_REASON,
     CannotSkip,
     OperatorActions,
     RequestIdReused,
 )
+from app.outbox.read.batches import batch_exists
+from app.outbox.read.keys import ParkedKey, parked_keys
 from app.outbox.retention import Retention
 from app.outbox.scope import RepublishFilter, ScopeError
 from app.outbox.states import TERMINAL_FAILURES
@@ -47,7 +48,7 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
     request_id = None if args.dry_run else (args.request_id or f"cli-{uuid.uuid4()}")
     engine = engine_of(settings)
     try:
-        if flt.batch_id is not None and not queries.batch_exists(engine, batch_id=flt.batch_id):
+        if flt.batch_id is not None and not batch_exists(engine, batch_id=flt.batch_id):
             raise Failure(f"no batch {flt.batch_id!r}")
         actions = OperatorActions(engine)
         try:
@@ -105,7 +106,7 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
     engine = engine_of(settings)
     try:
-        items = queries.parked_keys(engine, limit=args.limit, after=args.after)
+        items = parked_keys(engine, limit=args.limit, after=args.after)
     finally:
         engine.dispose()
     if args.json:
@@ -137,7 +138,7 @@ def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_parked(items: Sequence[queries.ParkedKey]) -> None:
+def _print_parked(items: Sequence[ParkedKey]) -> None:
     print(f"{'ordering key':<24} {'blocked by':<28} {'status':<9} {'waiting':>7}  reason")
     for k in items:
         reason = (k.blocking_error or "")[:60]

@@ -25,8 +25,15 @@ from app.cli.render import (
     show_stats,
 )
 from app.cli_output import fancy, say, show_table
-from app.outbox import queries
 from app.outbox.database import utcnow
+from app.outbox.read.audit import audit_trail
+from app.outbox.read.batches import batch_summary, list_batches
+from app.outbox.read.cursors import BadCursor
+from app.outbox.read.failures import failures_by_cause
+from app.outbox.read.messages import message
+from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
+from app.outbox.read.rejects import writer_rejects
+from app.outbox.read.stats import read_stats
 from app.outbox.states import Status
 from app.settings import Settings
 
@@ -34,7 +41,7 @@ from app.settings import Settings
 def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     engine = engine_of(settings)
     try:
-        stats = queries.read_stats(
+        stats = read_stats(
             engine,
             now=utcnow(),
             alive_after=3 * settings.publisher_heartbeat_interval,
@@ -73,7 +80,7 @@ def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
 
     engine = engine_of(settings)
     try:
-        found = queries.message(engine, message_id=args.message_id, include_body=args.body)
+        found = message(engine, message_id=args.message_id, include_body=args.body)
     finally:
         engine.dispose()
     if found is None:
@@ -90,18 +97,16 @@ def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
 
 def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
     engine = engine_of(settings)
-    flt = queries.OutstandingFilter(
+    flt = OutstandingFilter(
         publisher=args.publisher,
         exchange=args.exchange,
         batch_id=args.batch,
         min_age_seconds=args.min_age,
     )
     try:
-        after = queries.OutstandingKey.decode(args.cursor) if args.cursor else None
-        page = queries.outstanding_confirms(
-            engine, now=utcnow(), flt=flt, limit=args.limit, after=after
-        )
-    except queries.BadCursor as exc:
+        after = OutstandingKey.decode(args.cursor) if args.cursor else None
+        page = outstanding_confirms(engine, now=utcnow(), flt=flt, limit=args.limit, after=after)
+    except BadCursor as exc:
         raise UsageError(f"--cursor: {exc}") from None
     finally:
         engine.dispose()
@@ -140,7 +145,7 @@ def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
     engine = engine_of(settings)
     try:
-        groups = queries.failures_by_cause(engine, limit=args.limit)
+        groups = failures_by_cause(engine, limit=args.limit)
     finally:
         engine.dispose()
     if args.json:
@@ -187,7 +192,7 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
     engine = engine_of(settings)
     try:
-        found = queries.writer_rejects(engine, batch_id=args.batch, limit=args.limit)
+        found = writer_rejects(engine, batch_id=args.batch, limit=args.limit)
     finally:
         engine.dispose()
     if args.json:
@@ -219,7 +224,7 @@ def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
     engine = engine_of(settings)
     try:
-        entries = queries.audit_trail(engine, limit=args.limit)
+        entries = audit_trail(engine, limit=args.limit)
     finally:
         engine.dispose()
     if args.json:
@@ -263,13 +268,13 @@ def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
     engine = engine_of(settings)
     try:
         if args.batch_id is not None:
-            one = queries.batch_summary(engine, batch_id=args.batch_id)
+            one = batch_summary(engine, batch_id=args.batch_id)
             if one is None:
                 raise Failure(f"no batch {args.batch_id!r}")
             items = [one]
         else:
             status = Status(args.status) if args.status else None
-            items = queries.list_batches(engine, limit=args.limit, status=status).items
+            items = list_batches(engine, limit=args.limit, status=status).items
     finally:
         engine.dispose()
     if args.json:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.cli_output import cell, plain_table, say, show_table
-from app.outbox import queries
+from app.outbox.read.batches import BatchSummary
+from app.outbox.read.stats import OutboxStats
 from app.outbox.scope import RepublishFilter
 from app.outbox.states import Status
 from app.outbox.upkeep import Upkeep, advice
@@ -28,7 +29,7 @@ def duration(seconds: float | None) -> str:
     return " ".join(shown) or "0s"
 
 
-def render_stats(s: queries.OutboxStats) -> str:
+def render_stats(s: OutboxStats) -> str:
     lat = s.confirm_latency
     counts = [(status.value, n) for status, n in s.counts.items()]
     pubs = [
@@ -81,13 +82,13 @@ def render_stats(s: queries.OutboxStats) -> str:
     return "\n".join(lines)
 
 
-def _next_delayed(s: queries.OutboxStats) -> str:
+def _next_delayed(s: OutboxStats) -> str:
     if not s.delayed or s.next_delayed_at is None:
         return ""
     return f", next due in {duration((s.next_delayed_at - s.at).total_seconds())}"
 
 
-def show_stats(s: queries.OutboxStats) -> None:
+def show_stats(s: OutboxStats) -> None:
     """:func:`render_stats` for a terminal: tables and coloured states."""
     lat = s.confirm_latency
     say(f"outbox at {cell(s.at)} UTC", level="bold")
@@ -173,7 +174,7 @@ def _ago(then: dt.datetime, now: dt.datetime) -> float:
 BATCH_HEADERS = ["batch", "rows", *(s.value for s in Status), "dup", "rejected", "last confirmed"]
 
 
-def batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
+def batch_row(b: BatchSummary) -> tuple[Any, ...]:
     rejected = "-" if b.rejected_count is None else b.rejected_count
     return (
         b.batch_id,
@@ -185,7 +186,7 @@ def batch_row(b: queries.BatchSummary) -> tuple[Any, ...]:
     )
 
 
-def render_batches(items: Sequence[queries.BatchSummary]) -> str:
+def render_batches(items: Sequence[BatchSummary]) -> str:
     rows = [batch_row(b) for b in items]
     return plain_table(BATCH_HEADERS, rows) if rows else "no batches"
 

@@ -22,7 +22,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from app.outbox.database import OutboxDatabase
-from app.outbox.queries import scope_conditions
+from app.outbox.read.scopes import scope_conditions
 from app.outbox.schema import audit, events, outbox
 from app.outbox.scope import RepublishFilter
 from app.outbox.shown import kept_reasons

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from app.outbox.queries import OutboxStats
+from app.outbox.read.stats import OutboxStats
 from app.outbox.states import TERMINAL_FAILURES, Status
 from app.outbox.upkeep import advice
 

@@ -1,6 +1,6 @@
 """The outbox table's upkeep on PostgreSQL: its size, its dead rows, when it was last vacuumed,
 and the settings that decide how soon autovacuum comes again. Pure: the figures (read by
-:func:`app.outbox.queries.table_upkeep`) in, an operator's warnings and notes out.
+:func:`app.outbox.read.stats.table_upkeep`) in, an operator's warnings and notes out.
 
 The outbox is a queue: every row leaves three dead versions behind it (the claim's update, the
 confirm's, the purge's delete). Autovacuum's defaults are set for tables that change slowly;

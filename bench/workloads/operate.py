@@ -22,8 +22,8 @@ from collections.abc import Callable
 from sqlalchemy import Engine, delete, select, text
 
 from app.db import make_engine
-from app.outbox import queries
 from app.outbox.database import OutboxDatabase
+from app.outbox.read.stats import read_stats
 from app.outbox.retention import Retention
 from app.outbox.schema import outbox
 from app.outbox.states import Status
@@ -42,9 +42,7 @@ def _ms(fn: Callable[[], object]) -> float:
 
 def _stats(engine: Engine) -> object:
     window = dt.timedelta(minutes=15)
-    return queries.read_stats(
-        engine, now=NOW, alive_after=15.0, latency_window=window, latency_rows=1000
-    )
+    return read_stats(engine, now=NOW, alive_after=15.0, latency_window=window, latency_rows=1000)
 
 
 def _full_scan_counts(engine: Engine) -> object:

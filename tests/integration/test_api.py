@@ -25,7 +25,7 @@ from sqlalchemy import Engine, insert, select
 
 from app.api import ApiConfigError, create_app
 from app.db import make_engine, migrate
-from app.outbox import queries
+from app.outbox.read.messages import MAX_PAGE_BYTES
 from app.outbox.records import Backoff, ReturnedRow
 from app.outbox.schema import audit, batches, outbox, publishers
 from app.outbox.states import Status
@@ -1281,7 +1281,7 @@ async def test_a_page_of_large_rows_stays_within_the_byte_budget_and_pages_on(
         params = {"batch_id": "big:1", "limit": 500, **({"after": after} if after else {})}
         r = await client.get("/v1/messages", params=params, headers=R)
         assert r.status_code == 200, r.text[:200]
-        assert len(r.content) <= queries.MAX_PAGE_BYTES + 64 * 1024, len(r.content)
+        assert len(r.content) <= MAX_PAGE_BYTES + 64 * 1024, len(r.content)
         page = r.json()
         seen += [m["message_id"] for m in page["items"]]
         assert page["items"][0]["headers"]["h"] == "x" * 900_000, "rows come whole"

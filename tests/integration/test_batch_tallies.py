@@ -8,7 +8,7 @@ import datetime as dt
 from sqlalchemy import update
 
 from app.db import make_engine
-from app.outbox import queries
+from app.outbox.read.batches import list_batches
 from app.outbox.schema import outbox
 from app.outbox.states import Status
 from tests.factories import add_rows
@@ -40,8 +40,8 @@ def test_index_only_tallies_equal_the_full_summaries(db_url: str) -> None:
             put(a[:4], Status.CONFIRMED, lost_confirms=2)  # possible duplicates
             put(b, Status.CONFIRMED)
             put(b[:1], Status.CONFIRMED, lost_confirms=1)
-        full = queries.list_batches(engine, limit=10).items
-        quick = queries.list_batches(engine, limit=10, timings=False).items
+        full = list_batches(engine, limit=10).items
+        quick = list_batches(engine, limit=10, timings=False).items
         assert [s.batch_id for s in quick] == [s.batch_id for s in full]
         by_id = {s.batch_id: s for s in full}
         for s in quick:

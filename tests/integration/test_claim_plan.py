@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
-from app.outbox.queries import delayed_rows, status_counts
+from app.outbox.read.stats import delayed_rows, status_counts
 from app.outbox.records import Published
 from app.outbox.states import Status
 from tests.large_outbox import captured, plan_nodes

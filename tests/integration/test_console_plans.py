@@ -22,7 +22,11 @@ import pytest
 from sqlalchemy import Engine
 
 from app.api.console.base import PAGE
-from app.outbox import queries
+from app.outbox.read.batches import BatchCursor, list_batches
+from app.outbox.read.messages import search_messages
+from app.outbox.read.rates import RATE_WINDOW
+from app.outbox.read.rates import rates as read_rates
+from app.outbox.read.scopes import count_scope, search_window
 from app.outbox.scope import Scope
 from app.outbox.states import Status
 from tests.large_outbox import NOW, captured, plan_nodes
@@ -58,9 +62,9 @@ def explained(engine: Engine, run: Callable[[], Any]) -> tuple[Any, list[tuple[s
 def console_search(engine: Engine, scope: Scope) -> tuple[Any, Any, Scope]:
     """The messages page's reads: its window when no index narrows the search, the page, the
     count."""
-    scope = queries.search_window(scope, now=NOW) or scope
-    page = queries.search_messages(engine, flt=scope, limit=50)
-    return page, queries.count_scope(engine, flt=scope), scope
+    scope = search_window(scope, now=NOW) or scope
+    page = search_messages(engine, flt=scope, limit=50)
+    return page, count_scope(engine, flt=scope), scope
 
 
 FAILED = frozenset({Status.FAILED})
@@ -94,8 +98,8 @@ def test_message_searches_read_the_index_of_their_scope(
 @pytest.mark.parametrize("scope", [Scope(routing_key="r3"), Scope(reason="404")])
 def test_the_check_sees_the_walk_that_ordering_by_id_made(large: Engine, scope: Scope) -> None:
     """The same statement ordered by ``id`` as it was: the primary key walked, filtered."""
-    bounded = queries.search_window(scope, now=NOW) or scope
-    _, sent = captured(large, lambda: queries.search_messages(large, flt=bounded, limit=50))
+    bounded = search_window(scope, now=NOW) or scope
+    _, sent = captured(large, lambda: search_messages(large, flt=bounded, limit=50))
     statement, parameters = sent[0]
     old, n = re.subn(r"ORDER BY outbox\.id \+ %\(\w+\)s", "ORDER BY outbox.id", statement)
     assert n == 1, statement
@@ -105,17 +109,17 @@ def test_the_check_sees_the_walk_that_ordering_by_id_made(large: Engine, scope: 
 
 
 def test_batches_newest_first_walk_the_batch_index_both_ways(large: Engine) -> None:
-    first, plans = explained(large, lambda: queries.list_batches(large, limit=20))
+    first, plans = explained(large, lambda: list_batches(large, limit=20))
     keys = plans[0]
     assert "WALK" not in keys[1] and "ix_outbox_batch_written" in keys[1], keys
     assert [b.batch_id for b in first.items][:3] == ["b:100", "b:99", "b:98"]
     assert first.older_cursor is not None and first.newer_cursor is None
-    cursor = queries.BatchCursor.decode(first.older_cursor)
-    older, plans = explained(large, lambda: queries.list_batches(large, limit=20, cursor=cursor))
+    cursor = BatchCursor.decode(first.older_cursor)
+    older, plans = explained(large, lambda: list_batches(large, limit=20, cursor=cursor))
     assert "WALK" not in plans[0][1], plans[0]
     assert [b.batch_id for b in older.items][:2] == ["b:80", "b:79"]
-    back = queries.BatchCursor.decode(older.newer_cursor or "")
-    again, plans = explained(large, lambda: queries.list_batches(large, limit=20, cursor=back))
+    back = BatchCursor.decode(older.newer_cursor or "")
+    again, plans = explained(large, lambda: list_batches(large, limit=20, cursor=back))
     assert "WALK" not in plans[0][1], plans[0]
     assert [b.batch_id for b in again.items] == [b.batch_id for b in first.items]
 
@@ -124,7 +128,7 @@ def test_batches_page_counts_read_no_whole_table(large: Engine) -> None:
     """The console's list (``timings=False``) counts its 50 batches, half of this table, from
     indexes: the rows by ``ix_outbox_batch_written``, the unsettled ones by the partial
     indexes. The full summary (timings: the REST API's and the CLI's list) reads the rows."""
-    page, plans = explained(large, lambda: queries.list_batches(large, limit=PAGE, timings=False))
+    page, plans = explained(large, lambda: list_batches(large, limit=PAGE, timings=False))
     assert sum(b.rows for b in page.items) > 400_000
     for statement, used in plans:
         assert "WALK" not in used, statement
@@ -134,12 +138,12 @@ def test_batches_page_counts_read_no_whole_table(large: Engine) -> None:
 def test_overview_rates_read_the_samples_not_the_rows(large: Engine) -> None:
     """The overview's rates and latency read ``outbox_samples`` by time (its primary key), one
     statement, never the outbox: their cost is the window's samples, whatever the traffic."""
-    rates, plans = explained(large, lambda: queries.rates(large, now=NOW))
+    rates, plans = explained(large, lambda: read_rates(large, now=NOW))
     assert len(plans) == 1
     (statement, used) = plans[0]
     assert "outbox_samples" in statement and " outbox " not in statement.replace("\n", " ")
     assert used <= {"pk_outbox_samples"}
-    assert dt.timedelta(minutes=len(rates.written)) == queries.RATE_WINDOW
+    assert dt.timedelta(minutes=len(rates.written)) == RATE_WINDOW
     assert not rates.sampled  # the table was built by hand: no publisher sampled it
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
 from app.db import make_engine
-from app.outbox import queries
+from app.outbox.read.messages import message
 from tests.factories import add_rows
 from tests.publisher_support import consume_ids, declare, delete, rows, run_until_empty
 from tests.publisher_support import settings_for as publisher_settings
@@ -96,7 +96,7 @@ async def test_hostile_rows_fail_alone_and_good_rows_drain(
     seen = await consume_ids(amqp_url, topology["queue"], expect=GOOD)
     assert set(seen) == set(good) and seen.total() == GOOD
     # the operator can still look at the hostile row (the API read it with the JSON decoder: 500)
-    deepest = queries.message(engine, message_id="bad-deep")
+    deepest = message(engine, message_id="bad-deep")
     assert deepest is not None and "nested too deeply" in str(deepest.headers)
 
 

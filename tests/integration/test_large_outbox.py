@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from app.outbox import queries
+from app.outbox.read.failures import failures_by_cause
+from app.outbox.read.stats import read_stats
 from app.outbox.states import Status
 from tests.large_outbox import LOST_EVERY, NOW, ODD, ROWS, captured, plan_nodes
 from tests.outbox_clients import OutboxClients
@@ -43,7 +44,7 @@ def seq_scans_on_outbox(engine: Engine, statements: list[tuple[str, Any]]) -> li
 def test_stats_read_indexes_counts_exact_and_confirmed_estimated(large: Engine) -> None:
     stats, sent = captured(
         large,
-        lambda: queries.read_stats(
+        lambda: read_stats(
             large,
             now=NOW,
             alive_after=15.0,
@@ -94,7 +95,7 @@ def test_the_drained_check_counts_open_rows_from_their_indexes(large: Engine) ->
 
 
 def test_failures_by_cause_reads_only_the_failures(large: Engine) -> None:
-    groups, sent = captured(large, lambda: queries.failures_by_cause(large, limit=50))
+    groups, sent = captured(large, lambda: failures_by_cause(large, limit=50))
     assert seq_scans_on_outbox(large, sent) == []
     assert sum(g.rows for g in groups) == 500 + 500 + 200
 

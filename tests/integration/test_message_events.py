@@ -9,7 +9,7 @@ import datetime as dt
 import pytest
 from sqlalchemy import Engine, func, select
 
-from app.outbox import queries
+from app.outbox.read.messages import message_events
 from app.outbox.records import Backoff, ReturnedRow
 from app.outbox.schema import events, outbox
 from app.outbox.scope import RepublishFilter
@@ -48,7 +48,7 @@ def _kinds(engine: Engine, message_id: str) -> list[tuple[str, int, str | None]]
     with engine.connect() as conn:
         oid = conn.execute(select(outbox.c.id).where(outbox.c.message_id == message_id)).scalar()
     assert oid is not None
-    return [(e.kind, e.attempt, e.detail) for e in queries.message_events(engine, outbox_id=oid)]
+    return [(e.kind, e.attempt, e.detail) for e in message_events(engine, outbox_id=oid)]
 
 
 def _count(engine: Engine) -> int:

@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy import Engine, insert, select
 
 from app.db import make_engine
-from app.outbox import queries
 from app.outbox.actions import CannotSkip
+from app.outbox.read.keys import parked_keys
 from app.outbox.schema import audit, outbox
 from app.outbox.scope import RepublishFilter
 from tests.outbox_clients import OutboxClients
@@ -121,7 +121,7 @@ class TestKeyHeads:
         fail(repo, engine, keyed["b-k0"][0])
         confirm(repo, engine, [keyed["b-k1"][0]])
         assert claim_ids(repo) == [keyed["b-k1"][1]]  # k1 goes on, k0 is parked
-        (parked,) = queries.parked_keys(engine)
+        (parked,) = parked_keys(engine)
         assert parked.ordering_key == "b-k0" and parked.blocking_message_id == "b-k0-0"
         assert parked.blocking_status == "failed" and parked.waiting == 2
         assert "404" in (parked.blocking_error or "")
@@ -136,7 +136,7 @@ class TestKeyHeads:
             actor="ops", filter=RepublishFilter(ordering_key="c-k0"), limit=10, dry_run=False
         )
         assert result.count == 1 and result.sample == ["c-k0-0"]
-        assert queries.parked_keys(engine) == []
+        assert parked_keys(engine) == []
         for expected in keyed["c-k0"]:
             assert claim_ids(repo) == [expected]
             confirm(repo, engine, [expected])
@@ -328,7 +328,7 @@ async def test_a_returned_row_parks_its_key_until_skipped(pg_url: str, amqp_url:
                 engine, lambda rs: sum(r.status == "confirmed" for r in rs) == 9, timeout=30
             )
             await asyncio.sleep(0.5)  # the waiting rows of k0 stay pending
-            (parked,) = queries.parked_keys(engine)
+            (parked,) = parked_keys(engine)
             assert parked.ordering_key == k0 and parked.waiting == 2
             assert parked.blocking_status == "returned" and parked.blocking_reply_code == 312
             OutboxClients(engine).actions.skip(

@@ -1,4 +1,4 @@
-"""The overview's rates (``queries.rates``) on PostgreSQL and SQLite, from the samples the
+"""The overview's rates (``app.outbox.read.rates``) on PostgreSQL and SQLite, from the samples the
 publishers write (``PublisherRegistry.record_sample``, the call a publisher's housekeeping
 makes each sample interval), checked minute by minute; and a real publisher's samples."""
 
@@ -9,7 +9,7 @@ import uuid
 
 from sqlalchemy import Engine, func, select
 
-from app.outbox import queries
+from app.outbox.read.rates import rates as read_rates
 from app.outbox.schema import samples
 from tests.factories import add_rows
 from tests.integration.test_api import T0, Clock
@@ -61,7 +61,7 @@ def test_rates_are_the_differences_of_each_publishers_samples(engine: Engine) ->
     _sample(repo, "p2", confirmed=0)
     now = T0 + dt.timedelta(hours=1)
 
-    rates = queries.rates(engine, now=now)
+    rates = read_rates(engine, now=now)
 
     assert (rates.start, rates.end, len(rates.written), rates.sampled) == (T0, now, 60, True)
     assert {i: c for i, c in enumerate(rates.written) if c} == {10: 3, 50: 3, 59: 5}
@@ -77,7 +77,7 @@ def test_without_samples_in_the_window_the_rates_say_they_are_blind(engine: Engi
     repo = OutboxClients(engine, clock=clock)
     _sample(repo, "p1", confirmed=5)
     add_rows(engine, n=10)
-    rates = queries.rates(engine, now=T0 + dt.timedelta(hours=3))
+    rates = read_rates(engine, now=T0 + dt.timedelta(hours=3))
     assert not rates.sampled
     assert sum(rates.written) == sum(rates.confirmed) == sum(rates.failed) == 0
 
@@ -101,7 +101,7 @@ async def test_a_publisher_samples_what_it_confirmed(pg_url: str, amqp_url: str)
             ).one()
         assert got[0] >= 2 and got[1] == 300  # the first sample at the start, the last at the stop
         assert got[2] is not None and got[2] >= len(ids)
-        rates = queries.rates(engine, now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1))
+        rates = read_rates(engine, now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1))
         assert rates.sampled and sum(rates.confirmed) == 300
         assert any(v is not None for v in rates.latency_p99_ms)
     finally:

@@ -18,7 +18,8 @@ from app.cli import render_stats
 from app.db import make_engine
 from app.outbox.enqueue import Message, enqueue
 from app.outbox.health import verdict
-from app.outbox.queries import metrics_snapshot, read_stats
+from app.outbox.read.metrics import metrics_snapshot
+from app.outbox.read.stats import read_stats
 from app.outbox.records import Backoff, Published, ReturnedRow
 from app.outbox.registry import PublisherLocked
 from app.outbox.schema import audit, outbox, publishers

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text, update
 
 from app.api import create_app
-from app.outbox.queries import table_upkeep
+from app.outbox.read.stats import table_upkeep
 from app.outbox.schema import outbox
 from app.outbox.upkeep import Upkeep
 from tests.factories import add_rows

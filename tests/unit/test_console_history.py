@@ -7,7 +7,7 @@ import dataclasses
 import datetime as dt
 
 from app.api.console.messages import _history
-from app.outbox.queries import MessageEvent, MessageRecord
+from app.outbox.read.messages import MessageEvent, MessageRecord
 from app.outbox.states import Status
 
 T = dt.datetime(2026, 11, 27, 3, 0, tzinfo=dt.UTC)

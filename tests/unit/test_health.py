@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from app.outbox.health import Level, Thresholds, verdict
-from app.outbox.queries import LatencySummary, OutboxStats, PublisherInfo
+from app.outbox.read.stats import LatencySummary, OutboxStats, PublisherInfo
 from app.outbox.reports import PublisherReport
 from app.outbox.states import Status
 

@@ -16,7 +16,7 @@ from prometheus_client.core import Metric
 from app.api.metrics import SnapshotCollector
 from app.consumer import ConsumerMetrics
 from app.consumer import registry_for as consumer_registry
-from app.outbox.queries import MetricsSnapshot
+from app.outbox.read.metrics import MetricsSnapshot
 from app.outbox.states import Status
 from app.outbox.upkeep import Upkeep
 from app.publisher.metrics import PublisherMetrics, registry_for

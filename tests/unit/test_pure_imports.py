@@ -21,6 +21,8 @@ PURE = [
     "app.histogram",
     "app.rates",
     "app.outbox.content",
+    "app.outbox.read.cursors",
+    "app.outbox.read.figures",
     "app.outbox.records",
     "app.outbox.scope",
     "app.outbox.states",

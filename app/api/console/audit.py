@@ -7,7 +7,7 @@ from fastapi.responses import HTMLResponse
 
 from app.api.console.base import PAGE, int_param, page_router, render, session_of
 from app.api.context import get_ctx
-from app.outbox import queries
+from app.outbox.read.audit import audit_trail
 
 router = page_router()
 
@@ -16,6 +16,6 @@ router = page_router()
 def audit(request: Request) -> HTMLResponse:
     session = session_of(request)
     before = int_param(request, "before")
-    entries = queries.audit_trail(get_ctx(request).engine, limit=PAGE, before=before or None)
+    entries = audit_trail(get_ctx(request).engine, limit=PAGE, before=before or None)
     nxt = entries[-1].id if len(entries) == PAGE else None
     return render(request, "audit.html", session=session, entries=entries, next_before=nxt)

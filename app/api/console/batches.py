@@ -17,7 +17,8 @@ from app.api.console.base import (
     status_param,
 )
 from app.api.context import get_ctx
-from app.outbox import queries
+from app.outbox.read.batches import BatchCursor, batch_summary, list_batches
+from app.outbox.read.cursors import BadCursor
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 router = page_router()
@@ -30,10 +31,10 @@ def batches(request: Request) -> HTMLResponse:
     status = status_param(request)
     cursor = param(request, "cursor")
     try:
-        at = queries.BatchCursor.decode(cursor) if cursor else None
-    except queries.BadCursor:
+        at = BatchCursor.decode(cursor) if cursor else None
+    except BadCursor:
         raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
-    page = queries.list_batches(ctx.engine, limit=PAGE, cursor=at, status=status, timings=False)
+    page = list_batches(ctx.engine, limit=PAGE, cursor=at, status=status, timings=False)
     return render(
         request, "batches.html", session=session, page=page, status=status, statuses=list(Status)
     )
@@ -43,7 +44,7 @@ def batches(request: Request) -> HTMLResponse:
 def batch(request: Request, batch_id: str) -> HTMLResponse:
     session = session_of(request)
     check_path_id(batch_id, "batch id")
-    found = queries.batch_summary(get_ctx(request).engine, batch_id=batch_id[:MAX_FIELD])
+    found = batch_summary(get_ctx(request).engine, batch_id=batch_id[:MAX_FIELD])
     if found is None:
         raise ConsoleError(404, f"There is no batch {batch_id!r}.")
     failures = sum(found.counts.get(s, 0) for s in TERMINAL_FAILURES)

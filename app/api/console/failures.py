@@ -14,7 +14,7 @@ from app.api.console.base import (
     session_of,
 )
 from app.api.context import get_ctx
-from app.outbox import queries
+from app.outbox.read.failures import failures_page
 
 router = page_router()
 
@@ -32,7 +32,7 @@ def failures(request: Request) -> HTMLResponse:
     number = int_param(request, "page") or 1
     if (number - 1) * CAUSES_PAGE > MAX_OFFSET:  # past any outbox: the offset would overflow
         raise ConsoleError(404, f"There is no page {number} of the failures.")
-    found = queries.failures_page(
+    found = failures_page(
         get_ctx(request).engine, limit=CAUSES_PAGE, offset=(number - 1) * CAUSES_PAGE
     )
     last = max(1, -(-found.total_groups // CAUSES_PAGE))

@@ -23,7 +23,15 @@ from app.api.console.base import (
     session_of,
 )
 from app.api.context import get_ctx
-from app.outbox import queries
+from app.outbox.read.audit import audit_trail
+from app.outbox.read.messages import (
+    MessageEvent,
+    MessageRecord,
+    message_events,
+    search_messages,
+)
+from app.outbox.read.messages import message as read_message
+from app.outbox.read.scopes import SEARCH_WINDOW, count_scope, search_window
 from app.outbox.scope import Scope
 from app.outbox.states import TERMINAL_FAILURES, Status
 
@@ -36,14 +44,14 @@ def messages(request: Request) -> HTMLResponse:
     scope, shown = search_scope(request)
     ctx = get_ctx(request)
     engine = ctx.engine
-    bounded = queries.search_window(scope, now=ctx.now())
+    bounded = search_window(scope, now=ctx.now())
     if bounded is not None:  # links and republish carry the window the page searched
         scope = bounded
         assert bounded.created_after is not None
         shown["created_after"] = bounded.created_after.isoformat()
     after = int_param(request, "after")
-    page = queries.search_messages(engine, flt=scope, limit=PAGE, after=after)
-    total, more_than = queries.count_scope(engine, flt=scope)
+    page = search_messages(engine, flt=scope, limit=PAGE, after=after)
+    total, more_than = count_scope(engine, flt=scope)
     found = page.items
     more = page.truncated or len(found) == PAGE
     nxt = {**shown, "after": found[-1].id} if more and found else None
@@ -61,7 +69,7 @@ def messages(request: Request) -> HTMLResponse:
         more_than=more_than,
         described=scope.describe(),
         windowed=bounded is not None,
-        window_hours=int(queries.SEARCH_WINDOW.total_seconds() // 3600),
+        window_hours=int(SEARCH_WINDOW.total_seconds() // 3600),
         republish=_search_republish(scope),
     )
 
@@ -87,7 +95,7 @@ def message(request: Request, message_id: str) -> HTMLResponse:
     session = session_of(request)
     ctx = get_ctx(request)
     check_path_id(message_id, "message id")
-    found = queries.message(
+    found = read_message(
         ctx.engine, message_id=message_id[:MAX_FIELD], include_body=True, body_limit=BODY_READ
     )
     if found is None:
@@ -101,10 +109,10 @@ def message(request: Request, message_id: str) -> HTMLResponse:
     }
     actions = [
         e
-        for e in queries.audit_trail(ctx.engine, limit=500)
+        for e in audit_trail(ctx.engine, limit=500)
         if all(e.filter.get(name) in (None, value) for name, value in own.items())
     ]
-    events = queries.message_events(ctx.engine, outbox_id=found.id)
+    events = message_events(ctx.engine, outbox_id=found.id)
     return render(
         request,
         "message.html",
@@ -149,7 +157,7 @@ def _body(body: bytes | None, *, size: int) -> tuple[str, str]:
 WRITTEN, EARLIER, CLAIMED, PUBLISHED, ANSWERED, NOW = range(6)
 
 
-def _history(m: queries.MessageRecord, events: list[queries.MessageEvent]) -> list[Step]:
+def _history(m: MessageRecord, events: list[MessageEvent]) -> list[Step]:
     """Every recorded fact in time order (equal times in life order): the rare events as kept
     (``outbox_events``), then the current attempt's claim, publish and answer from the row."""
     kinds = {e.kind for e in events}
@@ -189,7 +197,7 @@ def _history(m: queries.MessageRecord, events: list[queries.MessageEvent]) -> li
     return [(at, words) for at, _place, words in steps]
 
 
-def _current(m: queries.MessageRecord, kinds: set[str]) -> list[Step]:
+def _current(m: MessageRecord, kinds: set[str]) -> list[Step]:
     """The row's own answer, unless an event already tells it (rows from before events)."""
     if m.status is Status.CONFIRMED and m.confirmed_at:
         return [(m.confirmed_at, "confirmed by the broker (ack)")]
@@ -204,7 +212,7 @@ def _current(m: queries.MessageRecord, kinds: set[str]) -> list[Step]:
     return []
 
 
-def _event_words(e: queries.MessageEvent) -> str:
+def _event_words(e: MessageEvent) -> str:
     """What happened, in the words of what the broker or the operator did."""
     detail = e.detail or "no reason recorded"
     by = f"{e.actor} (audit #{e.audit_id})"

@@ -10,7 +10,14 @@ from fastapi.responses import HTMLResponse
 from app import rates as charts
 from app.api.console.base import PAGE, ConsoleError, page_router, param, render, session_of
 from app.api.context import get_ctx
-from app.outbox import health, queries
+from app.outbox import health
+from app.outbox.read.cursors import BadCursor
+from app.outbox.read.keys import parked_keys as read_parked_keys
+from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
+from app.outbox.read.rates import Rates
+from app.outbox.read.rates import rates as read_rates
+from app.outbox.read.rejects import reject_count
+from app.outbox.read.stats import OutboxStats, publisher_rows, read_stats
 from app.outbox.states import TERMINAL_FAILURES, Status
 from app.outbox.upkeep import advice
 
@@ -32,9 +39,7 @@ def refresh_param(request: Request) -> int | None:
     return int(value)
 
 
-def rates_view(
-    rates: queries.Rates, stats: queries.OutboxStats
-) -> tuple[charts.Chart, charts.Trend]:
+def rates_view(rates: Rates, stats: OutboxStats) -> tuple[charts.Chart, charts.Trend]:
     """The chart of the last hour and the trend in words. The backlog is what waits for a
     publisher: pending rows not delayed and not parked, and the rows in flight."""
     pending = stats.counts.get(Status.PENDING, 0) - stats.delayed - stats.parked
@@ -57,16 +62,16 @@ def overview(request: Request) -> HTMLResponse:
     session = session_of(request)
     refresh = refresh_param(request)
     ctx = get_ctx(request)
-    stats = queries.read_stats(
+    stats = read_stats(
         ctx.engine,
         now=ctx.now(),
         alive_after=ctx.alive_after,
         latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
         latency_rows=ctx.settings.stats_latency_rows,
     )
-    parked_keys = len(queries.parked_keys(ctx.engine, limit=101))
-    rejects, rejects_more = queries.reject_count(ctx.engine)
-    rates = queries.rates(ctx.engine, now=stats.at)
+    parked_keys = len(read_parked_keys(ctx.engine, limit=101))
+    rejects, rejects_more = reject_count(ctx.engine)
+    rates = read_rates(ctx.engine, now=stats.at)
     chart, trend = rates_view(rates, stats)
     latency = charts.latency_chart([("p50", rates.latency_p50_ms), ("p99", rates.latency_p99_ms)])
     return render(
@@ -97,14 +102,14 @@ def outstanding(request: Request) -> HTMLResponse:
     ctx = get_ctx(request)
     cursor = param(request, "cursor")
     try:
-        after = queries.OutstandingKey.decode(cursor) if cursor else None
-    except queries.BadCursor:
+        after = OutstandingKey.decode(cursor) if cursor else None
+    except BadCursor:
         raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
-    page = queries.outstanding_confirms(
-        ctx.engine, now=ctx.now(), flt=queries.OutstandingFilter(), limit=PAGE, after=after
+    page = outstanding_confirms(
+        ctx.engine, now=ctx.now(), flt=OutstandingFilter(), limit=PAGE, after=after
     )
     with ctx.engine.connect() as conn:
-        known = queries.publisher_rows(conn, now=ctx.now(), alive_after=ctx.alive_after)
+        known = publisher_rows(conn, now=ctx.now(), alive_after=ctx.alive_after)
     alive = {p.publisher_id for p in known if p.alive}
     return render(request, "outstanding.html", session=session, page=page, alive=alive)
 
@@ -113,6 +118,6 @@ def outstanding(request: Request) -> HTMLResponse:
 def parked(request: Request) -> HTMLResponse:
     session = session_of(request)
     after = param(request, "after")
-    keys = queries.parked_keys(get_ctx(request).engine, limit=PAGE, after=after)
+    keys = read_parked_keys(get_ctx(request).engine, limit=PAGE, after=after)
     nxt = keys[-1].ordering_key if len(keys) == PAGE else None
     return render(request, "parked.html", session=session, keys=keys, next_after=nxt)

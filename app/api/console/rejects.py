@@ -7,7 +7,7 @@ from fastapi.responses import HTMLResponse
 
 from app.api.console.base import PAGE, int_param, page_router, param, render, session_of
 from app.api.context import get_ctx
-from app.outbox import queries
+from app.outbox.read.rejects import reject_summary, writer_rejects
 
 router = page_router()
 
@@ -21,8 +21,8 @@ def rejects(request: Request) -> HTMLResponse:
     batch_id = param(request, "batch_id")
     before = int_param(request, "before")
     engine = get_ctx(request).engine
-    summary = queries.reject_summary(engine, batch_id=batch_id)
-    rows = queries.writer_rejects(engine, batch_id=batch_id, limit=PAGE, before=before or None)
+    summary = reject_summary(engine, batch_id=batch_id)
+    rows = writer_rejects(engine, batch_id=batch_id, limit=PAGE, before=before or None)
     nxt = rows[-1].id if len(rows) == PAGE else None
     return render(
         request,
