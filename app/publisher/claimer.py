@@ -18,16 +18,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 
 from app.outbox.records import ClaimedRow
-from app.outbox.store import PublisherStore
-from app.publisher.dbthread import DbThread
-from app.publisher.holdings import Holdings
-from app.publisher.metrics import PublisherMetrics
-from app.publisher.session import Session
-from app.publisher.wakeup import Signal
-from app.settings import Settings
+from app.publisher.wiring import Shared
 
 log = logging.getLogger("app.publisher")
 
@@ -40,27 +33,24 @@ UNDONE_ERROR = (
 )
 
 
-@dataclass
-class ClaimerParts:
-    settings: Settings
-    store: PublisherStore
-    db: DbThread
-    owner: str
-    holdings: Holdings
-    session: Session
-    metrics: PublisherMetrics
-    accepted: Callable[[], None]  # wake the sender
-    clock: Callable[[], float]
-    notified: Callable[[], bool]  # new rows announce themselves (LISTEN is up)
-    settled: Callable[[Iterable[int]], Awaitable[int]]  # after the write-back settling them
-    undoable: Callable[[], frozenset[int]] = frozenset  # rows settled by not-yet-durable commits
-
-
 class Claimer:
-    def __init__(self, parts: ClaimerParts) -> None:
-        self.p = parts
-        self.room = Signal()  # the window has room (or anything else worth a look)
-        self.news = Signal()  # rows were committed since the last claim began
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        notified: Callable[[], bool],
+        settled: Callable[[Iterable[int]], Awaitable[int]],
+        undoable: Callable[[], frozenset[int]] = frozenset,
+    ) -> None:
+        """``notified``: new rows announce themselves (LISTEN is up); ``settled``: wait for the
+        write-back settling these rows; ``undoable``: rows settled by commits a database crash
+        could still undo."""
+        self.p = shared
+        self.notified = notified
+        self._after_writeback = settled
+        self.undoable = undoable
+        self.room = shared.room  # the window has room (or anything else worth a look)
+        self.news = shared.news  # rows were committed since the last claim began
         self.stopped = False
         self.orphans_possible = False
         self._failures_seen = 0  # DB thread failures already followed by an orphan check
@@ -95,7 +85,7 @@ class Claimer:
     async def _caught_up(self, *, pause: float) -> None:
         """After a claim that found fewer rows than it asked for: with notifications up, wait
         for news (or the poll); without, ``pause`` (rows gather meanwhile) or room freed."""
-        if self.p.notified():
+        if self.notified():
             await self.news.wait(self.p.settings.poll_interval)
         else:
             await self.room.wait(pause)
@@ -125,12 +115,12 @@ class Claimer:
             p.metrics.claims += 1
             p.metrics.claimed += len(rows)
             p.holdings.accept(rows, at=p.clock())
-            p.accepted()
+            p.work.set()
         return rows
 
     async def _settled(self, rows: list[ClaimedRow]) -> None:
         started = time.perf_counter()
-        waited = await self.p.settled([r.id for r in rows])
+        waited = await self._after_writeback([r.id for r in rows])
         if waited:
             seconds = time.perf_counter() - started
             self.p.metrics.claim_wait_seconds.observe(seconds)
@@ -153,7 +143,7 @@ class Claimer:
         p = self.p
         failures = p.db.failures
         unseen, undone = await p.db.claim(
-            self._write_orphans, held=frozenset(p.holdings.held), undoable=p.undoable()
+            self._write_orphans, held=frozenset(p.holdings.held), undoable=self.undoable()
         )
         self.orphans_possible = False
         self._failures_seen = failures

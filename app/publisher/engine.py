@@ -1,25 +1,29 @@
 """The publisher: drains the outbox into RabbitMQ with publisher confirms.
 
-The engine is the composition root of small parts, each with one job and one task:
+The engine is the composition root of small parts, each with one job. They share one
+:class:`~app.publisher.wiring.Shared`, built from the settings, and wake each other through its
+named signals; a confirm's whole path reads in :mod:`app.publisher.answers`.
 
 =================  ==========================================  ===============================
-part               job                                           module
+part               job                                         module
 =================  ==========================================  ===============================
-session            connection, confirm channels, broker          :mod:`app.publisher.session`
+session            connection, confirm channels, broker        :mod:`app.publisher.session`
                    callbacks -> ledger events
-claimer            keep the window full: claim due rows          :mod:`app.publisher.claimer`
-sender             route, encode, write; quarantine turns        :mod:`app.publisher.sender`
-settlement (pure)  ledger events + close cause -> outcomes       :mod:`app.publisher.settlement`
-write-back         outcomes and outstanding tags to the DB,      :mod:`app.publisher.writeback`
+claimer            keep the window full: claim due rows        :mod:`app.publisher.claimer`
+sender             route, encode, write; quarantine turns      :mod:`app.publisher.sender`
+answers            ledger events -> outcomes (via outages and  :mod:`app.publisher.answers`
+                   the pure settlement)
+outages            an exchange that nacks everything: probe,   :mod:`app.publisher.outages`
+                   park, judge
+write-back         outcomes and outstanding tags to the DB,    :mod:`app.publisher.writeback`
                    on a deadline
-housekeeping       heartbeat and report, lease sweep, confirm    :mod:`app.publisher.housekeeping`
+housekeeping       heartbeat and report, lease sweep, confirm  :mod:`app.publisher.housekeeping`
                    timeout, until-empty
 =================  ==========================================  ===============================
 
-State they share is held in plain objects (:class:`~app.publisher.holdings.Holdings`, the
-quarantine, the write-back's outcome buffer); every task waits on a deadline as well as on its
-wake-up signal. All database calls run on one thread (:class:`~app.publisher.dbthread.DbThread`).
-The process serves its own ``/metrics``, ``/healthz`` and ``/readyz`` (:mod:`app.probes`).
+Every task waits on a deadline as well as on its signal. All database calls run on one thread
+(:class:`~app.publisher.dbthread.DbThread`). The process serves its own ``/metrics``,
+``/healthz`` and ``/readyz`` (:mod:`app.probes`).
 """
 
 from __future__ import annotations
@@ -35,40 +39,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.confirms import Confirmed, Event, Lost, Nacked
 from app.logs import redact_url
-from app.outbox.content import Limits
-from app.outbox.records import Backoff
-from app.outbox.registry import PublisherRegistry
 from app.outbox.reports import PublisherReport, read_report
 from app.outbox.store import PublisherStore
 from app.probes import ProbeServer, check_route, metrics_route
-from app.publisher.claimer import Claimer, ClaimerParts
-from app.publisher.dbthread import DbThread
-from app.publisher.destinations import Destinations
-from app.publisher.holdings import Holdings
-from app.publisher.housekeeping import Housekeeping, HousekeepingParts
+from app.publisher.answers import Answers
+from app.publisher.claimer import Claimer
+from app.publisher.housekeeping import Housekeeping
 from app.publisher.listener import Listener
 from app.publisher.metrics import PublisherMetrics, PublisherStats, registry_for
-from app.publisher.outages import OutageParts, Outages
-from app.publisher.sender import Sender, SenderParts
-from app.publisher.session import Session
-from app.publisher.settlement import (
-    CloseCause,
-    Quarantine,
-    early_return_reason,
-    early_returns,
-    lose,
-    settle,
-)
-from app.publisher.spans import batch_spans
-from app.publisher.wakeup import Signal
-from app.publisher.writeback import Writeback, WritebackParts
+from app.publisher.outages import Outages
+from app.publisher.sender import Sender
+from app.publisher.wiring import Shared
+from app.publisher.writeback import Writeback
 from app.settings import Settings
 
 log = logging.getLogger("app.publisher")
 
-EXCHANGE_OK_TTL = 60.0
 TASK_STOP_TIMEOUT = 30.0
 
 
@@ -92,108 +79,61 @@ class Publisher:
         """``rng``: jitter and the order of a multi-host URL's brokers (seed it to replay)."""
         self.settings = settings
         self.store = store
-        self.registry = PublisherRegistry(store.db)
         self.publisher_id = publisher_id or settings.publisher_id or default_publisher_id()
         self.metrics = metrics or PublisherMetrics()
         self.clock = clock
-        self.backoff = Backoff(
-            base=settings.backoff_base, cap=settings.backoff_max, rng=rng or random.Random()
-        )
-        self.limits = Limits(
-            max_body_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes
-        )
-        self.holdings = Holdings()
-        self.quarantine = Quarantine()
-        self.destinations = Destinations(
-            backoff=self.backoff,
-            ok_ttl=EXCHANGE_OK_TTL,
-            outage_max_wait=settings.destination_outage_max_wait,
-        )
-        self.db = DbThread(claims_apart=store.db.is_postgres, clock=clock)
-        self.spans = batch_spans(enabled=settings.publisher_tracing, publisher_id=self.publisher_id)
-        self.session = Session(
+        shared = self.shared = Shared.build(
             settings=settings,
+            store=store,
+            owner=self.publisher_id,
             metrics=self.metrics,
-            events=self,
-            name=f"outbox-publisher {self.publisher_id}",
             clock=clock,
-            rng=self.backoff.rng,
+            rng=rng or random.Random(),
         )
-        self.writeback = Writeback(
-            WritebackParts(
-                settings=settings,
-                store=store,
-                db=self.db,
-                owner=self.publisher_id,
-                holdings=self.holdings,
-                due_notes=self.session.due_notes,
-                next_note_at=self.session.next_note_at,
-                metrics=self.metrics,
-                backoff=self.backoff,
-                freed=self._freed,
-                clock=clock,
-                made_due=self._made_due,
-                gone=lambda ids: self.outages.lost(ids),
-                spans=self.spans,
-            )
-        )
-        self.sender = Sender(
-            SenderParts(
-                holdings=self.holdings,
-                session=self.session,
-                destinations=self.destinations,
-                quarantine=self.quarantine,
-                metrics=self.metrics,
-                outcomes=self.writeback.buffer,
-                written=self.writeback.wake.set,
-                wall_clock=store.db.clock,
-                clock=clock,
-                spans=self.spans,
-            ),
-            batch=settings.claim_batch,
-            limits=self.limits,
-        )
+        # Each part gets the shared state and wakes the others through its named signals
+        # (app/publisher/wiring.py); the seams that carry data are the arguments below.
+        self.writeback = Writeback(shared, gone=lambda ids: self.outages.lost(ids))
+        self.sender = Sender(shared, outcomes=self.writeback.buffer)
         self.outages = Outages(
-            OutageParts(
-                destinations=self.destinations,
-                holdings=self.holdings,
-                quarantine=self.quarantine,
-                metrics=self.metrics,
-                outcomes=self.writeback.buffer,
-                written=self.writeback.wake.set,
-                unpark=self.sender.unpark,
-                clock=clock,
-                reconnect=self.session.reconnect,
-            ),
+            shared,
+            outcomes=self.writeback.buffer,
+            unpark=self.sender.unpark,
             burst=settings.destination_nack_burst,
             outage_after=settings.destination_outage_after,
         )
+        self.answers = Answers(
+            shared, outages=self.outages, sender=self.sender, outcomes=self.writeback.buffer
+        )
+        shared.session.attach(self.answers)
         self.claimer = Claimer(
-            ClaimerParts(
-                settings=settings,
-                store=store,
-                db=self.db,
-                owner=self.publisher_id,
-                holdings=self.holdings,
-                session=self.session,
-                metrics=self.metrics,
-                accepted=self.sender.work.set,
-                clock=clock,
-                undoable=self.writeback.undoable,
-                notified=lambda: self.listener.listening,
-                settled=self.writeback.settled,
-            )
+            shared,
+            notified=lambda: self.listener.listening,
+            settled=self.writeback.settled,
+            undoable=self.writeback.undoable,
         )
-        self.listener = Listener(
-            url=settings.database_url.get_secret_value(), wake=self.claimer.new_rows
+        self.listener = Listener(url=settings.database_url.get_secret_value(), wake=shared.new_rows)
+        self.housekeeping = Housekeeping(
+            shared,
+            report=self.report,
+            idle=self._idle,
+            request_stop=self.request_stop,
+            until_empty=False,
         )
-        self.housekeeping: Housekeeping | None = None
         self.probes: ProbeServer | None = None
         self.metrics.gauges = self._gauges
         self._stop = asyncio.Event()
-        self._early_logged: float | None = None  # the connection whose early returns were logged
-        self._settled = Signal()
         self._tasks: dict[str, asyncio.Task[Any]] = {}
+
+    # the shared state, by the names the tests and the service read
+    registry = property(lambda self: self.shared.registry)
+    db = property(lambda self: self.shared.db)
+    session = property(lambda self: self.shared.session)
+    holdings = property(lambda self: self.shared.holdings)
+    quarantine = property(lambda self: self.shared.quarantine)
+    destinations = property(lambda self: self.shared.destinations)
+    backoff = property(lambda self: self.shared.backoff)
+    limits = property(lambda self: self.shared.limits)
+    spans = property(lambda self: self.shared.spans)
 
     # ------------------------------------------------------------ run and stop
 
@@ -287,23 +227,7 @@ class Publisher:
             )
 
     async def _run_tasks(self, stop: asyncio.Event | None, until_empty: bool) -> None:
-        self.housekeeping = Housekeeping(
-            HousekeepingParts(
-                settings=self.settings,
-                store=self.store,
-                registry=self.registry,
-                db=self.db,
-                owner=self.publisher_id,
-                holdings=self.holdings,
-                session=self.session,
-                metrics=self.metrics,
-                report=self.report,
-                idle=self._idle,
-                request_stop=self.request_stop,
-                clock=self.clock,
-            ),
-            until_empty=until_empty,
-        )
+        self.housekeeping.until_empty = until_empty
         self._tasks = {
             "session": asyncio.create_task(self.session.run(), name="outbox-session"),
             "claimer": asyncio.create_task(self.claimer.run(), name="outbox-claimer"),
@@ -374,7 +298,6 @@ class Publisher:
         if self.spans is not None:
             self.spans.close()
         await _finish(tasks["session"])
-        assert self.housekeeping is not None
         self.housekeeping.stop()
         await _finish(tasks["housekeeping"])
         self.writeback.stop()
@@ -400,136 +323,13 @@ class Publisher:
             left = deadline - self.clock()
             if left <= 0:
                 break
-            await self._settled.wait(min(left, 0.1))
+            await self.shared.settled.wait(min(left, 0.1))
 
-    # ------------------------------------------------------------ session events (sync)
-
-    def answered(self, events: list[Event]) -> None:
-        """basic.ack / basic.nack settled publishes."""
-        now = self.clock()
-        self._observe_latency(events, now)
-        m = self.metrics
-        m.nacked += sum(len(e.row_ids) for e in events if isinstance(e, Nacked))
-        events = self._hold_back_early_returns(events)
-        tally = settle(self.outages.answered(events), self.writeback.out, self.quarantine)
-        m.confirmed += tally.confirmed
-        m.returned += tally.returned
-        self.writeback.wake.set()
-        if not self.session.outstanding():
-            self._settled.set()
-            self.sender.work.set()
-
-    def lost(self, events: list[Event], cause: CloseCause) -> None:
-        """A channel or the connection went away with publishes outstanding."""
-        events = self._hold_back_early_returns(events)
-        tally = lose(
-            events,
-            self.writeback.out,
-            cause=cause,
-            rows=self.holdings.held,
-            quarantine=self.quarantine,
-        )
-        self.outages.lost([i for e in events if isinstance(e, Lost) for i in e.row_ids])
-        m = self.metrics
-        m.returned += tally.returned
-        m.lost_confirms += tally.lost + len(tally.resent)
-        m.failed += tally.oversized
-        if tally.resent:
-            self.holdings.bump_attempts(tally.resent)
-        for row_id in tally.poison:
-            m.poison += 1
-            row = self.holdings.held.get(row_id)
-            log.error(
-                "row %d (message_id %r) fails as poison: the broker closed its channel or "
-                "connection every time it was published alone",
-                row_id,
-                row.message_id if row else None,
-            )
-        if tally.paused is not None:
-            self.sender.destination_failed(tally.paused, tally.paused_reason, [])
-        if cause.max_size is not None:
-            known = self.sender.broker_max_size
-            if known is None or cause.max_size < known:
-                log.warning(
-                    "the broker refuses bodies over %d bytes (max_message_size): larger "
-                    "rows fail with that reason",
-                    cause.max_size,
-                )
-                self.sender.broker_max_size = cause.max_size
-        self.writeback.wake.set()
-        self._settled.set()
-        self.sender.work.set()
-
-    def _hold_back_early_returns(self, events: list[Event]) -> list[Event]:
-        """``312 NO_ROUTE`` returns within ``return_grace`` of connecting: the rows go back to
-        be published again after a backoff (per row, growing with its attempts), nothing spent;
-        the other events are returned for settlement."""
-        grace = self.settings.return_grace
-        events, early = early_returns(events, in_grace=self.session.connection_age() < grace)
-        if not early:
-            return events
-        out, held = self.writeback.out, self.holdings.held
-        for event in early:
-            row = held.get(event.row_id)
-            delay = self.backoff.delay(row.attempts if row is not None else 1)
-            out.postpone(early_return_reason(event, grace), delay, [event.row_id])
-        self.quarantine.settled(e.row_id for e in early)
-        self.outages.lost([e.row_id for e in early])
-        self.metrics.returns_retried += len(early)
-        connected_at = self.session.connected_at
-        log_at = logging.WARNING if self._early_logged != connected_at else logging.DEBUG
-        self._early_logged = connected_at
-        log.log(
-            log_at,
-            "%d publishes returned %s within %.1fs of connecting (return_grace %gs): the broker "
-            "may still be recovering its bindings; published again with backoff",
-            len(early),
-            f"{early[0].reply_code} {early[0].reply_text}",
-            self.session.connection_age(),
-            grace,
-        )
-        return events
-
-    def connection_changed(self) -> None:
-        self.sender.work.set()
-        self.claimer.room.set()
-        self._settled.set()
-
-    def blocked_changed(self) -> None:
-        if self.housekeeping is not None:
-            self.housekeeping.beat_now.set()
-        self.connection_changed()
-
-    def _observe_latency(self, events: list[Event], now: float) -> None:
-        """Confirmed rows, grouped by their publish write: one observation per group."""
-        hist = self.metrics.confirm_latency
-        for event in events:
-            if not isinstance(event, Confirmed):
-                continue
-            last_at, run = -1.0, 0
-            for facts in event.sent:
-                at = facts[3]
-                if at != last_at and run:
-                    hist.observe_many(max(0.0, now - last_at), run)
-                    run = 0
-                last_at, run = at, run + 1
-            if run:
-                hist.observe_many(max(0.0, now - last_at), run)
-
-    # ------------------------------------------------------------ small callbacks
-
-    def _freed(self) -> None:
-        self.claimer.room.set()
-        self._settled.set()
-
-    def _made_due(self) -> None:
-        self.claimer.new_rows()
+    # ------------------------------------------------------------ observability
 
     def _idle(self) -> bool:
         h = self.holdings
         return not h.held and not h.queue and self.writeback.out.empty()
-
-    # ------------------------------------------------------------ observability
 
     def _gauges(self) -> dict[str, Any]:
         oldest = self.holdings.oldest_since()

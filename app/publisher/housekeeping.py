@@ -7,45 +7,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from app.outbox.registry import PublisherRegistry
 from app.outbox.reports import PublisherReport
-from app.outbox.store import PublisherStore
-from app.publisher.dbthread import DbThread
-from app.publisher.holdings import Holdings
-from app.publisher.metrics import PublisherMetrics
-from app.publisher.session import Session
-from app.publisher.wakeup import Signal
-from app.settings import Settings
+from app.publisher.wiring import Shared
 
 log = logging.getLogger("app.publisher")
 
 
-@dataclass
-class HousekeepingParts:
-    settings: Settings
-    store: PublisherStore
-    registry: PublisherRegistry
-    db: DbThread
-    owner: str
-    holdings: Holdings
-    session: Session
-    metrics: PublisherMetrics
-    report: Callable[[], PublisherReport]
-    idle: Callable[[], bool]  # nothing held, queued or waiting to be written
-    request_stop: Callable[[], None]
-    clock: Callable[[], float]
-
-
 class Housekeeping:
-    def __init__(self, parts: HousekeepingParts, *, until_empty: bool) -> None:
-        self.p = parts
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        report: Callable[[], PublisherReport],
+        idle: Callable[[], bool],
+        request_stop: Callable[[], None],
+        until_empty: bool,
+    ) -> None:
+        """``idle``: nothing held, queued or waiting to be written (the until-empty stop)."""
+        self.p = shared
+        self.report = report
+        self.idle = idle
+        self.request_stop = request_stop
         self.until_empty = until_empty
-        self.beat_now = Signal()
+        self.beat_now = shared.beat
         self.stopped = False
         #: the confirm latency histogram's counts at the last sample (the next one's start)
-        self._sampled_latency = list(parts.metrics.confirm_latency.counts)
+        self._sampled_latency = list(shared.metrics.confirm_latency.counts)
 
     def stop(self) -> None:
         """Return from :meth:`run` after the beat or sweep in hand."""
@@ -74,7 +62,7 @@ class Housekeeping:
                     next_sweep = now + s.lease_seconds / 2
                 if self.until_empty and await self._drained():
                     log.info("outbox drained: stopping")
-                    p.request_stop()
+                    self.request_stop()
                     return
             except Exception:  # a database call: the outage is logged once, by its lane
                 p.metrics.db_errors += 1
@@ -92,7 +80,7 @@ class Housekeeping:
             publisher_id=p.owner,
             lease_seconds=p.settings.lease_seconds,
             held=list(p.holdings.held),
-            stats=p.report().model_dump(mode="json"),
+            stats=self.report().model_dump(mode="json"),
         )
 
     async def sample(self) -> None:
@@ -130,7 +118,7 @@ class Housekeeping:
 
     async def _drained(self) -> bool:
         p = self.p
-        if not p.idle():
+        if not self.idle():
             return False
         # a row backing off comes due within backoff_max: wait for it; later ones (a delayed
         # message) are the next run's

@@ -15,15 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 
 from app.confirms import Confirmed, Event, Nacked, Returned
-from app.publisher.destinations import Destinations
-from app.publisher.holdings import Holdings
-from app.publisher.metrics import PublisherMetrics
 from app.publisher.nackruns import OUTAGE_AFTER, NackRuns
 from app.publisher.outcomes import Outcomes
-from app.publisher.settlement import Quarantine, outage_reason
+from app.publisher.settlement import outage_reason
+from app.publisher.wiring import Shared
 
 log = logging.getLogger("app.publisher")
 
@@ -32,32 +29,21 @@ OUTAGE_WHY = "the broker nacked {n} publishes and acked none for {s:g}s"
 REFRESH_EVERY = 10.0
 
 
-@dataclass
-class OutageParts:
-    destinations: Destinations
-    holdings: Holdings
-    quarantine: Quarantine
-    metrics: PublisherMetrics
-    outcomes: Callable[[], Outcomes]  # the write-back's current buffer
-    written: Callable[[], None]  # wake the write-back
-    unpark: Callable[[str], None]  # rows parked behind a probe may go
-    clock: Callable[[], float]
-    #: drop the connection (a failed probe, at most every REFRESH_EVERY s: the next goes on a
-    #: fresh one, to another node; a channel opened during a leader election kept nacking a
-    #: quorum queue whose new leader took publishes on any other connection, and in scenario
-    #: 17g a fresh connection to a surviving node nacked every probe for over a minute too)
-    reconnect: Callable[[str], None] = lambda reason: None
-
-
 class Outages:
     def __init__(
         self,
-        parts: OutageParts,
+        shared: Shared,
         *,
+        outcomes: Callable[[], Outcomes],
+        unpark: Callable[[str], None],
         burst: int,
         outage_after: float = OUTAGE_AFTER,
     ) -> None:
-        self.p = parts
+        """``outcomes``: the write-back's current buffer; ``unpark``: rows parked behind a
+        probe to this exchange may go (the sender)."""
+        self.p = shared
+        self.outcomes = outcomes
+        self.unpark = unpark
         self.runs = NackRuns(burst=burst, outage_after=outage_after)
         self._timer: asyncio.TimerHandle | None = None
         #: exchange -> when a nacked probe to it last dropped the connection
@@ -86,7 +72,7 @@ class Outages:
         if not self.p.destinations.outages():
             return
         for exchange in self.p.destinations.probe_lost(ids):
-            self.p.unpark(exchange)
+            self.unpark(exchange)
 
     def release_all(self) -> list[int]:
         """Stop: rows waiting for a verdict go back as they were (no nack charged)."""
@@ -116,9 +102,13 @@ class Outages:
                 last = self._refreshed.get(exchange)
                 due = last is None or now - last >= REFRESH_EVERY
                 if probe is not None and probe in rows and due:
-                    # not at every probe: a reconnect costs the other exchanges' unconfirmed rows
+                    # A failed probe drops the connection: the next probe goes on a fresh one,
+                    # to another node (a channel opened during a leader election kept nacking a
+                    # quorum queue whose new leader took publishes on any other connection; in
+                    # scenario 17g a fresh connection to a surviving node nacked for a minute).
+                    # Not at every probe: a reconnect costs the other exchanges' unconfirmed rows
                     self._refreshed[exchange] = now
-                    p.reconnect(f"the probe to exchange {exchange!r} was nacked")
+                    p.session.reconnect(f"the probe to exchange {exchange!r} was nacked")
             else:
                 charged += self.runs.nacked(exchange, rows, now)
         self._charge(charged)
@@ -137,14 +127,14 @@ class Outages:
                 log.warning(
                     "exchange %r takes publishes again: its outage lasted %.1fs", exchange, lasted
                 )
-                p.unpark(exchange)
+                self.unpark(exchange)
         self._charge(charged)
 
     def _charge(self, ids: list[int]) -> None:
         """Nacks that are the rows' fault: each spends the row's nack budget."""
         if ids:
-            self.p.outcomes().nacked.extend(ids)
-            self.p.written()
+            self.outcomes().nacked.extend(ids)
+            self.p.wake.set()
 
     def _overdue(self, exchange: str, now: float) -> bool:
         """An outage that has kept rows waiting ``destination_outage_max_wait``: from now on its
@@ -159,7 +149,7 @@ class Outages:
             exchange,
             p.destinations.max_wait,
         )
-        p.unpark(exchange)
+        self.unpark(exchange)
         return True
 
     def _outage(self, exchange: str, ids: list[int], now: float, *, why: str = "") -> None:
@@ -183,8 +173,8 @@ class Outages:
         else:
             log.debug("exchange %r still out; probing again in %.1fs", exchange, delay)
         parked = [r.id for r in p.holdings.unpark(exchange)]
-        p.outcomes().postpone(outage_reason(exchange, reason), delay, [*ids, *parked])
-        p.written()
+        self.outcomes().postpone(outage_reason(exchange, reason), delay, [*ids, *parked])
+        p.wake.set()
 
     # ------------------------------------------------------------ verdicts on a timer
 

@@ -8,57 +8,39 @@ outstanding on the connection, and normal publishing waits meanwhile.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from app.amqp.codec import OutgoingMessage
-from app.amqp.errors import WireError
-from app.outbox.content import Limits
+from app.amqp.connection import AMQPConnection
+from app.amqp.errors import ChannelLimitError, CloseReason, WireError
 from app.outbox.records import ClaimedRow
-from app.publisher.destinations import Destinations, DestinationState
+from app.publisher.destinations import DestinationState
 from app.publisher.envelope import EnvelopeError, to_message
-from app.publisher.holdings import Holdings
-from app.publisher.metrics import PublisherMetrics
 from app.publisher.outcomes import Outcomes
-from app.publisher.session import Session
 from app.publisher.settlement import (
-    Quarantine,
     destination_reason,
     outage_reason,
     oversized_reason,
 )
-from app.publisher.spans import BatchSpans
-from app.publisher.wakeup import Signal
+from app.publisher.wiring import Shared
 
 log = logging.getLogger("app.publisher")
 
-
-@dataclass
-class SenderParts:
-    """What the sender works with (owned by the engine, shared with the other tasks)."""
-
-    holdings: Holdings
-    session: Session
-    destinations: Destinations
-    quarantine: Quarantine
-    metrics: PublisherMetrics
-    outcomes: Callable[[], Outcomes]  # the write-back's current buffer
-    written: Callable[[], None]  # wake the write-back: outcomes were added
-    wall_clock: Callable[[], dt.datetime]  # the store's clock (publish facts)
-    clock: Callable[[], float]
-    spans: BatchSpans | None = None  # OUTBOX_PUBLISHER_TRACING
+CHECK_TIMEOUT = 5.0
+QUIESCE_TIMEOUT = 10.0  # for a publishing channel to settle before a check on it
 
 
 class Sender:
-    def __init__(self, parts: SenderParts, *, batch: int, limits: Limits) -> None:
-        self.p = parts
-        self.batch = max(1, batch)
-        self.limits = limits
+    def __init__(self, shared: Shared, *, outcomes: Callable[[], Outcomes]) -> None:
+        """``outcomes``: the write-back's current buffer."""
+        self.p = shared
+        self.outcomes = outcomes
+        self.batch = max(1, shared.settings.claim_batch)
+        self.limits = shared.limits
         #: The broker's max_message_size once a 406 told it (None: not known, no check).
         self.broker_max_size: int | None = None
-        self.work = Signal()
+        self.work = shared.work
         self.stopped = False
 
     def stop(self) -> None:
@@ -114,15 +96,15 @@ class Sender:
                 ready.append(row)
             elif state is DestinationState.PAUSED:
                 reason = destination_reason(row.exchange, dest.reason(row.exchange))
-                p.outcomes().back_off(reason, [row.id])
-                p.written()
+                self.outcomes().back_off(reason, [row.id])
+                p.wake.set()
             elif state is DestinationState.OUTAGE:
-                p.outcomes().postpone(
+                self.outcomes().postpone(
                     outage_reason(row.exchange, dest.reason(row.exchange)),
                     dest.left(row.exchange, now),
                     [row.id],
                 )
-                p.written()
+                p.wake.set()
             elif state is DestinationState.PROBING:
                 if dest.probe(row.exchange) is None:  # this row is the probe: alone
                     dest.probing(row.exchange, row.id, now)
@@ -151,7 +133,7 @@ class Sender:
     async def _check_exchange(self, exchange: str) -> None:
         p = self.p
         try:
-            reason = await p.session.check_exchange(exchange)
+            reason = await self._exchange_exists(exchange)
         except ValueError:  # not even a valid exchange name: each row fails at encode
             reason = None
         except (WireError, TimeoutError, OSError) as exc:
@@ -166,6 +148,41 @@ class Sender:
             self._unpark(exchange)
             return
         self.destination_failed(exchange, str(reason), [r.id for r in p.holdings.unpark(exchange)])
+
+    async def _exchange_exists(self, exchange: str) -> CloseReason | None:
+        """None when ``exchange`` exists, else the broker's reason: a passive
+        ``exchange.declare`` on a scratch channel when the broker allows one more, else on a
+        quiet publishing channel. Raises WireError / TimeoutError when it could not run."""
+        conn = self.p.session.conn
+        if conn is None or not conn.is_open:
+            raise WireError("not connected")
+        try:
+            return await conn.exchange_exists(exchange, timeout=CHECK_TIMEOUT)
+        except ChannelLimitError:
+            return await self._check_on_quiet_channel(conn, exchange)
+
+    async def _check_on_quiet_channel(
+        self, conn: AMQPConnection, exchange: str
+    ) -> CloseReason | None:
+        """No channel to spare: pause publishing, let one channel's publishes settle, and run
+        the check there (a missing exchange closes it with nothing outstanding; it reopens)."""
+        session = self.p.session
+        session.checking_on_channel = True
+        try:
+            async with asyncio.timeout(QUIESCE_TIMEOUT):
+                while True:
+                    ch = session.pick_channel()
+                    if ch is None or conn is not session.conn:
+                        raise WireError("no channel for the exchange check")
+                    if ch.ledger.outstanding == 0:
+                        break
+                    await asyncio.sleep(0.005)
+            return await conn.exchange_exists(exchange, timeout=CHECK_TIMEOUT, channel=ch.id)
+        finally:
+            session.checking_on_channel = False
+            self.work.set()
+            self.p.room.set()
+            self.p.settled.set()
 
     def _recheck(self, exchange: str) -> None:
         self.p.destinations.recheck(exchange)
@@ -192,8 +209,8 @@ class Sender:
             delay,
         )
         if ids:
-            p.outcomes().back_off(destination_reason(exchange, reason), ids)
-            p.written()
+            self.outcomes().back_off(destination_reason(exchange, reason), ids)
+            p.wake.set()
 
     # ------------------------------------------------------------ encoding and writing
 
@@ -202,7 +219,7 @@ class Sender:
         p = self.p
         messages: list[OutgoingMessage] = []
         good: list[ClaimedRow] = []
-        out = p.outcomes()
+        out = self.outcomes()
         cap = self.broker_max_size
         for row in rows:
             if cap is not None and isinstance(row.body, bytes) and len(row.body) > cap:
@@ -214,15 +231,15 @@ class Sender:
             except EnvelopeError as exc:
                 out.fail(str(exc), [row.id])
         if len(good) < len(rows):
-            p.written()
+            p.wake.set()
         if not good:
             return True
-        result = p.session.send(good, messages, at=now, wall=p.wall_clock())
+        result = p.session.send(good, messages, at=now, wall=p.store.db.clock())
         if result is None:
             return False
         for row, error in result.refused:
             out.fail(f"cannot encode the message: {error}", [row.id])
-            p.written()
+            p.wake.set()
         p.metrics.published += len(result.rows)
         if p.spans is not None:
             p.spans.published(result.rows)

@@ -8,9 +8,8 @@ ledgers, and the broker's callbacks turned into ledger events for the engine.
   reconnects at once: the quarantine, not a backoff, makes progress against a bad row.
 - Broker callbacks arrive synchronously (:class:`_Link`), go through the channel's
   :class:`~app.confirms.ChannelLedger`, and reach the engine through :class:`SessionEvents`.
-- Exchange checks (passive ``exchange.declare``) run on a scratch channel when the broker allows
-  one more channel, and otherwise on a publishing channel with nothing outstanding, publishing
-  paused meanwhile (``channel_max`` 1).
+- ``checking_on_channel``: the sender runs an exchange check on a publishing channel
+  (``channel_max`` 1), publishing paused meanwhile.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import Any, Protocol
 
 from app.amqp.codec import OutgoingMessage, ReturnedMessage
 from app.amqp.connection import AMQPConnection
-from app.amqp.errors import ChannelLimitError, CloseReason, WireError
+from app.amqp.errors import CloseReason, WireError
 from app.confirms import (
     ChannelLedger,
     Event,
@@ -53,8 +52,6 @@ log = logging.getLogger("app.publisher")
 RECONNECT_FIRST_DELAY = 0.1
 STABLE_CONNECTION = 5.0  # a connection that lived longer reconnects at once when lost
 SETUP_TIMEOUT = 10.0
-CHECK_TIMEOUT = 5.0
-QUIESCE_TIMEOUT = 10.0
 STOP_CLOSE_TIMEOUT = 5.0
 #: After a confirm timeout, at most this many publishes are outstanding until the broker answers
 #: one: a quorum queue without a leader (or any broker that takes publishes and never confirms)
@@ -92,6 +89,13 @@ class SessionEvents(Protocol):
     def connection_changed(self) -> None: ...
 
     def blocked_changed(self) -> None: ...
+
+
+class _Unattached:
+    """A session's listener until :meth:`Session.attach`: an event then is a wiring bug."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"session event {name!r} before Session.attach()")
 
 
 class _Link:
@@ -143,14 +147,13 @@ class Session:
         *,
         settings: Settings,
         metrics: PublisherMetrics,
-        events: SessionEvents,
         name: str,
         clock: Callable[[], float],
         rng: random.Random,
     ) -> None:
         self._settings = settings
         self._metrics = metrics
-        self._events = events
+        self._events: SessionEvents = _Unattached()
         self._name = name
         self._clock = clock
         self._rng = rng
@@ -176,6 +179,10 @@ class Session:
         self._warned_channel_max = False
         self.outage = BrokerOutage(clock=clock)
         self._connect_error: object = None
+
+    def attach(self, events: SessionEvents) -> None:
+        """Where the session's events go (the publisher's answers part)."""
+        self._events = events
 
     # ------------------------------------------------------------ state
 
@@ -379,39 +386,6 @@ class Session:
     async def drain(self) -> None:
         if self.conn is not None:
             await self.conn.drain()
-
-    # ------------------------------------------------------------ exchange checks
-
-    async def check_exchange(self, exchange: str) -> CloseReason | None:
-        """None when ``exchange`` exists, else the broker's reason. Raises WireError /
-        TimeoutError when the check could not run."""
-        conn = self.conn
-        if conn is None or not conn.is_open:
-            raise WireError("not connected")
-        try:
-            return await conn.exchange_exists(exchange, timeout=CHECK_TIMEOUT)
-        except ChannelLimitError:
-            return await self._check_on_quiet_channel(conn, exchange)
-
-    async def _check_on_quiet_channel(
-        self, conn: AMQPConnection, exchange: str
-    ) -> CloseReason | None:
-        """No channel to spare: pause publishing, let one channel's publishes settle, and run
-        the check there (a missing exchange closes it with nothing outstanding; it reopens)."""
-        self.checking_on_channel = True
-        try:
-            async with asyncio.timeout(QUIESCE_TIMEOUT):
-                while True:
-                    ch = self.pick_channel()
-                    if ch is None or conn is not self.conn:
-                        raise WireError("no channel for the exchange check")
-                    if ch.ledger.outstanding == 0:
-                        break
-                    await asyncio.sleep(0.005)
-            return await conn.exchange_exists(exchange, timeout=CHECK_TIMEOUT, channel=ch.id)
-        finally:
-            self.checking_on_channel = False
-            self._events.connection_changed()
 
     # ------------------------------------------------------------ broker callbacks (sync)
 

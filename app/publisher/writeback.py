@@ -22,18 +22,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from app.confirms import Sent, TagNoteMap
+from app.confirms import Sent
 from app.outbox.database import WalPositions
-from app.outbox.records import Backoff, Published
+from app.outbox.records import Published
 from app.outbox.states import Status
-from app.outbox.store import PublisherStore
-from app.publisher.dbthread import DbThread
-from app.publisher.holdings import Holdings
-from app.publisher.metrics import PublisherMetrics
 from app.publisher.outcomes import Outcomes, Written
-from app.publisher.spans import BatchSpans
 from app.publisher.wakeup import Signal
-from app.settings import Settings
+from app.publisher.wiring import Shared
 
 log = logging.getLogger("app.publisher")
 
@@ -62,33 +57,16 @@ class Undoable:
 RETRY_PAUSE = 1.0
 
 
-@dataclass
-class WritebackParts:
-    settings: Settings
-    store: PublisherStore
-    db: DbThread
-    owner: str
-    holdings: Holdings
-    #: the confirm ledgers' record (the session): publishes unconfirmed past a cutoff, each
-    #: once, and when the next one was written
-    due_notes: Callable[[float, TagNoteMap], int]
-    next_note_at: Callable[[], float | None]
-    metrics: PublisherMetrics
-    backoff: Backoff
-    freed: Callable[[], None]  # rows left the window: wake the claimer
-    clock: Callable[[], float]
-    made_due: Callable[[], None] = lambda: None  # rows became due: news for the claimer
-    #: rows the write-back took out of this publisher's hands, however they ended: an outage's
-    #: probe among them is no longer awaited (engine: ``Outages.lost``)
-    gone: Callable[[frozenset[int]], None] = lambda ids: None
-    spans: BatchSpans | None = None  # OUTBOX_PUBLISHER_TRACING
-
-
 class Writeback:
-    def __init__(self, parts: WritebackParts) -> None:
-        self.p = parts
+    def __init__(
+        self, shared: Shared, *, gone: Callable[[frozenset[int]], None] = lambda ids: None
+    ) -> None:
+        """``gone``: rows the write-back took out of this publisher's hands, however they
+        ended; an outage's probe among them is no longer awaited (``Outages.lost``)."""
+        self.p = shared
+        self.gone = gone
         self.out = Outcomes()
-        self.wake = Signal()
+        self.wake = shared.wake
         self.stopped = False
         # recent write-backs a database crash could still undo (not durable yet)
         self._undoable: deque[Undoable] = deque()
@@ -105,7 +83,7 @@ class Writeback:
 
     def note_due(self) -> None:
         p = self.p
-        p.due_notes(p.clock() - p.settings.outstanding_after, self.out.published)
+        p.session.due_notes(p.clock() - p.settings.outstanding_after, self.out.published)
 
     async def run(self) -> None:
         interval = self.p.settings.flush_interval
@@ -123,7 +101,7 @@ class Writeback:
 
     def _idle_wait(self) -> float:
         p = self.p
-        at = p.next_note_at()
+        at = p.session.next_note_at()
         if at is None:
             return IDLE_CHECK
         return min(max(0.0, at + p.settings.outstanding_after - p.clock()), IDLE_CHECK)
@@ -161,13 +139,13 @@ class Writeback:
             self._forget_durable()
         news = bool(out.lost or out.released or out.postponed) or self._keys_moved_on(settled)
         p.holdings.forget(settled)
-        p.gone(self.settling)
+        self.gone(self.settling)
         if p.spans is not None:
             p.spans.settled(out)
         self._finished()
         p.freed()
         if news:
-            p.made_due()
+            p.new_rows()
         return True
 
     def _keys_moved_on(self, settled: list[int]) -> bool:

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 from app.confirms import Nacked, Returned
 from app.outbox.records import Backoff, ClaimedRow
 from app.publisher.destinations import Destinations
 from app.publisher.holdings import Holdings
 from app.publisher.metrics import PublisherMetrics
-from app.publisher.outages import REFRESH_EVERY, OutageParts, Outages
+from app.publisher.outages import REFRESH_EVERY, Outages
 from app.publisher.outcomes import Outcomes
 from app.publisher.settlement import Quarantine
+from app.publisher.wakeup import Signal
 
 EX = "orders"
 
@@ -29,19 +33,18 @@ class Harness:
         self.destinations = Destinations(backoff=Backoff(base=0.1, cap=0.1))
         self.holdings = Holdings()
         self.outcomes = Outcomes()
+        # the part of the publisher's shared state that outages read
+        shared: Any = SimpleNamespace(
+            destinations=self.destinations,
+            holdings=self.holdings,
+            quarantine=Quarantine(),
+            metrics=PublisherMetrics(),
+            wake=Signal(),
+            clock=lambda: self.now,
+            session=SimpleNamespace(reconnect=lambda reason: self.reconnects.append(self.now)),
+        )
         self.outages = Outages(
-            OutageParts(
-                destinations=self.destinations,
-                holdings=self.holdings,
-                quarantine=Quarantine(),
-                metrics=PublisherMetrics(),
-                outcomes=lambda: self.outcomes,
-                written=lambda: None,
-                unpark=self.unparked.append,
-                clock=lambda: self.now,
-                reconnect=lambda reason: self.reconnects.append(self.now),
-            ),
-            burst=20,
+            shared, outcomes=lambda: self.outcomes, unpark=self.unparked.append, burst=20
         )
         self.destinations.outage(EX, "nacks", 0.0)
 

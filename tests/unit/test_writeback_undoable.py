@@ -13,17 +13,20 @@ import pytest
 
 from app.outbox.database import WalPositions
 from app.publisher.dbthread import DbThread
-from app.publisher.writeback import UNDO_HORIZON, Undoable, Writeback, WritebackParts
+from app.publisher.wakeup import Signal
+from app.publisher.writeback import UNDO_HORIZON, Undoable, Writeback
 
 
 def _writeback(
     clock: list[float], db: DbThread | None = None, *, postgres: bool = False
 ) -> Writeback:
-    parts: dict[str, Any] = dict.fromkeys(WritebackParts.__dataclass_fields__)
-    parts["clock"] = lambda: clock[0]
-    parts["db"] = db or DbThread(clock=lambda: clock[0])
-    parts["store"] = SimpleNamespace(db=SimpleNamespace(is_postgres=postgres))
-    return Writeback(WritebackParts(**parts))
+    shared: Any = SimpleNamespace(
+        clock=lambda: clock[0],
+        db=db or DbThread(clock=lambda: clock[0]),
+        store=SimpleNamespace(db=SimpleNamespace(is_postgres=postgres)),
+        wake=Signal(),
+    )
+    return Writeback(shared)
 
 
 def test_rows_of_recent_write_backs_are_undoable_until_the_horizon() -> None:
