@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 from app.api.limits import AuthThrottle
 from app.outbox.actions import OperatorActions
 from app.outbox.database import Clock
+from app.outbox.read.stats import alive_after
 from app.settings import Settings
 
 
@@ -29,7 +30,7 @@ class ApiContext:
     @property
     def alive_after(self) -> float:
         """A publisher that beat within this many seconds (and did not stop) counts as alive."""
-        return 3 * self.settings.publisher_heartbeat_interval
+        return alive_after(self.settings)
 
 
 def client_address(request: Request) -> str:

@@ -11,7 +11,7 @@ import base64
 import dataclasses
 import datetime as dt
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 
 from pydantic import (
@@ -36,7 +36,7 @@ from app.outbox.read.failures import FailureGroup
 from app.outbox.read.keys import ParkedKey
 from app.outbox.read.messages import MessageRecord
 from app.outbox.read.outstanding import OutstandingConfirm
-from app.outbox.read.stats import OutboxStats
+from app.outbox.read.stats import OutboxStats, PublisherInfo
 from app.outbox.reports import PublisherReport
 from app.outbox.scope import CAUSE_LENGTH, CRITERIA, RepublishFilter, ScopeError
 from app.outbox.states import Status
@@ -129,17 +129,44 @@ class ConfirmLatency(BaseModel):
     p99: float | None
 
 
-class PublisherOut(BaseModel):
-    publisher_id: str
-    hostname: str
-    pid: int
-    started_at: dt.datetime
-    heartbeat_at: dt.datetime
-    stopped_at: dt.datetime | None
-    alive: bool
-    blocked: bool = Field(description="The broker blocks this live publisher (resource alarm).")
-    report: PublisherReport | None = Field(
-        description="The publisher's own figures at its last heartbeat."
+def record_fields(
+    record: type[Any], *, leave_out: str, docs: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """A response model's fields from a read-side record (a frozen dataclass): every field but
+    ``leave_out``, with its type and its description from ``docs`` (one shape for a row: a field
+    added to the record is in the answer too)."""
+    hints = get_type_hints(record)
+    return {
+        f.name: (hints[f.name], Field(description=(docs or {}).get(f.name)))
+        for f in dataclasses.fields(record)
+        if f.name != leave_out
+    }
+
+
+class PublisherOutBase(BaseModel):
+    """A publisher as the API answers it: the fields of its row (:class:`PublisherInfo`) but the
+    raw ``stats``, and what they say: whether the broker blocks it, its report."""
+
+    @classmethod
+    def of(cls, p: PublisherInfo) -> PublisherOutBase:
+        return cls(**{name: getattr(p, name) for name in cls.model_fields})
+
+
+if TYPE_CHECKING:
+    PublisherOut = PublisherOutBase
+else:
+    PublisherOut = create_model(
+        "PublisherOut",
+        __base__=PublisherOutBase,
+        **record_fields(PublisherInfo, leave_out="stats"),
+        blocked=(
+            bool,
+            Field(description="The broker blocks this live publisher (resource alarm)."),
+        ),
+        report=(
+            PublisherReport | None,
+            Field(description="The publisher's own figures at its last heartbeat."),
+        ),
     )
 
 
@@ -267,20 +294,7 @@ class StatsOut(BaseModel):
             delayed=s.delayed,
             next_delayed_at=s.next_delayed_at,
             broker_blocked=bool(s.blocked_publishers),
-            publishers=[
-                PublisherOut(
-                    publisher_id=p.publisher_id,
-                    hostname=p.hostname,
-                    pid=p.pid,
-                    started_at=p.started_at,
-                    heartbeat_at=p.heartbeat_at,
-                    stopped_at=p.stopped_at,
-                    alive=p.alive,
-                    blocked=p.blocked,
-                    report=p.report,
-                )
-                for p in s.publishers
-            ],
+            publishers=[PublisherOut.of(p) for p in s.publishers],
             table=TableUpkeepOut.of(s.upkeep, now=s.at) if s.upkeep is not None else None,
         )
 
@@ -387,12 +401,7 @@ MESSAGE_FIELD_DOCS = {
 def _message_fields() -> dict[str, Any]:
     """The answer's fields: every field of :class:`MessageRecord` but the raw body, with
     its type (one shape for a message row: a column added there is in the answer too)."""
-    hints = get_type_hints(MessageRecord)
-    return {
-        f.name: (hints[f.name], Field(description=MESSAGE_FIELD_DOCS.get(f.name)))
-        for f in dataclasses.fields(MessageRecord)
-        if f.name != "body"
-    } | {
+    return record_fields(MessageRecord, leave_out="body", docs=MESSAGE_FIELD_DOCS) | {
         "body_base64": (
             str | None,
             Field(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
@@ -30,7 +29,7 @@ from app.outbox.read.batches import BatchCursor, batch_exists, batch_summary, li
 from app.outbox.read.cursors import BadCursor
 from app.outbox.read.messages import message
 from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
-from app.outbox.read.stats import read_stats
+from app.outbox.read.stats import stats_for
 from app.outbox.scope import RepublishFilter
 from app.outbox.shown import MAX_SHOWN_BODY
 from app.outbox.states import Status
@@ -78,14 +77,7 @@ def _bad_cursor(exc: BadCursor) -> RequestValidationError:
 
 @router.get("/stats", response_model=StatsOut, summary="Counts, ages, latency, publishers")
 def get_stats(ctx: Ctx) -> StatsOut:
-    stats = read_stats(
-        ctx.engine,
-        now=ctx.now(),
-        alive_after=ctx.alive_after,
-        latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
-        latency_rows=ctx.settings.stats_latency_rows,
-    )
-    return StatsOut.of(stats)
+    return StatsOut.of(stats_for(ctx.engine, settings=ctx.settings, now=ctx.now()))
 
 
 @router.get(

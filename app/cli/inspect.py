@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 
 from app.cli.common import (
     EXIT_OK,
@@ -33,7 +32,7 @@ from app.outbox.read.failures import failures_by_cause
 from app.outbox.read.messages import message
 from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
 from app.outbox.read.rejects import writer_rejects
-from app.outbox.read.stats import read_stats
+from app.outbox.read.stats import stats_for
 from app.outbox.states import Status
 from app.settings import Settings
 
@@ -41,13 +40,7 @@ from app.settings import Settings
 def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     engine = engine_of(settings)
     try:
-        stats = read_stats(
-            engine,
-            now=utcnow(),
-            alive_after=3 * settings.publisher_heartbeat_interval,
-            latency_window=dt.timedelta(seconds=settings.stats_latency_window),
-            latency_rows=settings.stats_latency_rows,
-        )
+        stats = stats_for(engine, settings=settings, now=utcnow())
     finally:
         engine.dispose()
     from app.outbox.health import Thresholds, verdict

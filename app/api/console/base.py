@@ -7,7 +7,7 @@ import datetime as dt
 import logging
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlencode
 
 from fastapi import APIRouter, Request, Response
@@ -24,10 +24,14 @@ from app.api.context import client_address, get_ctx
 from app.api.problems import too_slow
 from app.db import stopped_by_bound
 from app.outbox.actions import MAX_ACTOR, has_control_characters
+from app.outbox.read.cursors import BadCursor
 from app.outbox.scope import CAUSE_LENGTH, Scope, ScopeError
 from app.outbox.states import Status
 
 log = logging.getLogger("app.api.console")
+
+#: A page link decoded (:func:`cursor_param`).
+C = TypeVar("C")
 
 
 HERE = Path(__file__).resolve().parent
@@ -271,6 +275,16 @@ def param(request: Request, name: str) -> str | None:
     if "\x00" in value:
         raise ConsoleError(400, f"The parameter {name!r} holds a NUL character.")
     return value or None
+
+
+def cursor_param(request: Request, decode: Callable[[str], C]) -> C | None:
+    """``?cursor=``: a page link this console made, decoded by ``decode`` (None: the first
+    page); anything else is a 400 that sends the operator back to the first page."""
+    cursor = param(request, "cursor")
+    try:
+        return decode(cursor) if cursor else None
+    except BadCursor:
+        raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
 
 
 def int_param(request: Request, name: str) -> int | None:

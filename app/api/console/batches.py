@@ -10,15 +10,14 @@ from app.api.console.base import (
     PAGE,
     ConsoleError,
     check_path_id,
+    cursor_param,
     page_router,
-    param,
     render,
     session_of,
     status_param,
 )
 from app.api.context import get_ctx
 from app.outbox.read.batches import BatchCursor, batch_summary, list_batches
-from app.outbox.read.cursors import BadCursor
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 router = page_router()
@@ -29,11 +28,7 @@ def batches(request: Request) -> HTMLResponse:
     session = session_of(request)
     ctx = get_ctx(request)
     status = status_param(request)
-    cursor = param(request, "cursor")
-    try:
-        at = BatchCursor.decode(cursor) if cursor else None
-    except BadCursor:
-        raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
+    at = cursor_param(request, BatchCursor.decode)
     page = list_batches(ctx.engine, limit=PAGE, cursor=at, status=status, timings=False)
     return render(
         request, "batches.html", session=session, page=page, status=status, statuses=list(Status)

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-import datetime as dt
-
 from fastapi import Request
 from fastapi.responses import HTMLResponse
 
 from app import rates as charts
-from app.api.console.base import PAGE, ConsoleError, page_router, param, render, session_of
+from app.api.console.base import (
+    PAGE,
+    ConsoleError,
+    cursor_param,
+    page_router,
+    param,
+    render,
+    session_of,
+)
 from app.api.context import get_ctx
 from app.outbox import health
-from app.outbox.read.cursors import BadCursor
 from app.outbox.read.keys import parked_keys as read_parked_keys
 from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
 from app.outbox.read.rates import Rates
 from app.outbox.read.rates import rates as read_rates
 from app.outbox.read.rejects import reject_count
-from app.outbox.read.stats import OutboxStats, publisher_rows, read_stats
+from app.outbox.read.stats import OutboxStats, publisher_rows, stats_for
 from app.outbox.states import TERMINAL_FAILURES, Status
 from app.outbox.upkeep import advice
 
@@ -62,13 +67,7 @@ def overview(request: Request) -> HTMLResponse:
     session = session_of(request)
     refresh = refresh_param(request)
     ctx = get_ctx(request)
-    stats = read_stats(
-        ctx.engine,
-        now=ctx.now(),
-        alive_after=ctx.alive_after,
-        latency_window=dt.timedelta(seconds=ctx.settings.stats_latency_window),
-        latency_rows=ctx.settings.stats_latency_rows,
-    )
+    stats = stats_for(ctx.engine, settings=ctx.settings, now=ctx.now())
     parked_keys = len(read_parked_keys(ctx.engine, limit=101))
     rejects, rejects_more = reject_count(ctx.engine)
     rates = read_rates(ctx.engine, now=stats.at)
@@ -100,11 +99,7 @@ def overview(request: Request) -> HTMLResponse:
 def outstanding(request: Request) -> HTMLResponse:
     session = session_of(request)
     ctx = get_ctx(request)
-    cursor = param(request, "cursor")
-    try:
-        after = OutstandingKey.decode(cursor) if cursor else None
-    except BadCursor:
-        raise ConsoleError(400, "That page link is not valid: start from the first page.") from None
+    after = cursor_param(request, OutstandingKey.decode)
     page = outstanding_confirms(
         ctx.engine, now=ctx.now(), flt=OutstandingFilter(), limit=PAGE, after=after
     )

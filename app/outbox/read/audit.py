@@ -8,15 +8,10 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    Engine,
-    select,
-)
+from sqlalchemy import Engine, select
 
 from app.outbox.read.sql import as_dict
-from app.outbox.schema import (
-    audit,
-)
+from app.outbox.schema import audit
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Engine,
+    Select,
     and_,
     case,
     func,
@@ -24,18 +25,9 @@ from sqlalchemy import (
     union_all,
 )
 
-from app.outbox.read.cursors import (
-    BadCursor,
-    decode_cursor,
-    encode_cursor,
-    plain_text,
-)
+from app.outbox.read.cursors import BadCursor, decode_cursor, encode_cursor, plain_text
 from app.outbox.read.sql import ASIDE, as_utc, snapshot
-from app.outbox.schema import (
-    UTCDateTime,
-    batches,
-    outbox,
-)
+from app.outbox.schema import UTCDateTime, batches, outbox
 from app.outbox.states import Status
 
 
@@ -160,25 +152,35 @@ def _summaries(
     return [_summary(b, aggs.get(b), metas.get(b)) for b in batch_ids if b in aggs or b in metas]
 
 
+def _per_batch(batch_ids: Sequence[str], *figures: ColumnElement[Any]) -> Select[Any]:
+    """Per batch of ``batch_ids``: its rows, its first and last write (``created_at``, which
+    ``ix_outbox_batch_written`` holds) and ``figures``. Both summaries read these three alike:
+    from the rows with timings (:func:`_aggregates`), from that index without (:func:`_tallies`)."""
+    return (
+        select(
+            outbox.c.batch_id,
+            func.count().label("rows"),
+            func.min(outbox.c.created_at).label("first_created_at"),
+            func.max(outbox.c.created_at).label("last_created_at"),
+            *figures,
+        )
+        .where(outbox.c.batch_id.in_(list(batch_ids)))
+        .group_by(outbox.c.batch_id)
+    )
+
+
 def _aggregates(conn: Connection, batch_ids: Sequence[str]) -> dict[str, Any]:
     """Per batch, every figure of its summary, read from its rows."""
     per_status = [func.sum(case((outbox.c.status == s, 1), else_=0)).label(s.value) for s in Status]
     confirmed_at = _when_status(Status.CONFIRMED, outbox.c.confirmed_at)
-    agg = (
-        select(
-            outbox.c.batch_id,
-            func.count().label("rows"),
-            *per_status,
-            func.min(outbox.c.created_at).label("first_created_at"),
-            func.max(outbox.c.created_at).label("last_created_at"),
-            func.min(outbox.c.published_at).label("first_published_at"),
-            func.max(outbox.c.published_at).label("last_published_at"),
-            func.min(confirmed_at).label("first_confirmed_at"),
-            func.max(confirmed_at).label("last_confirmed_at"),
-            func.sum(outbox.c.lost_confirms).label("republished"),
-        )
-        .where(outbox.c.batch_id.in_(list(batch_ids)))
-        .group_by(outbox.c.batch_id)
+    agg = _per_batch(
+        batch_ids,
+        *per_status,
+        func.min(outbox.c.published_at).label("first_published_at"),
+        func.max(outbox.c.published_at).label("last_published_at"),
+        func.min(confirmed_at).label("first_confirmed_at"),
+        func.max(confirmed_at).label("last_confirmed_at"),
+        func.sum(outbox.c.lost_confirms).label("republished"),
     )
     return {row["batch_id"]: row for row in conn.execute(agg).mappings()}
 
@@ -197,16 +199,7 @@ def _tallies(conn: Connection, batch_ids: Sequence[str]) -> dict[str, dict[str, 
     1,000,000-row outbox)."""
     ids = list(batch_ids)
     mine = outbox.c.batch_id.in_(ids)
-    totals = (
-        select(
-            outbox.c.batch_id,
-            func.count().label("rows"),
-            func.min(outbox.c.created_at).label("first_created_at"),
-            func.max(outbox.c.created_at).label("last_created_at"),
-        )
-        .where(mine)
-        .group_by(outbox.c.batch_id)
-    )
+    totals = _per_batch(ids)
     out: dict[str, dict[str, Any]] = {}
     for row in conn.execute(totals).mappings():
         out[row["batch_id"]] = {**row, **dict.fromkeys(s.value for s in Status), "republished": 0}

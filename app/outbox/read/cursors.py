@@ -12,14 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+MAX_ROW_ID = 2**63 - 1
 T = TypeVar("T")
 
 
-MAX_ROW_ID = 2**63 - 1
-
-
 class BadCursor(ValueError):
-    """A pagination cursor that this module did not produce (or that was tampered with)."""
+    """A pagination cursor that the read side did not produce (or that was tampered with)."""
 
 
 def plain_text(value: str, *, max_length: int = 1024) -> bool:

@@ -10,21 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Connection,
-    Engine,
-    and_,
-    func,
-    or_,
-    select,
-)
+from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select
 
 from app.outbox.read.scopes import cause_of
 from app.outbox.read.sql import snapshot
-from app.outbox.schema import (
-    outbox,
-)
+from app.outbox.schema import outbox
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 

@@ -25,6 +25,8 @@ def percentile(ordered: Sequence[float], q: float) -> float | None:
 
 
 def weighted_median(values: list[tuple[float, int]]) -> float | None:
+    """The median of ``(value, weight)`` pairs, each value counted ``weight`` times; None when
+    empty."""
     if not values:
         return None
     ordered = sorted(values)

@@ -7,19 +7,10 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import (
-    Engine,
-    func,
-    select,
-)
+from sqlalchemy import Engine, func, select
 
-from app.outbox.schema import (
-    outbox,
-)
-from app.outbox.shown import (
-    marked,
-    text_of,
-)
+from app.outbox.schema import outbox
+from app.outbox.shown import marked, text_of
 from app.outbox.states import TERMINAL_FAILURES, Status
 
 

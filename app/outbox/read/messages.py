@@ -10,23 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Engine,
-    Text,
-    and_,
-    cast,
-    func,
-    literal,
-    select,
-)
+from sqlalchemy import ColumnElement, Engine, Text, and_, cast, func, literal, select
 
 from app.outbox.read.scopes import scope_conditions
 from app.outbox.read.sql import as_dict
-from app.outbox.schema import (
-    events,
-    outbox,
-)
+from app.outbox.schema import events, outbox
 from app.outbox.scope import Scope
 from app.outbox.shown import (
     MAX_SHOWN_DOCUMENT,

@@ -7,10 +7,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import (
-    Engine,
-    select,
-)
+from sqlalchemy import Engine, select
 
 from app.outbox.read.figures import age_seconds
 from app.outbox.read.stats import (
@@ -21,9 +18,7 @@ from app.outbox.read.stats import (
     status_counts,
     table_upkeep,
 )
-from app.outbox.schema import (
-    publishers,
-)
+from app.outbox.schema import publishers
 from app.outbox.states import Status
 from app.outbox.upkeep import Upkeep
 

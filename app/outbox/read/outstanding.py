@@ -9,31 +9,13 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Engine,
-    and_,
-    case,
-    or_,
-    select,
-)
+from sqlalchemy import ColumnElement, Engine, and_, case, or_, select
 
-from app.outbox.read.cursors import (
-    MAX_ROW_ID,
-    BadCursor,
-    Page,
-    decode_cursor,
-    encode_cursor,
-)
+from app.outbox.read.cursors import MAX_ROW_ID, BadCursor, Page, decode_cursor, encode_cursor
 from app.outbox.read.figures import age_seconds
 from app.outbox.read.sql import held_since, sent_at
-from app.outbox.schema import (
-    outbox,
-)
-from app.outbox.shown import (
-    marked,
-    text_of,
-)
+from app.outbox.schema import outbox
+from app.outbox.shown import marked, text_of
 from app.outbox.states import Status
 
 

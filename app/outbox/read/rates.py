@@ -10,15 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    Engine,
-    select,
-)
+from sqlalchemy import Engine, select
 
 from app.outbox.read.figures import weighted_median
-from app.outbox.schema import (
-    samples,
-)
+from app.outbox.schema import samples
 
 RATE_WINDOW = dt.timedelta(hours=1)
 #: Samples this long before the window are read too: each publisher's last one before it is

@@ -10,20 +10,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    Engine,
-    func,
-    select,
-)
+from sqlalchemy import Engine, func, select
 
 from app.outbox.read.sql import as_utc
-from app.outbox.schema import (
-    rejects,
-)
-from app.outbox.shown import (
-    marked,
-    text_of,
-)
+from app.outbox.schema import rejects
+from app.outbox.shown import marked, text_of
 
 
 @dataclass(frozen=True, slots=True)

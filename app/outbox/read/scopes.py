@@ -8,20 +8,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 
-from sqlalchemy import (
-    ColumnElement,
-    Engine,
-    and_,
-    func,
-    literal_column,
-    or_,
-    select,
-    true,
-)
+from sqlalchemy import ColumnElement, Engine, and_, func, literal_column, or_, select, true
 
-from app.outbox.schema import (
-    outbox,
-)
+from app.outbox.schema import outbox
 from app.outbox.scope import CAUSE_LENGTH, Scope
 from app.outbox.states import Status
 

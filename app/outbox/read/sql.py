@@ -8,21 +8,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Connection,
-    Engine,
-    case,
-    func,
-)
+from sqlalchemy import ColumnElement, Connection, Engine, case, func
 
 from app.outbox.content import ContentError, load_document
-from app.outbox.schema import (
-    outbox,
-)
-from app.outbox.shown import (
-    MAX_SHOWN_DOCUMENT,
-)
+from app.outbox.schema import outbox
+from app.outbox.shown import MAX_SHOWN_DOCUMENT
 from app.outbox.states import Status
 
 #: Set aside: terminal failures and skipped rows (the partial index ``ix_outbox_aside``).

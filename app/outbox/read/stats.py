@@ -11,29 +11,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Connection,
-    Engine,
-    case,
-    func,
-    or_,
-    select,
-    text,
-)
+from sqlalchemy import ColumnElement, Connection, Engine, case, func, or_, select, text
 
 from app.outbox.database import written
 from app.outbox.read.figures import age_seconds, percentile
 from app.outbox.read.sql import ASIDE, held_since
 from app.outbox.reports import PublisherReport, read_report
-from app.outbox.schema import (
-    audit,
-    held,
-    outbox,
-    publishers,
-)
+from app.outbox.schema import audit, held, outbox, publishers
 from app.outbox.states import Status
 from app.outbox.upkeep import Upkeep
+from app.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +340,24 @@ def read_stats(
             publishers=publisher_rows(conn, now=now, alive_after=alive_after),
             upkeep=upkeep,
         )
+
+
+def alive_after(settings: Settings) -> float:
+    """A publisher that beat within this many seconds (and did not stop) counts as alive:
+    three heartbeat intervals."""
+    return 3 * settings.publisher_heartbeat_interval
+
+
+def stats_for(engine: Engine, *, settings: Settings, now: dt.datetime) -> OutboxStats:
+    """:func:`read_stats` with the settings' alive rule and latency window: what
+    ``GET /v1/stats``, the console's overview and ``outbox status`` show alike."""
+    return read_stats(
+        engine,
+        now=now,
+        alive_after=alive_after(settings),
+        latency_window=dt.timedelta(seconds=settings.stats_latency_window),
+        latency_rows=settings.stats_latency_rows,
+    )
 
 
 def summarize_latency(ordered: Sequence[float], *, window: dt.timedelta) -> LatencySummary:
