@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pamqp import commands, constants, encode, frame, header, heartbeat
@@ -225,3 +225,57 @@ class FrameReader:
     def starts_with_protocol_header(self, data: bytes) -> bool:
         """A broker answering our header with its own (``AMQP``…) wants another protocol."""
         return not self._buffer and data[:4] == b"AMQP"
+
+
+@dataclass(slots=True)
+class _Assembly:
+    """A ``basic.return`` whose content frames are still arriving."""
+
+    method: commands.Basic.Return
+    properties: commands.Basic.Properties | None = None
+    size: int = -1
+    parts: list[bytes] = field(default_factory=list)
+    received: int = 0
+
+
+class ReturnAssembler:
+    """``basic.return`` frames, then their content header and body frames, per channel, into
+    :class:`ReturnedMessage` s. Content of anything else (a delivery) is ignored."""
+
+    def __init__(self) -> None:
+        self._assembling: dict[int, _Assembly] = {}
+
+    def start(self, channel_id: int, method: commands.Basic.Return) -> None:
+        self._assembling[channel_id] = _Assembly(method)
+
+    def drop(self, channel_id: int) -> None:
+        """The channel closed: a return in progress on it is dropped."""
+        self._assembling.pop(channel_id, None)
+
+    def header(self, channel_id: int, value: header.ContentHeader) -> ReturnedMessage | None:
+        pending = self._assembling.get(channel_id)
+        if pending is None:
+            return None
+        pending.properties = value.properties
+        pending.size = value.body_size
+        return self._finish(channel_id, pending) if pending.size == 0 else None
+
+    def body(self, channel_id: int, data: bytes) -> ReturnedMessage | None:
+        pending = self._assembling.get(channel_id)
+        if pending is None or pending.size < 0:
+            return None
+        pending.parts.append(data)
+        pending.received += len(data)
+        return self._finish(channel_id, pending) if pending.received >= pending.size else None
+
+    def _finish(self, channel_id: int, pending: _Assembly) -> ReturnedMessage:
+        del self._assembling[channel_id]
+        method = pending.method
+        return ReturnedMessage(
+            reply_code=method.reply_code or 0,
+            reply_text=method.reply_text or "",
+            exchange=method.exchange or "",
+            routing_key=method.routing_key or "",
+            properties=pending.properties or commands.Basic.Properties(),
+            body=b"".join(pending.parts),
+        )

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import platform
 import random
 import ssl
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pamqp import commands, common, header
+from pamqp import commands, header
 from pamqp.base import Frame
 from pamqp.body import ContentBody
 
@@ -38,25 +37,25 @@ from app.amqp.codec import (
     FramingError,
     OutgoingMessage,
     PublishEncoder,
+    ReturnAssembler,
     ReturnedMessage,
     method_frame,
 )
+from app.amqp.dial import dial, tls_refusal
 from app.amqp.errors import (
     ACCESS_REFUSED,
     CONNECTION_FORCED,
     FRAME_ERROR,
     REPLY_SUCCESS,
     AuthenticationError,
-    BrokerUnreachableError,
     ChannelClosedError,
     ChannelLimitError,
     CloseReason,
     ConnectionClosedError,
     HandshakeError,
-    TLSError,
     WireError,
 )
-from app.amqp.params import AMQPParams, parse_url
+from app.amqp.params import AMQPParams, parse_url, start_ok
 
 log = logging.getLogger(__name__)
 
@@ -89,33 +88,7 @@ def _close_reason(method: commands.Connection.Close | commands.Channel.Close) ->
     )
 
 
-def _tls_refusal(exc: Exception | None, params: AMQPParams) -> TLSError:
-    """A TLS connection lost before the broker's ``connection.start``. With TLS 1.3 the broker
-    checks our certificate after our side of the TLS handshake has ended: its refusal comes as an
-    alert (an SSLError: ``TLSV1_ALERT_UNKNOWN_CA``...) or, when the socket is torn down first,
-    as a bare reset."""
-    if isinstance(exc, ssl.SSLError):
-        return TLSError(f"the broker refused the TLS session: {exc.reason or exc}")
-    certfile = params.tls_options.certfile
-    ours = f"our client certificate {certfile}" if certfile else "a client without certificate"
-    return TLSError(
-        f"the broker closed the TLS connection before the AMQP handshake ({exc or 'closed'}): "
-        f"it may have refused {ours}; its log says why"
-    )
-
-
 # ---------------------------------------------------------------- the connection
-
-
-@dataclass(slots=True)
-class _Assembly:
-    """A ``basic.return`` whose content frames are still arriving."""
-
-    method: commands.Basic.Return
-    properties: commands.Basic.Properties | None = None
-    size: int = -1
-    parts: list[bytes] = field(default_factory=list)
-    received: int = 0
 
 
 @dataclass(slots=True)
@@ -149,7 +122,7 @@ class AMQPConnection(asyncio.Protocol):
         self._waiters: dict[int, _Waiter] = {}
         self._channels: set[int] = set()  # open channels (confirm mode or scratch)
         self._notify_channels: set[int] = set()  # channels whose closes go to the listener
-        self._assembling: dict[int, _Assembly] = {}
+        self._returns = ReturnAssembler()
         self._next_channel = 1
         self._scratch: int | None = None
         self._scratch_lock = asyncio.Lock()
@@ -195,17 +168,8 @@ class AMQPConnection(asyncio.Protocol):
         why it failed."""
         params = parse_url(url)
         tls = params.ssl_context()
-        failures: list[str] = []
-        last: BaseException | None = None
-        addresses = try_order(params.addresses, shuffle=shuffle, last=try_last)
-        for host, port in addresses:
-            if failures:  # the previous node failed: say so now, not only when all have
-                log.warning(
-                    "broker %d of %d failed, trying the next: %s",
-                    len(failures),
-                    len(params.addresses),
-                    failures[-1],
-                )
+
+        async def open_one(host: str, port: int) -> AMQPConnection:
             proto = cls(
                 listener=listener,
                 params=params,
@@ -214,38 +178,11 @@ class AMQPConnection(asyncio.Protocol):
                 channel_max=channel_max,
                 name=name,
             )
-            try:
-                await proto._open(
-                    host,
-                    port,
-                    tls=tls,
-                    server_hostname=params.server_hostname(host),
-                    timeout=timeout,
-                )
-                if failures:
-                    log.info(
-                        "connected to broker %s:%d after %d other(s) failed",
-                        host,
-                        port,
-                        len(failures),
-                    )
-                return proto
-            except AuthenticationError:
-                raise  # the broker answered: another one would refuse the same credentials
-            except ssl.SSLCertVerificationError as exc:
-                last = exc
-                failures.append(
-                    f"{host}:{port}: TLS certificate not trusted: "
-                    f"{exc.verify_message or exc.reason} (CAs: "
-                    f"{params.tls_options.cafile or 'the system store'}; name checked: "
-                    f"{params.server_hostname(host)})"
-                )
-            except (OSError, TimeoutError, HandshakeError, ConnectionClosedError) as exc:
-                last = exc
-                failures.append(f"{host}:{port}: {str(exc) or type(exc).__name__}")
-        if len(failures) == 1 and isinstance(last, WireError):
-            raise last
-        raise BrokerUnreachableError("; ".join(failures)) from last
+            server_hostname = params.server_hostname(host)
+            await proto._open(host, port, tls=tls, server_hostname=server_hostname, timeout=timeout)
+            return proto
+
+        return await dial(params, open_one, shuffle=shuffle, last=try_last)
 
     async def _open(
         self,
@@ -281,7 +218,7 @@ class AMQPConnection(asyncio.Protocol):
         self._stop_heartbeats()
         error: WireError = ConnectionClosedError(reason)
         if self._params.tls and not self._started:
-            error = _tls_refusal(exc, self._params)
+            error = tls_refusal(exc, self._params)
         for waiter in self._waiters.values():
             if not waiter.future.done():
                 waiter.future.set_exception(error)
@@ -341,7 +278,9 @@ class AMQPConnection(asyncio.Protocol):
             raise HandshakeError(
                 f"broker offers no {wanted} authentication (it offers {mechanisms}){hint}"
             )
-        tune = await self._request(0, self._start_ok(), (commands.Connection.Tune,))
+        tune = await self._request(
+            0, start_ok(self._params, name=self._name), (commands.Connection.Tune,)
+        )
         assert isinstance(tune, commands.Connection.Tune)
         self._apply_tune(tune)
         self._write(
@@ -354,27 +293,6 @@ class AMQPConnection(asyncio.Protocol):
         )
         self._handshake_done = True
         self._start_heartbeats()
-
-    def _start_ok(self) -> commands.Connection.StartOk:
-        capabilities: common.FieldTable = {
-            "publisher_confirms": True,
-            "consumer_cancel_notify": True,
-            "connection.blocked": True,
-            "authentication_failure_close": True,
-            "basic.nack": True,
-            "exchange_exchange_bindings": True,
-        }
-        client_properties: common.FieldTable = {
-            "product": "outbox-publisher",
-            "platform": f"Python {platform.python_version()}",
-            "connection_name": self._name,
-            "capabilities": capabilities,
-            "information": "pamqp frame codec, batched publish path",
-        }
-        if self._params.auth == "external":  # the client certificate is the identity
-            return commands.Connection.StartOk(client_properties, "EXTERNAL", "", "en_US")
-        response = f"\0{self._params.username}\0{self._params.password}"
-        return commands.Connection.StartOk(client_properties, "PLAIN", response, "en_US")
 
     def _apply_tune(self, tune: commands.Connection.Tune) -> None:
         def lowest(ours: int, theirs: int) -> int:
@@ -614,11 +532,11 @@ class AMQPConnection(asyncio.Protocol):
             if channel_id in self._notify_channels:
                 self._listener.on_nack(channel_id, value.delivery_tag, value.multiple)
         elif isinstance(value, commands.Basic.Return):
-            self._assembling[channel_id] = _Assembly(value)
+            self._returns.start(channel_id, value)
         elif isinstance(value, header.ContentHeader):
-            self._on_content_header(channel_id, value)
+            self._returned(channel_id, self._returns.header(channel_id, value))
         elif isinstance(value, ContentBody):
-            self._on_content_body(channel_id, value.value)
+            self._returned(channel_id, self._returns.body(channel_id, value.value))
         elif channel_id == 0:
             self._dispatch_connection(value)
         else:
@@ -677,7 +595,7 @@ class AMQPConnection(asyncio.Protocol):
         reason = _close_reason(value)
         self._write(method_frame(channel_id, commands.Channel.CloseOk()))
         self._channels.discard(channel_id)
-        self._assembling.pop(channel_id, None)
+        self._returns.drop(channel_id)
         waiter = self._waiters.pop(channel_id, None)
         if waiter is not None and not waiter.future.done():
             waiter.future.set_exception(ChannelClosedError(channel_id, reason))
@@ -685,54 +603,6 @@ class AMQPConnection(asyncio.Protocol):
             self._notify_channels.discard(channel_id)
             self._listener.on_channel_closed(channel_id, reason)
 
-    def _on_content_header(self, channel_id: int, value: header.ContentHeader) -> None:
-        pending = self._assembling.get(channel_id)
-        if pending is None:
-            return  # content of something we do not consume (a delivery): ignore
-        pending.properties = value.properties
-        pending.size = value.body_size
-        if pending.size == 0:
-            self._finish_return(channel_id, pending)
-
-    def _on_content_body(self, channel_id: int, data: bytes) -> None:
-        pending = self._assembling.get(channel_id)
-        if pending is None or pending.size < 0:
-            return
-        pending.parts.append(data)
-        pending.received += len(data)
-        if pending.received >= pending.size:
-            self._finish_return(channel_id, pending)
-
-    def _finish_return(self, channel_id: int, pending: _Assembly) -> None:
-        del self._assembling[channel_id]
-        method = pending.method
-        message = ReturnedMessage(
-            reply_code=method.reply_code or 0,
-            reply_text=method.reply_text or "",
-            exchange=method.exchange or "",
-            routing_key=method.routing_key or "",
-            properties=pending.properties or commands.Basic.Properties(),
-            body=b"".join(pending.parts),
-        )
-        if channel_id in self._notify_channels:
+    def _returned(self, channel_id: int, message: ReturnedMessage | None) -> None:
+        if message is not None and channel_id in self._notify_channels:
             self._listener.on_return(channel_id, message)
-
-
-def try_order(
-    addresses: Sequence[tuple[str, int]],
-    *,
-    shuffle: random.Random | None = None,
-    last: tuple[str, int] | None = None,
-) -> list[tuple[str, int]]:
-    """The order in which to try a URL's brokers: shuffled when ``shuffle`` is given, ``last``
-    moved to the end. A publisher passes the node it just lost: a node frozen with its
-    sockets open still completes the TCP handshake (the kernel accepts), so trying it first
-    again costs the whole setup timeout before the next node (14.9 s instead of 4.6 s in the
-    fault matrix's scenario 17d)."""
-    order = list(addresses)
-    if shuffle is not None:
-        shuffle.shuffle(order)
-    if last is not None and last in order and len(order) > 1:
-        order.remove(last)
-        order.append(last)
-    return order

@@ -23,10 +23,13 @@ publisher tries them in order on every (re)connect and uses the first that answe
 
 from __future__ import annotations
 
+import platform
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
+
+from pamqp import commands, common
 
 DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671}
 OPTIONS = ("cafile", "capath", "certfile", "keyfile", "server_hostname", "no_verify_ssl", "auth")
@@ -188,3 +191,26 @@ def _tls_options(options: dict[str, str]) -> TLSOptions:
         server_hostname=options.get("server_hostname") or None,
         verify=flag == "0",
     )
+
+
+def start_ok(params: AMQPParams, *, name: str) -> commands.Connection.StartOk:
+    """The handshake's ``connection.start-ok``: our capabilities, and the login."""
+    capabilities: common.FieldTable = {
+        "publisher_confirms": True,
+        "consumer_cancel_notify": True,
+        "connection.blocked": True,
+        "authentication_failure_close": True,
+        "basic.nack": True,
+        "exchange_exchange_bindings": True,
+    }
+    client_properties: common.FieldTable = {
+        "product": "outbox-publisher",
+        "platform": f"Python {platform.python_version()}",
+        "connection_name": name,
+        "capabilities": capabilities,
+        "information": "pamqp frame codec, batched publish path",
+    }
+    if params.auth == "external":  # the client certificate is the identity
+        return commands.Connection.StartOk(client_properties, "EXTERNAL", "", "en_US")
+    response = f"\0{params.username}\0{params.password}"
+    return commands.Connection.StartOk(client_properties, "PLAIN", response, "en_US")

@@ -34,7 +34,6 @@ from sqlalchemy import (
 )
 
 from app.outbox.planner import ASYNC_COMMIT, ASYNC_COMMIT_BY_ID, BY_ID, status_by_id
-from app.outbox.planner import written as written
 from app.outbox.schema import audit, events, outbox
 from app.outbox.shown import kept
 from app.outbox.states import Status, check_transition

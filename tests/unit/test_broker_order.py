@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from app.amqp.connection import try_order
+from app.amqp.dial import try_order
 
 HOSTS = [("127.0.0.1", 5781), ("127.0.0.1", 5782), ("127.0.0.1", 5783)]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, Engine, case, func, or_, select, text
 
-from app.outbox.database import written
+from app.outbox.planner import written
 from app.outbox.read.figures import age_seconds, percentile
 from app.outbox.read.sql import ASIDE, held_since
 from app.outbox.reports import PublisherReport, read_report
