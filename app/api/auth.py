@@ -19,6 +19,7 @@ from pydantic import SecretStr
 from app.api.context import ApiContext, client_address, get_ctx
 from app.api.limits import StrictJsonRoute
 from app.api.models import Actor
+from app.outbox.actions import Acting
 from app.settings import Settings
 from app.tokens import token_weakness
 
@@ -162,6 +163,10 @@ class Caller:
     actor: str
     principal: str
     client: str
+
+    def acting(self) -> Acting:
+        """The audit row's who, as :class:`~app.outbox.actions.OperatorActions` takes it."""
+        return Acting(actor=self.actor, principal=self.principal, client_addr=self.client)
 
 
 def require_operator(

@@ -12,27 +12,17 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
+from fastapi import Body, HTTPException, Path, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from app.api.auth import Caller, TokenJsonRoute, require_operator, require_reader
-from app.api.context import ApiContext, get_ctx
 from app.api.models import OPERATOR_TEXT_PATTERN, ParkedKeyOut, ParkedKeyPage, Text, utf8_text
-from app.api.v1 import ERRORS, NOT_FOUND, WRITE_ERRORS
+from app.api.v1 import NOT_FOUND, WRITE_ERRORS, Ctx, Operator, found_or_404, reader_router
 from app.outbox.actions import MAX_REASON, CannotSkip, SkipResult
 from app.outbox.read.keys import parked_keys
 from app.outbox.read.messages import message
 
 log = logging.getLogger("app.api.keys")
-Ctx = Annotated[ApiContext, Depends(get_ctx)]
-Operator = Annotated[Caller, Depends(require_operator)]
-
-router = APIRouter(
-    prefix="/v1",
-    dependencies=[Depends(require_reader)],
-    responses=ERRORS,
-    route_class=TokenJsonRoute,
-)
+router = reader_router()
 
 
 class SkipRequest(BaseModel):
@@ -89,16 +79,9 @@ def skip_message(
     message_id: Annotated[Text, Path()],
     body: Annotated[SkipRequest, Body()],
 ) -> SkipOut:
-    if message(ctx.engine, message_id=message_id) is None:
-        raise HTTPException(404, f"no message {message_id!r}")
+    found_or_404(message(ctx.engine, message_id=message_id), f"message {message_id!r}")
     try:
-        result = ctx.actions.skip(
-            actor=actor.actor,
-            message_id=message_id,
-            reason=body.reason,
-            principal=actor.principal,
-            client_addr=actor.client,
-        )
+        result = ctx.actions.skip(message_id=message_id, reason=body.reason, **actor.acting())
     except CannotSkip as exc:
         raise HTTPException(409, str(exc)) from None
     log.info(

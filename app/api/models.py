@@ -12,7 +12,7 @@ import dataclasses
 import datetime as dt
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_type_hints
 
 from pydantic import (
     AfterValidator,
@@ -51,6 +51,16 @@ CURSOR_PATTERN = r"^[A-Za-z0-9_-]+$"
 TOKEN_PATTERN = r"^[!-~][ -~]*$"
 MAX_REPUBLISH_LIMIT = 100_000
 MAX_AGE_SECONDS = 10 * 365 * 86400
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def copied(model: type[M], source: object, **given: Any) -> M:
+    """``model`` with each field not ``given`` read from the attribute of that name of
+    ``source`` (a read record), as the record holds it."""
+    values = {name: getattr(source, name) for name in model.model_fields if name not in given}
+    return model(**values, **given)
 
 
 def utf8_text(value: str) -> str:
@@ -204,21 +214,7 @@ class TableUpkeepOut(BaseModel):
     @classmethod
     def of(cls, u: Upkeep, *, now: dt.datetime) -> TableUpkeepOut:
         said = advice(u, now=now)
-        return cls(
-            live_rows=u.live_rows,
-            dead_rows=u.dead_rows,
-            table_bytes=u.table_bytes,
-            index_bytes=u.index_bytes,
-            last_vacuum_at=u.last_vacuum_at,
-            last_analyze_at=u.last_analyze_at,
-            autovacuum_runs=u.autovacuum_runs,
-            vacuum_running=u.vacuum_running,
-            server_autovacuum=u.server_autovacuum,
-            naptime_seconds=u.naptime_seconds,
-            table_settings=u.table_settings,
-            warnings=said.warnings,
-            notes=said.notes,
-        )
+        return copied(cls, u, warnings=said.warnings, notes=said.notes)
 
 
 class StatsOut(BaseModel):
@@ -271,7 +267,6 @@ class StatsOut(BaseModel):
 
     @classmethod
     def of(cls, s: OutboxStats) -> StatsOut:
-        lat = s.confirm_latency
         return cls(
             at=s.at,
             counts=StatusCounts.of(s.counts),
@@ -279,13 +274,7 @@ class StatsOut(BaseModel):
             confirmed_estimated=s.confirmed_estimated,
             oldest_pending_age_seconds=s.oldest_pending_age_seconds,
             oldest_in_flight_age_seconds=s.oldest_in_flight_age_seconds,
-            confirm_latency=ConfirmLatency(
-                window_seconds=lat.window_seconds,
-                samples=lat.samples,
-                p50=lat.p50,
-                p90=lat.p90,
-                p99=lat.p99,
-            ),
+            confirm_latency=copied(ConfirmLatency, s.confirm_latency),
             possible_duplicates=s.possible_duplicates,
             operator_republished=s.operator_republished,
             publishers_alive=s.publishers_alive,
@@ -519,16 +508,8 @@ class RepublishOut(BaseModel):
 
     @classmethod
     def of(cls, r: RepublishResult, *, request_id: str, flt: RepublishFilter) -> RepublishOut:
-        return cls(
-            request_id=request_id,
-            dry_run=r.dry_run,
-            replayed=r.replayed,
-            count=r.count,
-            matched=r.matched,
-            sample=r.sample,
-            audit_id=r.audit_id,
-            filter=RepublishFilterOut.model_validate(flt.as_json()),
-        )
+        shown = RepublishFilterOut.model_validate(flt.as_json())
+        return copied(cls, r, request_id=request_id, filter=shown)
 
 
 # ------------------------------------------------------------------------------ health
@@ -549,16 +530,7 @@ class FailureGroupOut(BaseModel):
 
     @classmethod
     def of(cls, g: FailureGroup) -> FailureGroupOut:
-        return cls(
-            status=g.status.value,
-            exchange=g.exchange,
-            routing_key=g.routing_key,
-            reason=g.reason,
-            rows=g.rows,
-            first_created=g.first_created,
-            last_created=g.last_created,
-            sample_message_id=g.sample_message_id,
-        )
+        return copied(cls, g, status=g.status.value)
 
 
 class FailuresOut(BaseModel):
@@ -581,15 +553,7 @@ class ParkedKeyOut(BaseModel):
 
     @classmethod
     def of(cls, k: ParkedKey) -> ParkedKeyOut:
-        return cls(
-            ordering_key=k.ordering_key,
-            blocking_message_id=k.blocking_message_id,
-            blocking_status=k.blocking_status.value,
-            blocking_error=k.blocking_error,
-            blocking_reply_code=k.blocking_reply_code,
-            parked_since=k.parked_since,
-            waiting=k.waiting,
-        )
+        return copied(cls, k, blocking_status=k.blocking_status.value)
 
 
 class ParkedKeyPage(BaseModel):

@@ -7,14 +7,13 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 
-from app.api.auth import TokenJsonRoute, require_reader
-from app.api.context import ApiContext, get_ctx
-from app.api.models import FailuresOut, MessageOut, Text, UtcDatetime
-from app.api.v1 import ERRORS
+from app.api.context import ApiContext
+from app.api.models import FailuresOut, MessageOut, Text, UtcDatetime, copied
+from app.api.v1 import Ctx, reader_router
 from app.outbox.read.audit import audit_trail
 from app.outbox.read.failures import failures_by_cause
 from app.outbox.read.messages import search_messages
@@ -22,13 +21,7 @@ from app.outbox.read.rejects import writer_rejects
 from app.outbox.scope import Scope, ScopeError
 from app.outbox.states import Status
 
-Ctx = Annotated[ApiContext, Depends(get_ctx)]
-router = APIRouter(
-    prefix="/v1",
-    dependencies=[Depends(require_reader)],
-    responses=ERRORS,
-    route_class=TokenJsonRoute,
-)
+router = reader_router()
 
 
 class AuditOut(BaseModel):
@@ -60,20 +53,7 @@ def get_audit(
     before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
 ) -> AuditPage:
     entries = audit_trail(ctx.engine, limit=limit, before=before)
-    items = [
-        AuditOut(
-            id=e.id,
-            at=e.at,
-            actor=e.actor,
-            principal=e.principal,
-            client_addr=e.client_addr,
-            action=e.action,
-            request_id=e.request_id,
-            filter=e.filter,
-            count=e.count,
-        )
-        for e in entries
-    ]
+    items = [copied(AuditOut, e) for e in entries]
     nxt = entries[-1].id if len(entries) == limit else None
     return AuditPage(items=items, next_before=nxt)
 
@@ -108,19 +88,8 @@ def get_rejects(
     before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
 ) -> RejectPage:
     found = writer_rejects(ctx.engine, batch_id=batch_id, limit=limit, before=before)
-    items = [
-        RejectOut(
-            id=r.id,
-            batch_id=r.batch_id,
-            sink=r.sink,
-            message_id=r.message_id,
-            reason=r.reason,
-            row_json=r.row_json,
-            created_at=r.created_at,
-        )
-        for r in found
-    ]
-    return RejectPage(items=items, next_before=found[-1].id if len(found) == limit else None)
+    nxt = found[-1].id if len(found) == limit else None
+    return RejectPage(items=[copied(RejectOut, r) for r in found], next_before=nxt)
 
 
 class MessagePage(BaseModel):
@@ -133,47 +102,19 @@ class MessagePage(BaseModel):
     )
 
 
-def _search(
-    ctx: ApiContext,
-    *,
-    statuses: list[Status] | None,
-    batch_id: str | None,
-    exchange: str | None,
-    routing_key: str | None,
-    ordering_key: str | None,
-    reason: str | None,
-    created_after: dt.datetime | None,
-    created_before: dt.datetime | None,
-    limit: int,
-    after: int | None,
-) -> MessagePage:
-    try:
-        flt = Scope(
-            statuses=frozenset(statuses or ()),
-            batch_id=batch_id,
-            exchange=exchange,
-            routing_key=routing_key,
-            ordering_key=ordering_key,
-            reason=reason,
-            created_after=created_after,
-            created_before=created_before,
-        )
-    except ScopeError as exc:  # the scope's own rules (a range in order)
-        raise RequestValidationError(
-            [
-                {
-                    "type": "value_error",
-                    "loc": ("query", "created_after"),
-                    "input": None,
-                    "msg": str(exc),
-                }
-            ]
-        ) from None
+def _search(ctx: ApiContext, *, flt: Scope, limit: int, after: int | None) -> MessagePage:
     found = search_messages(ctx.engine, flt=flt, limit=limit, after=after)
     more = found.truncated or len(found.items) == limit
     nxt = found.items[-1].id if more and found.items else None
     return MessagePage(
         items=[MessageOut.of(m) for m in found.items], next_after=nxt, truncated=found.truncated
+    )
+
+
+def _bad_range(exc: ScopeError) -> RequestValidationError:
+    """The scope's own rules (a range in order), as a 422 on ``created_after``."""
+    return RequestValidationError(
+        [{"type": "value_error", "loc": ("query", "created_after"), "input": None, "msg": str(exc)}]
     )
 
 
@@ -208,16 +149,17 @@ def list_messages(
     after: After = None,
 ) -> MessagePage:
     """Keyset pages in id order, without bodies (``GET /v1/messages/{id}`` has the body)."""
-    return _search(
-        ctx,
-        statuses=status,
-        batch_id=batch_id,
-        exchange=exchange,
-        routing_key=routing_key,
-        ordering_key=ordering_key,
-        reason=reason,
-        created_after=created_after,
-        created_before=created_before,
-        limit=limit,
-        after=after,
-    )
+    try:
+        flt = Scope(
+            statuses=frozenset(status or ()),
+            batch_id=batch_id,
+            exchange=exchange,
+            routing_key=routing_key,
+            ordering_key=ordering_key,
+            reason=reason,
+            created_after=created_after,
+            created_before=created_before,
+        )
+    except ScopeError as exc:
+        raise _bad_range(exc) from None
+    return _search(ctx, flt=flt, limit=limit, after=after)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query
 from fastapi.exceptions import RequestValidationError
@@ -61,12 +61,27 @@ WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "Unknown."}}
 
-router = APIRouter(
-    prefix="/v1",
-    dependencies=[Depends(require_reader)],
-    responses=ERRORS,
-    route_class=TokenJsonRoute,
-)
+T = TypeVar("T")
+
+
+def reader_router() -> APIRouter:
+    """A ``/v1`` router: a read token on every route, :data:`ERRORS` documented on each."""
+    return APIRouter(
+        prefix="/v1",
+        dependencies=[Depends(require_reader)],
+        responses=ERRORS,
+        route_class=TokenJsonRoute,
+    )
+
+
+router = reader_router()
+
+
+def found_or_404(found: T | None, what: str) -> T:
+    """``found``, or a 404 ``no {what}`` when the read found nothing."""
+    if found is None:
+        raise HTTPException(404, f"no {what}")
+    return found
 
 
 def _bad_cursor(exc: BadCursor) -> RequestValidationError:
@@ -139,10 +154,9 @@ BatchId = Annotated[Text, Path(description="As the Spark sink wrote it", example
     "/batches/{batch_id}", response_model=BatchOut, responses=NOT_FOUND, summary="One batch"
 )
 def get_batch(ctx: Ctx, batch_id: BatchId) -> BatchOut:
-    found = batch_summary(ctx.engine, batch_id=batch_id)
-    if found is None:
-        raise HTTPException(404, f"no batch {batch_id!r}")
-    return BatchOut.of(found)
+    return BatchOut.of(
+        found_or_404(batch_summary(ctx.engine, batch_id=batch_id), f"batch {batch_id!r}")
+    )
 
 
 @router.get(
@@ -165,9 +179,7 @@ def get_message(
     found = message(
         ctx.engine, message_id=message_id, include_body=include_body, body_limit=MAX_SHOWN_BODY
     )
-    if found is None:
-        raise HTTPException(404, f"no message {message_id!r}")
-    return MessageOut.of(found)
+    return MessageOut.of(found_or_404(found, f"message {message_id!r}"))
 
 
 @router.post(
@@ -203,13 +215,11 @@ def _republish(
 ) -> RepublishOut:
     try:
         result = ctx.actions.republish(
-            actor=caller.actor,
             filter=flt,
             limit=req.limit,
             dry_run=req.dry_run,
             request_id=req.request_id,
-            principal=caller.principal,
-            client_addr=caller.client,
+            **caller.acting(),
         )
     except RequestIdReused as exc:
         raise HTTPException(409, str(exc)) from None

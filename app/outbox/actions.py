@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 from sqlalchemy import (
     ColumnElement,
@@ -115,6 +115,15 @@ class RequestIdReused(ValueError):
         self.audit_id = audit_id
 
 
+class Acting(TypedDict, total=False):
+    """Who acts, for the audit row: ``actor`` as the caller names itself, ``principal`` as the
+    server verified it (a token's name, the CLI's OS user), ``client_addr`` where from."""
+
+    actor: Required[str]
+    principal: str | None
+    client_addr: str | None
+
+
 class OperatorActions:
     """Republish and skip: the operator's writes to the outbox."""
 
@@ -124,13 +133,11 @@ class OperatorActions:
     def republish(
         self,
         *,
-        actor: str,
         filter: RepublishFilter,
         limit: int,
         dry_run: bool,
         request_id: str | None = None,
-        principal: str | None = None,
-        client_addr: str | None = None,
+        **who: Unpack[Acting],
     ) -> RepublishResult:
         """Move terminal-failure rows matching ``filter`` back to ``pending``, with an audit row.
 
@@ -145,12 +152,7 @@ class OperatorActions:
             raise ValueError("limit must be at least 1")
         try:
             return self._republish(
-                actor=actor,
-                flt=filter,
-                limit=limit,
-                dry_run=dry_run,
-                request_id=request_id,
-                who=(principal, client_addr),
+                flt=filter, limit=limit, dry_run=dry_run, request_id=request_id, who=who
             )
         except IntegrityError:  # a concurrent call with the same request id won the race
             if request_id is None:
@@ -188,12 +190,11 @@ class OperatorActions:
     def _republish(
         self,
         *,
-        actor: str,
         flt: RepublishFilter,
         limit: int,
         dry_run: bool,
         request_id: str | None,
-        who: tuple[str | None, str | None] = (None, None),
+        who: Acting,
     ) -> RepublishResult:
         cond = self._filter_cond(flt)
         pick = select(*_as_it_was()).where(cond).order_by(outbox.c.id).limit(limit)
@@ -217,17 +218,15 @@ class OperatorActions:
             self.db.notify_new(conn)
             audit_id = self.db.audit(
                 conn,
-                actor=actor,
                 action="republish",
                 request_id=request_id,
                 filter=flt.as_json(),
                 count=len(ids),
                 result=result,
-                principal=who[0],
-                client_addr=who[1],
+                **who,
             )
             self._operator_events(
-                conn, rows, kind="republished", actor=actor, audit_id=int(audit_id)
+                conn, rows, kind="republished", actor=who["actor"], audit_id=int(audit_id)
             )
         return RepublishResult(
             dry_run=False, count=len(ids), matched=matched, sample=sample, audit_id=int(audit_id)
@@ -301,18 +300,10 @@ class OperatorActions:
             )
         return found
 
-    def skip(
-        self,
-        *,
-        actor: str,
-        message_id: str,
-        reason: str,
-        principal: str | None = None,
-        client_addr: str | None = None,
-    ) -> SkipResult:
+    def skip(self, *, message_id: str, reason: str, **who: Unpack[Acting]) -> SkipResult:
         """Mark one terminal failure ``skipped`` (audited with ``reason``): it will not be
         delivered, and the later rows of its ordering key, parked behind it, are released."""
-        reason = reason.strip()
+        actor, reason = who["actor"], reason.strip()
         if not reason:
             raise CannotSkip("a skip needs a reason (it is kept in the audit trail)")
         sources = [s.value for s in TERMINAL_FAILURES]
@@ -336,13 +327,11 @@ class OperatorActions:
             }
             audit_id = self.db.audit(
                 conn,
-                actor=actor,
                 action="skip",
                 filter={"message_id": message_id, "reason": reason},
                 count=1,
                 result=result,
-                principal=principal,
-                client_addr=client_addr,
+                **who,
             )
             self._operator_events(
                 conn, [found], kind="skipped", actor=actor, audit_id=int(audit_id), detail=reason

@@ -16,13 +16,13 @@ from app.api.console.base import (
     REPUBLISH_STATUSES,
     ConsoleError,
     acting,
-    actor_of,
     log,
     one,
     page_router,
     param,
     render,
     session_of,
+    who_acts,
 )
 from app.api.console.messages import _as_fields
 from app.api.context import client_address, get_ctx
@@ -123,24 +123,22 @@ async def republish(request: Request) -> HTMLResponse:
         raise ConsoleError(400, "The confirmation has no request id: start from the preview.")
     req = _republish_request(form, request_id=request_id, dry_run=False)
     flt = req.to_filter()
-    actor = actor_of(form, session)
+    who = who_acts(form, session, request)
     try:
         result = await run_in_threadpool(
             ctx.actions.republish,
-            actor=actor,
             filter=flt,
             limit=req.limit,
             dry_run=False,
             request_id=req.request_id,
-            principal=session.principal,
-            client_addr=client_address(request),
+            **who,
         )
     except RequestIdReused as exc:
         raise ConsoleError(409, str(exc)) from None
     log.info(
         "console: republish %s by %s (%s) moved %d of %d matching rows, audit %s, filter %r",
         req.request_id,
-        actor,
+        who["actor"],
         session.principal,
         result.count,
         result.matched,
@@ -173,22 +171,17 @@ async def skip(request: Request) -> HTMLResponse:
             f"A skip needs a reason: one line of at most {MAX_REASON} "
             "characters, without control characters.",
         )
-    actor = actor_of(form, session)
+    who = who_acts(form, session, request)
     try:
         result = await run_in_threadpool(
-            get_ctx(request).actions.skip,
-            actor=actor,
-            message_id=message_id,
-            reason=reason,
-            principal=session.principal,
-            client_addr=client_address(request),
+            get_ctx(request).actions.skip, message_id=message_id, reason=reason, **who
         )
     except CannotSkip as exc:
         raise ConsoleError(409, str(exc)) from None
     log.info(
         "console: skip of %r by %s (%s), was %s, key %r: %d rows released, audit %s",
         message_id,
-        actor,
+        who["actor"],
         session.principal,
         result.previous.value,
         result.ordering_key,

@@ -23,7 +23,7 @@ from app.api.console.session import COOKIE, Session, SessionError, SessionSigner
 from app.api.context import client_address, get_ctx
 from app.api.problems import too_slow
 from app.db import stopped_by_bound
-from app.outbox.actions import MAX_ACTOR, has_control_characters
+from app.outbox.actions import MAX_ACTOR, Acting, has_control_characters
 from app.outbox.read.cursors import BadCursor
 from app.outbox.scope import CAUSE_LENGTH, Scope, ScopeError
 from app.outbox.states import Status
@@ -266,6 +266,15 @@ def actor_of(form: Mapping[str, list[str]], session: Session) -> str:
             f"{MAX_ACTOR} characters, without control characters.",
         )
     return value
+
+
+def who_acts(form: Mapping[str, list[str]], session: Session, request: Request) -> Acting:
+    """The audit row's who: :func:`actor_of`, the signed-in token's name, the peer address."""
+    return Acting(
+        actor=actor_of(form, session),
+        principal=session.principal,
+        client_addr=client_address(request),
+    )
 
 
 def param(request: Request, name: str) -> str | None:
