@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import Engine, select
 
-from app.outbox.read.sql import as_dict
+from app.outbox.read.sql import as_dict, from_row
 from app.outbox.schema import audit
 
 
@@ -45,20 +45,7 @@ def audit_trail(engine: Engine, *, limit: int = 50, before: int | None = None) -
         stmt = stmt.where(audit.c.id < before)
     with engine.connect() as conn:
         rows = conn.execute(stmt).mappings().all()
-    return [
-        AuditEntry(
-            id=r["id"],
-            at=r["at"],
-            actor=r["actor"],
-            principal=r["principal"],
-            client_addr=r["client_addr"],
-            action=r["action"],
-            request_id=r["request_id"],
-            filter=as_dict(r["filter"]) or {},
-            count=r["count"],
-        )
-        for r in rows
-    ]
+    return [from_row(AuditEntry, r, filter=as_dict(r["filter"]) or {}) for r in rows]
 
 
 def audit_by_request_id(engine: Engine, *, request_id: str) -> AuditRecord | None:
@@ -67,12 +54,4 @@ def audit_by_request_id(engine: Engine, *, request_id: str) -> AuditRecord | Non
         row = conn.execute(stmt).mappings().first()
     if row is None:
         return None
-    return AuditRecord(
-        id=row["id"],
-        at=row["at"],
-        actor=row["actor"],
-        action=row["action"],
-        request_id=row["request_id"],
-        filter=dict(row["filter"] or {}),
-        count=row["count"],
-    )
+    return from_row(AuditRecord, row, filter=dict(row["filter"] or {}))

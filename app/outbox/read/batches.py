@@ -231,29 +231,27 @@ def _tallies(conn: Connection, batch_ids: Sequence[str]) -> dict[str, dict[str, 
     return out
 
 
+#: A batch's record (``outbox_batches``) as the Spark sink wrote it.
+_RECORDED = ("sink", "spark_batch_id", "query_id", "committed_at", "row_count", "rejected_count")
+#: When a batch's rows were first and last created, published and confirmed.
+_TIMES = tuple(
+    f"{end}_{event}_at"
+    for event in ("created", "published", "confirmed")
+    for end in ("first", "last")
+)
+
+
 def _summary(batch_id: str, agg: Any, meta: Any) -> BatchSummary:
     def a(key: str) -> Any:
         return agg.get(key) if agg is not None else None
 
-    def m(key: str) -> Any:
-        return meta[key] if meta is not None else None
-
+    recorded = {key: meta[key] if meta is not None else None for key in _RECORDED}
     return BatchSummary(
         batch_id=batch_id,
-        sink=m("sink"),
-        spark_batch_id=m("spark_batch_id"),
-        query_id=m("query_id"),
-        committed_at=m("committed_at"),
-        row_count=m("row_count"),
-        rejected_count=m("rejected_count"),
+        **recorded,
         rows=int(a("rows") or 0),
         counts={s: int(a(s.value) or 0) for s in Status},
-        first_created_at=a("first_created_at"),
-        last_created_at=a("last_created_at"),
-        first_published_at=a("first_published_at"),
-        last_published_at=a("last_published_at"),
-        first_confirmed_at=a("first_confirmed_at"),
-        last_confirmed_at=a("last_confirmed_at"),
+        **{key: a(key) for key in _TIMES},
         republished=int(a("republished") or 0),
     )
 

@@ -13,7 +13,7 @@ from sqlalchemy import ColumnElement, Engine, and_, case, or_, select
 
 from app.outbox.read.cursors import MAX_ROW_ID, BadCursor, Page, decode_cursor, encode_cursor
 from app.outbox.read.figures import age_seconds
-from app.outbox.read.sql import held_since, sent_at
+from app.outbox.read.sql import from_row, held_since, sent_at
 from app.outbox.schema import outbox
 from app.outbox.shown import marked, text_of
 from app.outbox.states import Status
@@ -133,20 +133,11 @@ def outstanding_confirms(
 
 
 def _outstanding(row: Any, now: dt.datetime) -> OutstandingConfirm:
-    return OutstandingConfirm(
-        id=row["id"],
-        message_id=row["message_id"],
-        batch_id=row["batch_id"],
+    return from_row(
+        OutstandingConfirm,
+        row,
         publisher=row["lease_owner"],
-        channel_id=row["channel_id"],
-        delivery_tag=row["delivery_tag"],
         attempt=row["attempts"],
-        max_attempts=row["max_attempts"],
-        exchange=row["exchange"],
-        routing_key=row["routing_key"],
         published_at=row["sent_at"],
-        claimed_at=row["claimed_at"],
         age_seconds=age_seconds(row["sent_at"] or row["claimed_at"], now),
-        lease_until=row["lease_until"],
-        lost_confirms=row["lost_confirms"],
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from app.outbox.read.sql import as_utc
+from app.outbox.read.sql import as_utc, from_row
 from app.outbox.schema import rejects
 from app.outbox.shown import marked, text_of
 
@@ -46,18 +46,7 @@ def writer_rejects(
         stmt = stmt.where(rejects.c.id < before)
     with engine.connect() as conn:
         rows = [marked(r) for r in conn.execute(stmt).mappings().all()]
-    return [
-        WriterReject(
-            id=r["id"],
-            batch_id=r["batch_id"],
-            sink=r["sink"],
-            message_id=r["message_id"],
-            reason=r["reason"],
-            row_json=r["row_json"],
-            created_at=r["created_at"],
-        )
-        for r in rows
-    ]
+    return [from_row(WriterReject, r) for r in rows]
 
 
 #: Most distinct reasons read to group the writer's rejects (their shapes are far fewer).

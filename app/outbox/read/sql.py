@@ -1,12 +1,14 @@
 """Pieces of SQL that more than one reader's queries share: the set-aside statuses, when an
-in-flight row was sent and since when it waits, one snapshot for several statements, and
-timestamps and JSON documents as read back from either backend.
+in-flight row was sent and since when it waits, one snapshot for several statements,
+timestamps and JSON documents as read back from either backend, and a record from a row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import ColumnElement, Connection, Engine, case, func
 
@@ -15,8 +17,20 @@ from app.outbox.schema import outbox
 from app.outbox.shown import MAX_SHOWN_DOCUMENT
 from app.outbox.states import Status
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+R = TypeVar("R", bound="DataclassInstance")
+
 #: Set aside: terminal failures and skipped rows (the partial index ``ix_outbox_aside``).
 ASIDE = (Status.RETURNED, Status.NACKED, Status.FAILED, Status.SKIPPED)
+
+
+def from_row(record: type[R], row: Mapping[Any, Any], **given: Any) -> R:
+    """A ``record`` (a dataclass) with each field not ``given`` read from the column of that
+    name in ``row``, as the database returned it."""
+    names = [f.name for f in dataclasses.fields(record) if f.name not in given]
+    return record(**{name: row[name] for name in names}, **given)
 
 
 def sent_at() -> ColumnElement[dt.datetime]:

@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, Connection, Engine, case, func, or_, selec
 
 from app.outbox.planner import written
 from app.outbox.read.figures import age_seconds, percentile
-from app.outbox.read.sql import ASIDE, held_since
+from app.outbox.read.sql import ASIDE, from_row, held_since
 from app.outbox.reports import PublisherReport, read_report
 from app.outbox.schema import audit, held, outbox, publishers
 from app.outbox.states import Status
@@ -287,18 +287,8 @@ def publisher_rows(
     for row in conn.execute(stmt).mappings():
         beat_age = age_seconds(row["heartbeat_at"], now) or 0.0
         stats = row["stats"] if isinstance(row["stats"], dict) else None
-        out.append(
-            PublisherInfo(
-                publisher_id=row["publisher_id"],
-                hostname=row["hostname"],
-                pid=row["pid"],
-                started_at=row["started_at"],
-                heartbeat_at=row["heartbeat_at"],
-                stopped_at=row["stopped_at"],
-                stats=stats,
-                alive=row["stopped_at"] is None and beat_age <= alive_after,
-            )
-        )
+        alive = row["stopped_at"] is None and beat_age <= alive_after
+        out.append(from_row(PublisherInfo, row, stats=stats, alive=alive))
     return out
 
 
