@@ -26,6 +26,8 @@ from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.hosts import is_loopback
+
 JSON_MEDIA = "application/json"
 
 
@@ -113,12 +115,7 @@ def _loopback_host(scope: Scope) -> bool:
         name = urlsplit("//" + host.decode("ascii")).hostname or ""
     except (UnicodeDecodeError, ValueError):
         return False
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(name)
 
 
 def _content_length(scope: Scope) -> int | None:

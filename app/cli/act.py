@@ -20,7 +20,7 @@ from app.cli.common import (
     actor_flag,
     bounded_float,
     bounded_int,
-    engine_of,
+    database,
     json_flag,
     one_line,
     positive_days,
@@ -46,8 +46,7 @@ from app.settings import Settings
 def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
     flt = _republish_filter(args)
     request_id = None if args.dry_run else (args.request_id or f"cli-{uuid.uuid4()}")
-    engine = engine_of(settings)
-    try:
+    with database(settings) as engine:
         if flt.batch_id is not None and not batch_exists(engine, batch_id=flt.batch_id):
             raise Failure(f"no batch {flt.batch_id!r}")
         actions = OperatorActions(engine)
@@ -81,8 +80,6 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
                         f"chunk {chunk}: republished {result.count} (total {moved})",
                         file=sys.stderr,
                     )
-    finally:
-        engine.dispose()
     if args.json:
         from app.api.models import RepublishOut
 
@@ -104,11 +101,8 @@ def _cmd_republish(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_parked(settings: Settings, args: argparse.Namespace) -> int:
-    engine = engine_of(settings)
-    try:
+    with database(settings) as engine:
         items = parked_keys(engine, limit=args.limit, after=args.after)
-    finally:
-        engine.dispose()
     if args.json:
         from app.api.models import ParkedKeyOut
 
@@ -149,15 +143,13 @@ def _print_parked(items: Sequence[ParkedKey]) -> None:
 
 
 def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
-    engine = engine_of(settings)
-    try:
-        result = OperatorActions(engine).skip(
-            actor=args.actor, message_id=args.message_id, reason=args.reason
-        )
-    except CannotSkip as exc:
-        raise Failure(str(exc)) from None
-    finally:
-        engine.dispose()
+    with database(settings) as engine:
+        try:
+            result = OperatorActions(engine).skip(
+                actor=args.actor, message_id=args.message_id, reason=args.reason
+            )
+        except CannotSkip as exc:
+            raise Failure(str(exc)) from None
     if args.json:
         print_json(
             {
@@ -182,9 +174,8 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
 
     days = settings.retention_days if args.older_than_days is None else args.older_than_days
     inbox_days = settings.inbox_retention_days
-    engine = engine_of(settings)
-    retention = Retention(engine)
-    try:
+    with database(settings) as engine:
+        retention = Retention(engine)
         if args.dry_run:
             return _purge_dry_run(retention, days, as_json=args.json)
         live = fancy(sys.stderr) and not args.json
@@ -208,8 +199,6 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
             sleep_coef=coef,
             seconds=seconds,
         )
-    finally:
-        engine.dispose()
     done = {
         "dry_run": False,
         "older_than_days": days,

@@ -7,8 +7,9 @@ import datetime as dt
 import getpass
 import math
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
@@ -17,6 +18,7 @@ from app.outbox.actions import MAX_ACTOR, has_control_characters
 from app.settings import Settings
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+N = TypeVar("N", int, float)
 
 
 #: republish moved some of the matching rows and left the rest (its --limit)
@@ -36,6 +38,16 @@ class Failure(Exception):
 
 def engine_of(settings: Settings) -> Engine:
     return make_engine(settings.database_url.get_secret_value())
+
+
+@contextmanager
+def database(settings: Settings) -> Iterator[Engine]:
+    """An engine for one command, disposed of when the command is done with it."""
+    engine = engine_of(settings)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
 
 
 def print_json(value: object) -> None:
@@ -58,12 +70,17 @@ def timestamp(text: str) -> dt.datetime:
     return stamp.replace(tzinfo=dt.UTC) if stamp.tzinfo is None else stamp.astimezone(dt.UTC)
 
 
+def _number(text: str, kind: Callable[[str], N], what: str) -> N:
+    """``text`` read as ``kind``; an argument error saying it is not ``what`` otherwise."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+
+
 def bounded_int(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        value = _number(text, int, "a whole number")
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"must be within {low}..{high}, got {value}")
         return value
@@ -73,10 +90,7 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
 
 def bounded_float(low: float, high: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        value = _number(text, float, "a number")
         if not low <= value <= high:  # NaN fails this too
             raise argparse.ArgumentTypeError(f"must be within {low:g}..{high:g}, got {text!r}")
         return value
@@ -85,10 +99,7 @@ def bounded_float(low: float, high: float) -> Callable[[str], float]:
 
 
 def positive_days(text: str) -> float:
-    try:
-        days = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of days: {text!r}") from None
+    days = _number(text, float, "a number of days")
     if not math.isfinite(days) or days <= 0:
         raise argparse.ArgumentTypeError(
             f"must be a positive, finite number of days, got {text!r} (a purge never deletes "
@@ -98,10 +109,7 @@ def positive_days(text: str) -> float:
 
 
 def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    value = _number(text, float, "a number of seconds")
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds: {text!r}")
     return value

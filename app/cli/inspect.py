@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 from app.cli.common import (
     EXIT_OK,
@@ -10,15 +13,18 @@ from app.cli.common import (
     Sub,
     UsageError,
     bounded_int,
-    engine_of,
+    database,
     json_compact,
     json_flag,
     positive_seconds,
+    print_json,
 )
 from app.cli.render import (
     BATCH_HEADERS,
+    audit_line,
     batch_row,
     duration,
+    reject_line,
     render_batches,
     render_stats,
     show_stats,
@@ -38,11 +44,8 @@ from app.settings import Settings
 
 
 def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
-    engine = engine_of(settings)
-    try:
+    with database(settings) as engine:
         stats = stats_for(engine, settings=settings, now=utcnow())
-    finally:
-        engine.dispose()
     from app.outbox.health import Thresholds, verdict
 
     limits = Thresholds(
@@ -71,11 +74,8 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
     from app.api.models import MessageOut
 
-    engine = engine_of(settings)
-    try:
+    with database(settings) as engine:
         found = message(engine, message_id=args.message_id, include_body=args.body)
-    finally:
-        engine.dispose()
     if found is None:
         raise Failure(f"no message {args.message_id!r}")
     out = MessageOut.of(found)
@@ -89,7 +89,6 @@ def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
-    engine = engine_of(settings)
     flt = OutstandingFilter(
         publisher=args.publisher,
         exchange=args.exchange,
@@ -98,11 +97,10 @@ def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
     )
     try:
         after = OutstandingKey.decode(args.cursor) if args.cursor else None
-        page = outstanding_confirms(engine, now=utcnow(), flt=flt, limit=args.limit, after=after)
     except BadCursor as exc:
         raise UsageError(f"--cursor: {exc}") from None
-    finally:
-        engine.dispose()
+    with database(settings) as engine:
+        page = outstanding_confirms(engine, now=utcnow(), flt=flt, limit=args.limit, after=after)
     if args.json:
         from app.api.models import OutstandingOut, OutstandingPage
 
@@ -136,11 +134,8 @@ def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
-    engine = engine_of(settings)
-    try:
+    with database(settings) as engine:
         groups = failures_by_cause(engine, limit=args.limit)
-    finally:
-        engine.dispose()
     if args.json:
         from app.api.models import FailuresOut
 
@@ -182,23 +177,21 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
-    engine = engine_of(settings)
-    try:
-        found = writer_rejects(engine, batch_id=args.batch, limit=args.limit)
-    finally:
-        engine.dispose()
-    if args.json:
-        import dataclasses
-        import json
+def _answered(records: Sequence[Any], *, as_json: bool, none: str) -> bool:
+    """Print ``records`` (dataclasses) as JSON, or ``none`` when there are none: True when that
+    was the whole answer, False when the records are still to be shown."""
+    if as_json:
+        print_json([dataclasses.asdict(r) for r in records])
+    elif not records:
+        print(none)
+    return as_json or not records
 
-        print(json.dumps([dataclasses.asdict(r) for r in found], indent=2, default=str))
-        return EXIT_OK
-    if not found:
-        print(
-            "no rows refused by the Spark writer"
-            + (f" in batch {args.batch}" if args.batch else "")
-        )
+
+def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
+    with database(settings) as engine:
+        found = writer_rejects(engine, batch_id=args.batch, limit=args.limit)
+    none = "no rows refused by the Spark writer" + (f" in batch {args.batch}" if args.batch else "")
+    if _answered(found, as_json=args.json, none=none):
         return EXIT_OK
     if fancy():
         show_table(
@@ -207,27 +200,14 @@ def _cmd_rejects(settings: Settings, args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     for r in found:
-        print(
-            f"{r.created_at:%Y-%m-%d %H:%M:%S}  {r.batch_id:<24} {r.message_id or '-':<20} "
-            f"{r.reason}"
-        )
+        print(reject_line(r))
     return EXIT_OK
 
 
 def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
-    engine = engine_of(settings)
-    try:
+    with database(settings) as engine:
         entries = audit_trail(engine, limit=args.limit)
-    finally:
-        engine.dispose()
-    if args.json:
-        import dataclasses
-        import json
-
-        print(json.dumps([dataclasses.asdict(e) for e in entries], indent=2, default=str))
-        return EXIT_OK
-    if not entries:
-        print("no operator actions recorded")
+    if _answered(entries, as_json=args.json, none="no operator actions recorded"):
         return EXIT_OK
     if fancy():
         show_table(
@@ -248,18 +228,12 @@ def _cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     for e in entries:
-        who = e.actor if e.principal in (None, e.actor) else f"{e.actor} (as {e.principal})"
-        where = f" from {e.client_addr}" if e.client_addr else ""
-        print(
-            f"{e.at:%Y-%m-%d %H:%M:%S}  #{e.id:<5} {e.action:<10} {e.count:>6} rows  "
-            f"{who}{where}  {json_compact(e.filter)}"
-        )
+        print(audit_line(e))
     return EXIT_OK
 
 
 def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
-    engine = engine_of(settings)
-    try:
+    with database(settings) as engine:
         if args.batch_id is not None:
             one = batch_summary(engine, batch_id=args.batch_id)
             if one is None:
@@ -268,8 +242,6 @@ def _cmd_batches(settings: Settings, args: argparse.Namespace) -> int:
         else:
             status = Status(args.status) if args.status else None
             items = list_batches(engine, limit=args.limit, status=status).items
-    finally:
-        engine.dispose()
     if args.json:
         from app.api.models import BatchOut
 

@@ -6,8 +6,11 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
+from app.cli.common import json_compact
 from app.cli_output import cell, plain_table, say, show_table
+from app.outbox.read.audit import AuditEntry
 from app.outbox.read.batches import BatchSummary
+from app.outbox.read.rejects import WriterReject
 from app.outbox.read.stats import OutboxStats
 from app.outbox.scope import RepublishFilter
 from app.outbox.states import Status
@@ -32,18 +35,7 @@ def duration(seconds: float | None) -> str:
 def render_stats(s: OutboxStats) -> str:
     lat = s.confirm_latency
     counts = [(status.value, n) for status, n in s.counts.items()]
-    pubs = [
-        (
-            p.publisher_id,
-            p.hostname,
-            p.pid,
-            duration(_ago(p.heartbeat_at, s.at)) + " ago",
-            ("blocked" if p.blocked else "alive")
-            if p.alive
-            else ("stopped" if p.stopped_at else "silent"),
-        )
-        for p in s.publishers
-    ]
+    pubs = _publisher_rows(s)
     lines = [
         f"outbox at {cell(s.at)} UTC",
         "",
@@ -80,6 +72,22 @@ def render_stats(s: OutboxStats) -> str:
     if pubs:
         lines.append(plain_table(["publisher", "host", "pid", "heartbeat", "state"], pubs))
     return "\n".join(lines)
+
+
+def _publisher_rows(s: OutboxStats) -> list[tuple[str, str, int, str, str]]:
+    """The publishers table's rows: id, host, pid, heartbeat age, state."""
+    return [
+        (
+            p.publisher_id,
+            p.hostname,
+            p.pid,
+            duration(_ago(p.heartbeat_at, s.at)) + " ago",
+            ("blocked" if p.blocked else "alive")
+            if p.alive
+            else ("stopped" if p.stopped_at else "silent"),
+        )
+        for p in s.publishers
+    ]
 
 
 def _next_delayed(s: OutboxStats) -> str:
@@ -120,18 +128,7 @@ def show_stats(s: OutboxStats) -> None:
     )
     if s.blocked_publishers:
         say(f"BROKER BLOCKED for {', '.join(s.blocked_publishers)}", level="CRITICAL")
-    pubs = [
-        (
-            p.publisher_id,
-            p.hostname,
-            p.pid,
-            duration(_ago(p.heartbeat_at, s.at)) + " ago",
-            ("blocked" if p.blocked else "alive")
-            if p.alive
-            else ("stopped" if p.stopped_at else "silent"),
-        )
-        for p in s.publishers
-    ]
+    pubs = _publisher_rows(s)
     alive = f"publishers: {s.publishers_alive} alive of {len(s.publishers)} known"
     show_table(["publisher", "host", "pid", "heartbeat", "state"], pubs, title=alive)
 
@@ -171,6 +168,22 @@ def _ago(then: dt.datetime, now: dt.datetime) -> float:
 
 
 #: "rejected": rows the Spark writer refused (bad values, id conflicts: `outbox rejects`)
+def reject_line(r: WriterReject) -> str:
+    """A row the Spark writer refused, on one line: when, batch, message id, reason."""
+    when = f"{r.created_at:%Y-%m-%d %H:%M:%S}"
+    return f"{when}  {r.batch_id:<24} {r.message_id or '-':<20} {r.reason}"
+
+
+def audit_line(e: AuditEntry) -> str:
+    """An operator action on one line: when, id, action, rows, who (as whom, from where), filter."""
+    who = e.actor if e.principal in (None, e.actor) else f"{e.actor} (as {e.principal})"
+    where = f" from {e.client_addr}" if e.client_addr else ""
+    return (
+        f"{e.at:%Y-%m-%d %H:%M:%S}  #{e.id:<5} {e.action:<10} {e.count:>6} rows  "
+        f"{who}{where}  {json_compact(e.filter)}"
+    )
+
+
 BATCH_HEADERS = ["batch", "rows", *(s.value for s in Status), "dup", "rejected", "last confirmed"]
 
 

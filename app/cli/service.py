@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from app.cli.common import (
     print_json,
 )
 from app.db import SchemaMismatch, check_schema, head_revision, migrate
+from app.hosts import is_loopback
 from app.logs import redact
 from app.outbox.database import OutboxError
 from app.settings import Settings
@@ -68,7 +68,7 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     host = args.host or settings.api_host
     port = args.port or settings.api_port
     if args.insecure or settings.api_insecure:  # one rule, whichever way it is switched on
-        if not _loopback(host):
+        if not is_loopback(host):
             raise UsageError(
                 f"insecure mode (--insecure / OUTBOX_API_INSECURE) serves on loopback addresses "
                 f"only, not {host}"
@@ -82,7 +82,7 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     for what, path in (("certificate", cert), ("key", key)):
         if path is not None and not Path(path).is_file():
             raise UsageError(f"TLS {what} {path} is not a readable file")
-    if cert is None and not _loopback(host):
+    if cert is None and not is_loopback(host):
         print(
             f"outbox: serving plain HTTP on {host}: bearer tokens cross the network in clear; "
             "use --tls-cert/--tls-key or a TLS-terminating proxy (docs/security.md)",
@@ -108,15 +108,6 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         log_config=None,
     )
     return EXIT_OK
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
