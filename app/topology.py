@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 
 from pamqp import commands, common
 
-from app.amqp.codec import ReturnedMessage
 from app.amqp.connection import AMQPConnection
-from app.amqp.errors import CloseReason
 
 KINDS = ("direct", "topic", "fanout", "headers")
 #: ``classic``: one node holds the queue (a single broker, or messages that may be lost with a
@@ -43,13 +41,11 @@ def queue_arguments(
 class _Quiet:
     """A declare-only connection publishes nothing: it has nothing to hear."""
 
-    def on_ack(self, channel_id: int, delivery_tag: int, multiple: bool) -> None: ...
-    def on_nack(self, channel_id: int, delivery_tag: int, multiple: bool) -> None: ...
-    def on_return(self, channel_id: int, message: ReturnedMessage) -> None: ...
-    def on_channel_closed(self, channel_id: int, reason: CloseReason) -> None: ...
-    def on_blocked(self, reason: str) -> None: ...
-    def on_unblocked(self) -> None: ...
-    def on_connection_lost(self, reason: CloseReason) -> None: ...
+    def _ignore(self, *_: object, **__: object) -> None:
+        """Whatever the broker says, unasked: nothing to do."""
+
+    on_ack = on_nack = on_return = on_channel_closed = _ignore
+    on_blocked = on_unblocked = on_connection_lost = _ignore
 
 
 @dataclass(frozen=True, slots=True)

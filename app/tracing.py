@@ -115,7 +115,7 @@ def consumer_span(
     if state is not None:
         carrier[TRACESTATE] = state
     ctx = propagate.extract(carrier)
-    tracer = trace.get_tracer("outbox-sink.consumer")
+    trace, tracer = _tracer(otel, "consumer")
     with tracer.start_as_current_span(
         name, context=ctx, kind=trace.SpanKind.CONSUMER, attributes=dict(attributes)
     ):
@@ -134,8 +134,7 @@ def linked_span(
     if otel is None or not parents:
         yield
         return
-    _propagate, trace = otel
-    tracer = trace.get_tracer("outbox-sink.consumer")
+    trace, tracer = _tracer(otel, "consumer")
     with tracer.start_as_current_span(
         name,
         kind=trace.SpanKind.CONSUMER,
@@ -147,6 +146,12 @@ def linked_span(
 
 #: OpenTelemetry's SDK keeps at most 128 links per span by default; more are dropped there.
 MAX_LINKS = 128
+
+
+def _tracer(otel: Any, part: str) -> tuple[Any, Any]:
+    """OpenTelemetry's trace API and the tracer of ``part`` (consumer, publisher)."""
+    _propagate, trace = otel
+    return trace, trace.get_tracer(f"outbox-sink.{part}")
 
 
 def _links(otel: Any, parents: Sequence[str]) -> list[Any]:
@@ -172,8 +177,7 @@ def producer_span(
     otel = _otel()
     if otel is None:
         return None
-    _propagate, trace = otel
-    tracer = trace.get_tracer("outbox-sink.publisher")
+    trace, tracer = _tracer(otel, "publisher")
     return tracer.start_span(
         name,
         kind=trace.SpanKind.PRODUCER,

@@ -48,67 +48,68 @@ COUNTERS: tuple[str, ...] = (
 )
 
 
+def _figure(default: float | None, description: str) -> Any:
+    """A figure of the report: never below 0, ``default`` until the publisher reports it."""
+    return Field(default, ge=0, description=description)
+
+
 class PublisherReport(BaseModel):
     """One publisher's figures at its last heartbeat."""
 
     model_config = ConfigDict(extra="ignore")
 
-    published: int = Field(0, ge=0, description="Publishes sent (republishes included).")
-    confirmed: int = Field(0, ge=0, description="Rows confirmed (acked, not returned).")
-    returned: int = Field(0, ge=0, description="Rows returned unroutable (mandatory).")
-    nacked: int = Field(0, ge=0, description="Nacks received (each row may come back).")
-    nacked_final: int = Field(0, ge=0, description="Rows ended nacked (attempts spent).")
-    retried: int = Field(0, ge=0, description="Rows put back with backoff (nack, destination).")
-    failed: int = Field(0, ge=0, description="Rows ended failed (permanent error, poison).")
-    poison: int = Field(0, ge=0, description="Rows failed for closing their channel alone.")
-    lost_confirms: int = Field(
-        0, ge=0, description="Publishes whose confirm never came: possible duplicates."
+    published: int = _figure(0, "Publishes sent (republishes included).")
+    confirmed: int = _figure(0, "Rows confirmed (acked, not returned).")
+    returned: int = _figure(0, "Rows returned unroutable (mandatory).")
+    nacked: int = _figure(0, "Nacks received (each row may come back).")
+    nacked_final: int = _figure(0, "Rows ended nacked (attempts spent).")
+    retried: int = _figure(0, "Rows put back with backoff (nack, destination).")
+    failed: int = _figure(0, "Rows ended failed (permanent error, poison).")
+    poison: int = _figure(0, "Rows failed for closing their channel alone.")
+    lost_confirms: int = _figure(0, "Publishes whose confirm never came: possible duplicates.")
+    released: int = _figure(0, "Claimed rows given back unpublished.")
+    channel_closes: int = _figure(0, "Confirm channels closed by the broker.")
+    connection_closes: int = _figure(0, "Connections lost or closed.")
+    reconnects: int = _figure(0, "Successful reconnects.")
+    connect_failures: int = _figure(0, "Failed connection attempts.")
+    protocol_errors: int = _figure(0, "Impossible frames from the broker.")
+    destination_errors: int = _figure(0, "Missing or forbidden exchanges seen.")
+    lease_lost: int = _figure(0, "Rows the database no longer let it settle.")
+    claims: int = _figure(0, "Claim statements that returned rows.")
+    claimed: int = _figure(0, "Rows claimed.")
+    flushes: int = _figure(0, "Write-backs committed.")
+    db_errors: int = _figure(0, "Database calls that failed (retried).")
+    blocked_seconds: float = _figure(0.0, "Time the broker blocked publishing.")
+    destination_outages: int = _figure(
+        0, "Exchanges paused for nacking everything (no ack for a while)."
     )
-    released: int = Field(0, ge=0, description="Claimed rows given back unpublished.")
-    channel_closes: int = Field(0, ge=0, description="Confirm channels closed by the broker.")
-    connection_closes: int = Field(0, ge=0, description="Connections lost or closed.")
-    reconnects: int = Field(0, ge=0, description="Successful reconnects.")
-    connect_failures: int = Field(0, ge=0, description="Failed connection attempts.")
-    protocol_errors: int = Field(0, ge=0, description="Impossible frames from the broker.")
-    destination_errors: int = Field(0, ge=0, description="Missing or forbidden exchanges seen.")
-    lease_lost: int = Field(0, ge=0, description="Rows the database no longer let it settle.")
-    claims: int = Field(0, ge=0, description="Claim statements that returned rows.")
-    claimed: int = Field(0, ge=0, description="Rows claimed.")
-    flushes: int = Field(0, ge=0, description="Write-backs committed.")
-    db_errors: int = Field(0, ge=0, description="Database calls that failed (retried).")
-    blocked_seconds: float = Field(0.0, ge=0, description="Time the broker blocked publishing.")
-    destination_outages: int = Field(
-        0, ge=0, description="Exchanges paused for nacking everything (no ack for a while)."
+    postponed: int = _figure(0, "Rows put back pending for a destination outage (no budget spent).")
+    confirm_timeouts: int = _figure(
+        0, "Connections dropped for a confirm overdue past confirm_timeout."
     )
-    postponed: int = Field(
-        0, ge=0, description="Rows put back pending for a destination outage (no budget spent)."
+    outages_overdue: int = _figure(
+        0, "Destination outages past destination_outage_max_wait: charged."
     )
-    confirm_timeouts: int = Field(
-        0, ge=0, description="Connections dropped for a confirm overdue past confirm_timeout."
-    )
-    outages_overdue: int = Field(
-        0, ge=0, description="Destination outages past destination_outage_max_wait: charged."
-    )
-    returns_retried: int = Field(
-        0, ge=0, description="NO_ROUTE returns within return_grace of connecting: retried."
+    returns_retried: int = _figure(
+        0, "NO_ROUTE returns within return_grace of connecting: retried."
     )
 
     connected: bool = Field(False, description="Connected to the broker now.")
     blocked: bool = Field(False, description="The broker blocks publishing now (alarm).")
     blocked_reason: str | None = Field(None, description="The broker's reason when blocked.")
     broker_node: str | None = Field(None, description="host:port of the broker node it uses.")
-    broker_unreachable_seconds: float = Field(
-        0.0, ge=0, description="Seconds since the broker became unreachable (0 when connected)."
+    broker_unreachable_seconds: float = _figure(
+        0.0, "Seconds since the broker became unreachable (0 when connected)."
     )
-    held: int = Field(0, ge=0, description="Rows held: claimed and not yet settled.")
-    queued: int = Field(0, ge=0, description="Rows claimed, not yet published.")
-    outstanding: int = Field(0, ge=0, description="Publishes awaiting a broker confirm.")
-    quarantined: int = Field(0, ge=0, description="Suspect rows waiting to be published alone.")
-    oldest_held_age_seconds: float | None = Field(
-        None, ge=0, description="Age of the oldest held row since its claim."
+    held: int = _figure(0, "Rows held: claimed and not yet settled.")
+    queued: int = _figure(0, "Rows claimed, not yet published.")
+    outstanding: int = _figure(0, "Publishes awaiting a broker confirm.")
+    quarantined: int = _figure(0, "Suspect rows waiting to be published alone.")
+    oldest_held_age_seconds: float | None = _figure(
+        None, "Age of the oldest held row since its claim."
     )
-    confirm_latency_p50: float | None = Field(None, ge=0, description="Seconds, this process.")
-    confirm_latency_p99: float | None = Field(None, ge=0, description="Seconds, this process.")
+    confirm_latency_p50: float | None = _figure(None, "Seconds, this process.")
+    confirm_latency_p99: float | None = _figure(None, "Seconds, this process.")
     paused_exchanges: list[str] = Field(
         default_factory=list, description="Exchanges backing off (missing or forbidden)."
     )

@@ -29,7 +29,8 @@ class Status(StrEnum):
     SKIPPED = "skipped"
 
 
-TERMINAL_FAILURES: frozenset[Status] = frozenset({Status.RETURNED, Status.NACKED, Status.FAILED})
+_FAILURE_ORDER = (Status.RETURNED, Status.NACKED, Status.FAILED)
+TERMINAL_FAILURES: frozenset[Status] = frozenset(_FAILURE_ORDER)
 TERMINAL: frozenset[Status] = TERMINAL_FAILURES | {Status.CONFIRMED, Status.SKIPPED}
 #: A row in one of these states no longer holds back the later rows of its ordering key.
 RELEASES_KEY: frozenset[Status] = frozenset({Status.CONFIRMED, Status.SKIPPED})
@@ -42,12 +43,9 @@ TRANSITIONS: dict[tuple[Status, Status], str] = {
     (Status.IN_FLIGHT, Status.NACKED): "nack, attempts spent",
     (Status.IN_FLIGHT, Status.FAILED): "permanent error",
     (Status.IN_FLIGHT, Status.PENDING): "retry, lost confirm, expired lease or release",
-    (Status.RETURNED, Status.PENDING): "operator republish",
-    (Status.NACKED, Status.PENDING): "operator republish",
-    (Status.FAILED, Status.PENDING): "operator republish",
-    (Status.RETURNED, Status.SKIPPED): "operator skip",
-    (Status.NACKED, Status.SKIPPED): "operator skip",
-    (Status.FAILED, Status.SKIPPED): "operator skip",
+    # an operator moves a terminal failure back (republish) or past (skip)
+    **{(s, Status.PENDING): "operator republish" for s in _FAILURE_ORDER},
+    **{(s, Status.SKIPPED): "operator skip" for s in _FAILURE_ORDER},
 }
 
 
