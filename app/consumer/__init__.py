@@ -16,14 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from app.consumer.acks import Ack, AckTracker
+    from app.consumer.config import ConsumerConfig, ConsumerMetrics
     from app.consumer.inbox import BatchHandler, Handler, Message, handle_once, purge_inbox
-    from app.consumer.kit import (
-        Consumer,
-        ConsumerConfig,
-        ConsumerMetrics,
-        consumer_engine,
-        registry_for,
-    )
+    from app.consumer.kit import Consumer, consumer_engine, registry_for
 
 _HOME = {
     "Ack": "acks",
@@ -34,8 +29,8 @@ _HOME = {
     "handle_once": "inbox",
     "purge_inbox": "inbox",
     "Consumer": "kit",
-    "ConsumerConfig": "kit",
-    "ConsumerMetrics": "kit",
+    "ConsumerConfig": "config",
+    "ConsumerMetrics": "config",
     "consumer_engine": "kit",
     "registry_for": "kit",
 }

@@ -15,34 +15,15 @@ Every function here runs in a handler thread, on a connection of its own.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Engine, delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from app.consumer.held import ERROR_CHARS as ERROR_CHARS
+from app.consumer.held import Message as Message
 from app.outbox.schema import consumer_attempts, inbox
-
-#: The longest handler error kept on an attempts row and in a dead letter's headers.
-ERROR_CHARS = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """What a handler sees of a delivery (no broker object crosses into the handler's thread)."""
-
-    message_id: str
-    body: bytes
-    routing_key: str
-    exchange: str
-    headers: Mapping[str, Any] = field(default_factory=dict)
-    content_type: str | None = None
-    redelivered: bool = False
-    #: how many times this message's handler started before without an outcome (raised, timed
-    #: out, or its process died): the kit's own durable count
-    delivery_count: int = 0
-
 
 #: A handler: does the message's effect with ``conn`` (the kit's transaction). Raising rolls the
 #: transaction back (the inbox row too) and the delivery goes to the failure policy.

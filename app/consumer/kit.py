@@ -1,5 +1,11 @@
 """The consumer kit: manual acks, a per-consumer prefetch, an inbox, a failure policy.
 
+This module is the I/O shell: the broker's connection and channel, the handler threads, the
+frames sent. What the kit decides (which job runs which delivery, which tags to ack, nack or
+reject, when to give a message up, when the database is out) is :mod:`app.consumer.core`, fed
+events here and answering with commands; what a job does with the database is
+:mod:`app.consumer.work`.
+
 ::
 
     broker ──deliveries (≤ prefetch unacked)──▶ Consumer ──windows──▶ handler threads
@@ -13,9 +19,9 @@
   (:func:`~app.consumer.work.run_window`). **Per message** (``mode="message"``): each delivery in
   a transaction of its own, for handlers whose effect lies outside the database.
 - Every finished delivery is acknowledged as soon as its transaction committed, even while an
-  older one still runs (:class:`~app.consumer.acks.AckTracker`): a slow handler holds only its
-  own delivery (and those that ran before it in its window). A window whose handler is slow is
-  cut: the deliveries it had not started go to another window.
+  older one still runs (:class:`~app.consumer.acks.AckTracker`, in the core): a slow handler
+  holds only its own delivery (and those that ran before it in its window). A window whose
+  handler is slow is cut: the deliveries it had not started go to another window.
 - A handler that raises: its message's attempt is counted (``outbox_consumer_attempts``) and it
   is requeued, or dead-lettered once it failed ``delivery_limit`` times. A handler running past
   ``handler_timeout`` counts as a failure of its message. A **redelivered** message runs alone,
@@ -41,10 +47,9 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel
@@ -55,11 +60,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Engine
 
-from app.consumer.acks import AckTracker
-from app.consumer.inbox import ERROR_CHARS, BatchHandler, Handler, Message
-from app.consumer.work import Held, Outcome, Window, run_single, run_window
+from app.consumer.config import COUNTERS, ConsumerMetrics
+from app.consumer.config import ConsumerConfig as ConsumerConfig
+from app.consumer.core import Abandoned, DeadLetter, Frame, KitCore, KitState, Start, first_line
+from app.consumer.core import Outage as Outage
+from app.consumer.held import ERROR_CHARS, Held, Message, Outcome, Window
+from app.consumer.inbox import BatchHandler, Handler
+from app.consumer.work import Jobs
 from app.db import make_engine
-from app.histogram import Histogram
 from app.logs import redact_url
 
 log = logging.getLogger("app.consumer")
@@ -83,110 +91,6 @@ def consumer_engine(url: str, *, concurrency: int, **kwargs: Any) -> Engine:
     # per transaction for nothing
     kwargs.setdefault("pool_reset_on_return", None)
     return make_engine(url, **kwargs)
-
-
-COUNTERS = {
-    "deliveries": "Deliveries received (redeliveries included).",
-    "redelivered": "Deliveries the broker flagged as redelivered.",
-    "handled": "Messages whose handler ran and committed (effect done).",
-    "deduplicated": "Deliveries already in the inbox: acked without running the handler.",
-    "acked": "Deliveries acknowledged.",
-    "ack_frames": "basic.ack frames sent (each may settle many deliveries).",
-    "transactions": "Transactions that ran handlers (a window of deliveries, or one message).",
-    "handler_failures": "Handlers that raised or ran past handler_timeout (each an attempt).",
-    "handler_timeouts": "Handlers that ran past handler_timeout (counted as failed attempts).",
-    "requeued": "Failed deliveries requeued (below the delivery limit).",
-    "dead_lettered": "Deliveries dead-lettered (delivery limit reached, or no message_id).",
-    "broker_limited": "Deliveries dead-lettered because a quorum queue's x-delivery-count "
-    "reached broker_delivery_limit.",
-    "database_errors": "Database calls that failed (each retried, none against a message).",
-    "database_outages": "Times consumption paused because the database stopped answering.",
-    "cancels": "Consumers cancelled by the broker (queue deleted).",
-    "reconnects": "Connections lost and opened again (the broker's, and the database's after an "
-    "outage).",
-}
-LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-#: A window whose running handler has taken this long gives the deliveries it has not started
-#: to another window.
-CUT_AFTER = 0.25
-#: A window holds about this much handler time at most: slow handlers get smaller windows,
-#: spread over the handler threads (fast ones fill ``batch_size``).
-WINDOW_SECONDS = 0.2
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConsumerConfig:
-    name: str  # the inbox key: consumers of the same name share effects
-    queue: str
-    #: ``batch``: windows of first deliveries in one transaction each; ``message``: a
-    #: transaction per message (for handlers whose effect is outside the database)
-    mode: Literal["batch", "message"] = "batch"
-    prefetch: int = 400
-    concurrency: int = 8
-    #: deliveries per window at most (and at most half the prefetch)
-    batch_size: int = 200
-    delivery_limit: int = 5
-    #: a quorum queue's ``x-delivery-count`` at or above this dead-letters the delivery (with
-    #: the kit's headers) before its handler runs: the broker's count sees tries the attempts
-    #: table cannot, but it also counts every delivery a crash returned, so keep it well above
-    #: ``delivery_limit`` and below the queue's ``x-delivery-limit`` (None: not used)
-    broker_delivery_limit: int | None = 50
-    #: a handler running longer fails its message's attempt (None: no limit)
-    handler_timeout: float | None = 60.0
-    ack_interval: float = 0.05
-    #: one basic.ack(multiple) per finished run (default), or one ack per delivery
-    ack_multiple: bool = True
-    stop_timeout: float = 10.0
-    reconnect_max_delay: float = 10.0
-    #: the longest pause between two tries while the database is down
-    database_retry_max_delay: float = 10.0
-    #: dead letters are published here (with headers saying why) and the delivery acked; None:
-    #: rejected without requeue (the queue's own x-dead-letter-exchange, if any, takes them)
-    dead_letter_exchange: str | None = None
-    #: routing key for ``dead_letter_exchange`` (None: the message's own routing key)
-    dead_letter_routing_key: str | None = None
-
-    def __post_init__(self) -> None:
-        problems = [
-            f"{name} must be at least 1"
-            for name, value in (
-                ("prefetch", self.prefetch),
-                ("concurrency", self.concurrency),
-                ("delivery_limit", self.delivery_limit),
-                ("batch_size", self.batch_size),
-            )
-            if value < 1
-        ]
-        if not self.name.strip() or not self.queue.strip():
-            problems.append("name and queue must not be empty")
-        if self.mode not in ("batch", "message"):
-            problems.append(f"mode must be 'batch' or 'message', not {self.mode!r}")
-        if self.handler_timeout is not None and self.handler_timeout <= 0:
-            problems.append("handler_timeout must be positive (or None)")
-        if self.broker_delivery_limit is not None and self.broker_delivery_limit < 1:
-            problems.append("broker_delivery_limit must be at least 1 (or None)")
-        if problems:
-            raise ValueError("invalid consumer config: " + "; ".join(problems))
-
-
-@dataclass
-class ConsumerMetrics:
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    handler_seconds: Histogram = field(default_factory=lambda: Histogram(LATENCY_BOUNDS))
-    in_flight: int = 0
-    prefetch: int = 0
-    connected: bool = False
-    database_down: bool = False
-    #: when the oldest handler still running started (monotonic), abandoned ones included
-    oldest_handler_started: Callable[[], float | None] = lambda: None
-    abandoned_handlers: int = 0
-
-    def add(self, name: str, n: int = 1) -> None:
-        self.counts[name] += n
-
-    def oldest_handler_seconds(self) -> float:
-        started = self.oldest_handler_started()
-        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
 
 class ConsumerCollector(Collector):
@@ -238,39 +142,6 @@ def registry_for(metrics: ConsumerMetrics, *, consumer: str) -> CollectorRegistr
     return registry
 
 
-class Outage:
-    """The database is down: since when, and when to try again (backoff with jitter)."""
-
-    def __init__(self, *, name: str, max_delay: float, rng: random.Random) -> None:
-        self.name, self.max_delay, self.rng = name, max_delay, rng
-        self.since: float | None = None
-        self.delay = 0.0
-        self.next_try = 0.0
-        self.errors = 0
-
-    @property
-    def down(self) -> bool:
-        return self.since is not None
-
-    def failed(self, exc: BaseException, now: float) -> bool:
-        """A database call failed; True when this starts an outage."""
-        self.errors += 1
-        started = self.since is None
-        if started:
-            self.since, self.delay = now, 0.2
-        else:
-            self.delay = min(self.max_delay, self.delay * 2)
-        self.next_try = now + self.delay * (0.5 + self.rng.random() / 2)
-        return started
-
-    def recovered(self, now: float) -> float | None:
-        """The database answered; the outage's length if one ends now."""
-        if self.since is None:
-            return None
-        took, self.since, self.errors = now - self.since, None, 0
-        return took
-
-
 class _Lost(Exception):
     """The consumer must start over on a new connection (cancelled, channel or connection lost)."""
 
@@ -304,12 +175,19 @@ class Consumer:
         self.outage = Outage(
             name=config.name, max_delay=config.database_retry_max_delay, rng=self._rng
         )
+        #: what the kit's decisions keep across channels (:mod:`app.consumer.core`)
+        self.state = KitState(
+            config=config,
+            metrics=self.metrics,
+            outage=self.outage,
+            batch_handler=batch_handler is not None,
+            clock=clock,
+        )
+        self.jobs = Jobs(
+            engine=engine, config=config, handler=self.handler, batch_handler=batch_handler
+        )
         self.pool = self._new_pool()
-        #: windows whose handler ran past its timeout and whose thread has not returned
-        self.abandoned: set[Window] = set()
         self._runs: list[_Run] = []
-        #: a moving average of a handler's time in batched windows (sizes the windows)
-        self.seconds_per_message = 0.0
         kept = pool_size(engine)
         if kept is not None and kept < config.concurrency:
             log.warning(
@@ -345,7 +223,7 @@ class Consumer:
         return min(starts, default=None)
 
     def _windows(self) -> list[Window]:
-        return [*self.abandoned, *(w for run in self._runs for w in run.jobs)]
+        return [*self.state.abandoned, *(w for run in self._runs for w in run.core.jobs)]
 
     async def run(self, stop: asyncio.Event) -> None:
         delay = 0.2
@@ -398,121 +276,101 @@ class Consumer:
             dead_letters = None
             if cfg.dead_letter_exchange is not None:
                 dead_letters = await conn.channel(publisher_confirms=True)
-            lost = asyncio.Event()
-            why: list[str] = []
-
-            def on_cancel(frame: Any) -> None:
-                self.metrics.add("cancels")
-                tag = getattr(frame, "consumer_tag", None)
-                why.append(f"the broker cancelled consumer {tag} (queue {cfg.queue} deleted?)")
-                lost.set()
-
-            def on_close(*args: Any) -> None:
-                why.append(f"channel closed: {args[-1] if args else 'unknown'}")
-                lost.set()
-
             underlay = await channel.get_underlay_channel()
-            underlay.on_consumer_cancel_callbacks.add(on_cancel)
-            channel.close_callbacks.add(on_close)
-            run = _Run(self, channel, underlay, dead_letters)
+            run = _Run(self, underlay, dead_letters)
+            watch = _Watch(self, run)
+            underlay.on_consumer_cancel_callbacks.add(watch.cancelled)
+            channel.close_callbacks.add(watch.closed)
             self._runs.append(run)
             try:
                 # aiormq's delivery as it is: aio-pika's IncomingMessage adds an object and a
                 # task per delivery on the event loop, which is the kit's bottleneck (the
                 # consume figures in docs/consumer.md)
                 tag = (await underlay.basic_consume(queue.name, run.on_delivery)).consumer_tag or ""
-
-                self.metrics.connected = True
-                log.info(
-                    "consumer %s consuming %s from %s (%s mode, prefetch %d, %d handler threads)",
-                    cfg.name,
-                    cfg.queue,
-                    redact_url(self.amqp_url),
-                    cfg.mode,
-                    cfg.prefetch,
-                    cfg.concurrency,
-                )
-                ticker = asyncio.create_task(run.tick_forever())
-                sender = asyncio.create_task(run.send_forever())
-                stopping = asyncio.create_task(stop.wait())
-                broken = asyncio.create_task(lost.wait())
-                try:
-                    await asyncio.wait([stopping, broken], return_when=asyncio.FIRST_COMPLETED)
-                    if stop.is_set() and not lost.is_set():
-                        with contextlib.suppress(Exception):
-                            await underlay.basic_cancel(tag)
-                        await run.drain(timeout=cfg.stop_timeout)
-                finally:
-                    run.close()
-                    for task in (ticker, sender, stopping, broken):
-                        task.cancel()
-                    self.metrics.connected = False
+                await self._consume(run, stop, watch, tag)
             finally:
-                if not run.jobs:  # else its jobs still report, and it goes when they are done
+                if not run.core.jobs:  # else its jobs still report, and it goes when they are done
                     self._runs.remove(run)
-            if lost.is_set() and not stop.is_set():
-                raise _Lost("; ".join(why) or "consumer lost")
+            if watch.lost.is_set() and not stop.is_set():
+                raise _Lost("; ".join(watch.why) or "consumer lost")
+
+    async def _consume(self, run: _Run, stop: asyncio.Event, watch: _Watch, tag: str) -> None:
+        """Until ``stop`` or the channel is lost; on ``stop``, cancel and drain what is held."""
+        cfg = self.config
+        self.metrics.connected = True
+        log.info(
+            "consumer %s consuming %s from %s (%s mode, prefetch %d, %d handler threads)",
+            cfg.name,
+            cfg.queue,
+            redact_url(self.amqp_url),
+            cfg.mode,
+            cfg.prefetch,
+            cfg.concurrency,
+        )
+        ticker = asyncio.create_task(run.tick_forever())
+        sender = asyncio.create_task(run.send_forever())
+        stopping = asyncio.create_task(stop.wait())
+        broken = asyncio.create_task(watch.lost.wait())
+        try:
+            await asyncio.wait([stopping, broken], return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set() and not watch.lost.is_set():
+                with contextlib.suppress(Exception):
+                    await run.underlay.basic_cancel(tag)
+                await run.drain(timeout=cfg.stop_timeout)
+        finally:
+            run.core.close()
+            for task in (ticker, sender, stopping, broken):
+                task.cancel()
+            self.metrics.connected = False
 
 
-Lane = Literal["window", "single", "suspect"]
+class _Watch:
+    """Why a session ends: the broker cancelled the consumer, or the channel closed."""
+
+    def __init__(self, consumer: Consumer, run: _Run) -> None:
+        self.consumer, self.run = consumer, run
+        self.lost = asyncio.Event()
+        self.why: list[str] = []
+
+    def cancelled(self, frame: Any) -> None:
+        self.consumer.metrics.add("cancels")
+        tag = getattr(frame, "consumer_tag", None)
+        queue = self.consumer.config.queue
+        self.why.append(f"the broker cancelled consumer {tag} (queue {queue} deleted?)")
+        self.lost.set()
+
+    def closed(self, *args: Any) -> None:
+        self.run.core.channel_closed()  # its tags mean nothing now: no more acks on it
+        self.why.append(f"channel closed: {args[-1] if args else 'unknown'}")
+        self.lost.set()
 
 
 class _Run:
-    """The deliveries of one channel: which job handles each, the database outage, the acks."""
+    """One channel's I/O around its :class:`~app.consumer.core.KitCore`: deliveries and job
+    outcomes in, the core's commands out (jobs on the handler threads, frames to the broker in
+    the order decided, dead letters published)."""
 
-    def __init__(
-        self,
-        consumer: Consumer,
-        channel: AbstractChannel,
-        underlay: Any,
-        dead_letters: AbstractChannel | None,
-    ) -> None:
+    def __init__(self, consumer: Consumer, underlay: Any, dead_letters: Any) -> None:
         self.c = consumer
         self.cfg = consumer.config
-        self.channel = channel
+        self.core = KitCore(consumer.state)
         self.underlay = underlay
-        self.dead_letters = dead_letters
-        self.tracker = AckTracker()
-        self.held: dict[int, Held] = {}
-        self.fresh: deque[Held] = deque()  # first deliveries, in order
-        self.singles: deque[Held] = deque()  # to run alone: failures to record, isolated ones
-        self.suspects: deque[Held] = deque()  # redelivered: alone, one at a time, charged first
-        self.jobs: dict[Window, Lane] = {}
-        self.closed = False
+        self.dead_letters: AbstractChannel | None = dead_letters
         self._pump_scheduled = False
         self._sends: set[asyncio.Task[None]] = set()
-        self._frames: deque[tuple[str, int, bool, int]] = deque()
+        self._frames: deque[Frame] = deque()
         self._wake = asyncio.Event()
         self._sent = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._settled = asyncio.Event()
 
-    # ------------------------------------------------------------ deliveries in
-
     async def on_delivery(self, delivered: DeliveredMessage) -> None:
         deliver = delivered.delivery
         assert isinstance(deliver, spec_basic.Deliver) and deliver.delivery_tag is not None
-        tag = deliver.delivery_tag
-        m = self.c.metrics
-        m.add("deliveries")
-        redelivered = bool(deliver.redelivered)
-        m.add("redelivered", int(redelivered))
-        if self.closed:
-            return  # a late delivery of a closed run: the broker gives it again
-        self.tracker.received(tag)
         props = delivered.header.properties
-        mid = props.message_id
-        if not mid:
-            log.error(
-                "delivery %d on %s has no message_id: cannot deduplicate, dead-lettered",
-                tag,
-                self.cfg.queue,
-            )
-            m.add("dead_lettered")
-            self._reject(tag)
-            return
+        redelivered = bool(deliver.redelivered)
         message = Message(
-            message_id=mid,
+            message_id=props.message_id or "",
             body=delivered.body,
             routing_key=deliver.routing_key or "",
             exchange=deliver.exchange or "",
@@ -520,250 +378,56 @@ class _Run:
             content_type=props.content_type,
             redelivered=redelivered,
         )
-        count = _delivery_count(message.headers, redelivered=redelivered)
-        held = Held(
-            tag=tag, message=message, redelivered=redelivered or count > 0, broker_count=count
-        )
-        self.held[tag] = held
-        m.in_flight = len(self.held)
-        self._route(held)
-        self._schedule_pump()
+        self.core.delivered(deliver.delivery_tag, message, redelivered=redelivered)
+        self._carry_out()
 
-    def _route(self, held: Held, *, front: bool = False) -> None:
-        lane = (
-            self.singles
-            if held.failure is not None
-            else self.suspects
-            if held.redelivered
-            else self.fresh
-        )
-        if front:
-            lane.appendleft(held)
-        else:
-            lane.append(held)
-
-    def _again(self, helds: list[Held]) -> None:
-        for held in reversed(helds):
-            if held.tag in self.held:
-                self._route(held, front=True)
-
-    # ------------------------------------------------------------ jobs
+    def _carry_out(self, *, pump: bool = True) -> None:
+        """Do what the core decided, in order."""
+        for command in self.core.take():
+            if isinstance(command, Frame):
+                self._frames.append(command)
+                self._wake.set()
+            elif isinstance(command, Start):
+                job = functools.partial(self.c.jobs.run, command.lane, command.window)
+                future = self._loop.run_in_executor(self.c.pool, job)
+                future.add_done_callback(functools.partial(self._done, command.window))
+            elif isinstance(command, DeadLetter):
+                self._send(self._publish_dead_letter(command.held))
+            elif isinstance(command, Abandoned):
+                # the hung thread keeps its slot: the next jobs get a pool of their own; a
+                # statement it waits on is cancelled (psycopg sends the cancel request on a
+                # connection of its own: not on the event loop)
+                self.c.pool.shutdown(wait=False)
+                self.c.pool = self.c._new_pool()
+                self._loop.run_in_executor(None, command.window.cancel_statement)
+            else:
+                delay = max(0.0, command.when - self.c.clock())
+                self._loop.call_later(delay, self._schedule_pump)
+        if not self.core.held:
+            self._settled.set()
+        if pump:
+            self._schedule_pump()
 
     def _schedule_pump(self) -> None:
-        if not self._pump_scheduled and not self.closed:
+        if not self._pump_scheduled and not self.core.closed:
             self._pump_scheduled = True
             self._loop.call_soon(self._pump)
 
     def _pump(self) -> None:
-        """Start jobs for what waits: ``concurrency`` windows or single messages at once, and
-        the redelivered messages one at a time beside them; one probe at a time while the
-        database is down."""
         self._pump_scheduled = False
-        if self.closed:
-            return
-        outage = self.c.outage
-        if outage.down:
-            if not self.jobs and self.c.clock() >= outage.next_try:
-                fresh: Lane = "single" if self.cfg.mode == "message" else "window"
-                lanes: tuple[tuple[Lane, deque[Held]], ...] = (
-                    ("single", self.singles),
-                    ("suspect", self.suspects),
-                    (fresh, self.fresh),
-                )
-                for lane, queue in lanes:
-                    if queue:
-                        self._start(lane, [queue.popleft()])
-                        break
-            return
-        if self.suspects and not any(lane == "suspect" for lane in self.jobs.values()):
-            self._start("suspect", [self.suspects.popleft()])
-        busy = sum(lane != "suspect" for lane in self.jobs.values())
-        while busy < self.cfg.concurrency and (self.singles or self.fresh):
-            if self.singles:
-                self._start("single", [self.singles.popleft()])
-            elif self.cfg.mode == "message":
-                self._start("single", [self.fresh.popleft()])
-            elif len(self.fresh) >= self._window_size or not self._windows_moving():
-                take = min(self._window_size, len(self.fresh))
-                self._start("window", [self.fresh.popleft() for _ in range(take)])
-            else:
-                break  # a window is under way: let the next one fill (fewer, larger commits)
-            busy += 1
-
-    @property
-    def _window_size(self) -> int:
-        """``batch_size``, but at most half the prefetch (a window held up by a slow handler
-        must leave the broker room to send the others more deliveries), and no more than the
-        handlers get through in about :data:`WINDOW_SECONDS` (slow handlers: smaller windows,
-        spread over the threads)."""
-        most = max(1, min(self.cfg.batch_size, self.cfg.prefetch // 2))
-        per = self.c.seconds_per_message
-        return most if per <= 0 else max(1, min(most, int(WINDOW_SECONDS / per)))
-
-    def _windows_moving(self) -> bool:
-        """A window is running whose handler is not slow (it will be done soon)."""
-        now = self.c.clock()
-        for window, lane in self.jobs.items():
-            running = window.running
-            if lane == "window" and (running is None or now - running[1] <= CUT_AFTER):
-                return True
-        return False
-
-    def _start(self, lane: Lane, items: list[Held]) -> None:
-        c = self.c
-        window = Window(items, clock=c.clock)
-        if lane == "window":
-            job = functools.partial(
-                run_window,
-                c.engine,
-                consumer=self.cfg.name,
-                window=window,
-                handler=c.handler,
-                batch_handler=c.batch_handler,
-            )
-        else:
-            job = functools.partial(
-                run_single,
-                c.engine,
-                consumer=self.cfg.name,
-                window=window,
-                handler=c.handler,
-                limit=self.cfg.delivery_limit,
-                charge=lane == "suspect",
-                broker_limit=self.cfg.broker_delivery_limit,
-            )
-        self.jobs[window] = lane
-        future = self._loop.run_in_executor(c.pool, job)
-        future.add_done_callback(functools.partial(self._done, window))
+        self.core.pump()
+        self._carry_out(pump=False)
 
     def _done(self, window: Window, future: asyncio.Future[Outcome]) -> None:
-        c, m = self.c, self.c.metrics
-        if window in c.abandoned:  # its handler timed out: its deliveries were dealt with then
-            c.abandoned.discard(window)
-            m.abandoned_handlers = len(c.abandoned)
-            return
-        self.jobs.pop(window, None)
-        if self.closed and not self.jobs and self in c._runs:
-            c._runs.remove(self)
         if future.cancelled():
-            return
-        error = future.exception()
-        if error is not None:  # a bug of the kit: the broker gives them again
-            log.error(
-                "the consumer kit failed on %d deliveries: requeued",
-                len(window.items),
-                exc_info=error,
-            )
-            for held in window.items:
-                self._settle(held, requeue=True)
-            self._after()
-            return
-        self._apply(window, future.result())
-
-    def _apply(self, window: Window, out: Outcome) -> None:
-        c, m = self.c, self.c.metrics
-        now = c.clock()
-        if out.handled or out.failed or out.dead or out.requeue:
-            m.add("transactions")
-        done = len(out.handled) + len(out.deduplicated)
-        if done:
-            took = now - window.created
-            m.handler_seconds.observe_many(took, done)
-            if out.handled and out.handler_seconds:  # a handler's time sizes the next windows
-                per = out.handler_seconds / len(out.handled)
-                c.seconds_per_message = (
-                    per if c.seconds_per_message <= 0 else (0.8 * c.seconds_per_message + 0.2 * per)
-                )
-        for held in out.handled:
-            self._finish(held, "handled")
-        for held in out.deduplicated:  # a commit whose reply was lost did commit
-            self._finish(held, "handled" if held.maybe_committed else "deduplicated")
-        for held in out.failed:
-            m.add("handler_failures")
-            self._route(held)
-        for held in out.requeue:
-            log.warning(
-                "handler failed on %s (attempt %d of %d): requeued",
-                held.message_id,
-                held.attempts,
-                self.cfg.delivery_limit,
-            )
-            self._settle(held, requeue=True)
-        for held in out.dead:
-            self._dead_letter(held)
-        self._again(out.again)
-        for held in out.isolate:
-            if held.tag in self.held:
-                self.singles.append(held)
-        if out.outage is not None:
-            self._database_failed(out.outage)
-        elif not out.abandoned:
-            self._database_answered()
-        self._after()
-
-    def _after(self) -> None:
-        self.c.metrics.in_flight = len(self.held)
-        self._flush()
-        self._schedule_pump()
-        if not self.held:
-            self._settled.set()
-
-    def _database_failed(self, exc: BaseException) -> None:
-        c, m = self.c, self.c.metrics
-        m.add("database_errors")
-        if c.outage.failed(exc, c.clock()):
-            m.add("database_outages")
-            m.database_down = True
-            log.warning(
-                "consumer %s: the database does not answer (%s): consumption paused, %d "
-                "deliveries held and retried with backoff; none counts against its delivery "
-                "limit",
-                self.cfg.name,
-                _first_line(exc),
-                len(self.held),
-            )
-        self._loop.call_later(max(0.0, c.outage.next_try - c.clock()), self._schedule_pump)
-
-    def _database_answered(self) -> None:
-        c = self.c
-        took = c.outage.recovered(c.clock())
-        if took is not None:
-            c.metrics.database_down = False
-            c.metrics.add("reconnects")
-            log.info(
-                "consumer %s: the database answers again after %.1fs: consuming",
-                self.cfg.name,
-                took,
-            )
-
-    # ------------------------------------------------------------ settling
-
-    def _finish(self, held: Held, counter: str) -> None:
-        self.c.metrics.add(counter)
-        if self.held.pop(held.tag, None) is not None:
-            self.tracker.finished(held.tag)
-
-    def _settle(self, held: Held, *, requeue: bool) -> None:
-        if self.held.pop(held.tag, None) is None:
-            return
-        self.tracker.settled(held.tag)
-        self.c.metrics.add("requeued" if requeue else "dead_lettered")
-        if requeue:
-            self._nack(held.tag)
+            self.core.job_done(window, None)
+        elif (error := future.exception()) is not None:
+            self.core.job_failed(window, error)
         else:
-            self._reject(held.tag)
-
-    def _dead_letter(self, held: Held) -> None:
-        log.error("consumer %s dead-letters %s: %s", self.cfg.name, held.message_id, held.failure)
-        if held.broker_limited:
-            self.c.metrics.add("broker_limited")
-        if self.dead_letters is None:
-            self._settle(held, requeue=False)
-            return
-        if self.held.pop(held.tag, None) is None:
-            return
-        self.c.metrics.add("dead_lettered")
-        self._send(self._publish_dead_letter(held))
+            self.core.job_done(window, future.result())
+        if self.core.closed and not self.core.jobs and self in self.c._runs:
+            self.c._runs.remove(self)
+        self._carry_out()
 
     async def _publish_dead_letter(self, held: Held) -> None:
         """Publish a copy with headers saying why (confirmed), then ack the delivery; on any
@@ -801,35 +465,17 @@ class _Run:
                 "consumer %s could not publish the dead letter of %s (%s): rejected",
                 cfg.name,
                 msg.message_id,
-                _first_line(exc),
+                first_line(exc),
             )
-            self._reject(held.tag)
-            return
-        self.tracker.finished(held.tag)
-        self._flush()
+            self.core.dead_letter_failed(held)
+        else:
+            self.core.dead_letter_sent(held)
+        self._carry_out(pump=False)
 
     def _send(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
-
-    def _nack(self, tag: int) -> None:
-        self.tracker.settled(tag)
-        self._frames.append(("nack", tag, False, 1))
-        self._wake.set()
-
-    def _reject(self, tag: int) -> None:
-        self.tracker.settled(tag)
-        self._frames.append(("reject", tag, False, 1))
-        self._wake.set()
-
-    def _flush(self) -> None:
-        if self.closed or self.channel.is_closed:
-            return  # the broker gives them again; the inbox absorbs them
-        for ack in self.tracker.acks(multiple=self.cfg.ack_multiple):
-            self._frames.append(("ack", ack.tag, ack.multiple, ack.count))
-        if self._frames:
-            self._wake.set()
 
     async def send_forever(self) -> None:
         """Send acks, nacks and rejects one task, in the order they were decided: a ``multiple``
@@ -839,124 +485,46 @@ class _Run:
             await self._wake.wait()
             self._wake.clear()
             while self._frames:
-                kind, tag, multiple, count = self._frames.popleft()
+                frame = self._frames.popleft()
                 try:
-                    if kind == "ack":
-                        await self.underlay.basic_ack(tag, multiple=multiple)
+                    if frame.kind == "ack":
+                        await self.underlay.basic_ack(frame.tag, multiple=frame.multiple)
                         m.add("ack_frames")
-                        m.add("acked", count)
-                    elif kind == "nack":
-                        await self.underlay.basic_nack(tag, multiple=False, requeue=True)
+                        m.add("acked", frame.count)
+                    elif frame.kind == "nack":
+                        await self.underlay.basic_nack(frame.tag, multiple=False, requeue=True)
                     else:
-                        await self.underlay.basic_reject(tag, requeue=False)
+                        await self.underlay.basic_reject(frame.tag, requeue=False)
                 except Exception:  # a closed channel: the broker gives them again
                     self._frames.clear()
             self._sent.set()
 
-    # ------------------------------------------------------------ time
-
     async def tick_forever(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.ack_interval)
-            self.tick()
-
-    def tick(self) -> None:
-        """Cut windows whose handler is slow, fail handlers past their timeout."""
-        now = self.c.clock()
-        limit = self.cfg.handler_timeout
-        for window, lane in list(self.jobs.items()):
-            running = window.running
-            if running is None:
-                continue
-            held, started = running
-            if limit is not None and now - started > limit and window.abandon():
-                if lane == "window" and self.c.batch_handler is not None:
-                    self._batch_timed_out(window, now - started)
-                else:
-                    self._timed_out(window, held, now - started)
-                # a statement the hung handler waits on is cancelled (psycopg sends the cancel
-                # request on a connection of its own: not on the event loop)
-                self._loop.run_in_executor(None, window.cancel_statement)
-            elif lane == "window" and now - started > CUT_AFTER:
-                rest = window.cut()
-                if rest:
-                    self._again(rest)
-                self._schedule_pump()  # the slow window no longer holds the next one back
-        if self.c.outage.down:
-            self._schedule_pump()
-        self._flush()
-
-    def _timed_out(self, window: Window, held: Held, took: float) -> None:
-        c, m = self.c, self.c.metrics
-        self.jobs.pop(window, None)
-        c.abandoned.add(window)
-        m.abandoned_handlers = len(c.abandoned)
-        m.add("handler_timeouts")
-        m.add("handler_failures")
-        log.error(
-            "consumer %s: the handler of %s ran past %.0fs: its attempt failed; the "
-            "thread is left to return on its own",
-            self.cfg.name,
-            held.message_id,
-            took,
-        )
-        # the hung thread keeps its slot: the next jobs get a pool of their own
-        c.pool.shutdown(wait=False)
-        c.pool = c._new_pool()
-        held.failure = f"the handler ran past handler_timeout ({self.cfg.handler_timeout:g}s)"
-        self._again([h for h in window.items if h is not held])
-        if held.tag in self.held:
-            self._route(held, front=True)
-        self._after()
-
-    def _batch_timed_out(self, window: Window, took: float) -> None:
-        """A batch handler ran past the timeout: which message hangs is unknown, so none is
-        charged; they run again one at a time, where the one that hangs fails alone."""
-        c, m = self.c, self.c.metrics
-        self.jobs.pop(window, None)
-        c.abandoned.add(window)
-        m.abandoned_handlers = len(c.abandoned)
-        log.warning(
-            "consumer %s: a batch handler ran past %.0fs over %d messages: they run "
-            "again one at a time",
-            self.cfg.name,
-            took,
-            len(window.items),
-        )
-        c.pool.shutdown(wait=False)
-        c.pool = c._new_pool()
-        for held in window.items:
-            if held.tag in self.held:
-                self.singles.append(held)
-        self._after()
-
-    # ------------------------------------------------------------ end
+            self.core.tick()
+            self._carry_out()
 
     async def drain(self, *, timeout: float) -> None:
         """Finish what is held (within ``timeout``), then ack it."""
-        if self.held:
+        if self.core.held:
             self._settled.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), timeout)
-        if self.held:
+        if self.core.held:
             log.warning(
                 "%d deliveries not finished after %.0fs: not acked (the broker gives them again)",
-                len(self.held),
+                len(self.core.held),
                 timeout,
             )
         if self._sends:
             await asyncio.wait(set(self._sends), timeout=5)
-        self._flush()
+        self.core.flush()
+        self._carry_out(pump=False)
         if self._frames:
             self._sent.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._sent.wait(), 5)
-
-    def close(self) -> None:
-        self.closed = True
-        self.fresh.clear()
-        self.singles.clear()
-        self.suspects.clear()
 
 
 def _one_at_a_time(batch_handler: BatchHandler | None) -> Handler:
@@ -967,20 +535,3 @@ def _one_at_a_time(batch_handler: BatchHandler | None) -> Handler:
         batch_handler([message], conn)
 
     return handle
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
-def _delivery_count(headers: Mapping[str, Any], *, redelivered: bool) -> int:
-    """A quorum queue's ``x-delivery-count`` header (absent on a first delivery and on classic
-    queues): how often the broker had this message back before. Trusted only on a delivery the
-    broker flags ``redelivered``: on a first one the header can only be the producer's (a
-    quorum queue adds it from the second delivery on, overwriting any), and a producer's
-    ``x-delivery-count: 999`` once dead-lettered a message before its handler ever ran."""
-    if not redelivered:
-        return 0
-    value = headers.get("x-delivery-count")
-    return value if isinstance(value, int) and value > 0 else 0

@@ -22,150 +22,42 @@ A handler's exception is the message's fault only when the database still answer
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from app import tracing
 from app.consumer import inbox
+from app.consumer.config import ConsumerConfig
+from app.consumer.core import broker_verdict, limit_verdict
+from app.consumer.held import Held, Outcome, Window
 from app.consumer.inbox import BatchHandler, Handler, Message
 
 log = logging.getLogger("app.consumer")
 
 
-@dataclass(eq=False)
-class Held:
-    """A delivery the kit holds, and what is known of its attempts."""
+@dataclass(frozen=True, kw_only=True)
+class Jobs:
+    """What every job of one consumer runs with; :meth:`run` is the job the core's
+    :class:`~app.consumer.core.Start` asks for."""
 
-    tag: int
-    message: Message
-    redelivered: bool = False
-    #: this try's attempt is already counted in the attempts table
-    charged: bool = False
-    attempts: int = 0
-    #: a handler error (or timeout) still to be recorded before anything else
-    failure: str | None = None
-    #: a commit of this delivery's effect whose outcome was not learned (the connection broke)
-    maybe_committed: bool = False
-    #: a quorum queue's ``x-delivery-count``: how often the broker had this message back
-    #: (requeued, or its consumer's channel gone) before this delivery; 0 elsewhere
-    broker_count: int = 0
-    #: dead-lettered because ``broker_count`` reached the kit's ``broker_delivery_limit``
-    broker_limited: bool = False
+    engine: Engine
+    config: ConsumerConfig
+    handler: Handler
+    batch_handler: BatchHandler | None = None
 
     @property
-    def message_id(self) -> str:
-        return self.message.message_id
+    def consumer(self) -> str:
+        return self.config.name
 
-
-class Window:
-    """Deliveries given to one job. The handler thread takes them one by one; the event loop may
-    cut the window (the deliveries not yet taken go to another job) or abandon it (a handler ran
-    past its timeout: the job must not commit)."""
-
-    def __init__(self, items: list[Held], *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.items = items
-        self.clock = clock
-        self.created = clock()
-        self._lock = threading.Lock()
-        self._next = 0
-        self._cut = False
-        self._abandoned = False
-        self._committing = False
-        #: the delivery whose handler runs now, and since when
-        self.running: tuple[Held, float] | None = None
-        self.dbapi_connection: Any = None
-
-    def take_all(self) -> list[Held]:
-        """Every delivery at once (a batch handler's window): running from now, as one."""
-        with self._lock:
-            if self._cut or self._abandoned or self._next >= len(self.items):
-                return []
-            taken = self.items[self._next :]
-            self._next = len(self.items)
-            self.running = (taken[0], self.clock())
-            return taken
-
-    def take(self) -> Held | None:
-        with self._lock:
-            if self._cut or self._abandoned or self._next >= len(self.items):
-                self.running = None
-                return None
-            held = self.items[self._next]
-            self._next += 1
-            self.running = (held, self.clock())
-            return held
-
-    def done_running(self) -> None:
-        with self._lock:
-            self.running = None
-
-    def cut(self) -> list[Held]:
-        """The deliveries not taken yet; the job takes no more."""
-        with self._lock:
-            self._cut = True
-            rest, self.items = self.items[self._next :], self.items[: self._next]
-            return rest
-
-    def untaken(self) -> list[Held]:
-        with self._lock:
-            return self.items[self._next :]
-
-    def abandon(self) -> bool:
-        """The job must not commit (a handler timed out). False when it is committing already."""
-        with self._lock:
-            if self._committing:
-                return False
-            self._abandoned = True
-        return True
-
-    def cancel_statement(self) -> None:
-        """psycopg: end a statement the (abandoned) handler waits on. Blocks: a thread's job."""
-        cancel = getattr(self.dbapi_connection, "cancel", None)
-        if callable(cancel):
-            try:
-                cancel()
-            except Exception:  # best effort; it rolls back when it returns
-                log.debug("cancelling an abandoned handler's statement failed", exc_info=True)
-
-    @property
-    def abandoned(self) -> bool:
-        return self._abandoned
-
-    def begin_commit(self) -> bool:
-        with self._lock:
-            if self._abandoned:
-                return False
-            self._committing = True
-            return True
-
-
-@dataclass
-class Outcome:
-    """What a job did with its window's deliveries."""
-
-    handled: list[Held] = field(default_factory=list)
-    deduplicated: list[Held] = field(default_factory=list)
-    #: to run again (the others of a window whose handler failed, deliveries cut off, an outage)
-    again: list[Held] = field(default_factory=list)
-    #: to run again one message per transaction (a window failed and no handler raised)
-    isolate: list[Held] = field(default_factory=list)
-    #: handler failed: its ``failure`` is set; recorded by a later :func:`run_single`
-    failed: list[Held] = field(default_factory=list)
-    #: failures recorded: requeue these
-    requeue: list[Held] = field(default_factory=list)
-    #: reached the delivery limit: dead-letter these (the reason in their ``failure``)
-    dead: list[Held] = field(default_factory=list)
-    #: the database failed: the error, and every undecided delivery is in ``again``
-    outage: BaseException | None = None
-    abandoned: bool = False
-    #: time spent in handlers that returned (sizes the next windows)
-    handler_seconds: float = 0.0
+    def run(self, lane: str, window: Window) -> Outcome:
+        """``window``: a window in one transaction; ``single``/``suspect``: its message alone
+        (a ``suspect``, redelivered, is charged before its handler runs)."""
+        if lane == "window":
+            return run_window(self, window)
+        return run_single(self, window, charge=lane == "suspect")
 
 
 def _is_disconnect(exc: BaseException) -> bool:
@@ -219,14 +111,7 @@ def handle_batch(handler: BatchHandler, messages: list[Message], conn: Connectio
         handler(messages, conn)
 
 
-def run_window(
-    engine: Engine,
-    *,
-    consumer: str,
-    window: Window,
-    handler: Handler,
-    batch_handler: BatchHandler | None = None,
-) -> Outcome:
+def run_window(jobs: Jobs, window: Window) -> Outcome:
     """Handlers first, then the inbox rows of the window in one ``INSERT … ON CONFLICT DO
     NOTHING``: an id it did not insert had its effect already (a duplicate publish; redeliveries
     run alone and ask the inbox first), so the window is rolled back and run again without it.
@@ -234,79 +119,104 @@ def run_window(
     dearest statement on a table whose statistics lag its growth."""
     out = Outcome()
     try:
-        conn = engine.connect()
+        conn = jobs.engine.connect()
     except Exception as exc:  # refused, reset, pool timeout: the database
         out.outage, out.again = exc, list(window.items)
         return out
     with conn:
         window.dbapi_connection = conn.connection.dbapi_connection
-        taken: list[Held] = []
-        new: dict[str, Held] = {}
         try:
             conn.begin()
         except Exception as exc:
             out.outage, out.again = exc, list(window.items)
             return out
-        if batch_handler is not None:
-            taken = window.take_all()
-            for item in taken:
-                if item.message_id in new:
-                    out.deduplicated.append(item)
-                else:
-                    new[item.message_id] = item
-            started = time.perf_counter()
-            try:
-                if new:
-                    handle_batch(batch_handler, [h.message for h in new.values()], conn)
-            except Exception as exc:  # one message of them: find it one by one
-                window.done_running()
-                out.deduplicated.clear()
-                return _window_failed(conn, window, out, taken, None, exc)
-            out.handler_seconds += time.perf_counter() - started
-        while (held := window.take()) is not None:
-            taken.append(held)
-            if held.message_id in new:  # the same message twice in one window
-                out.deduplicated.append(held)
-                continue
-            started = time.perf_counter()
-            try:
-                handle(handler, held.message, conn)
-            except Exception as exc:  # the handler's, classified below
-                window.done_running()
-                out.deduplicated.clear()
-                return _window_failed(conn, window, out, taken, held, exc)
-            out.handler_seconds += time.perf_counter() - started
-            new[held.message_id] = held
-        window.done_running()
-        rest = window.untaken()
+        tx = _WindowTx(jobs=jobs, conn=conn, window=window, out=out)
+        failed = _run_handlers(tx)
+        return failed if failed is not None else _commit_window(tx)
+
+
+@dataclass
+class _WindowTx:
+    """A window's transaction under way: the deliveries taken, the new messages, the outcome."""
+
+    jobs: Jobs
+    conn: Connection
+    window: Window
+    out: Outcome
+    taken: list[Held] = field(default_factory=list)
+    new: dict[str, Held] = field(default_factory=dict)
+
+
+def _run_handlers(tx: _WindowTx) -> Outcome | None:
+    """The handler of each message the window gives (or the batch handler once for them all);
+    the window's outcome when a handler raised."""
+    window, out, taken, new = tx.window, tx.out, tx.taken, tx.new
+    if tx.jobs.batch_handler is not None:
+        taken.extend(window.take_all())
+        for item in taken:
+            if item.message_id in new:
+                out.deduplicated.append(item)
+            else:
+                new[item.message_id] = item
+        started = time.perf_counter()
         try:
-            inserted = inbox.record(conn, consumer=consumer, message_ids=new)
-        except Exception as exc:
+            if new:
+                handle_batch(tx.jobs.batch_handler, [h.message for h in new.values()], tx.conn)
+        except Exception as exc:  # one message of them: find it one by one
+            window.done_running()
             out.deduplicated.clear()
-            return _window_failed(conn, window, out, taken, None, exc)
-        if len(inserted) < len(new):
-            # some had their effect already: undo this window's, run the others again
-            conn.rollback()
-            out.deduplicated = [h for h in new.values() if h.message_id not in inserted]
-            again = set(map(id, out.deduplicated))
-            out.again = [h for h in taken if id(h) not in again] + rest
-            return out
-        if not window.begin_commit():
-            conn.rollback()
-            out.deduplicated.clear()
-            out.abandoned, out.again = True, taken + rest
-            return out
+            return _window_failed(tx.conn, window, out, taken, None, exc)
+        out.handler_seconds += time.perf_counter() - started
+    while (held := window.take()) is not None:
+        taken.append(held)
+        if held.message_id in new:  # the same message twice in one window
+            out.deduplicated.append(held)
+            continue
+        started = time.perf_counter()
         try:
-            conn.commit()
-        except Exception as exc:  # the outcome is unknown: the inbox will tell
-            for held in taken:
-                held.maybe_committed = True
+            handle(tx.jobs.handler, held.message, tx.conn)
+        except Exception as exc:  # the handler's, classified below
+            window.done_running()
             out.deduplicated.clear()
-            out.outage, out.again = exc, taken + rest
-            return out
-        out.handled = list(new.values())
-        out.again = rest
+            return _window_failed(tx.conn, window, out, taken, held, exc)
+        out.handler_seconds += time.perf_counter() - started
+        new[held.message_id] = held
+    window.done_running()
+    return None
+
+
+def _commit_window(tx: _WindowTx) -> Outcome:
+    """The window's inbox rows, then ``COMMIT`` (unless it was abandoned meanwhile)."""
+    conn, window, out, taken, new = tx.conn, tx.window, tx.out, tx.taken, tx.new
+    rest = window.untaken()
+    try:
+        inserted = inbox.record(conn, consumer=tx.jobs.consumer, message_ids=new)
+    except Exception as exc:
+        out.deduplicated.clear()
+        return _window_failed(conn, window, out, taken, None, exc)
+    if len(inserted) < len(new):
+        # some had their effect already: undo this window's, run the others again
+        conn.rollback()
+        out.deduplicated = [h for h in new.values() if h.message_id not in inserted]
+        again = set(map(id, out.deduplicated))
+        out.again = [h for h in taken if id(h) not in again] + rest
         return out
+    if not window.begin_commit():
+        conn.rollback()
+        out.deduplicated.clear()
+        out.abandoned, out.again = True, taken + rest
+        return out
+    try:
+        conn.commit()
+    except Exception as exc:  # the outcome is unknown: the inbox will tell
+        for held in new.values():  # not a second copy in the window: that one is a duplicate
+            held.maybe_committed = True
+        out.deduplicated.clear()
+        out.outage, out.again = exc, taken + rest
+        return out
+    out.handled = list(new.values())
+    out.again = rest
+    return out
 
 
 def _window_failed(
@@ -341,23 +251,15 @@ def _window_failed(
 # ---------------------------------------------------------------- one message alone
 
 
-def run_single(
-    engine: Engine,
-    *,
-    consumer: str,
-    window: Window,
-    handler: Handler,
-    limit: int,
-    charge: bool,
-    broker_limit: int | None = None,
-) -> Outcome:
+def run_single(jobs: Jobs, window: Window, *, charge: bool) -> Outcome:
     """One delivery (the window's only item): record a pending failure, or charge the attempt
     (``charge``: a redelivery, whose earlier try may have killed the process), then the inbox
     row, the handler and ``COMMIT``."""
     out = Outcome()
     held = window.items[0]
+    consumer, limit = jobs.consumer, jobs.config.delivery_limit
     try:
-        conn = engine.connect()
+        conn = jobs.engine.connect()
     except Exception as exc:
         out.outage, out.again = exc, [held]
         return out
@@ -369,14 +271,16 @@ def run_single(
             if (
                 charge
                 and not held.charged
-                and not _charge(conn, consumer, held, limit, out, broker_limit=broker_limit)
+                and not _charge(
+                    conn, consumer, held, limit, out, broker_limit=jobs.config.broker_delivery_limit
+                )
             ):
                 return out
         except Exception as exc:
             out.outage, out.again = exc, [held]
             return out
         return _run_alone(
-            conn, consumer=consumer, window=window, handler=handler, limit=limit, out=out
+            conn, consumer=consumer, window=window, handler=jobs.handler, limit=limit, out=out
         )
 
 
@@ -396,31 +300,22 @@ def _charge(
         if inbox.already_in(conn, consumer=consumer, message_ids=[held.message_id]):
             out.deduplicated.append(held)
             return False
-        if broker_limit is not None and held.broker_count >= broker_limit:
+        verdict = broker_verdict(held.broker_count, broker_limit)
+        if verdict is not None:
             # the broker's own count (a quorum queue's x-delivery-count), which sees tries our
             # table cannot (another consumer name, kits killed before their charge committed)
             inbox.forget(conn, consumer=consumer, message_ids=[held.message_id])
-            held.broker_limited = True
-            held.failure = (
-                f"broker delivery limit {broker_limit} reached: the broker returned "
-                f"it {held.broker_count} times (x-delivery-count)"
-            )
+            held.broker_limited, held.failure = True, verdict
             out.dead.append(held)
             return False
-        count = inbox.charge(conn, consumer=consumer, message_id=held.message_id)
-        before = count - 1
+        before = inbox.charge(conn, consumer=consumer, message_id=held.message_id) - 1
         if before >= limit:
             error = inbox.last_error(conn, consumer=consumer, message_id=held.message_id)
             inbox.forget(conn, consumer=consumer, message_ids=[held.message_id])
-    held.charged, held.attempts = True, count - 1
-    if before >= limit:
-        held.attempts = before
-        held.failure = f"delivery limit {limit} reached: {before} attempts, the last " + (
-            f"failed: {error}"
-            if error
-            else "ended without an outcome (the consumer died "
-            "or lost its database while the handler ran)"
-        )
+            verdict = limit_verdict(before, limit, error)
+    held.charged, held.attempts = True, before
+    if verdict is not None:
+        held.failure = verdict
         out.dead.append(held)
         return False
     return True
@@ -429,8 +324,15 @@ def _charge(
 def _record_failure(
     conn: Connection, *, consumer: str, held: Held, limit: int, out: Outcome
 ) -> Outcome:
+    """Count the failed try (with its error): requeue it, or dead-letter it at the limit."""
     error = held.failure or "failed"
     with conn.begin():
+        if inbox.already_in(conn, consumer=consumer, message_ids=[held.message_id]):
+            # its effect is done (a COMMIT whose reply was lost, then a window run again
+            # whose handler failed on it): the message is not charged, and it is acked
+            held.failure = None
+            out.deduplicated.append(held)
+            return out
         if held.charged:
             count = inbox.note_error(
                 conn, consumer=consumer, message_id=held.message_id, error=error
@@ -440,8 +342,9 @@ def _record_failure(
         if count >= limit:
             inbox.forget(conn, consumer=consumer, message_ids=[held.message_id])
     held.attempts, held.charged = count, False
-    if count >= limit:
-        held.failure = f"delivery limit {limit} reached: {count} attempts, the last failed: {error}"
+    verdict = limit_verdict(count, limit, error)
+    if verdict is not None:
+        held.failure = verdict
         out.dead.append(held)
     else:
         held.failure = None

@@ -37,6 +37,9 @@ PURE = [
     "app.publisher.settlement",
     "app.publisher.unreachable",
     "app.consumer.acks",
+    "app.consumer.config",
+    "app.consumer.core",
+    "app.consumer.held",
 ]
 #: What a pure module must not load (pamqp is a frame codec without I/O: allowed).
 HEAVY = ("sqlalchemy", "psycopg", "asyncio", "aio_pika", "aiormq", "fastapi", "pydantic")
