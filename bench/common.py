@@ -157,8 +157,9 @@ def seed_postgres(
     keys: int | None = None,
     traced: bool = False,
 ) -> None:
-    """Insert ``n`` pending rows with COPY (rows shaped like tests/factories.py); with ``keys``,
-    row ``i`` has ordering key ``k{i % keys}`` (keys interleaved, as a stream writes them);
+    """Insert ``n`` pending rows with COPY (rows shaped like tests/support/factories.py); with
+    ``keys``, row ``i`` has ordering key ``k{i % keys}`` (keys interleaved, as a stream writes
+    them);
     ``traced``: each row carries a ``traceparent`` header of its own trace."""
     prefix = uuid.uuid4().hex[:8]
     copy = (

@@ -6,7 +6,7 @@ chunk searched the table from its start.
 The console's pages are timed on the same table, server side (in process through ASGI, signed
 in as an operator): issue #28 wants every page under 300 ms at 1,000,000 rows.
 
-Each run builds the table fresh (``tests/large_outbox.py``'s builder, then
+Each run builds the table fresh (``tests/support/large_outbox.py``'s builder, then
 ``VACUUM ANALYZE`` as autovacuum would), so a purge always finds the same ~49,600 rows past an
 11-day retention. Figures are milliseconds per call (stats) and per whole purge.
 """
@@ -28,7 +28,7 @@ from app.outbox.retention import Retention
 from app.outbox.schema import outbox
 from app.outbox.states import Status
 from bench.common import REPEATS, Measured, Services, Sizes, temp_postgres
-from tests.large_outbox import NOW, ROWS, build
+from tests.support.large_outbox import NOW, ROWS, build
 
 RETENTION = dt.timedelta(days=11)
 CHUNK = 10_000

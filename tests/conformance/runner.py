@@ -24,8 +24,8 @@ from tests.conformance.schedules import (
     script_failures,
     violations,
 )
-from tests.fakebroker import FakeBroker
-from tests.publisher_support import FAST, rows, running_publisher, settings_for
+from tests.support.fakebroker import FakeBroker
+from tests.support.publisher import FAST, rows, running_publisher, settings_for
 
 #: the publisher's timings, scaled down so that a schedule plays in well under a second
 TIMINGS = {

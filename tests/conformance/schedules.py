@@ -45,7 +45,7 @@ from typing import Any, Literal
 from hypothesis import strategies as st
 
 from app.publisher.settlement import POISON_STRIKES
-from tests.fakebroker import FakeBroker, FakeConnection, Published
+from tests.support.fakebroker import FakeBroker, FakeConnection, Published
 
 Fate = Literal["normal", "refused", "unroutable"]
 EXCHANGES = ("a", "b")

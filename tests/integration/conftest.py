@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import Engine
 
 from app.db import make_engine
-from tests.conftest import copy_database, database_url, drop_database
-from tests.large_outbox import build
-from tests.publisher_support import declare, delete
+from tests.support.env import copy_database, database_url, drop_database
+from tests.support.large_outbox import build
+from tests.support.publisher import declare, delete
 
 
 @pytest.fixture
@@ -37,8 +37,8 @@ async def topology(amqp_url: str, request: pytest.FixtureRequest) -> AsyncIterat
 
 @pytest.fixture(scope="session")
 def large_database(service_urls: dict[str, str], pg_template: str) -> Iterator[str]:
-    """The name of the 1,000,000-row database (``tests/large_outbox.py``), built once per run
-    (about 30 s) for every test that reads it; dropped at the end."""
+    """The name of the 1,000,000-row database (``tests/support/large_outbox.py``), built once
+    per run (about 30 s) for every test that reads it; dropped at the end."""
     admin = make_engine(service_urls["pg"], isolation_level="AUTOCOMMIT")
     name = copy_database(admin, template=pg_template, prefix="outbox_large_")
     engine = make_engine(database_url(service_urls, name))

@@ -14,256 +14,36 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, insert
 
 from app.api import ApiConfigError, create_app
 from app.db import make_engine, migrate
 from app.outbox.read.messages import MAX_PAGE_BYTES
-from app.outbox.records import Backoff, ReturnedRow
-from app.outbox.schema import audit, batches, outbox, publishers
-from app.outbox.states import Status
-from app.settings import Settings
-from tests.factories import add_rows
-from tests.outbox_clients import OutboxClients
-
-T0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)
-READ = "read-R4vYq7Lm2XcN8Tk5Bw3Zh9Pd6Gs1Jf0"
-OPERATOR = "oper-K8nW2xQv5Hc7Ly3Dm9Tb4Rg6Zp1Fs0"
-R = {"Authorization": f"Bearer {READ}"}
-OP = {"Authorization": f"Bearer {OPERATOR}"}
-
-
-class Clock:
-    def __init__(self, now: dt.datetime = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> dt.datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += dt.timedelta(seconds=seconds)
-
-
-@dataclass
-class Seeded:
-    """Message ids by the state the seed left them in."""
-
-    ids: dict[str, list[str]] = field(default_factory=dict)
-    lost: str = ""
-
-    def __getitem__(self, key: str) -> list[str]:
-        return self.ids[key]
-
-
-LATENCY_STATS = {
-    "published": 120,
-    "confirmed": 100,
-    "nacked": 4,
-    "returned": 2,
-    "failed": 2,
-    "lost_confirms": 3,
-    "channel_closes": 1,
-    "reconnects": 1,
-    "protocol_errors": 0,
-    "blocked_seconds": 1.5,
-    "confirm_latency_buckets": {
-        "0.005": 10,
-        "0.05": 60,
-        "0.5": 95,
-        "+Inf": 100,
-        "sum": 9.5,
-        "count": 100,
-    },
-}
-
-
-def _published(
-    repo: OutboxClients,
-    owner: str,
-    engine: Engine,
-    clock: Clock,
-    *,
-    n: int,
-    batch_id: str,
-    channel: int,
-    tag0: int,
-    exchange: str = "orders",
-    publish: bool = True,
-    prefix: str | None = None,
-) -> list[str]:
-    """``n`` new rows claimed by ``owner`` (and published on ``channel`` from ``tag0``)."""
-    ids = add_rows(
-        engine,
-        n=n,
-        batch_id=batch_id,
-        exchange=exchange,
-        prefix=prefix,
-        created_at=clock.now,
-        available_at=clock.now,
-    )
-    got = repo.store.claim(owner=owner, limit=n, lease_seconds=600)
-    assert len(got) == n
-    if publish:
-        repo.store.record_published(
-            owner=owner, channel_id=channel, tags=[(r.id, tag0 + i) for i, r in enumerate(got)]
-        )
-    return ids
-
-
-def _row_ids(engine: Engine, message_ids: list[str]) -> list[int]:
-    with engine.connect() as conn:
-        stmt = select(outbox.c.id).where(outbox.c.message_id.in_(message_ids))
-        return sorted(conn.execute(stmt).scalars())
-
-
-def seed_every_state(engine: Engine, clock: Clock) -> Seeded:
-    """Batch ``orders:1``: confirmed, returned, nacked. Batch ``orders:2``: failed, in flight
-    (published and claimed-only), pending (one after a lost confirm). ``orders:3``: recorded by
-    Spark with every row rejected. Two publishers: ``p1`` alive with counters, ``p0`` stopped."""
-    repo = OutboxClients(engine, clock=clock)
-    s = Seeded()
-    # "order-1-0" is the OpenAPI example of a message id: the fuzzer finds it
-    s.ids["confirmed"] = _published(
-        repo, "p1", engine, clock, n=3, batch_id="orders:1", channel=1, tag0=1, prefix="order-1"
-    )
-    clock.advance(0.25)
-    repo.store.mark_confirmed(owner="p1", ids=_row_ids(engine, s["confirmed"]))
-    s.ids["returned"] = _published(
-        repo, "p1", engine, clock, n=2, batch_id="orders:1", channel=1, tag0=4
-    )
-    repo.store.mark_returned(
-        owner="p1",
-        returns=[ReturnedRow(i, 312, "NO_ROUTE") for i in _row_ids(engine, s["returned"])],
-    )
-    s.ids["nacked"] = _published(
-        repo, "p1", engine, clock, n=2, batch_id="orders:1", channel=1, tag0=6, exchange="payments"
-    )
-    repo.store.retry(
-        owner="p1",
-        ids=_row_ids(engine, s["nacked"]),
-        error="nacked by broker",
-        backoff=Backoff(),
-        exhausted=Status.NACKED,
-        max_attempts=1,
-    )
-    clock.advance(10)
-    s.ids["failed"] = _published(
-        repo, "p1", engine, clock, n=2, batch_id="orders:2", channel=2, tag0=1, publish=False
-    )
-    repo.store.mark_failed(owner="p1", ids=_row_ids(engine, s["failed"]), reason="body too large")
-    clock.advance(5)
-    s.ids["pending"] = add_rows(
-        engine,
-        n=1,
-        batch_id="orders:2",
-        created_at=clock.now,
-        available_at=clock.now + dt.timedelta(hours=1),
-    )
-    s.ids["in_flight"] = []
-    for i in range(3):
-        clock.advance(1)
-        s.ids["in_flight"] += _published(
-            repo, "p1", engine, clock, n=1, batch_id="orders:2", channel=3, tag0=10 + i
-        )
-    s.ids["claimed"] = _published(
-        repo, "p2", engine, clock, n=1, batch_id="orders:2", channel=0, tag0=0, publish=False
-    )
-    # published, then its channel closed before the confirm: pending again, a possible duplicate
-    s.lost = _published(repo, "p1", engine, clock, n=1, batch_id="orders:2", channel=2, tag0=1)[0]
-    repo.store.release(
-        owner="p1", ids=_row_ids(engine, [s.lost]), lost=True, error="channel closed"
-    )
-    s.ids["pending"].append(s.lost)
-    _spark_batches(engine)
-    _publishers(engine, clock)
-    return s
-
-
-def _spark_batches(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(
-            insert(batches),
-            [
-                {
-                    "batch_id": "orders:1",
-                    "sink": "orders",
-                    "spark_batch_id": 1,
-                    "query_id": "q",
-                    "row_count": 7,
-                    "rejected_count": 0,
-                    "committed_at": T0,
-                },
-                {
-                    "batch_id": "orders:3",
-                    "sink": "orders",
-                    "spark_batch_id": 3,
-                    "query_id": "q",
-                    "row_count": 0,
-                    "rejected_count": 5,
-                    "committed_at": T0,
-                },
-            ],
-        )
-
-
-def _publishers(engine: Engine, clock: Clock) -> None:
-    old = {
-        **LATENCY_STATS,
-        "published": 10,
-        "confirmed": 10,
-        "confirm_latency_buckets": {"0.05": 4, "1.0": 10, "sum": 2.0, "count": 10},
-    }
-    with engine.begin() as conn:
-        conn.execute(
-            insert(publishers),
-            [
-                {
-                    "publisher_id": "p1",
-                    "hostname": "h1",
-                    "pid": 11,
-                    "started_at": T0,
-                    "heartbeat_at": clock.now,
-                    "stopped_at": None,
-                    "stats": LATENCY_STATS,
-                },
-                {
-                    "publisher_id": "p0",
-                    "hostname": "h0",
-                    "pid": 10,
-                    "started_at": T0,
-                    "heartbeat_at": T0,
-                    "stopped_at": T0,
-                    "stats": old,
-                },
-            ],
-        )
-
+from app.outbox.schema import batches, publishers
+from tests.support.api import (
+    OP,
+    OPERATOR,
+    READ,
+    T0,
+    Clock,
+    R,
+    Seeded,
+    audit_rows,
+    client_for,
+    seed_every_state,
+    settings_for,
+    statuses_of,
+)
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-def settings_for(url: str, **kw: object) -> Settings:
-    values: dict[str, object] = {
-        "database_url": SecretStr(url),
-        "api_token": SecretStr(READ),
-        "operator_token": SecretStr(OPERATOR),
-        "api_insecure": False,
-        "amqp_url": SecretStr("amqp://guest:guest@127.0.0.1:1/"),
-        **kw,
-    }
-    return Settings(**values)  # type: ignore[arg-type]
-
-
-def client_for(app: object) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
-    return httpx.AsyncClient(transport=transport, base_url="http://outbox.test")
 
 
 @pytest.fixture
@@ -285,17 +65,6 @@ async def client(
     app = create_app(settings_for(db_url), clock=clock, engine=engine)
     async with client_for(app) as c:
         yield c
-
-
-def statuses_of(engine: Engine, message_ids: list[str]) -> dict[str, str]:
-    stmt = select(outbox.c.message_id, outbox.c.status).where(outbox.c.message_id.in_(message_ids))
-    with engine.connect() as conn:
-        return {m: s for m, s in conn.execute(stmt).all()}
-
-
-def audit_rows(engine: Engine) -> list[dict[str, object]]:
-    with engine.connect() as conn:
-        return [dict(r) for r in conn.execute(select(audit).order_by(audit.c.id)).mappings()]
 
 
 # -------------------------------------------------------------------------------- stats

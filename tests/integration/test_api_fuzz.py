@@ -24,7 +24,7 @@ from schemathesis.checks import (
 
 from app.api import create_app
 from app.db import make_engine
-from tests.integration.test_api import OP, Clock, seed_every_state, settings_for
+from tests.support.api import OP, Clock, seed_every_state, settings_for
 
 MAX_EXAMPLES = 60
 CHECKS = [

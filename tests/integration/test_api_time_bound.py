@@ -18,8 +18,8 @@ from sqlalchemy.exc import OperationalError
 
 from app.api import create_app
 from app.db import bounded, make_engine, stopped_by_bound
-from tests.factories import add_rows
-from tests.integration.test_api import OP, READ, R, client_for, settings_for
+from tests.support.api import OP, READ, R, client_for, settings_for
+from tests.support.factories import add_rows
 
 ORIGIN = {"Origin": "http://outbox.test"}
 HEAVY_SQLITE = (

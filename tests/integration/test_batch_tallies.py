@@ -11,7 +11,7 @@ from app.db import make_engine
 from app.outbox.read.batches import list_batches
 from app.outbox.schema import outbox
 from app.outbox.states import Status
-from tests.factories import add_rows
+from tests.support.factories import add_rows
 
 LEASE = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
 

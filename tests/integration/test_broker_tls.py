@@ -31,12 +31,11 @@ from app.db import make_engine
 from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.settings import Settings
-from tests.conftest import SERVICES, scrubbed_environ
-from tests.factories import add_rows
-from tests.publisher_support import consume_ids, declare, delete, rows, run_until_empty
-from tests.publisher_support import settings_for as publisher_settings
-
-CLIENT_CN = "outbox-client"
+from tests.support.env import SERVICES, scrubbed_environ
+from tests.support.factories import add_rows
+from tests.support.publisher import consume_ids, declare, delete, rows, run_until_empty
+from tests.support.publisher import settings_for as publisher_settings
+from tests.support.tls import CLIENT_CN, make_certificates
 
 
 @dataclass(frozen=True)
@@ -69,99 +68,6 @@ class TLSBroker:
     @property
     def ca(self) -> str:
         return str(self.certs / "ca.pem")
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_certificates(d: Path) -> None:
-    """A CA, a server certificate for localhost and 127.0.0.1, a client certificate and an
-    unrelated CA, all by openssl."""
-    for ca in ("ca", "other-ca"):
-        _openssl(
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            f"/CN=outbox test {ca}",
-            "-keyout",
-            f"{ca}.key",
-            "-out",
-            f"{ca}.pem",
-            cwd=d,
-        )
-    (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name, cn, ext in (
-        ("server", "localhost", ["-extfile", "server.ext"]),
-        ("client", CLIENT_CN, []),
-    ):
-        _openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            f"/CN={cn}",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            cwd=d,
-        )
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-out",
-            f"{name}.pem",
-            *ext,
-            cwd=d,
-        )
-    # a client certificate with the right CN, signed by the CA the broker does not trust
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        f"/CN={CLIENT_CN}",
-        "-keyout",
-        "stranger.key",
-        "-out",
-        "stranger.csr",
-        cwd=d,
-    )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        "stranger.csr",
-        "-CA",
-        "other-ca.pem",
-        "-CAkey",
-        "other-ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-out",
-        "stranger.pem",
-        cwd=d,
-    )
-    for key in d.glob("*.key"):
-        key.chmod(0o644)  # the broker runs as this user; test keys only
 
 
 def _free_port() -> int:

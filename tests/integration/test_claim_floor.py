@@ -18,8 +18,8 @@ from sqlalchemy import Engine, insert, text
 
 from app.outbox.planner import CLAIM_REWALK
 from app.outbox.schema import held
-from tests.large_outbox import captured, plan_nodes
-from tests.outbox_clients import OutboxClients
+from tests.support.large_outbox import captured, plan_nodes
+from tests.support.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 

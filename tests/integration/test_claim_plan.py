@@ -26,8 +26,8 @@ from sqlalchemy import Engine, text
 from app.outbox.read.stats import delayed_rows, status_counts
 from app.outbox.records import Published
 from app.outbox.states import Status
-from tests.large_outbox import captured, plan_nodes
-from tests.outbox_clients import OutboxClients
+from tests.support.large_outbox import captured, plan_nodes
+from tests.support.outbox_clients import OutboxClients
 
 NOW = dt.datetime(2026, 11, 25, 12, 0, tzinfo=dt.UTC)
 SMALL, BACKLOG, CLAIM = 50, 20_000, 200

@@ -9,12 +9,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import socket
 import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,9 +23,14 @@ from app.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, duration, main
 from app.cli_output import plain_table
 from app.db import make_engine
 from app.outbox.schema import audit, inbox, outbox
-from tests.factories import add_rows
-from tests.integration.test_api import OPERATOR, READ, Clock, Seeded, seed_every_state
-from tests.outbox_clients import OutboxClients
+from tests.support.api import OPERATOR, READ, Clock, Seeded, seed_every_state
+from tests.support.cli import engine, env, run
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
+from tests.support.serve import Served
+from tests.support.tls import make_certificates
+
+__all__ = ["engine", "env"]  # fixtures: OUTBOX_* scrubbed, the database's URL set
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = [
@@ -52,30 +55,8 @@ COMMANDS = [
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, db_url: str) -> str:
-    for name in list(os.environ):
-        if name.startswith("OUTBOX_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("OUTBOX_DATABASE_URL", db_url)
-    return db_url
-
-
-@pytest.fixture
-def engine(env: str) -> Iterator[Engine]:
-    eng = make_engine(env)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
 def seeded(engine: Engine) -> Seeded:
     return seed_every_state(engine, Clock())
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def statuses(engine: Engine, ids: list[str]) -> set[str]:
@@ -259,94 +240,21 @@ def test_serve_refuses_a_guessable_token_from_a_file(
     assert "Operator-Pass" not in err and "outbox token" in err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_really_starts_under_uvicorn_and_answers(sqlite_url: str) -> None:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(
-        OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_API_TOKEN=READ, OUTBOX_OPERATOR_TOKEN=OPERATOR
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        health = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                health = httpx.get(f"{base}/healthz", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        assert health is not None and health.json() == {"status": "ok"}, proc.poll()
-        stats = httpx.get(f"{base}/v1/stats", headers={"Authorization": f"Bearer {READ}"})
+    with Served.outbox(sqlite_url) as srv:
+        health = httpx.get(f"{srv.base}/healthz", timeout=5)
+        assert health.json() == {"status": "ok"}
+        stats = httpx.get(f"{srv.base}/v1/stats", headers={"Authorization": f"Bearer {READ}"})
         assert stats.status_code == 200 and stats.json()["total"] == 0
-        assert httpx.get(f"{base}/v1/stats", timeout=5).status_code == 401
-    finally:
-        proc.terminate()
-        try:
-            _, err = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate(timeout=5)
-    assert READ not in err and OPERATOR not in err
-
-
-class Served:
-    """``outbox serve`` as a real subprocess on a free loopback port."""
-
-    def __init__(self, db_url: str, *args: str, **env: str) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        self.env.update(
-            OUTBOX_DATABASE_URL=db_url, OUTBOX_API_TOKEN=READ, OUTBOX_OPERATOR_TOKEN=OPERATOR, **env
-        )
-        self.args = ["serve", "--port", str(self.port), "--log-level", "warning", *args]
-
-    def __enter__(self) -> Served:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", *self.args],
-            env=self.env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                httpx.get(f"{self.base}/healthz", timeout=1)
-                return self
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise AssertionError(f"outbox serve did not start ({self.proc.poll()})")
-
-    def __exit__(self, *_exc: object) -> None:
-        self.proc.terminate()
-        try:
-            _, self.err = self.proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, self.err = self.proc.communicate(timeout=5)
+        assert httpx.get(f"{srv.base}/v1/stats", timeout=5).status_code == 401
+    assert READ not in srv.err and OPERATOR not in srv.err
 
 
 def test_serve_access_lines_go_through_the_redacting_log_handler(sqlite_url: str) -> None:
     """Issue 29, Low: uvicorn's access and error lines were plain text and unredacted
     (``?access_token=`` logged verbatim), whatever OUTBOX_LOG_FORMAT said."""
     secret = "s3cret-in-a-query-0123456789"
-    served = Served(sqlite_url, OUTBOX_LOG_FORMAT="json")
+    served = Served.outbox(sqlite_url, OUTBOX_LOG_FORMAT="json")
     served.args[served.args.index("--log-level") + 1] = "info"  # access lines are INFO
     with served as srv:
         r = httpx.get(f"{srv.base}/v1/stats?access_token={secret}", timeout=5)
@@ -369,7 +277,7 @@ def test_serve_trusts_no_forwarded_header_unless_told(sqlite_url: str) -> None:
     engine = make_engine(sqlite_url)
     body = {"request_id": "fwd-1", "statuses": ["failed"], "dry_run": False}
     try:
-        with Served(sqlite_url, OUTBOX_API_AUTH_FAILURES_PER_MINUTE="5") as srv:
+        with Served.outbox(sqlite_url, OUTBOX_API_AUTH_FAILURES_PER_MINUTE="5") as srv:
             forged = {"Authorization": f"Bearer {OPERATOR}", "X-Forwarded-For": "203.0.113.9"}
             r = httpx.post(f"{srv.base}/v1/republish", json=body, headers=forged, timeout=5)
             assert r.status_code == 200, r.text
@@ -386,7 +294,9 @@ def test_serve_trusts_no_forwarded_header_unless_told(sqlite_url: str) -> None:
             ]
             assert codes == [401] * 5 + [429] * 3, codes
         assert _audit_addresses(engine) == ["127.0.0.1"]
-        with Served(sqlite_url, "--forwarded-allow-ips", "127.0.0.1") as srv:  # behind a proxy
+        with Served.outbox(
+            sqlite_url, "--forwarded-allow-ips", "127.0.0.1"
+        ) as srv:  # behind a proxy
             r = httpx.post(
                 f"{srv.base}/v1/republish",
                 json={**body, "request_id": "fwd-2"},
@@ -530,56 +440,22 @@ def test_a_closed_pipe_is_not_an_error(env: str, seeded: Seeded) -> None:
 
 
 def test_serve_speaks_https_with_its_certificate(sqlite_url: str, tmp_path: Path) -> None:
-    from tests.integration.test_broker_tls import make_certificates
-
     make_certificates(tmp_path)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(
-        OUTBOX_DATABASE_URL=sqlite_url, OUTBOX_API_TOKEN=READ, OUTBOX_OPERATOR_TOKEN=OPERATOR
-    )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--tls-cert",
-            str(tmp_path / "server.pem"),
-            "--tls-key",
-            str(tmp_path / "server.key"),
-        ],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        stats = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                stats = httpx.get(
-                    f"https://localhost:{port}/v1/stats",
-                    timeout=2,
-                    verify=ssl.create_default_context(cafile=tmp_path / "ca.pem"),
-                    headers={"Authorization": f"Bearer {READ}"},
-                )
-                break
-            except httpx.ConnectError:
-                time.sleep(0.2)
-        assert stats is not None and stats.status_code == 200, proc.poll()
-        assert stats.headers["strict-transport-security"] == "max-age=31536000"
+    trusted = ssl.create_default_context(cafile=tmp_path / "ca.pem")
+
+    def stats(base: str) -> httpx.Response:
+        url = base.replace("http://127.0.0.1", "https://localhost") + "/v1/stats"
+        return httpx.get(
+            url, timeout=2, verify=trusted, headers={"Authorization": f"Bearer {READ}"}
+        )
+
+    tls = ("--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key"))
+    with Served.outbox(sqlite_url, *tls, ready=stats) as srv:
+        answer = stats(srv.base)
+        assert answer.status_code == 200
+        assert answer.headers["strict-transport-security"] == "max-age=31536000"
         with pytest.raises(httpx.TransportError):  # plain HTTP is not served on that port
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=15)
+            httpx.get(f"{srv.base}/healthz", timeout=2)
 
 
 # ------------------------------------------------------------------------------ operators

@@ -21,10 +21,10 @@ from app.consumer import Consumer, ConsumerConfig
 from app.db import make_engine
 from app.topology import _Quiet as Quiet
 from app.topology import declare, queue_arguments
-from tests.cluster_support import Cluster
 from tests.consumer_support import create_effects, effects, publish, record, until
-from tests.factories import add_rows
-from tests.publisher_support import all_in, running_publisher, settings_for, wait_rows
+from tests.support.cluster import Cluster
+from tests.support.factories import add_rows
+from tests.support.publisher import all_in, running_publisher, settings_for, wait_rows
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-# ruff: noqa: F811 (the console's fixtures, imported from its test module, are parameters here)
+# ruff: noqa: F811 (the console's fixtures, imported from tests.support.console, are parameters)
 """The whole incident in the console (issue #28), in a real Chromium over a real PostgreSQL:
 parked ordering keys with republish and skip, a dead publisher's holdings with when they return
 to pending, a message body escaped and cut, times with their zone."""
@@ -17,20 +17,22 @@ from sqlalchemy import Engine, select
 from app.outbox.records import Backoff
 from app.outbox.schema import audit, outbox
 from app.outbox.states import Status
-from tests.factories import add_rows
-from tests.integration.test_api import OPERATOR, READ, Clock
-from tests.integration.test_console import (  # noqa: F401 (fixtures)
+from tests.support.api import OPERATOR, READ, Clock
+from tests.support.console import (  # noqa: F401 (fixtures)
     Server,
     browser,
     clock,
+    confirm,
     engine,
+    moved,
     shot,
     sign_in,
+    statuses,
     submit,
     text,
 )
-from tests.integration.test_console_scopes import confirm, moved, statuses
-from tests.outbox_clients import OutboxClients
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.browser
 

@@ -3,11 +3,11 @@
 and the overview's rates.
 
 The statements checked are the ones production sends, captured from the engine while the
-console's own query functions run on the table of ``tests/large_outbox.py`` (a row a second for
-~11.6 days, almost every row confirmed; the 500 failed rows in the middle), then explained with
-their parameters (``EXPLAIN (FORMAT JSON)``, no timing). A walk of the table is a ``Seq Scan`` of
-``outbox``, or an ``Index Scan`` of its primary key with no index condition: the plan
-``ORDER BY id LIMIT 50`` got for a status search, which read 900,000 rows to find 50.
+console's own query functions run on the table of ``tests/support/large_outbox.py`` (a row a
+second for ~11.6 days, almost every row confirmed; the 500 failed rows in the middle), then
+explained with their parameters (``EXPLAIN (FORMAT JSON)``, no timing). A walk of the table is
+a ``Seq Scan`` of ``outbox``, or an ``Index Scan`` of its primary key with no index condition:
+the plan ``ORDER BY id LIMIT 50`` got for a status search, which read 900,000 rows to find 50.
 PostgreSQL only.
 """
 
@@ -29,7 +29,7 @@ from app.outbox.read.rates import rates as read_rates
 from app.outbox.read.scopes import count_scope, search_window
 from app.outbox.scope import Scope
 from app.outbox.states import Status
-from tests.large_outbox import NOW, captured, plan_nodes
+from tests.support.large_outbox import NOW, captured, plan_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +147,8 @@ def test_overview_rates_read_the_samples_not_the_rows(large: Engine) -> None:
     assert not rates.sampled  # the table was built by hand: no publisher sampled it
 
 
-#: Every console page, as an operator opens them on this table (rows of ``tests/large_outbox.py``).
+#: Every console page, as an operator opens them on this table (rows of
+#: ``tests/support/large_outbox.py``).
 CONSOLE_PAGES = (
     "/ui",
     "/ui/failures",

@@ -1,4 +1,4 @@
-# ruff: noqa: F811 (the console's fixtures, imported from its test module, are parameters here)
+# ruff: noqa: F811 (the console's fixtures, imported from tests.support.console, are parameters)
 """The Spark writer's rejects in the console (issue #28), in a real Chromium against a real
 ``uvicorn`` over a real PostgreSQL: the rows are refused by the product's own task function
 (``write_partition`` in reject mode, no SparkSession needed), the page counts them by reason
@@ -20,8 +20,8 @@ from app.outbox.schema import rejects
 from spark_writer import OutboxOptions
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, commit_batch, write_partition
-from tests.integration.test_api import READ, Clock
-from tests.integration.test_console import (  # noqa: F401 (fixtures)
+from tests.support.api import READ, Clock
+from tests.support.console import (  # noqa: F401 (fixtures)
     Server,
     browser,
     clock,

@@ -1,4 +1,4 @@
-# ruff: noqa: F811 (the console's fixtures, imported from its test module, are parameters here)
+# ruff: noqa: F811 (the console's fixtures, imported from tests.support.console, are parameters)
 """Every republish entry point of the console moves exactly the rows its page showed, and the
 failures view adds up to what the database holds (issue #28), in a real Chromium against a real
 ``uvicorn`` over a real PostgreSQL.
@@ -20,76 +20,30 @@ import pytest
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
-from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import Engine, func, select
 
-from app.outbox.records import Backoff, ReturnedRow
+from app.outbox.records import Backoff
 from app.outbox.schema import audit, outbox
 from app.outbox.states import TERMINAL_FAILURES, Status
-from tests.factories import add_rows
-from tests.integration.test_api import OPERATOR, READ, Clock
-from tests.integration.test_console import (  # noqa: F401 (fixtures)
+from tests.support.api import OPERATOR, READ, Clock
+from tests.support.console import (  # noqa: F401 (fixtures)
     Server,
     _gone,
+    _settle,
     browser,
     clock,
+    confirm,
     engine,
+    moved,
     sign_in,
+    statuses,
     submit,
     text,
 )
-from tests.outbox_clients import OutboxClients
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.browser
-
-
-def _settle(
-    repo: OutboxClients,
-    engine: Engine,
-    *,
-    n: int,
-    exchange: str,
-    routing_key: str,
-    batch_id: str,
-    outcome: str,
-    prefix: str | None = None,
-    reason: str = "",
-) -> list[str]:
-    """``n`` rows written, claimed, published and settled as the publisher settles them."""
-    now = repo.db.clock()
-    ids = add_rows(
-        engine,
-        n=n,
-        exchange=exchange,
-        routing_key=routing_key,
-        batch_id=batch_id,
-        prefix=prefix,
-        created_at=now,
-        available_at=now,
-    )
-    got = repo.store.claim(owner="p1", limit=n, lease_seconds=600)
-    assert sorted(r.message_id for r in got) == sorted(ids)
-    rows = [r.id for r in got]
-    if outcome != "failed":
-        repo.store.record_published(
-            owner="p1", channel_id=1, tags=[(i, k + 1) for k, i in enumerate(rows)]
-        )
-    if outcome == "returned":
-        repo.store.mark_returned(
-            owner="p1", returns=[ReturnedRow(i, 312, "NO_ROUTE") for i in rows]
-        )
-    elif outcome == "nacked":
-        repo.store.retry(
-            owner="p1",
-            ids=rows,
-            error="nacked by broker",
-            backoff=Backoff(),
-            exhausted=Status.NACKED,
-            max_attempts=1,
-        )
-    else:
-        repo.store.mark_failed(owner="p1", ids=rows, reason=reason)
-    return ids
 
 
 class Incident:
@@ -148,26 +102,6 @@ def incident(engine: Engine, clock: Clock) -> Incident:
 def server(pg_url: str, engine: Engine, clock: Clock, incident: Incident) -> Iterator[Server]:
     with Server(engine, pg_url, clock) as srv:
         yield srv
-
-
-def statuses(engine: Engine) -> dict[str, str]:
-    with engine.connect() as conn:
-        return dict(conn.execute(select(outbox.c.message_id, outbox.c.status)).tuples().all())
-
-
-def moved(before: dict[str, str], after: dict[str, str]) -> set[str]:
-    return {m for m, s in after.items() if s != before[m]}
-
-
-def confirm(browser: webdriver.Chrome, button: WebElement) -> tuple[str, str]:
-    """Preview from ``button``, then confirm: the preview's filter and count."""
-    old = browser.find_element(By.TAG_NAME, "html")
-    button.click()
-    WebDriverWait(browser, 15).until(lambda _b: _gone(old))
-    described, count = text(browser, "filter"), text(browser, "count")
-    submit(browser, By.ID, "confirm")
-    assert text(browser, "done").split(" row")[0].isdigit()
-    return described, count
 
 
 def last_audit_filter(engine: Engine) -> dict[str, object]:

@@ -15,7 +15,7 @@ from sqlalchemy import Engine, delete, select
 
 from app.api import create_app
 from app.outbox.schema import api_secrets, ui_sessions
-from tests.integration.test_api import OPERATOR, READ, client_for, settings_for
+from tests.support.api import OPERATOR, READ, client_for, settings_for
 
 ORIGIN = {"Origin": "http://outbox.test"}
 

@@ -1,4 +1,4 @@
-# ruff: noqa: F811 (the console's fixtures, imported from its test module, are parameters here)
+# ruff: noqa: F811 (the console's fixtures, imported from tests.support.console, are parameters)
 """The console over time (issue #28), in a real Chromium against a real ``uvicorn`` over a real
 PostgreSQL: batches newest first with page links both ways; the overview's rates, its trend in
 words (draining or stuck) and its auto refresh.
@@ -26,9 +26,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import Engine
 
 from app.api.console.base import PAGE, SECURITY_HEADERS
-from tests.factories import add_rows
-from tests.integration.test_api import READ, T0, Clock
-from tests.integration.test_console import (  # noqa: F401 (fixtures)
+from tests.support.api import READ, T0, Clock
+from tests.support.console import (  # noqa: F401 (fixtures)
     Server,
     _gone,
     browser,
@@ -38,7 +37,8 @@ from tests.integration.test_console import (  # noqa: F401 (fixtures)
     sign_in,
     text,
 )
-from tests.outbox_clients import OutboxClients
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.browser
 

@@ -22,7 +22,6 @@ from sqlalchemy import Engine
 
 from app.consumer import Consumer, ConsumerConfig
 from app.db import make_engine
-from tests.conftest import close_broker_connections, scrubbed_environ
 from tests.consumer_support import (
     create_effects,
     declared_queue,
@@ -32,6 +31,7 @@ from tests.consumer_support import (
     running_consumer,
     until,
 )
+from tests.support.env import close_broker_connections, scrubbed_environ
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -27,7 +27,6 @@ from sqlalchemy import Engine, make_url, text
 from app.consumer import Consumer, ConsumerConfig, consumer_engine
 from app.db import make_engine
 from chaos.proxy import TcpProxy
-from tests.conftest import close_broker_connections, scrubbed_environ
 from tests.consumer_support import (
     create_effects,
     declared_queue,
@@ -36,6 +35,7 @@ from tests.consumer_support import (
     record,
     until,
 )
+from tests.support.env import close_broker_connections, scrubbed_environ
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,10 +20,10 @@ from sqlalchemy.orm import Session
 from app.api import create_app
 from app.db import make_engine, migrate
 from app.outbox.enqueue import Message, enqueue
-from tests.conftest import REPO, database_url, drop_database
-from tests.integration.test_api import OP, R, settings_for
-from tests.publisher_support import declare, delete, run_until_empty
-from tests.publisher_support import settings_for as publisher_settings
+from tests.support.api import OP, R, settings_for
+from tests.support.env import REPO, database_url, drop_database
+from tests.support.publisher import declare, delete, run_until_empty
+from tests.support.publisher import settings_for as publisher_settings
 
 ROLES_SQL = REPO / "deploy" / "postgres" / "roles.sql"
 PARTS = ("owner", "publisher", "api", "writer")

@@ -28,7 +28,7 @@ from app.outbox.enqueue import (
 )
 from app.outbox.schema import outbox
 from app.tracing import checked_headers
-from tests.publisher_support import all_in, consume_ids, running_publisher, settings_for, wait_rows
+from tests.support.publisher import all_in, consume_ids, running_publisher, settings_for, wait_rows
 
 LATER = dt.timedelta(hours=1)
 

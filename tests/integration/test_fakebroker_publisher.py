@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import Engine
 
 from app.db import make_engine
-from tests.factories import add_rows
-from tests.fakebroker import FakeBroker
-from tests.publisher_support import all_in, rows, running_publisher, settings_for, wait_rows
+from tests.support.factories import add_rows
+from tests.support.fakebroker import FakeBroker
+from tests.support.publisher import all_in, rows, running_publisher, settings_for, wait_rows
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pamqp import commands
 from app.amqp.codec import OutgoingMessage, ReturnedMessage
 from app.amqp.connection import AMQPConnection
 from app.amqp.errors import CloseReason, ConnectionClosedError
-from tests.fakebroker import FakeBroker
+from tests.support.fakebroker import FakeBroker
 
 
 class Recorder:

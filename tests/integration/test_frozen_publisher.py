@@ -23,9 +23,9 @@ from sqlalchemy import Engine, select, text, update
 
 from app.db import make_engine, session_limits
 from app.outbox.schema import outbox
-from tests.conftest import scrubbed_environ
-from tests.factories import add_rows
-from tests.outbox_clients import OutboxClients
+from tests.support.env import scrubbed_environ
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,7 +98,7 @@ def test_a_publisher_frozen_past_its_lease_costs_only_its_rows(
     one's session is ended within a third of its lease."""
     import asyncio
 
-    from tests.publisher_support import declare, delete
+    from tests.support.publisher import declare, delete
 
     names = {"exchange": f"test-frozen-{os.getpid()}-{time.monotonic_ns() % 10**6}"}
     asyncio.run(declare(amqp_url, exchange=names["exchange"], queue=names["exchange"] + "-q"))
@@ -199,8 +199,8 @@ def test_a_publisher_frozen_inside_its_claim_delays_the_others_by_a_second_at_mo
     from sqlalchemy import event
 
     from app.outbox.store import PublisherStore
-    from tests.fakebroker import FakeBroker
-    from tests.publisher_support import running_publisher, settings_for
+    from tests.support.fakebroker import FakeBroker
+    from tests.support.publisher import running_publisher, settings_for
 
     freeze, lease = 30.0, 60.0
     frozen_engine = make_engine(

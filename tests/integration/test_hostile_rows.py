@@ -20,9 +20,9 @@ from sqlalchemy import Engine, text
 
 from app.db import make_engine
 from app.outbox.read.messages import message
-from tests.factories import add_rows
-from tests.publisher_support import consume_ids, declare, delete, rows, run_until_empty
-from tests.publisher_support import settings_for as publisher_settings
+from tests.support.factories import add_rows
+from tests.support.publisher import consume_ids, declare, delete, rows, run_until_empty
+from tests.support.publisher import settings_for as publisher_settings
 
 GOOD = 200
 

@@ -38,9 +38,9 @@ from spark_writer import OutboxOptions
 from spark_writer.envelope import BatchRef
 from spark_writer.validate import check_schema
 from spark_writer.writer import WritePlan, commit_batch, write_partition
-from tests.integration.test_api import R, client_for
-from tests.integration.test_api import settings_for as api_settings
-from tests.publisher_support import (
+from tests.support.api import R, client_for
+from tests.support.api import settings_for as api_settings
+from tests.support.publisher import (
     Row,
     all_in,
     consume_ids,

@@ -21,8 +21,8 @@ from sqlalchemy import Engine, text
 from app.outbox.read.failures import failures_by_cause
 from app.outbox.read.stats import read_stats
 from app.outbox.states import Status
-from tests.large_outbox import LOST_EVERY, NOW, ODD, ROWS, captured, plan_nodes
-from tests.outbox_clients import OutboxClients
+from tests.support.large_outbox import LOST_EVERY, NOW, ODD, ROWS, captured, plan_nodes
+from tests.support.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from app.outbox.records import Backoff, ReturnedRow
 from app.outbox.schema import events, outbox
 from app.outbox.scope import RepublishFilter
 from app.outbox.states import Status
-from tests.factories import add_rows
-from tests.integration.test_repository_contract import Clock
-from tests.outbox_clients import OutboxClients
+from tests.support.clock import Clock
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
 
 GONE = "exchange 'gone' not found (404)"
 

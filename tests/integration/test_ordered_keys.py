@@ -21,8 +21,8 @@ from app.outbox.actions import CannotSkip
 from app.outbox.read.keys import parked_keys
 from app.outbox.schema import audit, outbox
 from app.outbox.scope import RepublishFilter
-from tests.outbox_clients import OutboxClients
-from tests.publisher_support import (
+from tests.support.outbox_clients import OutboxClients
+from tests.support.publisher import (
     all_in,
     declare,
     delete,
@@ -104,7 +104,7 @@ class TestKeyHeads:
         self, repo: OutboxClients, engine: Engine
     ) -> None:
         keyed = add_keyed(engine, keys=2, per_key=3, prefix="a")
-        from tests.factories import add_rows
+        from tests.support.factories import add_rows
 
         free = add_rows(engine, n=3, available_at=T0)
         first = claim_ids(repo)
@@ -353,8 +353,8 @@ def _key(keyed: dict[str, list[str]], n: int) -> str:
 
 async def test_parked_keys_and_skip_over_rest(db_url: str, engine: Engine) -> None:
     from app.api.app import create_app
-    from tests.integration.test_api import OP, R, client_for
-    from tests.integration.test_api import settings_for as api_settings
+    from tests.support.api import OP, R, client_for
+    from tests.support.api import settings_for as api_settings
 
     repo = OutboxClients(engine, clock=lambda: T0 + dt.timedelta(seconds=1))
     add_keyed(engine, keys=2, per_key=3, prefix="g")
@@ -439,7 +439,7 @@ async def test_connections_closed_mid_window_never_let_a_later_row_overtake(
 ) -> None:
     """The broker closes the publisher's connection (its channels with it) twice while keys are
     in flight: the unconfirmed heads go out again on a fresh connection, still first."""
-    from tests.conftest import close_broker_connections
+    from tests.support.env import close_broker_connections
 
     exchange = queue = f"test-ordered-close-{uuid.uuid4().hex[:8]}"
     await declare(amqp_url, exchange=exchange, queue=queue)

@@ -9,11 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,8 +24,9 @@ from sqlalchemy import select
 from app.db import make_engine
 from app.outbox.schema import outbox
 from app.tracing import checked_headers
-from tests.conftest import REPO
-from tests.publisher_support import declare, delete, run_until_empty, settings_for
+from tests.support.env import REPO
+from tests.support.publisher import declare, delete, run_until_empty, settings_for
+from tests.support.serve import Served, free_port
 
 EXAMPLE = REPO / "docs" / "examples" / "orders_service.py"
 ASYNC_EXAMPLE = REPO / "docs" / "examples" / "orders_service_async.py"
@@ -55,12 +52,6 @@ async def orders_topology(amqp_url: str) -> AsyncIterator[dict[str, str]]:
     await delete(amqp_url, exchanges=(names["exchange"],), queues=(names["queue"],))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @asynccontextmanager
 async def orders_service(
     kind: str, *, db_url: str, exchange: str
@@ -76,32 +67,17 @@ async def orders_service(
         finally:
             app.state.engine.dispose()
         return
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(ORDERS_DATABASE_URL=db_url, ORDERS_EXCHANGE=exchange)
+    port = free_port()
     command = ["uvicorn", "--factory", "docs.examples.orders_service_async:app_from_env"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *command, "--port", str(port), "--log-level", "warning"],
-        cwd=REPO,
-        env=env,
-        stderr=subprocess.PIPE,
+    served = Served(
+        [*command, "--port", str(port), "--log-level", "warning"],
+        env={"ORDERS_DATABASE_URL": db_url, "ORDERS_EXCHANGE": exchange},
+        port=port,
+        ready=lambda base: httpx.get(f"{base}/openapi.json", timeout=1).status_code == 200,
     )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/openapi.json", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "uvicorn did not start"
-            await asyncio.sleep(0.2)
-        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+    with served:
+        async with httpx.AsyncClient(base_url=served.base, timeout=30) as c:
             yield c
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

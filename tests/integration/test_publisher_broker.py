@@ -28,9 +28,9 @@ from app.outbox.store import PublisherStore
 from app.publisher import unreachable
 from app.publisher.engine import Publisher
 from chaos.proxy import TcpProxy
-from tests.conftest import services_env
-from tests.factories import add_rows
-from tests.publisher_support import (
+from tests.support.env import services_env
+from tests.support.factories import add_rows
+from tests.support.publisher import (
     all_in,
     consume_ids,
     declare,

@@ -19,8 +19,8 @@ from app.outbox.schema import outbox
 from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.publisher.metrics import registry_for
-from tests.factories import add_rows
-from tests.publisher_support import all_in, running_publisher, settings_for, wait_rows
+from tests.support.factories import add_rows
+from tests.support.publisher import all_in, running_publisher, settings_for, wait_rows
 
 NO_BROKER = "amqp://guest:guest@127.0.0.1:9/"  # never dialled: these parts need no broker
 SLOW_POLL = 5.0

@@ -27,10 +27,10 @@ from app.db import make_engine
 from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.settings import Settings
-from tests.conftest import REPO
-from tests.factories import add_rows
-from tests.fakebroker import FakeBroker
-from tests.publisher_support import (
+from tests.support.env import REPO
+from tests.support.factories import add_rows
+from tests.support.fakebroker import FakeBroker
+from tests.support.publisher import (
     all_in,
     rows,
     running_publisher,

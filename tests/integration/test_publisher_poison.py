@@ -20,8 +20,8 @@ from sqlalchemy import Engine
 
 from app.amqp.codec import FrameSizeError, PublishEncoder
 from app.amqp.connection import AMQPConnection
-from tests.factories import add_rows
-from tests.publisher_support import (
+from tests.support.factories import add_rows
+from tests.support.publisher import (
     consume_ids,
     rows,
     run_until_empty,

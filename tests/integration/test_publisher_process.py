@@ -17,8 +17,8 @@ from sqlalchemy import Engine, func, select
 
 from app.db import make_engine
 from app.outbox.schema import outbox
-from tests.factories import add_rows
-from tests.publisher_support import (
+from tests.support.factories import add_rows
+from tests.support.publisher import (
     consume_ids,
     declare,
     delete,

@@ -14,8 +14,8 @@ from sqlalchemy import Engine, make_url, text
 from app.db import make_engine
 from app.publisher import listener
 from chaos.proxy import TcpProxy
-from tests.factories import add_rows
-from tests.publisher_support import all_in, rows, running_publisher, settings_for, wait_rows
+from tests.support.factories import add_rows
+from tests.support.publisher import all_in, rows, running_publisher, settings_for, wait_rows
 
 SLOW_POLL = 5.0  # a poll this slow cannot explain a claim within a second
 

@@ -11,10 +11,10 @@ from sqlalchemy import Engine, func, select
 
 from app.outbox.read.rates import rates as read_rates
 from app.outbox.schema import samples
-from tests.factories import add_rows
-from tests.integration.test_api import T0, Clock
-from tests.outbox_clients import OutboxClients
-from tests.publisher_support import declare, delete, run_until_empty, settings_for
+from tests.support.api import T0, Clock
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
+from tests.support.publisher import declare, delete, run_until_empty, settings_for
 
 
 def _sample(

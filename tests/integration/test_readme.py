@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -22,8 +21,9 @@ from sqlalchemy import Engine
 from app.db import make_engine
 from app.outbox.records import Backoff
 from app.outbox.states import Status
-from tests.factories import add_rows
-from tests.outbox_clients import OutboxClients
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
+from tests.support.serve import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -39,12 +39,6 @@ def console_steps() -> list[tuple[str, str]]:
         parts = re.split(r"^\$ (.*)$", block, flags=re.M)
         steps += [(parts[i], parts[i + 1].strip()) for i in range(1, len(parts), 2)]
     return steps
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def seed_story(engine: Engine) -> None:

@@ -25,21 +25,9 @@ from app.outbox.registry import PublisherLocked
 from app.outbox.schema import audit, outbox, publishers
 from app.outbox.scope import RepublishFilter
 from app.outbox.states import TRANSITIONS, IllegalTransition, Status
-from tests.factories import add_rows
-from tests.outbox_clients import OutboxClients
-
-T0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> dt.datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += dt.timedelta(seconds=seconds)
+from tests.support.clock import T0, Clock
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from sqlalchemy import Engine, select
 from app.api import create_app
 from app.cli import EXIT_OK, EXIT_USAGE, main
 from app.outbox.schema import audit, outbox
-from tests.integration.test_api import OP, Clock, client_for, settings_for
-from tests.integration.test_console_scopes import _settle
-from tests.outbox_clients import OutboxClients
+from tests.support.api import OP, Clock, client_for, settings_for
+from tests.support.console import _settle
+from tests.support.outbox_clients import OutboxClients
 
 
 def _incident(engine: Engine) -> dict[str, list[str]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import scrubbed_environ
+from tests.support.env import scrubbed_environ
 
 REPO = Path(__file__).resolve().parents[2]
 

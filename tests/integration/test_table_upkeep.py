@@ -15,9 +15,9 @@ from app.api import create_app
 from app.outbox.read.stats import table_upkeep
 from app.outbox.schema import outbox
 from app.outbox.upkeep import Upkeep
-from tests.factories import add_rows
-from tests.integration.test_api import R, client_for, settings_for
-from tests.integration.test_cli import engine, env, run
+from tests.support.api import R, client_for, settings_for
+from tests.support.cli import engine, env, run
+from tests.support.factories import add_rows
 
 __all__ = ["engine", "env"]  # the CLI tests' fixtures: OUTBOX_* scrubbed, the database's URL set
 ROWS = 2_000

@@ -24,7 +24,7 @@ from app.outbox.schema import outbox
 from app.publisher.outcomes import Outcomes
 from app.publisher.spans import BatchSpans
 from tests.consumer_support import declared_queue, running_consumer, until
-from tests.publisher_support import run_until_empty, settings_for
+from tests.support.publisher import run_until_empty, settings_for
 
 _EXPORTER = InMemorySpanExporter()
 

@@ -11,10 +11,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,8 +22,9 @@ from app.api import create_app
 from app.db import make_engine
 from app.outbox.schema import events, outbox
 from app.outbox.shown import MAX_SHOWN_BODY, MAX_SHOWN_DOCUMENT, MAX_SHOWN_TEXT
-from tests.factories import add_rows
-from tests.integration.test_api import OP, OPERATOR, READ, R, client_for, settings_for
+from tests.support.api import OP, READ, R, client_for, settings_for
+from tests.support.factories import add_rows
+from tests.support.serve import Served
 
 HUGE = 20_000_000  # characters, as in the review
 ORIGIN = {"Origin": "http://outbox.test"}
@@ -167,14 +164,6 @@ async def test_the_console_pages_of_the_worst_row_are_bounded(
         engine.dispose()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -194,31 +183,9 @@ def test_a_real_api_serves_four_parallel_reads_of_the_worst_rows_in_256_mib(
         worst = seed_worst(engine)
     finally:
         engine.dispose()
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(OUTBOX_DATABASE_URL=pg_url, OUTBOX_API_TOKEN=READ, OUTBOX_OPERATOR_TOKEN=OPERATOR)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "serve did not start"
-            time.sleep(0.2)
-        sizes = asyncio.run(_four_by_four(base, worst))
-        peak = _peak_rss_mib(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+    with Served.outbox(pg_url) as srv:
+        sizes = asyncio.run(_four_by_four(srv.base, worst))
+        peak = _peak_rss_mib(srv.proc.pid)
     assert max(sizes) < ANSWER_BOUND, sizes
     assert peak < 256, f"peak RSS {peak:.0f} MiB"
     print(json.dumps({"peak_rss_mib": round(peak), "largest_answer": max(sizes)}))

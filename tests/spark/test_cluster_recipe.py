@@ -23,7 +23,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from app.db import make_engine
-from tests.spark import dbview
+from tests.support import dbview
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 

@@ -8,8 +8,8 @@ import pytest
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from tests.spark import dbview
-from tests.spark.test_spark_writer import orders
+from tests.support import dbview
+from tests.support.spark import orders
 
 pytestmark = [pytest.mark.spark, pytest.mark.spark_api]
 

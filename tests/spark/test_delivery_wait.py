@@ -26,10 +26,10 @@ from pyspark.sql import DataFrame, SparkSession
 
 from app.db import make_engine
 from spark_writer import OutboxDeliveryError, OutboxProgress, OutboxSink, write_outbox
-from tests.conftest import REPO, scrubbed_environ
-from tests.publisher_support import declare, delete, running_publisher, settings_for
-from tests.spark import dbview
-from tests.spark.test_spark_writer import await_stream
+from tests.support import dbview
+from tests.support.env import REPO, scrubbed_environ
+from tests.support.publisher import declare, delete, running_publisher, settings_for
+from tests.support.spark import await_stream
 
 pytestmark = pytest.mark.spark
 

@@ -22,7 +22,7 @@ from app.db import make_engine
 from app.outbox.schema import outbox
 from spark_writer import write_outbox
 from tests.consumer_support import create_effects, effects, record
-from tests.publisher_support import declare, delete
+from tests.support.publisher import declare, delete
 
 pytestmark = pytest.mark.spark
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pyspark.sql import SparkSession
 
 from spark_writer import OutboxConfigError, OutboxDataError, OutboxSink, write_outbox
 from spark_writer.rules import header_value_limit
-from tests.spark import dbview
+from tests.support import dbview
 
 pytestmark = pytest.mark.spark
 

@@ -34,9 +34,9 @@ from app.outbox.planner import CLAIM_REWALK
 from spark_writer import OutboxDataError, OutboxOptions, OutboxSink, write_outbox
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, commit_batch, hold_batch, write_partition
-from tests.outbox_clients import OutboxClients
-from tests.spark import dbview
-from tests.spark.test_spark_writer import (
+from tests.support import dbview
+from tests.support.outbox_clients import OutboxClients
+from tests.support.spark import (
     ORDERS,
     await_stream,
     fail_on_row_25,

@@ -18,8 +18,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from spark_writer import OutboxDataError, OutboxSink, PartitionResult, write_outbox
-from tests.spark import dbview
-from tests.spark.test_spark_writer import orders, sink_options
+from tests.support import dbview
+from tests.support.spark import orders, sink_options
 
 pytestmark = pytest.mark.spark
 

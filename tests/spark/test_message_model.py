@@ -29,7 +29,8 @@ from pyspark.sql.types import (
 
 from app.db import make_engine
 from spark_writer import OutboxConfigError, OutboxDataError, OutboxSchemaError, write_outbox
-from tests.publisher_support import (
+from tests.support import dbview
+from tests.support.publisher import (
     all_in,
     declare,
     delete,
@@ -37,7 +38,6 @@ from tests.publisher_support import (
     settings_for,
     wait_rows,
 )
-from tests.spark import dbview
 
 pytestmark = pytest.mark.spark
 

@@ -24,7 +24,7 @@ from app.outbox.schema import outbox
 from spark_writer import OutboxOptions
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, commit_batch, write_partition
-from tests.spark import dbview
+from tests.support import dbview
 
 pytestmark = pytest.mark.spark
 

@@ -16,8 +16,8 @@ from pyspark.sql import functions as F
 from sqlalchemy.engine import make_url
 
 from spark_writer import OutboxConfigError, write_outbox
-from tests.spark import dbview
-from tests.spark.test_spark_writer import orders, sink_options
+from tests.support import dbview
+from tests.support.spark import orders, sink_options
 
 pytestmark = pytest.mark.spark
 

@@ -18,7 +18,7 @@ from app.db import make_engine
 from spark_writer import OutboxOptions
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, commit_batch, write_partition
-from tests.integration.test_api import R, client_for, settings_for
+from tests.support.api import R, client_for, settings_for
 
 pytestmark = pytest.mark.spark
 

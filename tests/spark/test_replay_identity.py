@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.spark import dbview
+from tests.support import dbview
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from spark_writer import OutboxOptions
 from spark_writer.db import PostgresStore
 from spark_writer.envelope import BatchRef
 from spark_writer.writer import WritePlan, write_partition
-from tests.spark import dbview
+from tests.support import dbview
 
 pytestmark = pytest.mark.spark
 

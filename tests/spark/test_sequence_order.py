@@ -12,7 +12,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from spark_writer import OutboxConfigError, OutboxSchemaError, OutboxSink, write_outbox
-from tests.spark import dbview
+from tests.support import dbview
 
 pytestmark = [pytest.mark.spark, pytest.mark.spark_api]
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from app.settings import Settings
-from tests.conftest import REPO
+from tests.support.env import REPO
 
 
 def test_no_outbox_variable_reaches_a_test() -> None:

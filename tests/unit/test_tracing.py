@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from app.tracing import TraceContextError, checked_headers, trace_id_of
-from tests.conftest import REPO
+from tests.support.env import REPO
 
 GOOD = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

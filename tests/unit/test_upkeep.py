@@ -9,7 +9,7 @@ import datetime as dt
 
 from app.outbox.health import Level, verdict
 from app.outbox.upkeep import Advice, Upkeep, advice
-from tests.unit.test_health import NOW, stats
+from tests.support.health import NOW, stats
 
 OURS = {"autovacuum_vacuum_cost_delay": "0", "autovacuum_vacuum_scale_factor": "0.05"}
 HEALTHY = Upkeep(
