@@ -326,7 +326,12 @@ class KitCore:
         for held in out.isolate:
             if held.tag in self.held:
                 self.singles.append(held)
-        if out.outage is not None:
+        if out.outage is not None and self.closed:
+            # a job of a channel gone: its deliveries come back on the next one, whose jobs see
+            # the database as it is (an outage started here would wait for a probe that an
+            # idle channel never starts)
+            self.s.metrics.add("database_errors")
+        elif out.outage is not None:
             self._database_failed(out.outage)
         elif not out.abandoned:
             self._database_answered()

@@ -213,3 +213,15 @@ def test_a_slow_handler_gives_the_rest_of_its_window_to_another() -> None:
     assert sim.db.effects == {"b": 1, "c": 1} and sim.broker.acked == 2
     play(sim, [])  # a's handler returns: its window commits a alone
     assert sim.db.effects == {"a": 1, "b": 1, "c": 1} and sim.totals() == (3, 0)
+
+
+def test_an_outage_seen_by_a_closed_channels_job_does_not_pause_an_idle_consumer() -> None:
+    """Shrunk from a schedule: the channel closed while a window ran; the new channel handled
+    both deliveries; then the old window met the database out. The consumer stayed paused
+    (``database_down``, not ready) with nothing held to probe the database with."""
+    sim = sim_of({"m0": []}, batch_size=1, prefetch=2, concurrency=2)
+    sim.copies["m0"] = 2
+    sim.broker.ready.append(("m0", False))
+    steps = [("deliver", 1), ("deliver", 1), ("close", 0), ("deliver", 2), ("run", 2)]
+    play(sim, [*steps, ("run", 2), ("db_down", 0), ("run", 0), ("run", 0)])
+    assert not sim.state.metrics.database_down and sim.state.metrics.counts["database_outages"] == 0
