@@ -21,8 +21,8 @@ from app.consumer import Consumer, ConsumerConfig
 from app.db import make_engine
 from app.topology import _Quiet as Quiet
 from app.topology import declare, queue_arguments
-from tests.consumer_support import create_effects, effects, publish, record, until
 from tests.support.cluster import Cluster
+from tests.support.consumer import create_effects, effects, publish, record, until
 from tests.support.factories import add_rows
 from tests.support.publisher import all_in, running_publisher, settings_for, wait_rows
 

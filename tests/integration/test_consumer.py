@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 
 from app.consumer import Consumer, ConsumerConfig
 from app.db import make_engine
-from tests.consumer_support import (
+from tests.support.consumer import (
     create_effects,
     declared_queue,
     effects,
@@ -202,7 +202,7 @@ def _spawn(pg_url: str, amqp_url: str, queue: str) -> subprocess.Popen[bytes]:
             "consume",
             queue,
             "--handler",
-            "tests.consumer_support:record",
+            "tests.support.consumer:record",
             "--name",
             "killed",
             "--prefetch",

@@ -27,7 +27,7 @@ from sqlalchemy import Engine, make_url, text
 from app.consumer import Consumer, ConsumerConfig, consumer_engine
 from app.db import make_engine
 from chaos.proxy import TcpProxy
-from tests.consumer_support import (
+from tests.support.consumer import (
     create_effects,
     declared_queue,
     effects,
@@ -181,7 +181,7 @@ async def test_a_database_outage_pauses_the_kit_and_dead_letters_nothing(
 # ---------------------------------------------------------------- a message kills the process
 
 
-CRASHING = "tests.consumer_support:crash_or_record"
+CRASHING = "tests.support.consumer:crash_or_record"
 
 
 def _spawn(
@@ -341,7 +341,7 @@ async def test_kill_9_a_database_outage_and_a_broker_close_in_one_run(
     async with queue_named(amqp_url) as queue:
         await publish(amqp_url, queue, ids, sleep_ms=2)
         proc = _spawn(
-            kit_url, amqp_url, queue, "--prefetch", "200", handler="tests.consumer_support:record"
+            kit_url, amqp_url, queue, "--prefetch", "200", handler="tests.support.consumer:record"
         )
         try:
             await until(lambda: len(effects(engine)) >= 1000, timeout=90, what="1,000 effects")
@@ -353,7 +353,7 @@ async def test_kill_9_a_database_outage_and_a_broker_close_in_one_run(
                 queue,
                 "--prefetch",
                 "200",
-                handler="tests.consumer_support:record",
+                handler="tests.support.consumer:record",
             )
             await until(lambda: len(set(effects(engine))) >= 2500, timeout=90, what="2,500")
             closed = await asyncio.to_thread(close_broker_connections, "outbox-consumer faults")
@@ -391,7 +391,7 @@ async def test_a_batch_handler_handles_windows_and_a_poison_fails_alone(
 ) -> None:
     """A batch handler gets a window's messages at once; a window it fails runs again one
     message at a time, so only the poison is charged and dead-lettered."""
-    from tests.consumer_support import record_all
+    from tests.support.consumer import record_all
 
     good = [f"w-{i}" for i in range(2000)]
     async with queue_named(amqp_url) as queue:

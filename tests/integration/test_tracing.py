@@ -23,7 +23,7 @@ from app.outbox.records import ClaimedRow
 from app.outbox.schema import outbox
 from app.publisher.outcomes import Outcomes
 from app.publisher.spans import BatchSpans
-from tests.consumer_support import declared_queue, running_consumer, until
+from tests.support.consumer import declared_queue, running_consumer, until
 from tests.support.publisher import run_until_empty, settings_for
 
 _EXPORTER = InMemorySpanExporter()

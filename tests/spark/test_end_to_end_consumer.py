@@ -21,7 +21,7 @@ from app.consumer import Consumer, ConsumerConfig
 from app.db import make_engine
 from app.outbox.schema import outbox
 from spark_writer import write_outbox
-from tests.consumer_support import create_effects, effects, record
+from tests.support.consumer import create_effects, effects, record
 from tests.support.publisher import declare, delete
 
 pytestmark = pytest.mark.spark
