@@ -33,11 +33,18 @@ REMINDER = 60.0  # seconds between two warnings of one outage
 
 
 def libpq_conninfo(url: str) -> str | None:
-    """The libpq URL of a SQLAlchemy PostgreSQL URL; None for any other database."""
+    """The libpq connection string of a SQLAlchemy PostgreSQL URL, as the engine's own psycopg
+    dialect translates it (None for any other database). So the listener follows every URL form
+    the engine does: a multi-host URL (``?host=a:5432&host=b:5432&target_session_attrs=
+    read-write``) becomes ``host=a,b port=5432,5432``, and libpq tries the hosts in turn for the
+    primary after a failover. Rendered back as a URL, libpq kept only the last ``host=`` and took
+    ``b:5432`` for a host name: the listener never connected, and the claimer only polled."""
     parsed = make_url(url)
     if not parsed.drivername.startswith("postgresql"):
         return None
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+    psycopg_url = parsed.set(drivername="postgresql+psycopg")
+    _, params = psycopg_url.get_dialect()().create_connect_args(psycopg_url)
+    return psycopg.conninfo.make_conninfo("", **params)
 
 
 class Listener:

@@ -96,3 +96,45 @@ async def test_a_database_outage_costs_the_listener_two_lines_not_one_per_attemp
     assert len(failed) == 1 and failed[0].startswith("LISTEN outbox_new on"), lines
     assert len(again) == 1 and re.search(r"\(\d{2,} attempts failed\)", again[0]), again
     assert len(wakes) == 2  # listening at start and again: rows committed meanwhile are claimed
+
+
+async def test_the_listener_follows_a_multi_host_url_to_the_host_that_answers(
+    pg_url: str,
+) -> None:
+    """Issue 49: the engine follows ``?host=a&host=b&target_session_attrs=read-write`` (libpq
+    tries each host for the primary), but the listener rendered it back as a URL that libpq read
+    as one host named ``127.0.0.1:<port>``: it never listened, and a WARNING came every minute.
+    Here the first host refuses (a port nothing listens on) and the second is the database: the
+    listener listens there and a committed row wakes it."""
+    url = make_url(pg_url)
+    dead = TcpProxy(upstream_host="127.0.0.1", upstream_port=1)
+    await dead.start()
+    await dead.refuse()  # a port of ours that nothing accepts on
+    hosts = [f"127.0.0.1:{dead.port}", f"{url.host or '127.0.0.1'}:{url.port or 5432}"]
+    multi = url.set(host=None, port=None).update_query_pairs(
+        [("host", h) for h in hosts] + [("target_session_attrs", "read-write")]
+    )
+    conninfo = listener.libpq_conninfo(multi.render_as_string(hide_password=False))
+    assert conninfo is not None and f"port={dead.port},{url.port or 5432}" in conninfo
+    wakes: list[float] = []
+    ear = listener.Listener(
+        url=multi.render_as_string(hide_password=False), wake=lambda: wakes.append(1.0)
+    )
+    task = asyncio.create_task(ear.run())
+    try:
+        async with asyncio.timeout(20):
+            while not ear.listening:
+                await asyncio.sleep(0.02)
+            listened = len(wakes)
+            engine = make_engine(pg_url)
+            try:
+                add_rows(engine, n=1)
+            finally:
+                engine.dispose()
+            while len(wakes) == listened:
+                await asyncio.sleep(0.02)
+    finally:
+        ear.stop()
+        await task
+        await dead.close()
+    assert ear.notifications >= 1
