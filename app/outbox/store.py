@@ -531,6 +531,30 @@ class PublisherStore:
             self.db.on_commit(self._walk_from_start)
         return moved
 
+    def published_again(
+        self, published: Sequence[Published], bare: Sequence[int] = ()
+    ) -> list[int]:
+        """Of rows the broker confirmed whose confirm this publisher could not record (no
+        longer held), those the database does not show confirmed by this very publish: another
+        publisher holds or confirmed them, or they are pending again (a lease swept while this
+        publisher was paused, a failover that undid its claim or a write-back). Each was or will
+        be published again: a possible duplicate. A row confirmed with this publish's time was
+        confirmed by this publisher's own earlier write-back whose COMMIT reply was lost: not a
+        duplicate; nor is a ``bare`` row (no publish facts) found confirmed."""
+        ours = {p.id: _utc(p.published_at) for p in published}
+        ids = [*ours, *bare]
+        again: list[int] = []
+        with self.db.begin(by_id=True) as conn:
+            for chunk in self.db.chunks(ids):
+                stmt = select(outbox.c.id, outbox.c.status, outbox.c.published_at).where(
+                    self.db.ids_in(chunk)
+                )
+                for row_id, status, at in conn.execute(stmt):
+                    mine = row_id not in ours or (at is not None and _utc(at) == ours[row_id])
+                    if not (Status(status) is Status.CONFIRMED and mine):
+                        again.append(row_id)
+        return sorted(again)
+
     def leased_ids(self, *, owner: str) -> list[int]:
         """Ids of the ``in_flight`` rows leased to ``owner`` (to find rows a lost reply hid)."""
         stmt = select(outbox.c.id).where(
@@ -575,3 +599,8 @@ def _spent(row: Any, *, max_attempts: int | None, nack: bool) -> bool:
     if nack:
         return bool(row.nacks + 1 >= row.max_attempts)
     return bool(row.attempts >= (max_attempts or row.max_attempts))
+
+
+def _utc(at: dt.datetime) -> dt.datetime:
+    """A stored time as an aware UTC time (SQLite gives it back naive)."""
+    return at.replace(tzinfo=dt.UTC) if at.tzinfo is None else at.astimezone(dt.UTC)

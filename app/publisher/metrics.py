@@ -207,7 +207,8 @@ COUNTER_HELP: dict[str, str] = {
     "retried": "Rows put back with backoff after a nack or a destination error.",
     "failed": "Rows ended failed (permanent error or poison).",
     "poison": "Rows failed for closing their channel or connection when published alone.",
-    "lost_confirms": "Publishes whose confirm never came (republished: possible duplicates).",
+    "lost_confirms": "Publishes whose confirm never came, or came for a row this publisher no "
+    "longer held (published again: possible duplicates).",
     "released": "Claimed rows given back unpublished.",
     "channel_closes": "Confirm channels closed by the broker.",
     "connection_closes": "Broker connections lost or closed.",

@@ -136,3 +136,5 @@ class Written:
     lost: int
     released: int
     postponed: int = 0
+    #: confirmed rows whose confirm could not be written and that are published again
+    published_again: int = 0

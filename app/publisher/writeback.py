@@ -219,6 +219,13 @@ class Writeback:
             log.warning(
                 "%d rows were no longer held by this publisher (lease lost)", w.expected - w.moved
             )
+        if w.published_again:
+            m.lost_confirms += w.published_again
+            log.warning(
+                "%d rows the broker confirmed were no longer held by this publisher and will be "
+                "(or were) published again: counted as possible duplicates (lost_confirms)",
+                w.published_again,
+            )
 
     # ------------------------------------------------------------ on the DB thread
 
@@ -245,6 +252,7 @@ class Writeback:
                     owner=owner, channel_id=channel_id, tags=still_out, published_at=at
                 )
         confirmed = self._confirm(out.confirmed, out.sent) if out.confirmed else 0
+        again = self._published_again(out.confirmed, out.sent, confirmed)
         returned = (
             store.mark_returned(
                 owner=owner,
@@ -297,6 +305,7 @@ class Writeback:
             lost,
             released,
             postponed,
+            again,
         )
 
     def _lost_backoff(self, ids: list[int]) -> dict[float, list[int]]:
@@ -312,6 +321,15 @@ class Writeback:
             delay = round(backoff.delay(attempts - 1), 3) if attempts > 1 else 0.0
             out.setdefault(delay, []).append(row_id)
         return out
+
+    def _published_again(self, ids: list[int], sent: dict[int, Sent], moved: int) -> int:
+        """Confirmed rows whose confirm could not be written (no longer held: a lease swept
+        during a pause, a failover that undid a claim or a write-back) and that were or will be
+        published again (:meth:`PublisherStore.published_again`): possible duplicates."""
+        if moved >= len(ids):
+            return 0
+        published, bare = _published(ids, sent)
+        return len(self.p.store.published_again(published, bare))
 
     def _confirm(self, ids: list[int], sent: dict[int, Sent]) -> int:
         published, bare = _published(ids, sent)

@@ -135,6 +135,46 @@ async def test_failed_flush_rolls_back_and_is_retried_whole(
     await consume_ids(amqp_url, topology["queue"], expect=500)
 
 
+class _ClaimUndone(PublisherStore):
+    """The real repository, except that its first confirm write-back finds every other row put
+    back to pending with no owner, as a failover to a standby that had not received the claim
+    leaves them (issue 49), or a sweep of a lease that ran out while the publisher was paused."""
+
+    undone: list[int] = []
+
+    def mark_confirmed(self, **kwargs: Any) -> int:
+        if not self.undone:
+            ids = sorted([p.id for p in kwargs.get("published", ())] + list(kwargs.get("ids", ())))
+            self.undone = ids[::2]
+            with self.db.begin() as conn:  # the write-back's own transaction
+                conn.execute(
+                    update(outbox)
+                    .where(outbox.c.id.in_(self.undone))
+                    .values(status="pending", lease_owner=None, lease_until=None)
+                )
+        return super().mark_confirmed(**kwargs)
+
+
+async def test_confirms_of_rows_no_longer_held_count_as_possible_duplicates(
+    db_url: str, engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """Issue 49: after a failover whose standby lacked the claim, the broker's confirms of the
+    rows were refused by the database (lease lost) and the rows published again, with
+    ``lost_confirms`` 0. Now each such row is a counted possible duplicate, and the count equals
+    the duplicates the queue received."""
+    add_rows(engine, n=200, exchange=topology["exchange"], routing_key="rk")
+    settings = settings_for(db_url=db_url, amqp_url=amqp_url)
+    repo = _ClaimUndone(engine)
+    publisher = Publisher(settings=settings, store=repo)
+    async with asyncio.timeout(120):
+        stats = await publisher.run(until_empty=True)
+    assert repo.undone and publisher.metrics.lease_lost >= len(repo.undone)
+    assert stats.lost == len(repo.undone)
+    assert all(r.status == "confirmed" for r in rows(engine))
+    seen = await consume_ids(amqp_url, topology["queue"], expect=200 + len(repo.undone))
+    assert sum(seen.values()) - len(seen) == len(repo.undone) == stats.lost
+
+
 class _ClaimReplyLost(PublisherStore):
     """The real repository, except that the second claim commits and then raises, as when the
     COMMIT's reply is lost on the network (chaos scenario 11c)."""

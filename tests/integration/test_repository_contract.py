@@ -613,3 +613,29 @@ class TestDelayedDelivery:
         assert 55 < late.oldest_pending_age_seconds < 70, late.oldest_pending_age_seconds
         snap = metrics_snapshot(engine, now=now_clock.now, alive_after=30)
         assert snap.delayed == 1
+
+
+def test_published_again_names_the_confirmed_rows_others_hold_or_will_publish(
+    repo: OutboxClients, engine: Engine, clock: Clock
+) -> None:
+    """Issue 49: a confirm this publisher could not write (the row no longer held) is a possible
+    duplicate unless the row stands confirmed by this very publish (its own earlier write-back,
+    whose COMMIT reply was lost)."""
+    seed(engine, 4)
+    mine, swept, taken, other = (
+        r.id for r in repo.store.claim(owner="p1", limit=4, lease_seconds=60)
+    )
+    at = clock.now
+    facts = [Published(i, 1, n + 1, at) for n, i in enumerate((mine, swept, taken, other))]
+    assert repo.store.mark_confirmed(owner="p1", published=[facts[0]]) == 1  # its own, earlier
+    clock.advance(120)  # p1 paused past its lease: the sweep puts the rest back
+    assert repo.store.release_expired() == 3
+    clock.advance(1)
+    again = repo.store.claim(owner="p2", limit=3, lease_seconds=60)  # and publishes them again
+    later = [Published(r.id, 7, n + 1, clock.now) for n, r in enumerate(again) if r.id != swept]
+    repo.store.release(owner="p2", ids=[swept], lost=False, error="stopped")  # back to pending
+    assert repo.store.mark_confirmed(owner="p2", published=later) == 2
+    # p1 now writes the confirms it got for all four: none is held by it any more
+    assert repo.store.mark_confirmed(owner="p1", published=facts) == 0
+    assert repo.store.published_again(facts) == sorted([swept, taken, other])
+    assert repo.store.published_again([]) == []
