@@ -45,6 +45,7 @@ COUNTERS: tuple[str, ...] = (
     "confirm_timeouts",
     "outages_overdue",
     "returns_retried",
+    "claims_retried",
 )
 
 
@@ -92,6 +93,9 @@ class PublisherReport(BaseModel):
     )
     returns_retried: int = _figure(
         0, "NO_ROUTE returns within return_grace of connecting: retried."
+    )
+    claims_retried: int = _figure(
+        0, "Claims run again after the server ended their session (a paused process)."
     )
 
     connected: bool = Field(False, description="Connected to the broker now.")

@@ -79,7 +79,9 @@ class PublisherStore:
         #: where the unkeyed claim's walk starts (PostgreSQL); rows this repository put back
         #: to pending may sit behind it: ``_walk_from_start`` once their transaction committed
         self._floor = ClaimFloor()
-        self._update_rows = HeldRowUpdates(self.db)  # the write-backs' one statement
+        self._update_rows = HeldRowUpdates(self.db)
+        #: claims run again because the server ended their session, idle past the bound
+        self.claims_retried = 0  # the write-backs' one statement
 
     def _walk_from_start(self) -> None:
         self._floor.rewalk()
@@ -130,6 +132,7 @@ class PublisherStore:
                 owner,
                 CLAIM_IDLE_TIMEOUT_MS,
             )
+            self.claims_retried += 1
             return self.claim_once(owner=owner, limit=limit, lease_seconds=lease_seconds)
 
     def claim_once(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedRow]:

@@ -92,6 +92,7 @@ class Claimer:
 
     async def _claim(self, limit: int) -> list[ClaimedRow] | None:
         p, s = self.p, self.p.settings
+        retried = p.store.claims_retried
         try:
             if self.orphans_suspected():
                 await self.release_orphans()
@@ -107,6 +108,8 @@ class Claimer:
                 "claim failed; retrying (rows it may have leased are released first)", exc_info=True
             )
             return None
+        finally:  # claims the store ran again after the server ended a paused session
+            p.metrics.claims_retried += p.store.claims_retried - retried
         p.metrics.claim_seconds.observe(time.perf_counter() - started)
         if rows:
             # a row still held was released by a write-back running on the other lane:

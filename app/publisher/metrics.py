@@ -128,6 +128,7 @@ class PublisherMetrics:
     confirm_timeouts: int
     outages_overdue: int
     returns_retried: int
+    claims_retried: int
 
     @property
     def lost(self) -> int:
@@ -228,6 +229,8 @@ COUNTER_HELP: dict[str, str] = {
     "confirm_timeouts": "Connections dropped because a confirm was overdue (confirm_timeout).",
     "outages_overdue": "Destination outages that lasted past destination_outage_max_wait: "
     "their rows spend their nack budget from then on.",
+    "claims_retried": "Claims run again at once because the server ended their session for "
+    "sitting idle in its transaction past 0.5 s (the publisher was paused: GC, CPU, VM).",
     "returns_retried": "Publishes returned NO_ROUTE within return_grace of connecting (bindings "
     "not recovered yet), put back to be published again.",
 }

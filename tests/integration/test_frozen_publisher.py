@@ -301,6 +301,7 @@ def test_a_claim_whose_session_the_server_ended_for_a_pause_claims_again(
         got = store.claim(owner="p", limit=5, lease_seconds=30)
     assert len(got) == 5 and not pauses
     assert "the server ended its session, idle in its transaction" in caplog.text
+    assert store.claims_retried == 1  # the publisher's claims_retried counter adds these
     with engine.connect() as conn:
         owners = conn.execute(select(outbox.c.lease_owner).where(outbox.c.status == "in_flight"))
         assert [o for (o,) in owners] == ["p"] * 5
@@ -309,3 +310,4 @@ def test_a_claim_whose_session_the_server_ended_for_a_pause_claims_again(
     pauses[:] = [1.0, 1.0]
     with pytest.raises(Exception, match="idle-in-transaction"):
         store.claim(owner="p", limit=5, lease_seconds=30)
+    assert store.claims_retried == 2

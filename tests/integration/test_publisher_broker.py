@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 from sqlalchemy import Connection, Engine, event, make_url, select, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from app.db import make_engine
 from app.outbox.database import OutboxDatabase
@@ -27,6 +28,7 @@ from app.outbox.schema import outbox, publishers
 from app.outbox.store import PublisherStore
 from app.publisher import unreachable
 from app.publisher.engine import Publisher
+from app.publisher.metrics import registry_for
 from chaos.proxy import TcpProxy
 from tests.support.env import services_env
 from tests.support.factories import add_rows
@@ -173,6 +175,41 @@ async def test_confirms_of_rows_no_longer_held_count_as_possible_duplicates(
     assert all(r.status == "confirmed" for r in rows(engine))
     seen = await consume_ids(amqp_url, topology["queue"], expect=200 + len(repo.undone))
     assert sum(seen.values()) - len(seen) == len(repo.undone) == stats.lost
+
+
+class _IdleSessionEnded(Exception):
+    sqlstate = "25P03"  # idle_in_transaction_session_timeout, as psycopg reports it
+
+
+class _ClaimSessionEnded(PublisherStore):
+    """The real repository, except that its first claim finds its session ended by the server
+    for sitting idle past the claim's bound (the real server's end is tested in
+    test_frozen_publisher.py; this checks what the publisher makes of it)."""
+
+    ended = False
+
+    def claim_once(self, **kwargs: Any) -> list[ClaimedRow]:
+        if not self.ended:
+            self.ended = True
+            raise DBAPIError("claim", {}, _IdleSessionEnded("terminating connection"))
+        return super().claim_once(**kwargs)
+
+
+async def test_a_claim_run_again_after_its_session_ended_is_counted(
+    db_url: str, engine: Engine, amqp_url: str, topology: dict[str, str]
+) -> None:
+    """The claim's retry (last session's fix) was only logged: it now counts in
+    ``claims_retried``, in the publisher's report and on its ``/metrics``."""
+    add_rows(engine, n=20, exchange=topology["exchange"], routing_key="rk")
+    settings = settings_for(db_url=db_url, amqp_url=amqp_url)
+    repo = _ClaimSessionEnded(engine)
+    publisher = Publisher(settings=settings, store=repo)
+    async with asyncio.timeout(60):
+        stats = await publisher.run(until_empty=True)
+    assert repo.ended and stats.confirmed == 20 and publisher.metrics.db_errors == 0
+    assert publisher.metrics.claims_retried == 1 and publisher.report().claims_retried == 1
+    exposed = generate_latest(registry_for(publisher.metrics, publisher_id="p")).decode()
+    assert 'outbox_publisher_claims_retried_total{publisher="p"} 1.0' in exposed
 
 
 class _ClaimReplyLost(PublisherStore):
