@@ -136,9 +136,7 @@ class Answers:
         return events
 
     def connection_changed(self) -> None:
-        self.p.work.set()
-        self.p.room.set()
-        self.p.settled.set()
+        self.p.can_publish_again()
 
     def blocked_changed(self) -> None:
         self.p.beat.set()

@@ -180,9 +180,7 @@ class Sender:
             return await conn.exchange_exists(exchange, timeout=CHECK_TIMEOUT, channel=ch.id)
         finally:
             session.checking_on_channel = False
-            self.work.set()
-            self.p.room.set()
-            self.p.settled.set()
+            self.p.can_publish_again()
 
     def _recheck(self, exchange: str) -> None:
         self.p.destinations.recheck(exchange)

@@ -114,6 +114,13 @@ class Shared:
             spans=batch_spans(enabled=settings.publisher_tracing, publisher_id=owner),
         )
 
+    def can_publish_again(self) -> None:
+        """The connection, or what it may carry, changed (connected, lost, unblocked, an
+        exchange check done on a publishing channel): every task that waits on it looks again."""
+        self.work.set()
+        self.room.set()
+        self.settled.set()
+
     def freed(self) -> None:
         """Rows left the window: room for the claimer, news for the stop's wait."""
         self.room.set()
