@@ -24,8 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from chaos import procs
+from chaos.matrix import BY_KEY, SCENARIOS
 from chaos.runner import MatrixEnv, Result, run_scenario
-from chaos.scenarios import BY_KEY, SCENARIOS
 from chaos.services import PrivateServices, ServiceError
 
 HEADER = (

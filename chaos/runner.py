@@ -117,6 +117,10 @@ class Scenario:
     publishers: int = 1
     plan: Planner | None = None
     topology: Callable[[Ctx], Topology] | None = None
+    #: runs first, before the topology is declared: may point the scenario at services of its
+    #: own (``ctx.use_database`` for the outbox, ``verifier_url`` and ``publishers_url`` for
+    #: the broker); ``teardown`` stops them
+    prepare: Step | None = None
     setup: Step | None = None
     verify: Step | None = None
     teardown: Step | None = None
@@ -293,6 +297,13 @@ class Ctx:
         if self.scenario.produce is None:  # a Spark scenario's rows arrive over time
             self.check("fault landed mid-flow", still > 0 and counts.get("confirmed", 0) > 0)
 
+    def use_database(self, url: str) -> None:
+        """The outbox of this scenario lives at ``url`` (schema there already): the runner's
+        engine and the publishers follow it. The matrix's own database stays unused."""
+        self.engine.dispose()
+        self.db_url = url
+        self.engine = ob.runner_engine(url)
+
     def publisher_url(self) -> str:
         if self.publishers_url is not None:
             return self.publishers_url
@@ -382,6 +393,8 @@ async def run_scenario(env: MatrixEnv, scenario: Scenario, *, rows: int) -> Resu
     topology = scenario.topology(ctx) if scenario.topology else default_topology(ctx, quorum)
     try:
         async with asyncio.timeout(scenario.timeout):
+            if scenario.prepare is not None:
+                await scenario.prepare(ctx)
             await _run(ctx, topology)
     except (ScenarioError, TimeoutError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1861,6 +1861,3 @@ SCENARIOS: list[Scenario] = [
         timeout=DISK_ALARM + 600,
     ),
 ]
-
-
-BY_KEY = {s.key: s for s in SCENARIOS}

@@ -21,9 +21,9 @@ import pytest
 from pamqp.commands import Basic
 
 from chaos import amqp, procs
+from chaos.matrix import SCENARIOS
 from chaos.run import _select, table
 from chaos.runner import Ctx, MatrixEnv, Result, Scenario, Step, run_scenario
-from chaos.scenarios import SCENARIOS
 from chaos.services import REPO, PrivateServices
 from chaos.verifier import Verifier
 
