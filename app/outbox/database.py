@@ -33,7 +33,14 @@ from sqlalchemy import (
     update,
 )
 
-from app.outbox.planner import ASYNC_COMMIT, ASYNC_COMMIT_BY_ID, BY_ID, status_by_id
+from app.outbox.planner import (
+    ASYNC_COMMIT,
+    ASYNC_COMMIT_BY_ID,
+    BY_ID,
+    POSITIONS,
+    POSITIONS_BY_ID,
+    status_by_id,
+)
 from app.outbox.schema import audit, events, outbox
 from app.outbox.shown import kept
 from app.outbox.states import Status, check_transition
@@ -45,10 +52,21 @@ SQLITE_MAX_IDS = 10_000
 @dataclass(frozen=True, slots=True)
 class WalPositions:
     """PostgreSQL WAL byte positions: ``flushed`` is on disk; ``end`` lies past the commit of
-    every transaction that had committed when it was read."""
+    every transaction that had committed when it was read; ``standbys``: on the disk of every
+    streaming standby (None: there is none; -1: one whose position this role may not read)."""
 
     flushed: int
     end: int
+    standbys: int | None = None
+
+    @property
+    def durable(self) -> int | None:
+        """How far the WAL survives a crash and a failover alike (None: not known)."""
+        if self.standbys is None:
+            return self.flushed
+        if self.standbys < 0:
+            return None
+        return min(self.flushed, self.standbys)
 
 
 def storable(text: str) -> str:
@@ -84,7 +102,9 @@ class OutboxDatabase:
         return source if isinstance(source, OutboxDatabase) else cls(source)
 
     @contextmanager
-    def unit_of_work(self, *, durable: bool = True, by_id: bool = False) -> Iterator[None]:
+    def unit_of_work(
+        self, *, durable: bool = True, by_id: bool = False, positions: bool = False
+    ) -> Iterator[None]:
         """Run the calls inside in one transaction (one commit): a publisher writes all the
         outcomes of one flush this way. Nested units join the outer one.
 
@@ -95,7 +115,11 @@ class OutboxDatabase:
         docs/guarantees.md section 1).
 
         ``by_id=True``: every statement inside finds its rows by id (:meth:`by_id`); on
-        PostgreSQL its settings go with the commit's in one round trip."""
+        PostgreSQL its settings go with the commit's in one round trip.
+
+        ``positions=True`` (PostgreSQL; implied by ``durable=False``): the first statement reads
+        the WAL positions too (:meth:`wal_positions`): a durable commit may still be missing
+        on a standby that a failover promotes."""
         if getattr(self._local, "conn", None) is not None:
             yield
             return
@@ -107,9 +131,17 @@ class OutboxDatabase:
                 conn.commit()
             try:
                 with conn.begin():
-                    if self.is_postgres and not durable:
-                        row = conn.execute(ASYNC_COMMIT_BY_ID if by_id else ASYNC_COMMIT).one()
-                        self._local.wal = WalPositions(flushed=int(row[1]), end=int(row[2]))
+                    if self.is_postgres and (positions or not durable):
+                        if durable:
+                            first = POSITIONS_BY_ID if by_id else POSITIONS
+                        else:
+                            first = ASYNC_COMMIT_BY_ID if by_id else ASYNC_COMMIT
+                        row = conn.execute(first).one()
+                        self._local.wal = WalPositions(
+                            flushed=int(row[1]),
+                            end=int(row[2]),
+                            standbys=None if row[3] is None else int(row[3]),
+                        )
                         if by_id:
                             conn.info["by_id"] = conn.get_transaction()
                     elif by_id:

@@ -219,10 +219,21 @@ def set_local(settings: Sequence[tuple[str, str]]) -> TextClause:
     return text(f"SELECT {calls}")
 
 
-#: With a commit that does not wait for the disk: how far the WAL is on disk now, and where it
-#: ends now (past the commit record of every transaction committed before this one), as byte
-#: positions. The publisher learns from them when its earlier write-backs became durable.
-_WAL_POSITIONS = ", pg_current_wal_flush_lsn() - '0/0', pg_current_wal_insert_lsn() - '0/0'"
+#: With a commit that does not wait for the disk: how far the WAL is on disk now, where it
+#: ends now (past the commit record of every transaction committed before this one), and how
+#: far every streaming standby has it on disk (NULL: no standby; -1: a standby this role may not
+#: read the position of, without pg_read_all_stats), as byte positions. The publisher learns
+#: from them when its earlier write-backs became durable, on this server and on any standby a
+#: failover may promote. Logical replication's senders (a CDC reader) are not standbys.
+_WAL_POSITIONS = (
+    ", pg_current_wal_flush_lsn() - '0/0', pg_current_wal_insert_lsn() - '0/0', "
+    "(SELECT CASE WHEN bool_or(r.flush_lsn IS NULL) THEN -1 ELSE min(r.flush_lsn - '0/0') END "
+    "FROM pg_stat_replication r WHERE NOT EXISTS (SELECT FROM pg_replication_slots s "
+    "WHERE s.active_pid = r.pid AND s.slot_type = 'logical'))"
+)
 BY_ID = set_local(BY_ID_SETTINGS)
 ASYNC_COMMIT = text(set_local(ASYNC_COMMIT_SETTINGS).text + _WAL_POSITIONS)
 ASYNC_COMMIT_BY_ID = text(set_local(ASYNC_COMMIT_SETTINGS + BY_ID_SETTINGS).text + _WAL_POSITIONS)
+#: A commit that waits for the disk, and a standby may still lack it: the positions all the same.
+POSITIONS = text("SELECT ''" + _WAL_POSITIONS)
+POSITIONS_BY_ID = text(BY_ID.text + _WAL_POSITIONS)

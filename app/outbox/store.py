@@ -558,6 +558,25 @@ class PublisherStore:
                         again.append(row_id)
         return sorted(again)
 
+    def count_again(self, ids: Sequence[int], *, error: str) -> int:
+        """Rows :meth:`published_again` found: each was or will be published again, so count a
+        possible duplicate (``lost_confirms + 1``, ``error`` as the last error, a ``lost``
+        event) whatever their status and lease now. Their status is not touched: whoever holds
+        them settles them. Returns how many rows it counted."""
+        if not ids:
+            return 0
+        counted = 0
+        with self.db.unit_of_work(), self.db.begin(by_id=True) as conn:
+            for chunk in self.db.chunks(ids):
+                stmt = (
+                    update(outbox)
+                    .where(self.db.ids_in(chunk))
+                    .values(lost_confirms=outbox.c.lost_confirms + 1, last_error=storable(error))
+                )
+                counted += conn.execute(stmt).rowcount
+            self.db.record_events(kind="lost", ids=ids, at=self.db.clock(), where=[])
+        return counted
+
     def leased_ids(self, *, owner: str) -> list[int]:
         """Ids of the ``in_flight`` rows leased to ``owner`` (to find rows a lost reply hid)."""
         stmt = select(outbox.c.id).where(

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from app.outbox.records import ClaimedRow
 from app.publisher.wiring import Shared
+from app.publisher.writeback import UNDONE_CONFIRM_ERROR, Settled
 
 log = logging.getLogger("app.publisher")
 
@@ -40,15 +41,18 @@ class Claimer:
         *,
         notified: Callable[[], bool],
         settled: Callable[[Iterable[int]], Awaitable[int]],
-        undoable: Callable[[], frozenset[int]] = frozenset,
+        undoable: Callable[[], Settled] = lambda: Settled(frozenset(), [], []),
+        checked: Callable[[Settled], None] = lambda settled: None,
     ) -> None:
         """``notified``: new rows announce themselves (LISTEN is up); ``settled``: wait for the
         write-back settling these rows; ``undoable``: rows settled by commits a database crash
-        could still undo."""
+        or failover could still undo; ``checked``: those the check after an outage accounted
+        for."""
         self.p = shared
         self.notified = notified
         self._after_writeback = settled
         self.undoable = undoable
+        self.checked = checked
         self.room = shared.room  # the window has room (or anything else worth a look)
         self.news = shared.news  # rows were committed since the last claim began
         self.stopped = False
@@ -145,9 +149,11 @@ class Claimer:
         """Give back rows leased to this publisher that it does not hold (never published)."""
         p = self.p
         failures = p.db.failures
-        unseen, undone = await p.db.claim(
-            self._write_orphans, held=frozenset(p.holdings.held), undoable=self.undoable()
+        undoable = self.undoable()
+        unseen, undone, elsewhere = await p.db.claim(
+            self._write_orphans, held=frozenset(p.holdings.held), undoable=undoable
         )
+        self.checked(undoable)
         self.orphans_possible = False
         self._failures_seen = failures
         p.db.orphans_checked(failures_seen=failures)
@@ -161,17 +167,31 @@ class Claimer:
                 "write-back): released to be published again, each a possible duplicate",
                 undone,
             )
+        if elsewhere:
+            p.metrics.lost_confirms += elsewhere
+            log.warning(
+                "%d rows we had confirmed are not confirmed by that publish any more (a "
+                "database failover or crash undid the write-back, and the claim with it): "
+                "published again by whoever claims them, each counted as a possible duplicate",
+                elsewhere,
+            )
 
-    def _write_orphans(self, *, held: frozenset[int], undoable: frozenset[int]) -> tuple[int, int]:
+    def _write_orphans(self, *, held: frozenset[int], undoable: Settled) -> tuple[int, int, int]:
         """DB thread. Safe only between claims: every row a finished claim returned is in
         ``held`` (settled rows have left ``in_flight`` before their ids leave ``held``).
-        Returns (rows released unpublished, rows released as possible duplicates)."""
+        Returns (rows released unpublished, rows released as possible duplicates, rows we had
+        confirmed found set back elsewhere: pending, or another's, counted on the row)."""
         p = self.p
         orphans = [i for i in p.store.leased_ids(owner=p.owner) if i not in held]
-        if not orphans:
-            return 0, 0
-        undone = [i for i in orphans if i in undoable]
-        unseen = [i for i in orphans if i not in undoable]
+        undone = [i for i in orphans if i in undoable.ids]
+        unseen = [i for i in orphans if i not in undoable.ids]
+        mine = set(undone)
+        elsewhere = p.store.published_again(
+            [f for f in undoable.published if f.id not in mine],
+            [i for i in undoable.bare if i not in mine],
+        )
+        if not orphans and not elsewhere:
+            return 0, 0, 0
         with p.store.db.unit_of_work():
             released = (
                 p.store.release(owner=p.owner, ids=unseen, lost=False, error=ORPHAN_ERROR)
@@ -183,4 +203,5 @@ class Claimer:
                 if undone
                 else 0
             )
-        return released, lost
+            counted = p.store.count_again(elsewhere, error=UNDONE_CONFIRM_ERROR)
+        return released, lost, counted

@@ -110,6 +110,7 @@ class Publisher:
             notified=lambda: self.listener.listening,
             settled=self.writeback.settled,
             undoable=self.writeback.undoable,
+            checked=self.writeback.checked,
         )
         self.listener = Listener(url=settings.database_url.get_secret_value(), wake=shared.new_rows)
         self.housekeeping = Housekeeping(

@@ -138,3 +138,4 @@ class Written:
     postponed: int = 0
     #: confirmed rows whose confirm could not be written and that are published again
     published_again: int = 0
+    again_ids: tuple[int, ...] = ()

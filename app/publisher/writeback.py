@@ -20,7 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.confirms import Sent
 from app.outbox.database import WalPositions
@@ -39,19 +39,55 @@ IDLE_CHECK = 0.25
 #: (:class:`Undoable`): a fixed horizon there missed 996 republished rows in a crash trial whose
 #: WAL writer had stalled 3 s.
 UNDO_HORIZON = 2.0
+#: PostgreSQL with a streaming standby whose WAL position this role may not read (it lacks
+#: pg_read_all_stats): write-backs are remembered this long after they are on the local disk,
+#: so a failover to a standby up to this far behind is still counted.
+STANDBY_HORIZON = 60.0
+#: However far behind a standby stays, a write-back is forgotten after this long (memory stays
+#: bounded; a standby minutes behind is not one a failover should promote).
+UNDO_LIMIT = 600.0
+#: The reason written on a row a database crash or failover set back after our write-back had
+#: confirmed it: someone publishes it again.
+UNDONE_CONFIRM_ERROR = (
+    "confirmed by a write-back that a database crash or failover undid: published again, "
+    "a possible duplicate"
+)
+#: The reason written on a row the broker confirmed that this publisher no longer held.
+AGAIN_ERROR = (
+    "confirmed by the broker after this publisher's lease was gone (a lease swept, or a "
+    "failover that undid the claim): published again, a possible duplicate"
+)
 
 
 @dataclass(slots=True)
 class Undoable:
-    """A write-back committed without waiting for the disk: a database crash may still undo it.
+    """A write-back committed without waiting for the disk, or for a standby: a database crash
+    or a failover may still undo it.
 
     ``end``: a WAL position past its commit record (PostgreSQL), learned at the next
-    write-back, whose first statement reads the positions; once the WAL is flushed past it, the
-    write-back is durable and forgotten. None: not known yet."""
+    write-back, whose first statement reads the positions; once the WAL is on the disk of the
+    server and of every streaming standby past it, the write-back is durable and forgotten.
+    None: not known yet. ``published``, ``bare``: the rows it confirmed, with (and without)
+    their publish facts: the check after an outage finds which of them someone publishes
+    again."""
 
     at: float
     ids: list[int]
     end: int | None = None
+    published: list[Published] = field(default_factory=list)
+    bare: list[int] = field(default_factory=list)
+    local_at: float | None = None  # when the local disk had it (positions not readable)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Rows settled by write-backs that a crash or failover may have undone (a snapshot of
+    :class:`Undoable` entries): all their ids, and the confirmed ones' publish facts."""
+
+    ids: frozenset[int]
+    published: list[Published]
+    bare: list[int]
+    entries: tuple[int, ...] = ()  # identities of the entries, for :meth:`Writeback.checked`
 
 
 RETRY_PAUSE = 1.0
@@ -70,6 +106,7 @@ class Writeback:
         self.stopped = False
         # recent write-backs a database crash could still undo (not durable yet)
         self._undoable: deque[Undoable] = deque()
+        self._standbys_unread = False  # warned: a standby's position is not readable
         self.settling: frozenset[int] = frozenset()  # rows the running write-back settles
         self._done = Signal()  # a write-back finished (settling emptied)
 
@@ -132,10 +169,12 @@ class Writeback:
         p.metrics.flush_seconds.observe(time.perf_counter() - started)
         self._count(written)
         settled = list(out.settled_ids())
-        if not p.settings.synchronous_commit:
+        if wal is not None or not p.settings.synchronous_commit:
             if wal is not None:
                 self._durable(wal)
-            self._undoable.append(Undoable(p.clock(), settled))
+            again = set(written.again_ids)
+            published, bare = _published((i for i in out.confirmed if i not in again), out.sent)
+            self._undoable.append(Undoable(p.clock(), settled, published=published, bare=bare))
             self._forget_durable()
         news = bool(out.lost or out.released or out.postponed) or self._keys_moved_on(settled)
         p.holdings.forget(settled)
@@ -174,16 +213,45 @@ class Writeback:
 
     def _durable(self, wal: WalPositions) -> None:
         """PostgreSQL, read at the start of the write-back just committed: every earlier one
-        ended before ``wal.end``; those the WAL on disk (``wal.flushed``) has passed are durable.
-        Not while a database call has failed with no orphan check since: the server may have
-        crashed and come back on a WAL that never held them."""
+        ended before ``wal.end``; those the WAL on disk passed, on the server and on every
+        streaming standby (``wal.durable``), are durable. Not while a database call has failed
+        with no orphan check since: the server may have crashed or failed over and come back on
+        a WAL that never held them. A standby whose position this role may not read: kept
+        :data:`STANDBY_HORIZON` after the local disk has them."""
         if self.p.db.failed_at is not None:
             return
+        now = self.p.clock()
         for entry in self._undoable:
             if entry.end is None:
                 entry.end = wal.end
-        while self._undoable and (end := self._undoable[0].end) is not None and end <= wal.flushed:
-            self._undoable.popleft()
+            if entry.local_at is None and entry.end <= wal.flushed:
+                entry.local_at = now
+        durable = wal.durable
+        if durable is None:
+            self._unreadable_standbys()
+        while self._undoable and (end := self._undoable[0].end) is not None:
+            first = self._undoable[0]
+            if durable is not None and end <= durable:
+                self._undoable.popleft()
+            elif durable is None and first.local_at is not None:
+                if first.local_at >= now - STANDBY_HORIZON:
+                    break
+                self._undoable.popleft()
+            elif first.at < now - UNDO_LIMIT:
+                self._undoable.popleft()
+            else:
+                break
+
+    def _unreadable_standbys(self) -> None:
+        if self._standbys_unread:
+            return
+        self._standbys_unread = True
+        log.warning(
+            "the database streams to a standby whose WAL position this role may not read "
+            "(grant it pg_read_all_stats): write-backs a failover undoes are counted as "
+            "possible duplicates only if the standby was less than %.0fs behind",
+            STANDBY_HORIZON,
+        )
 
     def _forget_durable(self) -> None:
         """SQLite: drop the write-backs older than :data:`UNDO_HORIZON` before now, or before the
@@ -199,12 +267,25 @@ class Writeback:
         while self._undoable and self._undoable[0].at < oldest:
             self._undoable.popleft()
 
-    def undoable(self) -> frozenset[int]:
-        """Rows this publisher settled in commits that did not wait for the disk and are not
-        known durable: a database crash may have put them back in ``in_flight`` under our
-        lease. Published and settled, so a re-publish of one may be a duplicate."""
+    def undoable(self) -> Settled:
+        """Rows this publisher settled in commits not known durable on the server and its
+        standbys: a database crash may have put them back in ``in_flight`` under our lease, a
+        failover back to ``pending`` or ``in_flight`` under the lease of a claim it undid.
+        Published and settled, so a re-publish of one may be a duplicate."""
         self._forget_durable()  # after an idle spell the last write-backs are durable too
-        return frozenset(i for entry in self._undoable for i in entry.ids)
+        entries = list(self._undoable)
+        return Settled(
+            ids=frozenset(i for entry in entries for i in entry.ids),
+            published=[p for entry in entries for p in entry.published],
+            bare=[i for entry in entries for i in entry.bare],
+            entries=tuple(id(entry) for entry in entries),
+        )
+
+    def checked(self, settled: Settled) -> None:
+        """The check after an outage has accounted for these entries (each row found settled
+        as written, or counted): forget them, so a later outage does not count them twice."""
+        gone = set(settled.entries)
+        self._undoable = deque(e for e in self._undoable if id(e) not in gone)
 
     def _count(self, w: Written) -> None:
         m = self.p.metrics
@@ -234,9 +315,9 @@ class Writeback:
         the WAL positions its first statement read (PostgreSQL, commits not waiting)."""
         db = self.p.store.db
         durable = self.p.settings.synchronous_commit
-        with db.unit_of_work(durable=durable, by_id=True):
+        with db.unit_of_work(durable=durable, by_id=True, positions=True):
             written = self._write_all(out)
-        return written, None if durable else db.wal_positions()
+        return written, db.wal_positions() if db.is_postgres else None
 
     def _write_all(self, out: Outcomes) -> Written:
         """One store call per outcome kind (and reason)."""
@@ -253,6 +334,7 @@ class Writeback:
                 )
         confirmed = self._confirm(out.confirmed, out.sent) if out.confirmed else 0
         again = self._published_again(out.confirmed, out.sent, confirmed)
+        store.count_again(again, error=AGAIN_ERROR)
         returned = (
             store.mark_returned(
                 owner=owner,
@@ -305,7 +387,8 @@ class Writeback:
             lost,
             released,
             postponed,
-            again,
+            len(again),
+            tuple(again),
         )
 
     def _lost_backoff(self, ids: list[int]) -> dict[float, list[int]]:
@@ -322,14 +405,15 @@ class Writeback:
             out.setdefault(delay, []).append(row_id)
         return out
 
-    def _published_again(self, ids: list[int], sent: dict[int, Sent], moved: int) -> int:
+    def _published_again(self, ids: list[int], sent: dict[int, Sent], moved: int) -> list[int]:
         """Confirmed rows whose confirm could not be written (no longer held: a lease swept
         during a pause, a failover that undid a claim or a write-back) and that were or will be
-        published again (:meth:`PublisherStore.published_again`): possible duplicates."""
+        published again (:meth:`PublisherStore.published_again`): possible duplicates, each
+        counted on its row."""
         if moved >= len(ids):
-            return 0
+            return []
         published, bare = _published(ids, sent)
-        return len(self.p.store.published_again(published, bare))
+        return self.p.store.published_again(published, bare)
 
     def _confirm(self, ids: list[int], sent: dict[int, Sent]) -> int:
         published, bare = _published(ids, sent)
