@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from types import TracebackType
 from typing import Any, NamedTuple, Self
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import make_conninfo
 
+from app.outbox.replication import POSITIONS_NOW, STANDBYS_FLUSHED
 from spark_writer.envelope import PARKED, BatchRef, Chunk, Layout, Problem, Rejected, jsonable
 from spark_writer.errors import OutboxConfigError
 from spark_writer.pgcopy import SIGNATURE, Const, encode
@@ -114,6 +117,16 @@ def _conflict_rejects(batch: BatchRef, conflicts: Sequence[Conflict]) -> list[tu
     ]
 
 
+class StandbyWait(NamedTuple):
+    """What the wait for the standbys found after ``waited`` seconds: ``standbys``, whether any
+    streams from this server; ``behind``, the bytes of WAL the slowest still lacks (0: every
+    standby has the batch; None: this role may not read their positions)."""
+
+    standbys: bool
+    behind: int | None
+    waited: float
+
+
 class Store(ABC):
     """What the writer needs from a database: one connection, used by one thread, a context."""
 
@@ -126,6 +139,11 @@ class Store(ABC):
 
     @abstractmethod
     def batch_recorded(self, batch: BatchRef) -> bool: ...
+
+    def wait_for_standbys(self, timeout: float) -> StandbyWait:
+        """Wait up to ``timeout`` s until every streaming standby has on disk everything
+        committed so far (SQLite has none)."""
+        return StandbyWait(standbys=False, behind=0, waited=0.0)
 
     @abstractmethod
     def write(
@@ -217,8 +235,33 @@ def read_password(path: str) -> str:
 
 
 def pg_conninfo(url: str) -> str:
-    """``postgresql+psycopg://u:p@h/db`` → ``postgresql://u:p@h/db`` for libpq."""
-    return "postgresql://" + url.split("://", 1)[1]
+    """``postgresql+psycopg://u:p@h/db`` → ``postgresql://u:p@h/db`` for libpq.
+
+    SQLAlchemy's multi-host form (``postgresql+psycopg://u:p@/db?host=a:5432&host=b:5432&
+    target_session_attrs=read-write``, a primary and its standbys) becomes libpq's
+    ``host=a,b port=5432,5432 …``, as the product's engines read it: libpq tries the hosts in
+    turn and keeps the primary. Passed through as a URI, libpq kept the last ``host=`` alone
+    and took ``b:5432`` for a host name."""
+    uri = "postgresql://" + url.split("://", 1)[1]
+    parts = urlsplit(uri)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    hosts = [value for key, value in pairs if key == "host"]
+    if not hosts or not any(":" in h and not h.startswith("/") for h in hosts):
+        return uri
+    names, ports = [], []
+    for host in hosts:
+        name, _, port = host.rpartition(":") if ":" in host else (host, "", "")
+        names.append(name or host)
+        ports.append(port or str(parts.port or 5432))
+    params: dict[str, Any] = {k: v for k, v in pairs if k not in ("host", "port")}
+    params.update(host=",".join(names), port=",".join(ports))
+    if parts.username:
+        params["user"] = unquote(parts.username)
+    if parts.password:
+        params["password"] = unquote(parts.password)
+    if parts.path.strip("/"):
+        params["dbname"] = unquote(parts.path.lstrip("/"))
+    return make_conninfo("", **params)
 
 
 def sqlite_path(url: str) -> str:
@@ -314,6 +357,25 @@ class PostgresStore(Store):
             "SELECT 1 FROM outbox_batches WHERE batch_id = %s", (batch.key,)
         ).fetchone()
         return row is not None
+
+    def wait_for_standbys(self, timeout: float) -> StandbyWait:
+        """PostgreSQL: the WAL position past every commit so far (the batch's record, its
+        tasks' rows), then the standbys' (:data:`app.outbox.replication.STANDBYS_FLUSHED`)
+        until the slowest has passed it, polling every 5-100 ms."""
+        started = time.monotonic()
+        target, flushed = self.conn.execute(POSITIONS_NOW).fetchone()
+        pause = 0.005
+        while True:
+            waited = time.monotonic() - started
+            if flushed is None:
+                return StandbyWait(standbys=False, behind=0, waited=waited)
+            if flushed < 0:
+                return StandbyWait(standbys=True, behind=None, waited=waited)
+            if flushed >= target or waited >= timeout:
+                return StandbyWait(standbys=True, behind=max(0, target - flushed), waited=waited)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+            flushed = self.conn.execute(f"SELECT {STANDBYS_FLUSHED}").fetchone()[0]
 
     def write(
         self,

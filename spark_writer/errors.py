@@ -75,6 +75,24 @@ class OutboxDataError(OutboxWriterError, ValueError):
         )
 
 
+class OutboxReplicationError(OutboxWriterError):
+    """The batch is recorded on the primary, but a streaming standby did not have it on disk
+    within ``standby_wait`` seconds: a failover to that standby would undo the batch, and Spark
+    (whose checkpoint would say it is done) would not write it again. The batch fails, so Spark
+    runs it again: the re-run writes nothing new and waits again."""
+
+    def __init__(self, *, batch_id: str, behind: int, waited: float) -> None:
+        self.batch_id = batch_id
+        self.behind = behind
+        self.waited = waited
+        super().__init__(
+            f"batch {batch_id}: recorded on the primary, but a standby is still {behind} bytes "
+            f"of WAL short of it after {waited:.1f}s (standby_wait). A failover now would undo "
+            "it without Spark knowing; failing the batch so Spark runs it again (a re-run adds "
+            "no row). Check the standby's replication (pg_stat_replication)."
+        )
+
+
 class OutboxDeliveryError(OutboxWriterError):
     """``wait="confirmed"``: rows of the batch were not all confirmed (an operator's skip
     aside). ``delivery`` says what

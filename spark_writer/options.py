@@ -13,6 +13,8 @@ from spark_writer.errors import OutboxConfigError
 
 #: RabbitMQ's default largest message (``max_message_size``), 16 MiB.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: seconds a recorded batch waits for the streaming standbys (``standby_wait``)
+DEFAULT_STANDBY_WAIT = 30.0
 #: AMQP ``shortstr``: exchange names, routing keys and message ids are at most 255 bytes.
 SHORTSTR_MAX = 255
 _SINK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -84,6 +86,11 @@ class OutboxOptions:
     wait: Wait = "written"
     #: seconds ``wait="confirmed"`` waits for the batch's rows to settle
     wait_timeout: float = DEFAULT_WAIT_TIMEOUT
+    #: PostgreSQL with streaming standbys: seconds the driver waits, once the batch is
+    #: recorded, for every standby to have it on disk; past it the batch fails and Spark runs
+    #: it again (``OutboxReplicationError``). 0: do not wait (a failover to an asynchronous
+    #: standby may then undo a batch that Spark's checkpoint says is done)
+    standby_wait: float = DEFAULT_STANDBY_WAIT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "header_columns", tuple(self.header_columns))
@@ -167,6 +174,8 @@ def _problems(o: OutboxOptions) -> list[str]:
         out.append("max_body_bytes must be at least 1")
     if o.on_invalid not in ("fail", "reject"):
         out.append(f"on_invalid must be 'fail' or 'reject', not {o.on_invalid!r}")
+    if not (o.standby_wait >= 0 and o.standby_wait != float("inf")):
+        out.append(f"standby_wait must be seconds, 0 or more, not {o.standby_wait!r}")
     for check, value in ((checked_wait, o.wait), (checked_timeout, o.wait_timeout)):
         try:
             check(value)
@@ -258,7 +267,7 @@ def _convert(name: str, key: str, value: str) -> object:
         return value.strip().lower() == "true"
     if name == "max_body_bytes":
         return _to_int(key, value)
-    if name == "wait_timeout":
+    if name in ("wait_timeout", "standby_wait"):
         try:
             return float(value)
         except ValueError:

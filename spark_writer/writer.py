@@ -17,7 +17,12 @@ from pyspark.sql.types import StructType
 from spark_writer.db import CONFLICT, KeyConflicts, Store, open_store
 from spark_writer.delivery import BatchResult
 from spark_writer.envelope import ArrowMapper, BatchRef, Chunk, Problem, Rejected
-from spark_writer.errors import OutboxDataError, OutboxDeliveryError, ProblemCount
+from spark_writer.errors import (
+    OutboxDataError,
+    OutboxDeliveryError,
+    OutboxReplicationError,
+    ProblemCount,
+)
 from spark_writer.options import OutboxOptions
 from spark_writer.watch import wait_for_batch
 
@@ -248,6 +253,7 @@ def commit_batch(
         fresh = store.record_batch(
             batch=batch, row_count=rows - rejected, rejected_count=rejected, release=parked
         )
+        on_standbys(store, options, batch)
     log.info(
         "outbox batch %s: %d rows, %d written, %d already there (replays of the same message), "
         "%d rejected (%d of them message id conflicts)%s",
@@ -338,9 +344,43 @@ def replayed_result(batch: BatchRef) -> BatchResult:
     )
 
 
+_UNREADABLE_TOLD: list[bool] = []
+
+
+def on_standbys(store: Store, options: OutboxOptions, batch: BatchRef) -> None:
+    """Return once every streaming standby has the recorded batch on disk, or raise
+    ``OutboxReplicationError`` after ``standby_wait`` seconds. With asynchronous replication a
+    failover loses what the standby had not received: a batch Spark had marked done would be
+    gone for good. A synchronous standby has it at the commit already (no wait)."""
+    if options.standby_wait <= 0:
+        return
+    found = store.wait_for_standbys(options.standby_wait)
+    if found.behind is None:
+        if not _UNREADABLE_TOLD:
+            _UNREADABLE_TOLD.append(True)
+            log.warning(
+                "outbox batch %s: the database streams to a standby whose position this role "
+                "may not read (grant it pg_read_all_stats): batches are not waited for on the "
+                "standby, and a failover may undo the last of them",
+                batch.key,
+            )
+        return
+    if found.behind > 0:
+        error = OutboxReplicationError(batch_id=batch.key, behind=found.behind, waited=found.waited)
+        log.error("%s", error)
+        raise error
+    if found.waited >= 1.0:
+        log.info("outbox batch %s: on every standby after %.1fs", batch.key, found.waited)
+
+
 def batch_recorded(*, options: OutboxOptions, batch: BatchRef) -> bool:
+    """Whether the batch is recorded (a replay); a replay waits for the standbys too: the first
+    run may have failed waiting for them."""
     with store_for(options) as store:
-        return store.batch_recorded(batch)
+        recorded = store.batch_recorded(batch)
+        if recorded:
+            on_standbys(store, options, batch)
+        return recorded
 
 
 def merge_problems(results: Sequence[PartitionResult]) -> tuple[ProblemCount, ...]:

@@ -66,6 +66,7 @@ from sqlalchemy import (
     text,
 )
 
+from app.outbox.replication import STANDBYS_FLUSHED
 from app.outbox.schema import KEY_OPEN, outbox
 from app.outbox.states import Status
 
@@ -226,10 +227,7 @@ def set_local(settings: Sequence[tuple[str, str]]) -> TextClause:
 #: from them when its earlier write-backs became durable, on this server and on any standby a
 #: failover may promote. Logical replication's senders (a CDC reader) are not standbys.
 _WAL_POSITIONS = (
-    ", pg_current_wal_flush_lsn() - '0/0', pg_current_wal_insert_lsn() - '0/0', "
-    "(SELECT CASE WHEN bool_or(r.flush_lsn IS NULL) THEN -1 ELSE min(r.flush_lsn - '0/0') END "
-    "FROM pg_stat_replication r WHERE NOT EXISTS (SELECT FROM pg_replication_slots s "
-    "WHERE s.active_pid = r.pid AND s.slot_type = 'logical'))"
+    ", pg_current_wal_flush_lsn() - '0/0', pg_current_wal_insert_lsn() - '0/0', " + STANDBYS_FLUSHED
 )
 BY_ID = set_local(BY_ID_SETTINGS)
 ASYNC_COMMIT = text(set_local(ASYNC_COMMIT_SETTINGS).text + _WAL_POSITIONS)

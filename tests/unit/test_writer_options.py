@@ -28,6 +28,8 @@ def test_keywords_and_the_value_build_the_same_options() -> None:
         (OutboxOptions(**BASE), {"sink": "other"}, "not both"),
         ({"url": "x"}, {}, "must be an OutboxOptions, not dict"),
         (None, {**BASE, "exchange": "orders!"}, "holds characters no publish can carry"),
+        (None, {**BASE, "standby_wait": -1.0}, "standby_wait must be seconds, 0 or more"),
+        (None, {**BASE, "standby_wait": float("nan")}, "standby_wait must be seconds"),
     ],
 )
 def test_bad_writer_options_get_a_clear_error(
@@ -49,6 +51,7 @@ def test_data_source_keys_come_from_the_fields_in_any_case() -> None:
         "propertyColumns": "priority=p",
         "MAXBODYBYTES": "10",
         "persistent": "false",
+        "standbyWait": "2.5",
     }
     options, batch_id = from_spark_options({**raw, "batchId": "7"})
     assert options == OutboxOptions(
@@ -58,6 +61,7 @@ def test_data_source_keys_come_from_the_fields_in_any_case() -> None:
         header_columns=("a", "b"),
         property_columns={"priority": "p"},
         max_body_bytes=10,
+        standby_wait=2.5,
         persistent=False,
     )
     assert batch_id == 7
@@ -65,3 +69,34 @@ def test_data_source_keys_come_from_the_fields_in_any_case() -> None:
         from_spark_options({**raw, "maxConnections": "2"})
     with pytest.raises(OutboxConfigError, match="unknown outbox option 'routingKeys'"):
         from_spark_options({**raw, "routingKeys": "k"})
+
+
+@pytest.mark.parametrize(
+    ("url", "conninfo"),
+    [
+        # SQLAlchemy's multi-host form: libpq's host and port lists
+        (
+            "postgresql+psycopg://u:p%40ss@/outbox?host=a:5432&host=b:6432"
+            "&target_session_attrs=read-write",
+            "target_session_attrs=read-write host=a,b port=5432,6432 user=u password=p@ss "
+            "dbname=outbox",
+        ),
+        # a host without a port takes the default
+        (
+            "postgresql://u@/db?host=a&host=b:6432",
+            "host=a,b port=5432,6432 user=u dbname=db",
+        ),
+        # one host, and a Unix socket directory: as libpq reads the URI
+        ("postgresql+psycopg://u:p@h:5/db", "postgresql://u:p@h:5/db"),
+        (
+            "postgresql://u@/db?host=/var/run/postgresql",
+            "postgresql://u@/db?host=/var/run/postgresql",
+        ),
+    ],
+)
+def test_the_writer_reads_database_urls_as_the_product_does(url: str, conninfo: str) -> None:
+    """Issue 49: the executors passed a multi-host URL to libpq as a URI: libpq kept the last
+    ``host=`` and took ``b:6432`` for a host name, so a Spark job could not follow a failover."""
+    from spark_writer.db import pg_conninfo
+
+    assert pg_conninfo(url) == conninfo
