@@ -9,7 +9,7 @@ SERVICES := deploy/local/services.sh
 # Point every target at the local services unless the caller says otherwise.
 LOCAL_ENV = eval "$$(OUTBOX_KEEP=1 $(SERVICES) env)";
 
-.PHONY: help venv services services-stop cluster cluster-stop migrate test test-spark-oldest test-unit test-fast demo bench soak conformance chaos chaos-long lint serve publish clean tools lock audit
+.PHONY: help venv services services-stop cluster cluster-stop pg-ha pg-ha-stop migrate test test-spark-oldest test-unit test-fast demo bench soak conformance chaos chaos-long lint serve publish clean tools lock audit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -66,6 +66,13 @@ cluster:  ## start a three-node RabbitMQ cluster on 127.0.0.1:5691-5693 (quorum 
 
 cluster-stop:  ## stop the three-node cluster that `make cluster` started
 	@deploy/local/cluster.sh stop
+
+pg-ha:  ## start a PostgreSQL primary and synchronous standby (Patroni + etcd) on 127.0.0.1:5461-5462 (see deploy/local/pg-ha.sh)
+	@deploy/local/pg-ha.sh start
+	@deploy/local/pg-ha.sh env
+
+pg-ha-stop:  ## stop the PostgreSQL HA pair and etcd that `make pg-ha` started
+	@deploy/local/pg-ha.sh stop
 
 migrate: venv services  ## create or upgrade the outbox schema (OUTBOX_DATABASE_URL, default local PostgreSQL)
 	@$(LOCAL_ENV) $(VENV)/bin/outbox migrate
