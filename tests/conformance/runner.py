@@ -4,15 +4,22 @@ check the run with the reference model (:mod:`tests.conformance.schedules`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime as dt
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine, insert
+from sqlalchemy import Connection, Engine, insert, select, update
+from sqlalchemy.exc import OperationalError
 
 from app.db import make_engine
+from app.outbox.database import OutboxDatabase
 from app.outbox.schema import outbox
+from app.outbox.store import PublisherStore
 from tests.conformance.schedules import (
     Driver,
     Limits,
@@ -41,6 +48,60 @@ TIMINGS = {
 }
 #: every row has ended this long after the broker turned healthy
 SETTLE_BOUND = 12.0
+
+
+class LosingDatabase(OutboxDatabase):
+    """The real outbox database, which can lose its last commits on a schedule's ``Undo``: a
+    row set back to before its write-back (or its claim), then the next call of the publisher
+    fails once, as on a connection to a server that failed over or crashed."""
+
+    owner = ""
+    armed = False
+
+    def undo(self, message_id: str, claim: bool) -> bool:
+        row = outbox.c.message_id == message_id
+        with self.engine.begin() as conn:
+            status = conn.execute(select(outbox.c.status).where(row)).scalar_one()
+            if claim and status in ("confirmed", "in_flight"):
+                values: dict[str, Any] = {
+                    "status": "pending",
+                    "lease_owner": None,
+                    "lease_until": None,
+                    "published_at": None,
+                    "confirmed_at": None,
+                    "attempts": outbox.c.attempts - 1,
+                }
+            elif not claim and status == "confirmed":
+                values = {
+                    "status": "in_flight",
+                    "confirmed_at": None,
+                    "lease_owner": self.owner,
+                    "lease_until": self.clock() + dt.timedelta(seconds=30),
+                }
+            else:
+                return False
+            conn.execute(update(outbox).where(row).values(**values))
+        self.armed = True
+        return True
+
+    def _fail_once(self) -> None:
+        if self.armed and getattr(self._local, "conn", None) is None:
+            self.armed = False
+            raise OperationalError("BEGIN", {}, Exception("server closed the connection"))
+
+    @contextlib.contextmanager
+    def unit_of_work(
+        self, *, durable: bool = True, by_id: bool = False, positions: bool = False
+    ) -> Iterator[None]:
+        self._fail_once()
+        with super().unit_of_work(durable=durable, by_id=by_id, positions=positions):
+            yield
+
+    @contextlib.contextmanager
+    def begin(self, *, by_id: bool = False) -> Iterator[Connection]:
+        self._fail_once()
+        with super().begin(by_id=by_id) as conn:
+            yield conn
 
 
 def _ends(engine: Engine) -> list[RowEnd]:
@@ -83,8 +144,9 @@ async def play(schedule: Schedule, template: Path, workdir: Path) -> None:
                 ],
             )
         fates = fates_of(ids, schedule)
+        db = LosingDatabase(engine)
         async with FakeBroker() as broker:
-            driver = Driver(broker, schedule, fates)
+            driver = Driver(broker, schedule, fates, undo=db.undo)
             config = settings_for(
                 db_url=url,
                 amqp_url=broker.url,
@@ -95,7 +157,8 @@ async def play(schedule: Schedule, template: Path, workdir: Path) -> None:
                     "channels": schedule.channels,
                 },
             )
-            async with running_publisher(config, engine):
+            async with running_publisher(config, engine, store=PublisherStore(db)) as publisher:
+                db.owner = publisher.publisher_id
                 await driver.play()
                 healthy = asyncio.create_task(driver.keep_healthy())
                 try:
@@ -110,7 +173,9 @@ async def play(schedule: Schedule, template: Path, workdir: Path) -> None:
             limits=Limits(
                 return_grace=TIMINGS["return_grace"], backoff_base=TIMINGS["backoff_base"]
             ),
-            script_failures=script_failures(driver.records),
+            script_failures=script_failures(driver.records) + driver.undone,
+            undone_claims=driver.undone_claims,
+            claims_lost_at=driver.claims_lost_at,
         )
         if problems:
             raise AssertionError(

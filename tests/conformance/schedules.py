@@ -7,9 +7,11 @@ or cannot route it), and a script of steps is played while the real publisher dr
 acks and nacks, single or ``multiple``, over any outstanding tag of any channel; returns before
 their answer; channel closes and connection drops or forced closes at any point; acks of settled
 or unknown tags and returns of settled messages (protocol errors); ``connection.blocked``;
-silence. When the script ends the broker turns *healthy*: it answers everything by the rows'
-fates (contiguous answers of one kind as one ``multiple`` frame, so a run of refused rows is one
-multiple nack) until every row has ended.
+silence; and the outbox's database failing over (or crashing) to a copy that lacks the last
+commits: the write-back that settled a recent publish's row undone, or its claim too, and the
+publisher's next database call failing. When the script ends the broker turns *healthy*: it
+answers everything by the rows' fates (contiguous answers of one kind as one ``multiple``
+frame, so a run of refused rows is one multiple nack) until every row has ended.
 
 The **model** (:func:`violations`) reads the broker's record of every publish and the rows'
 final state. What must hold, whatever the schedule:
@@ -26,9 +28,13 @@ final state. What must hold, whatever the schedule:
 - duplicates at the broker (publishes acked and not returned, or of unknown outcome, beyond the
   first) never exceed ``lost_confirms`` (which may count more: a publish written as the
   connection died is unknown to the publisher, and never reached the broker);
+- ``attempts`` counts every publish of a row whose claims the database never lost (after a
+  failover to a copy without the claim, the new primary never saw that attempt, nor the
+  publishes the publisher made from memory until a write-back told it the row was gone);
 - no hot loop: a publish that was nacked or returned is not followed by the next publish of the
-  same row sooner than the first backoff allows, and no row is published more often than the
-  script's failures explain.
+  same row sooner than the first backoff allows (unless the database lost the row's claim
+  meanwhile: the backoff of a row that is no longer held has nowhere to be written), and no
+  row is published more often than the script's failures explain.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import contextlib
 import itertools
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,13 +115,26 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Undo:
+    """The database loses its last commits (a failover to a standby behind the primary, or a
+    crash undoing commits that did not wait for the disk): the row of the ``pick``-th recent
+    publish is set back to before its write-back, ``in_flight`` under the publisher's lease
+    again (its confirm lost), or with ``claim`` to before its claim too (``pending``,
+    nobody's, one attempt fewer). The publisher's next database call then fails, as the
+    first call on a connection to the old primary does."""
+
+    pick: int
+    claim: bool
+
+
+@dataclass(frozen=True)
 class Pause:
     """Silence: nothing answered for ``seconds`` (publishes pile up, slow answers)."""
 
     seconds: float
 
 
-Step = Answer | Return | CloseChannel | Cut | Junk | Block | Pause
+Step = Answer | Return | CloseChannel | Cut | Junk | Block | Pause | Undo
 
 
 @dataclass(frozen=True)
@@ -143,6 +162,7 @@ _steps: st.SearchStrategy[Step] = st.one_of(
     st.builds(Junk, kind=st.sampled_from(["settled", "unknown", "stale_return"]), pick=_picks),
     st.builds(Block, seconds=st.sampled_from([0.05, 0.2])),
     st.builds(Pause, seconds=st.sampled_from([0.01, 0.05, 0.15])),
+    st.builds(Undo, pick=_picks, claim=st.booleans()),
 )
 _rows = st.builds(
     RowSpec,
@@ -188,8 +208,21 @@ class Record:
 class Driver:
     """Plays a schedule on the fake broker; keeps the record the model reads."""
 
-    def __init__(self, broker: FakeBroker, schedule: Schedule, fates: dict[str, RowSpec]) -> None:
+    def __init__(
+        self,
+        broker: FakeBroker,
+        schedule: Schedule,
+        fates: dict[str, RowSpec],
+        undo: Callable[[str, bool], bool] | None = None,
+    ) -> None:
+        """``undo(message_id, claim)``: the database loses the row's last write-back (and its
+        claim); False when there was nothing to lose."""
         self.broker = broker
+        self.undo_row = undo
+        #: per row: the claims (``claim``) and write-backs the database lost
+        self.undone: Counter[str] = Counter()
+        self.undone_claims: Counter[str] = Counter()
+        self.claims_lost_at: dict[str, list[float]] = {}
         self.schedule = schedule
         self.fates = fates
         self.records: list[Record] = []
@@ -348,6 +381,25 @@ class Driver:
         else:
             rec.pub.connection.send_return(rec.pub, 312, "NO_ROUTE")
 
+    def undo(self, step: Undo) -> None:
+        """Of the publishes of the last second (their write-backs are among the last commits),
+        the ``pick``-th whose row has something to lose."""
+        if self.undo_row is None:
+            return
+        self._sync()
+        recent = [r for r in self.records if r.pub.at > time.monotonic() - 1.0]
+        if not recent:
+            return
+        start = step.pick % len(recent)
+        for rec in recent[start:] + recent[:start]:
+            if self.undo_row(rec.message_id, step.claim):
+                self.log.append((time.monotonic(), f"undid {rec.message_id}"))
+                self.undone[rec.message_id] += 1
+                if step.claim:
+                    self.undone_claims[rec.message_id] += 1
+                    self.claims_lost_at.setdefault(rec.message_id, []).append(time.monotonic())
+                return
+
     async def block(self, step: Block) -> None:
         conn = self._connection()
         if conn is None:
@@ -382,6 +434,8 @@ class Driver:
                 self.junk(step)
             elif isinstance(step, Block):
                 await self.block(step)
+            elif isinstance(step, Undo):
+                self.undo(step)
             elif isinstance(step, Pause):
                 await asyncio.sleep(step.seconds)
             await asyncio.sleep(0)
@@ -437,8 +491,14 @@ def violations(
     fates: dict[str, RowSpec],
     limits: Limits,
     script_failures: Counter[str],
+    undone_claims: Counter[str] | None = None,
+    claims_lost_at: dict[str, list[float]] | None = None,
 ) -> list[str]:
-    """What the model forbids in this run (empty: the run conforms)."""
+    """What the model forbids in this run (empty: the run conforms). ``script_failures`` per
+    row: publishes refused or left unanswered, and write-backs the database lost;
+    ``undone_claims``: claims of the row the database lost."""
+    undone_claims = undone_claims or Counter()
+    claims_lost_at = claims_lost_at or {}
     verdict = Verdict()
     by_row: dict[str, list[Record]] = {}
     for rec in records:
@@ -451,6 +511,8 @@ def violations(
             limits,
             verdict,
             script_failures,
+            undone_claims[end.message_id],
+            claims_lost_at.get(end.message_id, []),
         )
     return verdict.problems
 
@@ -462,6 +524,8 @@ def _row(
     limits: Limits,
     v: Verdict,
     script_failures: Counter[str],
+    lost_claims: int = 0,
+    lost_at: list[float] | None = None,
 ) -> None:
     mid, status = end.message_id, end.status
     acked = [p for p in pubs if p.answer == "ack" and p.returned is None]
@@ -505,14 +569,23 @@ def _row(
             mid,
             f"{accepted - 1} possible duplicates at the broker, lost_confirms {end.lost_confirms}",
         )
-    if len(pubs) > end.attempts:
+    if not lost_claims and len(pubs) > end.attempts:
         v.add(mid, f"published {len(pubs)} times, attempts {end.attempts}")
-    _no_hot_loop(mid, pubs, limits, v, script_failures[mid])
+    _no_hot_loop(mid, pubs, limits, v, script_failures[mid], lost_at or [])
 
 
-def _no_hot_loop(mid: str, pubs: list[Record], limits: Limits, v: Verdict, failures: int) -> None:
+def _no_hot_loop(
+    mid: str,
+    pubs: list[Record],
+    limits: Limits,
+    v: Verdict,
+    failures: int,
+    lost_at: list[float],
+) -> None:
     first_backoff = limits.backoff_base / 2  # Backoff.delay(1) is within [base/2, base]
     for before, after in itertools.pairwise(pubs):
+        if any(before.pub.at < at < after.pub.at for at in lost_at):
+            continue  # its claim lost in between: its backoff had nowhere to be written
         refused = before.answer == "nack" or before.returned is not None
         if refused and before.answered_at is not None:
             gap = after.pub.at - before.answered_at

@@ -20,6 +20,7 @@ from tests.conformance.schedules import (
     Return,
     RowSpec,
     Schedule,
+    Undo,
 )
 
 
@@ -143,3 +144,45 @@ def test_a_probe_returned_before_its_channel_closed_does_not_hold_its_exchange(
     )
     for _ in range(3):
         _play(Schedule(rows, steps, window=64, channels=1), template, workdir)
+
+
+# ---------------------------------------------------------------- the database loses commits
+
+
+def test_a_claim_lost_under_a_publish_in_flight_is_not_published_twice(
+    template: Path, workdir: Path
+) -> None:
+    """Issue 49, found by the generator once it could undo claims: a failover lost the claim of
+    a row whose publish was on the wire (the row ``pending`` again). The next claim returned it
+    while the publisher still held it, and it went out a second time, the first publish's ack
+    counted nowhere. Now a claimed row that is still held keeps its publish in flight."""
+    rows = _rows("a/normal", max_attempts=1)
+    _play(Schedule(rows, (CloseChannel(0), Undo(0, claim=True)), 1, 1), template, workdir)
+
+
+def test_lost_publishes_of_a_row_no_longer_held_are_counted(template: Path, workdir: Path) -> None:
+    """Found by the generator: a channel close lost a publish (its row resent on a new
+    channel), then a failover lost the row's claim; the resend's write, refused for a row no
+    longer held, counted nothing. Now a lost or resent publish of a row we no longer hold is
+    counted on the row all the same."""
+    rows = _rows("a/normal")
+    _play(Schedule(rows, (CloseChannel(0), Undo(0, claim=True)), 1, 1), template, workdir)
+
+
+def test_two_resends_in_one_write_back_count_twice(template: Path, workdir: Path) -> None:
+    """Found by the generator: two channel closes lost two publishes of one row; their resends
+    were written by one write-back (the first had failed), and ``lost_confirms`` grew by one."""
+    rows = _rows("a/normal", max_attempts=1)
+    steps = (CloseChannel(0), CloseChannel(0), Undo(0, claim=True))
+    _play(Schedule(rows, steps, 1, 1), template, workdir)
+
+
+def test_a_refusal_of_a_row_whose_claim_was_lost_is_not_a_hot_loop(
+    template: Path, workdir: Path
+) -> None:
+    """Found by the generator: the model's own rule, refined. A row whose claim a failover
+    lost is due at once on the new primary, so its next publish may follow a nack sooner than
+    the backoff (the backoff had nowhere to be written); every later refusal backs off."""
+    rows = _rows("a/refused", "a/refused")
+    steps = (CloseChannel(62), Undo(24, claim=True), Pause(0.15))
+    _play(Schedule(rows, steps, 64, 1), template, workdir)

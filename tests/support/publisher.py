@@ -89,10 +89,11 @@ def all_in(*states: str) -> Callable[[list[Row]], bool]:
 
 @contextlib.asynccontextmanager
 async def running_publisher(
-    settings: Settings, engine: Engine, **kwargs: Any
+    settings: Settings, engine: Engine, *, store: PublisherStore | None = None, **kwargs: Any
 ) -> AsyncIterator[Publisher]:
-    """A Publisher running in a task; stopped gracefully (bounded) on exit."""
-    publisher = Publisher(settings=settings, store=PublisherStore(engine), **kwargs)
+    """A Publisher running in a task (on ``store``, else the real one on ``engine``); stopped
+    gracefully (bounded) on exit."""
+    publisher = Publisher(settings=settings, store=store or PublisherStore(engine), **kwargs)
     stop = asyncio.Event()
     task = asyncio.create_task(publisher.run(stop=stop))
     try:
