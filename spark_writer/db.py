@@ -25,13 +25,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from types import TracebackType
 from typing import Any, NamedTuple, Self
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import make_conninfo
 
 from app.outbox.replication import POSITIONS_NOW, STANDBYS_FLUSHED
+from spark_writer.dburl import pg_conninfo, sqlite_path
 from spark_writer.envelope import PARKED, BatchRef, Chunk, Layout, Problem, Rejected, jsonable
 from spark_writer.errors import OutboxConfigError
 from spark_writer.pgcopy import SIGNATURE, Const, encode
@@ -232,45 +232,6 @@ def read_password(path: str) -> str:
     if not password:
         raise OutboxConfigError(f"password_file {path!r} is empty")
     return password
-
-
-def pg_conninfo(url: str) -> str:
-    """``postgresql+psycopg://u:p@h/db`` → ``postgresql://u:p@h/db`` for libpq.
-
-    SQLAlchemy's multi-host form (``postgresql+psycopg://u:p@/db?host=a:5432&host=b:5432&
-    target_session_attrs=read-write``, a primary and its standbys) becomes libpq's
-    ``host=a,b port=5432,5432 …``, as the product's engines read it: libpq tries the hosts in
-    turn and keeps the primary. Passed through as a URI, libpq kept the last ``host=`` alone
-    and took ``b:5432`` for a host name."""
-    uri = "postgresql://" + url.split("://", 1)[1]
-    parts = urlsplit(uri)
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    hosts = [value for key, value in pairs if key == "host"]
-    if not hosts or not any(":" in h and not h.startswith("/") for h in hosts):
-        return uri
-    names, ports = [], []
-    for host in hosts:
-        name, _, port = host.rpartition(":") if ":" in host else (host, "", "")
-        names.append(name or host)
-        ports.append(port or str(parts.port or 5432))
-    params: dict[str, Any] = {k: v for k, v in pairs if k not in ("host", "port")}
-    params.update(host=",".join(names), port=",".join(ports))
-    if parts.username:
-        params["user"] = unquote(parts.username)
-    if parts.password:
-        params["password"] = unquote(parts.password)
-    if parts.path.strip("/"):
-        params["dbname"] = unquote(parts.path.lstrip("/"))
-    return make_conninfo("", **params)
-
-
-def sqlite_path(url: str) -> str:
-    """``sqlite:///rel.db`` → ``rel.db``; ``sqlite:////abs/x.db`` → ``/abs/x.db``."""
-    parts = url.split(":///", 1)
-    path = parts[1].split("?", 1)[0] if len(parts) == 2 else ""
-    if not path or path == ":memory:":
-        raise OutboxConfigError("SQLite needs a file: sqlite:///PATH (executors open it too)")
-    return path
 
 
 def _columns(layout: Layout) -> list[str]:

@@ -285,3 +285,14 @@ class OutboxDatabase:
         """Rows became due: wake listening publishers at commit (PostgreSQL; polled otherwise)."""
         if self.is_postgres:
             conn.execute(text("SELECT pg_notify('outbox_new', '')"))
+
+
+def by_multiplicity(ids: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``ids`` grouped by how often each is named: [(times, ids named that often)]."""
+    times: dict[int, int] = {}
+    for row_id in ids:
+        times[row_id] = times.get(row_id, 0) + 1
+    groups: dict[int, list[int]] = {}
+    for row_id, n in times.items():
+        groups.setdefault(n, []).append(row_id)
+    return sorted(groups.items())

@@ -29,7 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError
 
-from app.outbox.database import OutboxDatabase, storable
+from app.outbox.database import OutboxDatabase, by_multiplicity, storable
 from app.outbox.heldrows import HeldRowUpdates
 from app.outbox.planner import (
     ANY_KEY_OPEN,
@@ -484,21 +484,25 @@ class PublisherStore:
     def resend(self, *, owner: str, ids: Sequence[int], error: str) -> int:
         """Held rows published again without a new claim (a quarantine's isolated publish): a
         new attempt, and the earlier publish counts as a possible duplicate. They stay
-        ``in_flight`` with this owner."""
-        values = {
-            "attempts": outbox.c.attempts + 1,
-            "lost_confirms": outbox.c.lost_confirms + 1,
-            "last_error": storable(error),
-            "channel_id": None,
-            "delivery_tag": None,
-        }
+        ``in_flight`` with this owner. A row named twice (two resends in one write-back, after
+        a failed one) was published again twice: both count."""
+        moved = 0
         with self.db.begin(by_id=True) as conn:
-            return sum(
-                conn.execute(
-                    update(outbox).where(self.db.held(owner, chunk)).values(**values)
-                ).rowcount
-                for chunk in self.db.chunks(ids)
-            )
+            for times, group in by_multiplicity(ids):
+                values = {
+                    "attempts": outbox.c.attempts + times,
+                    "lost_confirms": outbox.c.lost_confirms + times,
+                    "last_error": storable(error),
+                    "channel_id": None,
+                    "delivery_tag": None,
+                }
+                moved += sum(
+                    conn.execute(
+                        update(outbox).where(self.db.held(owner, chunk)).values(**values)
+                    ).rowcount
+                    for chunk in self.db.chunks(group)
+                )
+        return moved
 
     def release_expired(self) -> int:
         """Rows of a publisher that died (lease expired) go back to ``pending``.
@@ -567,15 +571,28 @@ class PublisherStore:
             return 0
         counted = 0
         with self.db.unit_of_work(), self.db.begin(by_id=True) as conn:
-            for chunk in self.db.chunks(ids):
-                stmt = (
-                    update(outbox)
-                    .where(self.db.ids_in(chunk))
-                    .values(lost_confirms=outbox.c.lost_confirms + 1, last_error=storable(error))
-                )
-                counted += conn.execute(stmt).rowcount
-            self.db.record_events(kind="lost", ids=ids, at=self.db.clock(), where=[])
+            for times, group in by_multiplicity(ids):  # a row named twice: two publishes
+                for chunk in self.db.chunks(group):
+                    stmt = (
+                        update(outbox)
+                        .where(self.db.ids_in(chunk))
+                        .values(
+                            lost_confirms=outbox.c.lost_confirms + times,
+                            last_error=storable(error),
+                        )
+                    )
+                    counted += conn.execute(stmt).rowcount * times
+            self.db.record_events(kind="lost", ids=sorted(set(ids)), at=self.db.clock(), where=[])
         return counted
+
+    def held_ids(self, *, owner: str, ids: Sequence[int]) -> set[int]:
+        """Of ``ids``, the rows ``owner`` holds (``in_flight`` under its lease) now."""
+        with self.db.begin(by_id=True) as conn:
+            return {
+                row_id
+                for chunk in self.db.chunks(ids)
+                for row_id in conn.scalars(select(outbox.c.id).where(self.db.held(owner, chunk)))
+            }
 
     def leased_ids(self, *, owner: str) -> list[int]:
         """Ids of the ``in_flight`` rows leased to ``owner`` (to find rows a lost reply hid)."""

@@ -121,7 +121,15 @@ class Claimer:
             await self._settled(rows)
             p.metrics.claims += 1
             p.metrics.claimed += len(rows)
-            p.holdings.accept(rows, at=p.clock())
+            again = p.holdings.accept(rows, at=p.clock())
+            if again:
+                log.warning(
+                    "a claim returned %d row(s) this publisher still holds: the database had "
+                    "lost their claim (a failover to a standby without it, or a lease swept "
+                    "while this process was paused); their publish in flight settles them, "
+                    "none is published again",
+                    again,
+                )
             p.work.set()
         return rows
 

@@ -30,13 +30,20 @@ class Holdings:
     def __len__(self) -> int:
         return len(self.held)
 
-    def accept(self, rows: Sequence[ClaimedRow], *, at: float) -> None:
-        """Rows of a finished claim: held, queued to be sent in claim order."""
+    def accept(self, rows: Sequence[ClaimedRow], *, at: float) -> int:
+        """Rows of a finished claim: held, queued to be sent in claim order. A row this
+        publisher holds already (the database lost its claim: a failover to a standby without
+        it, or a lease swept while the process was paused) takes the new lease but is not
+        queued again: its publish is on the wire, or answered with the answer not written yet,
+        and that answer settles it under the new lease. Queued again, it went out twice.
+        Returns how many rows were held already."""
         held = self.held
+        fresh = [row for row in rows if row.id not in held]
         for row in rows:
             held[row.id] = row
-        self.since.update(zip((r.id for r in rows), repeat(at)))
-        self.queue.extend(rows)
+        self.since.update(zip((r.id for r in fresh), repeat(at)))
+        self.queue.extend(fresh)
+        return len(rows) - len(fresh)
 
     def take(self, limit: int) -> list[ClaimedRow]:
         queue = self.queue

@@ -54,8 +54,8 @@ UNDONE_CONFIRM_ERROR = (
 )
 #: The reason written on a row the broker confirmed that this publisher no longer held.
 AGAIN_ERROR = (
-    "confirmed by the broker after this publisher's lease was gone (a lease swept, or a "
-    "failover that undid the claim): published again, a possible duplicate"
+    "published by a publisher whose lease was gone (a lease swept, or a failover that undid "
+    "the claim), confirmed or of unknown outcome: published again, a possible duplicate"
 )
 
 
@@ -303,8 +303,9 @@ class Writeback:
         if w.published_again:
             m.lost_confirms += w.published_again
             log.warning(
-                "%d rows the broker confirmed were no longer held by this publisher and will be "
-                "(or were) published again: counted as possible duplicates (lost_confirms)",
+                "%d rows this publisher published (confirmed, or their confirm lost) were no "
+                "longer held by it and will be (or were) published again: counted as possible "
+                "duplicates (lost_confirms)",
                 w.published_again,
             )
 
@@ -324,6 +325,10 @@ class Writeback:
         p = self.p
         store, owner = p.store, p.owner
         settled = set(out.settled_ids())
+        # publishes whose confirm will never come: a possible duplicate each, counted on rows we
+        # hold; a row we no longer hold (its claim lost in a failover) is counted all the same
+        doubtful = [i for ids in (*out.resent.values(), *out.lost.values()) for i in ids]
+        still_held = store.held_ids(owner=owner, ids=doubtful) if doubtful else set()
         for reason, ids in out.resent.items():  # first: the same rows may settle in this batch
             store.resend(owner=owner, ids=ids, error=reason)
         for (channel_id, at), tags in out.published.items():
@@ -333,8 +338,13 @@ class Writeback:
                     owner=owner, channel_id=channel_id, tags=still_out, published_at=at
                 )
         confirmed = self._confirm(out.confirmed, out.sent) if out.confirmed else 0
+        # each a publish of its own: a row both lost a publish and had another confirmed
+        # counts twice (the broker may hold both copies)
         again = self._published_again(out.confirmed, out.sent, confirmed)
         store.count_again(again, error=AGAIN_ERROR)
+        unheld = [i for i in doubtful if i not in still_held]
+        store.count_again(unheld, error=AGAIN_ERROR)
+        again += unheld
         returned = (
             store.mark_returned(
                 owner=owner,

@@ -18,6 +18,7 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
+from app.api.app import create_app
 from app.consumer import ConsumerConfig
 from app.consumer.kit import consumer_engine
 from app.db import make_engine, migrate
@@ -26,7 +27,8 @@ from app.outbox.enqueue import Message, enqueue
 from app.outbox.store import PublisherStore
 from app.publisher import listener
 from app.publisher.engine import Publisher
-from spark_writer.db import open_store, pg_conninfo
+from spark_writer.db import open_store
+from spark_writer.dburl import pg_conninfo
 from spark_writer.envelope import BatchRef
 from spark_writer.errors import OutboxReplicationError
 from spark_writer.options import OutboxOptions
@@ -103,8 +105,6 @@ def test_the_spark_writer_reads_the_multi_host_url_as_libpq_does(pair: pgpair.Pg
 
 
 async def test_the_api_reads_and_writes_on_the_primary(pair: pgpair.PgPair, engine: Engine) -> None:
-    from app.api.app import create_app
-
     add_rows(engine, n=3)
     app = create_app(api_settings(pair.url()))
     async with client_for(app) as client:
@@ -240,6 +240,9 @@ async def test_the_publisher_follows_a_switchover_mid_drain(
         ids = add_rows(engine, n=3000, exchange=topology["exchange"], routing_key="rk")
         settings = settings_for(db_url=url, amqp_url=amqp_url, claim_batch=100, window=300)
         publisher = Publisher(settings=settings, store=PublisherStore(engine))
+        api = create_app(api_settings(url))  # its pool's connections die with the old primary
+        async with client_for(api) as client:
+            assert (await client.get("/v1/stats", headers=R)).status_code == 200
         with caplog.at_level(logging.INFO, logger="app.publisher"):
             task = asyncio.create_task(publisher.run(until_empty=True))
             async with asyncio.timeout(60):
@@ -249,6 +252,9 @@ async def test_the_publisher_follows_a_switchover_mid_drain(
             async with asyncio.timeout(120):
                 stats = await task
         assert _on_primary(engine)
+        async with client_for(api) as client:  # no restart: the next request finds the primary
+            after = await client.get("/v1/stats", headers=R)
+        assert after.status_code == 200 and after.json()["counts"]["confirmed"] == 3000
         final = rows(engine)
         engine.dispose()
     finally:

@@ -150,7 +150,8 @@ def test_the_spark_writers_wait_reads_a_batch_through_its_index(large: Engine) -
     failed row of their key and reads the first reasons: through the batch's own index
     (``ix_outbox_batch_written``), never the table. Batch ``b:40`` holds the failures,
     ``b:99`` the pending and in-flight rows."""
-    from spark_writer.db import PostgresStore, pg_conninfo
+    from spark_writer.db import PostgresStore
+    from spark_writer.dburl import pg_conninfo
     from spark_writer.watch import BatchRows
 
     store = PostgresStore(pg_conninfo(large.url.render_as_string(hide_password=False)))

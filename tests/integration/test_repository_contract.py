@@ -639,3 +639,22 @@ def test_published_again_names_the_confirmed_rows_others_hold_or_will_publish(
     assert repo.store.mark_confirmed(owner="p1", published=facts) == 0
     assert repo.store.published_again(facts) == sorted([swept, taken, other])
     assert repo.store.published_again([]) == []
+
+
+def test_a_row_named_twice_counts_two_publishes_held_or_not(
+    repo: OutboxClients, engine: Engine
+) -> None:
+    """Issue 49 (the generator's finding): two resends of one row in one write-back (after the
+    first write-back failed) grew ``lost_confirms`` by one. Each is a publish of its own, and
+    ``count_again`` counts a row it is told of twice twice, whoever holds it, with one event."""
+    seed(engine, 2)
+    a, b = (r.id for r in repo.store.claim(owner="p1", limit=2, lease_seconds=60))
+    assert repo.store.resend(owner="p1", ids=[a, a, b], error="channel closed") == 2
+    assert (row(engine, a)["lost_confirms"], row(engine, a)["attempts"]) == (2, 3)
+    assert (row(engine, b)["lost_confirms"], row(engine, b)["attempts"]) == (1, 2)
+    assert repo.store.held_ids(owner="p1", ids=[a, b]) == {a, b}
+    assert repo.store.held_ids(owner="p2", ids=[a, b]) == set()
+    assert repo.store.count_again([b, b, a], error="a failover undid it") == 3
+    assert (row(engine, a)["lost_confirms"], row(engine, b)["lost_confirms"]) == (3, 3)
+    assert row(engine, b)["last_error"] == "a failover undid it"
+    assert row(engine, a)["status"] == "in_flight"  # counted, not moved

@@ -97,6 +97,6 @@ def test_data_source_keys_come_from_the_fields_in_any_case() -> None:
 def test_the_writer_reads_database_urls_as_the_product_does(url: str, conninfo: str) -> None:
     """Issue 49: the executors passed a multi-host URL to libpq as a URI: libpq kept the last
     ``host=`` and took ``b:6432`` for a host name, so a Spark job could not follow a failover."""
-    from spark_writer.db import pg_conninfo
+    from spark_writer.dburl import pg_conninfo
 
     assert pg_conninfo(url) == conninfo
