@@ -801,9 +801,10 @@ async def undone_seen(ctx: Ctx) -> None:
     await db_errors_seen(ctx)
     logs = "".join(p.log_text() for p in ctx.publishers)
     undone = sum(int(n) for n in re.findall(r"(\d+) rows we had settled are in flight again", logs))
+    rewritten = sum(int(n) for n in re.findall(r"(\d+) rows we had confirmed were set back", logs))
     ctx.note(
-        f"{undone} settled rows were in flight again after the crash (undone write-backs), "
-        "released as possible duplicates"
+        f"the crash undid write-backs: {rewritten} confirms written again (not republished), "
+        f"{undone} settled rows released as possible duplicates"
     )
 
 

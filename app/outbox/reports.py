@@ -46,6 +46,7 @@ COUNTERS: tuple[str, ...] = (
     "outages_overdue",
     "returns_retried",
     "claims_retried",
+    "confirms_rewritten",
 )
 
 
@@ -96,6 +97,9 @@ class PublisherReport(BaseModel):
     )
     claims_retried: int = _figure(
         0, "Claims run again after the server ended their session (a paused process)."
+    )
+    confirms_rewritten: int = _figure(
+        0, "Confirms written again after a failover or crash undid them: no republish."
     )
 
     connected: bool = Field(False, description="Connected to the broker now.")

@@ -39,6 +39,7 @@ RELEASES_KEY: frozenset[Status] = frozenset({Status.CONFIRMED, Status.SKIPPED})
 TRANSITIONS: dict[tuple[Status, Status], str] = {
     (Status.PENDING, Status.IN_FLIGHT): "claim",
     (Status.IN_FLIGHT, Status.CONFIRMED): "ack",
+    (Status.PENDING, Status.CONFIRMED): "an ack written again after a failover undid it",
     (Status.IN_FLIGHT, Status.RETURNED): "return",
     (Status.IN_FLIGHT, Status.NACKED): "nack, attempts spent",
     (Status.IN_FLIGHT, Status.FAILED): "permanent error",

@@ -44,6 +44,7 @@ from app.outbox.planner import (
     written,
 )
 from app.outbox.records import Backoff, ClaimedRow, Published, RetryOutcome, ReturnedRow
+from app.outbox.recount import Recounts
 from app.outbox.schema import held, outbox
 from app.outbox.states import Status, check_transition
 
@@ -69,7 +70,7 @@ CLAIM_COLUMNS = (
 )
 
 
-class PublisherStore:
+class PublisherStore(Recounts):
     """The publisher's reads and writes of outbox rows: claims and outcomes."""
 
     def __init__(self, db: OutboxDatabase | Engine) -> None:
@@ -538,62 +539,6 @@ class PublisherStore:
             self.db.on_commit(self._walk_from_start)
         return moved
 
-    def published_again(
-        self, published: Sequence[Published], bare: Sequence[int] = ()
-    ) -> list[int]:
-        """Of rows the broker confirmed whose confirm this publisher could not record (no
-        longer held), those the database does not show confirmed by this very publish: another
-        publisher holds or confirmed them, or they are pending again (a lease swept while this
-        publisher was paused, a failover that undid its claim or a write-back). Each was or will
-        be published again: a possible duplicate. A row confirmed with this publish's time was
-        confirmed by this publisher's own earlier write-back whose COMMIT reply was lost: not a
-        duplicate; nor is a ``bare`` row (no publish facts) found confirmed."""
-        ours = {p.id: _utc(p.published_at) for p in published}
-        ids = [*ours, *bare]
-        again: list[int] = []
-        with self.db.begin(by_id=True) as conn:
-            for chunk in self.db.chunks(ids):
-                stmt = select(outbox.c.id, outbox.c.status, outbox.c.published_at).where(
-                    self.db.ids_in(chunk)
-                )
-                for row_id, status, at in conn.execute(stmt):
-                    mine = row_id not in ours or (at is not None and _utc(at) == ours[row_id])
-                    if not (Status(status) is Status.CONFIRMED and mine):
-                        again.append(row_id)
-        return sorted(again)
-
-    def count_again(self, ids: Sequence[int], *, error: str) -> int:
-        """Rows :meth:`published_again` found: each was or will be published again, so count a
-        possible duplicate (``lost_confirms + 1``, ``error`` as the last error, a ``lost``
-        event) whatever their status and lease now. Their status is not touched: whoever holds
-        them settles them. Returns how many rows it counted."""
-        if not ids:
-            return 0
-        counted = 0
-        with self.db.unit_of_work(), self.db.begin(by_id=True) as conn:
-            for times, group in by_multiplicity(ids):  # a row named twice: two publishes
-                for chunk in self.db.chunks(group):
-                    stmt = (
-                        update(outbox)
-                        .where(self.db.ids_in(chunk))
-                        .values(
-                            lost_confirms=outbox.c.lost_confirms + times,
-                            last_error=storable(error),
-                        )
-                    )
-                    counted += conn.execute(stmt).rowcount * times
-            self.db.record_events(kind="lost", ids=sorted(set(ids)), at=self.db.clock(), where=[])
-        return counted
-
-    def held_ids(self, *, owner: str, ids: Sequence[int]) -> set[int]:
-        """Of ``ids``, the rows ``owner`` holds (``in_flight`` under its lease) now."""
-        with self.db.begin(by_id=True) as conn:
-            return {
-                row_id
-                for chunk in self.db.chunks(ids)
-                for row_id in conn.scalars(select(outbox.c.id).where(self.db.held(owner, chunk)))
-            }
-
     def leased_ids(self, *, owner: str) -> list[int]:
         """Ids of the ``in_flight`` rows leased to ``owner`` (to find rows a lost reply hid)."""
         stmt = select(outbox.c.id).where(
@@ -638,8 +583,3 @@ def _spent(row: Any, *, max_attempts: int | None, nack: bool) -> bool:
     if nack:
         return bool(row.nacks + 1 >= row.max_attempts)
     return bool(row.attempts >= (max_attempts or row.max_attempts))
-
-
-def _utc(at: dt.datetime) -> dt.datetime:
-    """A stored time as an aware UTC time (SQLite gives it back naive)."""
-    return at.replace(tzinfo=dt.UTC) if at.tzinfo is None else at.astimezone(dt.UTC)

@@ -158,7 +158,7 @@ class Claimer:
         p = self.p
         failures = p.db.failures
         undoable = self.undoable()
-        unseen, undone, elsewhere = await p.db.claim(
+        unseen, undone, elsewhere, rewritten = await p.db.claim(
             self._write_orphans, held=frozenset(p.holdings.held), undoable=undoable
         )
         self.checked(undoable)
@@ -175,6 +175,13 @@ class Claimer:
                 "write-back): released to be published again, each a possible duplicate",
                 undone,
             )
+        if rewritten:
+            p.metrics.confirms_rewritten += rewritten
+            log.warning(
+                "%d rows we had confirmed were set back by a database failover or crash (the "
+                "write-back undone): their confirm written again, none published again",
+                rewritten,
+            )
         if elsewhere:
             p.metrics.lost_confirms += elsewhere
             log.warning(
@@ -184,22 +191,29 @@ class Claimer:
                 elsewhere,
             )
 
-    def _write_orphans(self, *, held: frozenset[int], undoable: Settled) -> tuple[int, int, int]:
+    def _write_orphans(
+        self, *, held: frozenset[int], undoable: Settled
+    ) -> tuple[int, int, int, int]:
         """DB thread. Safe only between claims: every row a finished claim returned is in
         ``held`` (settled rows have left ``in_flight`` before their ids leave ``held``).
         Returns (rows released unpublished, rows released as possible duplicates, rows we had
-        confirmed found set back elsewhere: pending, or another's, counted on the row)."""
+        confirmed found another's or confirmed by another publish: counted on the row, rows
+        whose undone confirm was written again: no republish)."""
         p = self.p
-        orphans = [i for i in p.store.leased_ids(owner=p.owner) if i not in held]
+        facts = [f for f in undoable.published if f.id not in held]
+        rewritten = set(p.store.confirm_again(owner=p.owner, published=facts)) if facts else set()
+        orphans = [
+            i for i in p.store.leased_ids(owner=p.owner) if i not in held and i not in rewritten
+        ]
         undone = [i for i in orphans if i in undoable.ids]
         unseen = [i for i in orphans if i not in undoable.ids]
-        mine = set(undone)
+        mine = set(undone) | rewritten
         elsewhere = p.store.published_again(
-            [f for f in undoable.published if f.id not in mine],
-            [i for i in undoable.bare if i not in mine],
+            [f for f in facts if f.id not in mine],
+            [i for i in undoable.bare if i not in mine and i not in held],
         )
         if not orphans and not elsewhere:
-            return 0, 0, 0
+            return 0, 0, 0, len(rewritten)
         with p.store.db.unit_of_work():
             released = (
                 p.store.release(owner=p.owner, ids=unseen, lost=False, error=ORPHAN_ERROR)
@@ -212,4 +226,4 @@ class Claimer:
                 else 0
             )
             counted = p.store.count_again(elsewhere, error=UNDONE_CONFIRM_ERROR)
-        return released, lost, counted
+        return released, lost, counted, len(rewritten)

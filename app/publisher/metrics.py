@@ -129,6 +129,7 @@ class PublisherMetrics:
     outages_overdue: int
     returns_retried: int
     claims_retried: int
+    confirms_rewritten: int
 
     @property
     def lost(self) -> int:
@@ -231,6 +232,8 @@ COUNTER_HELP: dict[str, str] = {
     "their rows spend their nack budget from then on.",
     "claims_retried": "Claims run again at once because the server ended their session for "
     "sitting idle in its transaction past 0.5 s (the publisher was paused: GC, CPU, VM).",
+    "confirms_rewritten": "Confirms written again after a database failover or crash undid "
+    "the write-back (the row found pending or back in flight): not published again.",
     "returns_retried": "Publishes returned NO_ROUTE within return_grace of connecting (bindings "
     "not recovered yet), put back to be published again.",
 }

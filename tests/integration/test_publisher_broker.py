@@ -319,13 +319,14 @@ class _CrashUndoesAWriteback(OutboxDatabase):
             )
 
 
-async def test_write_back_undone_by_a_database_crash_is_republished_and_counted(
+async def test_write_back_undone_by_a_database_crash_is_written_again(
     db_url: str, amqp_url: str, topology: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Write-backs commit without waiting for the disk (``synchronous_commit`` off, the
-    default). A crash that undoes one leaves rows we settled in flight under our lease; after
-    any failed database call the publisher finds them, releases them as possible duplicates and
-    publishes them again: nothing stranded, every duplicate counted (docs/guarantees.md)."""
+    default). A crash that undoes one leaves rows we confirmed in flight under our lease; after
+    any failed database call the publisher finds them and, holding their publish facts, writes
+    their confirms again: nothing stranded, nothing published twice (docs/guarantees.md). Until
+    issue 49 they were released and published again, each a counted duplicate."""
     engine = make_engine(db_url)
     try:
         ids = add_rows(engine, n=300, exchange=topology["exchange"], routing_key="rk")
@@ -342,26 +343,24 @@ async def test_write_back_undone_by_a_database_crash_is_republished_and_counted(
         engine.dispose()
     undone = set(repo.undone)
     assert undone and repo.failed
-    assert stats.confirmed == 300 + len(undone)  # settled twice: the crash undid the first
-    assert all(r.status == "confirmed" for r in final)
-    assert {r.id for r in final if r.lost_confirms == 1} == undone
-    assert all(r.lost_confirms == 0 for r in final if r.id not in undone)
-    assert f"{len(undone)} rows we had settled are in flight again" in caplog.text
-    assert publisher.metrics.lost_confirms == len(undone)
-    seen = await consume_ids(amqp_url, topology["queue"], expect=300 + len(undone))
-    assert set(seen) == set(ids)
-    by_id = {r.message_id: r.id for r in final}
-    assert {m for m, n in seen.items() if n == 2} == {m for m, i in by_id.items() if i in undone}
+    assert stats.confirmed == 300
+    assert all(r.status == "confirmed" and r.published_at is not None for r in final)
+    assert all(r.lost_confirms == 0 for r in final)
+    assert f"{len(undone)} rows we had confirmed were set back" in caplog.text
+    assert publisher.metrics.confirms_rewritten == len(undone)
+    assert publisher.metrics.lost_confirms == 0
+    seen = await consume_ids(amqp_url, topology["queue"], expect=300)
+    assert set(seen) == set(ids) and set(seen.values()) == {1}
 
 
-async def test_write_back_and_claim_undone_by_a_failover_are_republished_and_counted(
+async def test_write_back_and_claim_undone_by_a_failover_are_written_again(
     db_url: str, amqp_url: str, topology: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Issue 49: a failover to a standby behind the primary undoes the write-back that
     confirmed rows and the claim before it: the rows are ``pending`` again, nobody's, and the
-    next claim publishes them again. A trial counted none of 8,000 such duplicates. Now the
-    check after the outage finds every row this publisher confirmed that is not confirmed by
-    that publish any more, and counts it on the row."""
+    next claim published them again. A trial counted none of 8,000 such duplicates. Now the
+    check after the outage, before the next claim, writes their confirms again (the publisher
+    kept their publish facts): none goes out twice."""
     engine = make_engine(db_url)
     try:
         ids = add_rows(engine, n=300, exchange=topology["exchange"], routing_key="rk")
@@ -379,16 +378,13 @@ async def test_write_back_and_claim_undone_by_a_failover_are_republished_and_cou
         engine.dispose()
     undone = set(repo.undone)
     assert undone and repo.failed
-    assert stats.confirmed == 300 + len(undone)
-    assert all(r.status == "confirmed" for r in final)
-    assert {r.id for r in final if r.lost_confirms == 1} == undone
-    assert all(r.lost_confirms == 0 for r in final if r.id not in undone)
-    assert f"{len(undone)} rows we had confirmed are not confirmed by that publish" in caplog.text
-    assert publisher.metrics.lost_confirms == len(undone)
-    seen = await consume_ids(amqp_url, topology["queue"], expect=300 + len(undone))
-    assert set(seen) == set(ids)
-    by_id = {r.message_id: r.id for r in final}
-    assert {m for m, n in seen.items() if n == 2} == {m for m, i in by_id.items() if i in undone}
+    assert stats.confirmed == 300
+    assert all(r.status == "confirmed" and r.published_at is not None for r in final)
+    assert all(r.lost_confirms == 0 for r in final)
+    assert f"{len(undone)} rows we had confirmed were set back" in caplog.text
+    assert publisher.metrics.confirms_rewritten == len(undone)
+    seen = await consume_ids(amqp_url, topology["queue"], expect=300)
+    assert set(seen) == set(ids) and set(seen.values()) == {1}
 
 
 async def test_reject_publish_nacks_retry_until_the_queue_drains(
