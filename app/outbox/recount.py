@@ -6,7 +6,7 @@ written again instead of the rows going out again (docs/guarantees.md section 8)
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sqlalchemy import and_, or_, select, update
 
@@ -44,6 +44,33 @@ class Recounts:
                         again.append(row_id)
         return sorted(again)
 
+    def recheck(
+        self, published: Sequence[Published], messages: Mapping[int, str]
+    ) -> tuple[list[int], list[str]]:
+        """After an outage: rows this publisher confirmed (``published``, with each row's
+        ``message_id`` in ``messages``), found by message id, since a failover to a standby
+        behind the primary may hand the same id to another message. Returns the ids of the rows
+        holding these messages now that the database does not show confirmed by this very
+        publish (another's, or another publish: a possible duplicate each), and the message ids
+        found nowhere (their insert undone too: a producer that writes them again, a Spark
+        replay, makes them due again)."""
+        facts = {messages[p.id]: _utc(p.published_at) for p in published if p.id in messages}
+        wanted = list(facts)
+        again: list[int] = []
+        found: set[str] = set()
+        with self.db.begin() as conn:
+            for start in range(0, len(wanted), 1000):
+                chunk = wanted[start : start + 1000]
+                stmt = select(
+                    outbox.c.id, outbox.c.message_id, outbox.c.status, outbox.c.published_at
+                ).where(outbox.c.message_id.in_(chunk))
+                for row_id, message_id, status, at in conn.execute(stmt):
+                    found.add(message_id)
+                    mine = at is not None and _utc(at) == facts[message_id]
+                    if not (Status(status) is Status.CONFIRMED and mine):
+                        again.append(row_id)
+        return sorted(again), [m for m in wanted if m not in found]
+
     def count_again(self, ids: Sequence[int], *, error: str) -> int:
         """Rows :meth:`published_again` found: each was or will be published again, so count a
         possible duplicate (``lost_confirms + 1``, ``error`` as the last error, a ``lost``
@@ -67,13 +94,21 @@ class Recounts:
             self.db.record_events(kind="lost", ids=sorted(set(ids)), at=self.db.clock(), where=[])
         return counted
 
-    def confirm_again(self, *, owner: str, published: Sequence[Published]) -> list[int]:
+    def confirm_again(
+        self,
+        *,
+        owner: str,
+        published: Sequence[Published],
+        messages: Mapping[int, str] | None = None,
+    ) -> list[int]:
         """Rows this publisher confirmed in a write-back that a database failover or crash
         undid, found ``pending`` and nobody's (the claim undone too) or back ``in_flight`` under
         this publisher's lease (the write-back alone undone): the broker's confirm stands, so
         it is written again with its publish facts, and the row is not published again (no
         duplicate). A row another publisher claimed meanwhile is left to it (and counted by
-        :meth:`count_again`). Returns the ids confirmed again."""
+        :meth:`count_again`). With ``messages`` (each fact's id -> its message id) the row is
+        found by its message id (a failover may have given its id to another message).
+        Returns the ids of the rows confirmed again."""
         check_transition(Status.PENDING, Status.CONFIRMED)
         now = self.db.clock()
         again: list[int] = []
@@ -83,9 +118,13 @@ class Recounts:
         )
         with self.db.unit_of_work(), self.db.begin(by_id=True) as conn:
             for fact in published:
+                message = messages.get(fact.id) if messages is not None else None
+                which = (
+                    outbox.c.id == fact.id if message is None else outbox.c.message_id == message
+                )
                 stmt = (
                     update(outbox)
-                    .where(outbox.c.id == fact.id, undone)
+                    .where(which, undone)
                     .values(
                         status=Status.CONFIRMED,
                         confirmed_at=now,
@@ -97,8 +136,11 @@ class Recounts:
                         last_error=None,
                     )
                 )
-                if conn.execute(stmt).rowcount:
-                    again.append(fact.id)
+                if message is None:
+                    if conn.execute(stmt).rowcount:
+                        again.append(fact.id)
+                else:
+                    again.extend(conn.scalars(stmt.returning(outbox.c.id)))
         return again
 
     def held_ids(self, *, owner: str, ids: Sequence[int]) -> set[int]:

@@ -18,20 +18,38 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import NamedTuple
 
-from app.outbox.records import ClaimedRow
+from app.outbox.records import ClaimedRow, Published
 from app.publisher.wiring import Shared
-from app.publisher.writeback import UNDONE_CONFIRM_ERROR, Settled
+from app.publisher.writeback import UNDO_LIMIT, UNDONE_CONFIRM_ERROR, Settled
 
 log = logging.getLogger("app.publisher")
 
 ORPHAN_ERROR = "claimed by a claim whose result was lost: released unpublished"
+REUSED_ERROR = (
+    "its id was handed out again after a database failover while this publisher held the old "
+    "row: released unpublished"
+)
 #: Without notifications, the pause after a claim that caught up: the next rows gather meanwhile.
 CAUGHT_UP_PAUSE = 0.002
 UNDONE_ERROR = (
     "settled by a write-back that a database crash undid: published, so the next "
     "publish may be a duplicate"
 )
+
+
+class Orphans(NamedTuple):
+    """What the check after an outage did: rows released unpublished; rows released as
+    possible duplicates; rows we had confirmed found another's or confirmed by another publish
+    (counted on the row); confirms written again (no republish); messages we had confirmed
+    found nowhere, with their publish facts (their insert undone)."""
+
+    unseen: int
+    undone: int
+    elsewhere: int
+    rewritten: int
+    vanished: list[tuple[str, Published]]
 
 
 class Claimer:
@@ -43,6 +61,7 @@ class Claimer:
         settled: Callable[[Iterable[int]], Awaitable[int]],
         undoable: Callable[[], Settled] = lambda: Settled(frozenset(), [], []),
         checked: Callable[[Settled], None] = lambda settled: None,
+        confirm_held: Callable[[list[Published]], None] = lambda facts: None,
     ) -> None:
         """``notified``: new rows announce themselves (LISTEN is up); ``settled``: wait for the
         write-back settling these rows; ``undoable``: rows settled by commits a database crash
@@ -53,9 +72,13 @@ class Claimer:
         self._after_writeback = settled
         self.undoable = undoable
         self.checked = checked
+        self.confirm_held = confirm_held
         self.room = shared.room  # the window has room (or anything else worth a look)
         self.news = shared.news  # rows were committed since the last claim began
         self.stopped = False
+        #: messages confirmed before a failover undid their insert: message id -> (publish
+        #: facts, when found gone); a claim that returns one confirms it with those facts
+        self.vanished: dict[str, tuple[Published, float]] = {}
         self.orphans_possible = False
         self._failures_seen = 0  # DB thread failures already followed by an orphan check
 
@@ -121,6 +144,8 @@ class Claimer:
             await self._settled(rows)
             p.metrics.claims += 1
             p.metrics.claimed += len(rows)
+            rows = await self._not_reused(rows)
+            rows = self._reappeared(rows)
             again = p.holdings.accept(rows, at=p.clock())
             if again:
                 log.warning(
@@ -132,6 +157,50 @@ class Claimer:
                 )
             p.work.set()
         return rows
+
+    async def _not_reused(self, rows: list[ClaimedRow]) -> list[ClaimedRow]:
+        """A claimed row whose id this publisher holds for another message: a failover to a
+        standby behind the primary handed that id out again. The held one's answer would
+        settle the new row, unpublished: give the new row back (it is claimed again once the
+        held one is settled, and published then)."""
+        p = self.p
+        held = p.holdings.held
+        reused = [r for r in rows if (h := held.get(r.id)) and h.message_id != r.message_id]
+        if not reused:
+            return rows
+        ids = [r.id for r in reused]
+        await p.db.claim(p.store.release, owner=p.owner, ids=ids, lost=False, error=REUSED_ERROR)
+        log.warning(
+            "a claim returned %d row(s) whose id this publisher holds for another message (a "
+            "database failover handed the ids out again): given back unpublished, to be "
+            "claimed again once the held ones are settled",
+            len(reused),
+        )
+        return [r for r in rows if r.id not in set(ids)]
+
+    def _reappeared(self, rows: list[ClaimedRow]) -> list[ClaimedRow]:
+        """Rows whose message this publisher saw confirmed before a failover undid its insert
+        (a producer wrote it again): held and settled confirmed with that publish, not sent.
+        Returns the rest."""
+        if not self.vanished:
+            return rows
+        p = self.p
+        now = p.clock()
+        for message_id in [m for m, (_, at) in self.vanished.items() if at < now - UNDO_LIMIT]:
+            del self.vanished[message_id]
+        back = [r for r in rows if r.message_id in self.vanished]
+        if not back:
+            return rows
+        p.holdings.accept(back, at=now, send=False)
+        self.confirm_held([self.vanished.pop(r.message_id)[0]._replace(id=r.id) for r in back])
+        p.metrics.confirms_rewritten += len(back)
+        log.warning(
+            "%d rows are messages we had published and seen confirmed before a database "
+            "failover undid their insert (their producer wrote them again): confirmed with "
+            "that publish, not published again",
+            len(back),
+        )
+        return [r for r in rows if r.message_id not in {b.message_id for b in back}]
 
     async def _settled(self, rows: list[ClaimedRow]) -> None:
         started = time.perf_counter()
@@ -158,9 +227,19 @@ class Claimer:
         p = self.p
         failures = p.db.failures
         undoable = self.undoable()
-        unseen, undone, elsewhere, rewritten = await p.db.claim(
+        unseen, undone, elsewhere, rewritten, vanished = await p.db.claim(
             self._write_orphans, held=frozenset(p.holdings.held), undoable=undoable
         )
+        now = p.clock()
+        for message_id, fact in vanished:
+            self.vanished[message_id] = (fact, now)
+        if vanished:
+            log.warning(
+                "%d messages we had published and seen confirmed are gone from the outbox (a "
+                "database failover undid their insert): if their producer writes them again "
+                "(a Spark replay), they are confirmed with that publish, not published again",
+                len(vanished),
+            )
         self.checked(undoable)
         self.orphans_possible = False
         self._failures_seen = failures
@@ -191,29 +270,35 @@ class Claimer:
                 elsewhere,
             )
 
-    def _write_orphans(
-        self, *, held: frozenset[int], undoable: Settled
-    ) -> tuple[int, int, int, int]:
+    def _write_orphans(self, *, held: frozenset[int], undoable: Settled) -> Orphans:
         """DB thread. Safe only between claims: every row a finished claim returned is in
         ``held`` (settled rows have left ``in_flight`` before their ids leave ``held``).
-        Returns (rows released unpublished, rows released as possible duplicates, rows we had
-        confirmed found another's or confirmed by another publish: counted on the row, rows
-        whose undone confirm was written again: no republish)."""
+        Rows we confirmed are found by message id where we know it (a failover to a standby
+        behind the primary may have given their id to another message)."""
         p = self.p
+        messages = undoable.messages
         facts = [f for f in undoable.published if f.id not in held]
-        rewritten = set(p.store.confirm_again(owner=p.owner, published=facts)) if facts else set()
+        rewritten = (
+            set(p.store.confirm_again(owner=p.owner, published=facts, messages=messages))
+            if facts
+            else set()
+        )
         orphans = [
             i for i in p.store.leased_ids(owner=p.owner) if i not in held and i not in rewritten
         ]
         undone = [i for i in orphans if i in undoable.ids]
         unseen = [i for i in orphans if i not in undoable.ids]
-        mine = set(undone) | rewritten
-        elsewhere = p.store.published_again(
-            [f for f in facts if f.id not in mine],
-            [i for i in undoable.bare if i not in mine and i not in held],
+        mine = set(undone)
+        known = [f for f in facts if f.id in messages and f.id not in mine]
+        elsewhere, vanished = p.store.recheck(known, messages) if known else ([], [])
+        elsewhere += p.store.published_again(
+            [f for f in facts if f.id not in messages and f.id not in mine | rewritten],
+            [i for i in undoable.bare if i not in mine | rewritten and i not in held],
         )
+        gone = set(vanished)
+        lost_rows = [(messages[f.id], f) for f in known if messages[f.id] in gone]
         if not orphans and not elsewhere:
-            return 0, 0, 0, len(rewritten)
+            return Orphans(0, 0, 0, len(rewritten), lost_rows)
         with p.store.db.unit_of_work():
             released = (
                 p.store.release(owner=p.owner, ids=unseen, lost=False, error=ORPHAN_ERROR)
@@ -226,4 +311,4 @@ class Claimer:
                 else 0
             )
             counted = p.store.count_again(elsewhere, error=UNDONE_CONFIRM_ERROR)
-        return released, lost, counted, len(rewritten)
+        return Orphans(released, lost, counted, len(rewritten), lost_rows)

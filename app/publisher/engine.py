@@ -111,6 +111,7 @@ class Publisher:
             settled=self.writeback.settled,
             undoable=self.writeback.undoable,
             checked=self.writeback.checked,
+            confirm_held=self.writeback.confirm_held,
         )
         self.listener = Listener(url=settings.database_url.get_secret_value(), wake=shared.new_rows)
         self.housekeeping = Housekeeping(

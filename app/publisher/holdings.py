@@ -30,7 +30,7 @@ class Holdings:
     def __len__(self) -> int:
         return len(self.held)
 
-    def accept(self, rows: Sequence[ClaimedRow], *, at: float) -> int:
+    def accept(self, rows: Sequence[ClaimedRow], *, at: float, send: bool = True) -> int:
         """Rows of a finished claim: held, queued to be sent in claim order. A row this
         publisher holds already (the database lost its claim: a failover to a standby without
         it, or a lease swept while the process was paused) takes the new lease but is not
@@ -42,7 +42,8 @@ class Holdings:
         for row in rows:
             held[row.id] = row
         self.since.update(zip((r.id for r in fresh), repeat(at)))
-        self.queue.extend(fresh)
+        if send:  # else held to be settled without a publish (its message went out before)
+            self.queue.extend(fresh)
         return len(rows) - len(fresh)
 
     def take(self, limit: int) -> list[ClaimedRow]:

@@ -77,6 +77,9 @@ class Undoable:
     published: list[Published] = field(default_factory=list)
     bare: list[int] = field(default_factory=list)
     local_at: float | None = None  # when the local disk had it (positions not readable)
+    #: the confirmed rows' message ids: after a failover a row is found by its message id (a
+    #: standby behind the primary may give its id to another message)
+    messages: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Settled:
     published: list[Published]
     bare: list[int]
     entries: tuple[int, ...] = ()  # identities of the entries, for :meth:`Writeback.checked`
+    messages: dict[int, str] = field(default_factory=dict)
 
 
 RETRY_PAUSE = 1.0
@@ -174,7 +178,11 @@ class Writeback:
                 self._durable(wal)
             again = set(written.again_ids)
             published, bare = _published((i for i in out.confirmed if i not in again), out.sent)
-            self._undoable.append(Undoable(p.clock(), settled, published=published, bare=bare))
+            held = p.holdings.held
+            messages = {f.id: row.message_id for f in published if (row := held.get(f.id))}
+            self._undoable.append(
+                Undoable(p.clock(), settled, published=published, bare=bare, messages=messages)
+            )
             self._forget_durable()
         news = bool(out.lost or out.released or out.postponed) or self._keys_moved_on(settled)
         p.holdings.forget(settled)
@@ -279,7 +287,17 @@ class Writeback:
             published=[p for entry in entries for p in entry.published],
             bare=[i for entry in entries for i in entry.bare],
             entries=tuple(id(entry) for entry in entries),
+            messages={i: m for entry in entries for i, m in entry.messages.items()},
         )
+
+    def confirm_held(self, facts: list[Published]) -> None:
+        """Rows just claimed whose message this publisher had published and seen confirmed
+        before a failover undid their insert (a producer wrote them again): settle them
+        confirmed with that publish's facts, not publishing them again."""
+        for fact in facts:
+            self.out.confirmed.append(fact.id)
+            self.out.sent[fact.id] = (fact.channel_id, fact.delivery_tag, fact.published_at, 0.0)
+        self.wake.set()
 
     def checked(self, settled: Settled) -> None:
         """The check after an outage has accounted for these entries (each row found settled

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
-from sqlalchemy import Connection, Engine, event, make_url, select, update
+from sqlalchemy import Connection, Engine, event, insert, make_url, select, update
+from sqlalchemy import delete as delete_rows
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from app.db import make_engine
@@ -268,6 +269,8 @@ class _CrashUndoesAWriteback(OutboxDatabase):
     #: a failover to a standby that had neither the write-back nor the claim before it: the
     #: rows are back to ``pending``, nobody's, one attempt fewer
     claim_lost = False
+    #: ... nor the rows' insert: they are gone
+    insert_lost = False
 
     def _crashed(self) -> None:
         if self.undone and not self.failed:
@@ -284,6 +287,10 @@ class _CrashUndoesAWriteback(OutboxDatabase):
             yield
         if positions and not self.undone:  # the write-back's unit
             self.undone = sorted(set(self.confirmed_ids()) - before)
+            if self.insert_lost:
+                with self.engine.begin() as conn:
+                    conn.execute(delete_rows(outbox).where(outbox.c.id.in_(self.undone)))
+                return
             if self.claim_lost:
                 values: dict[str, Any] = {
                     "status": "pending",
@@ -385,6 +392,57 @@ async def test_write_back_and_claim_undone_by_a_failover_are_written_again(
     assert publisher.metrics.confirms_rewritten == len(undone)
     seen = await consume_ids(amqp_url, topology["queue"], expect=300)
     assert set(seen) == set(ids) and set(seen.values()) == {1}
+
+
+async def test_messages_whose_insert_a_failover_undid_are_not_published_again(
+    db_url: str, amqp_url: str, topology: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 49 (scenario 19e): the failover undid the rows' insert too (a Spark batch the
+    publisher had drained), and the producer wrote the same messages again (Spark's replay),
+    under new ids. They went out a second time, counted nowhere. The publisher keeps the
+    message ids it confirmed; a claim that returns one settles it with the publish that
+    reached the broker."""
+    engine = make_engine(db_url)
+    try:
+        add_rows(engine, n=300, exchange=topology["exchange"], routing_key="rk")
+        settings = settings_for(
+            db_url=db_url, amqp_url=amqp_url, claim_batch=100, window=300, lease_seconds=60.0
+        )
+        repo = _CrashUndoesAWriteback(engine)
+        repo.insert_lost = True
+        async with running_publisher(settings, engine, store=PublisherStore(repo)) as publisher:
+            repo.owner = publisher.publisher_id
+            async with asyncio.timeout(30):
+                while not repo.failed or publisher.claimer.vanished == {}:
+                    await asyncio.sleep(0.02)
+            gone = sorted(publisher.claimer.vanished)
+            assert len(gone) == len(repo.undone)
+            with engine.begin() as conn:  # the replay: the same messages, new ids
+                conn.execute(
+                    insert(outbox),
+                    [
+                        {
+                            "message_id": m,
+                            "batch_id": "replay:1",
+                            "exchange": topology["exchange"],
+                            "routing_key": "rk",
+                            "body": b"x" * 256,
+                        }
+                        for m in gone
+                    ],
+                )
+            async with asyncio.timeout(30):
+                while any(r.status != "confirmed" for r in rows(engine)):
+                    await asyncio.sleep(0.05)
+        final = rows(engine)
+    finally:
+        engine.dispose()
+    assert len(final) == 300 and all(r.status == "confirmed" for r in final)
+    assert all(r.lost_confirms == 0 for r in final)
+    assert publisher.metrics.confirms_rewritten == len(gone)
+    assert f"{len(gone)} messages we had published and seen confirmed are gone" in caplog.text
+    seen = await consume_ids(amqp_url, topology["queue"], expect=300)
+    assert len(seen) == 300 and set(seen.values()) == {1}
 
 
 async def test_reject_publish_nacks_retry_until_the_queue_drains(

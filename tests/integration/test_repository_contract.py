@@ -658,3 +658,38 @@ def test_a_row_named_twice_counts_two_publishes_held_or_not(
     assert (row(engine, a)["lost_confirms"], row(engine, b)["lost_confirms"]) == (3, 3)
     assert row(engine, b)["last_error"] == "a failover undid it"
     assert row(engine, a)["status"] == "in_flight"  # counted, not moved
+
+
+def test_after_a_failover_rows_are_found_by_message_id(
+    repo: OutboxClients, engine: Engine, clock: Clock
+) -> None:
+    """Issue 49: a failover to a standby behind the primary can undo a row's insert and hand
+    its id to another message. The check after the outage finds each confirmed row by its
+    message id: written again where it is pending (under whatever id), counted where another
+    publish confirmed it, and named when it is gone."""
+    seed(engine, 3)
+    rows = repo.store.claim(owner="p1", limit=3, lease_seconds=60)
+    facts = [Published(r.id, 1, n + 1, clock.now) for n, r in enumerate(rows)]
+    messages = {r.id: r.message_id for r in rows}
+    back, other, gone = rows
+    with engine.begin() as conn:  # what the new primary has: back pending, other confirmed by
+        conn.execute(  # another publish, gone's insert undone and its id handed to a new message
+            update(outbox)
+            .where(outbox.c.id == back.id)
+            .values(status="pending", lease_owner=None, lease_until=None)
+        )
+        conn.execute(
+            update(outbox)
+            .where(outbox.c.id == other.id)
+            .values(status="confirmed", published_at=clock.now + dt.timedelta(seconds=5))
+        )
+        conn.execute(
+            update(outbox)
+            .where(outbox.c.id == gone.id)
+            .values(message_id="someone-else", status="pending", lease_owner=None)
+        )
+    assert repo.store.confirm_again(owner="p1", published=facts, messages=messages) == [back.id]
+    assert row(engine, back.id)["status"] == "confirmed"
+    assert row(engine, gone.id)["status"] == "pending"  # the other message: left alone
+    again, vanished = repo.store.recheck(facts, messages)
+    assert again == [other.id] and vanished == [gone.message_id]
