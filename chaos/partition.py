@@ -96,6 +96,10 @@ class NetnsCluster:
     def node_url(self, node: int) -> str:
         return self.url_of((node,))
 
+    def node_name(self, node: int) -> str:
+        """The Erlang node name of node N (long names: ``rabbit@<its address>``)."""
+        return "rabbit@" + self.hosts[node - 1].rsplit(":", 1)[0]
+
     def node_of(self, host: str) -> int | None:
         """The node at ``address:port`` (as the publisher reports it), None if not ours."""
         return self.hosts.index(host) + 1 if host in self.hosts else None
@@ -289,6 +293,35 @@ async def cut_the_publishers_node(ctx: Ctx) -> None:
     await _after_heal(ctx, node)
 
 
+async def lead_then_cut(ctx: Ctx) -> None:
+    """20b. The quorum queue's leadership moved to the publisher's node, then that node cut
+    off: the leader is on the minority side, the majority elects a new one."""
+    node = await _publisher_node(ctx)
+    queue = ctx.names["queue"]
+    expr = (
+        f'{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<"/">>, queue, <<"{queue}">>)), '
+        f"rabbit_quorum_queue:transfer_leadership(Q, '{NETNS.node_name(node)}')."
+    )
+    out = await asyncio.to_thread(NETNS.ctl, VERIFIER_NODE, "eval", expr)
+    leader = await _poll_leader(ctx, node)
+    ctx.note(f"transfer_leadership to node {node}: {out.strip()}; leader now node {leader}")
+    ctx.check(f"the quorum queue's leader moved to node {node}, the one to be cut", leader == node)
+    await cut_the_publishers_node(ctx)
+    after = await asyncio.to_thread(NETNS.leader, queue)
+    ctx.check(f"a new leader on the majority (node {after})", after is not None and after != node)
+
+
+async def _poll_leader(ctx: Ctx, node: int, timeout: float = 15.0) -> int | None:
+    deadline = time.monotonic() + timeout
+    leader = None
+    while time.monotonic() < deadline:
+        leader = await asyncio.to_thread(NETNS.leader, ctx.names["queue"])
+        if leader == node:
+            return leader
+        await asyncio.sleep(0.5)
+    return leader
+
+
 async def _while_cut(ctx: Ctx, node: int) -> None:
     """The cut node pauses and the publisher moves, each timed from the cut (polled together:
     the publisher may leave before the node pauses, on its confirm timeout)."""
@@ -401,6 +434,22 @@ SCENARIOS: list[Scenario] = [
         flow=90.0,
         trigger=0.2,
         env=CLUSTER_ENV,
+        timeout=300,
+    ),
+    Scenario(
+        "20b",
+        "cluster partition: the quorum queue's leader and the publisher cut off together",
+        "the leader on the minority side: the majority elects a new one while the publisher "
+        "moves; confirms resume on the majority, every republish counted, nothing lost",
+        lead_then_cut,
+        prepare=start_the_netns_cluster,
+        topology=quorum_topology,
+        verify=partition_accounted,
+        teardown=heal_and_restore,
+        flow=90.0,
+        trigger=0.2,
+        env=CLUSTER_ENV,
+        long=True,
         timeout=300,
     ),
 ]

@@ -38,7 +38,9 @@ def write_input(directory: Path, *, rows: int, files: int = FILES) -> None:
         tmp.rename(directory / f"part-{f:03d}.json")
 
 
-def _driver(ctx: Ctx, work: Path, *, hold: bool, name: str) -> procs.Proc:
+def _driver(
+    ctx: Ctx, work: Path, *, hold: bool, name: str, extra: tuple[str, ...] = ()
+) -> procs.Proc:
     markers = work / f"markers-{name[-1]}"
     markers.mkdir(parents=True, exist_ok=True)
     argv = [
@@ -60,6 +62,7 @@ def _driver(ctx: Ctx, work: Path, *, hold: bool, name: str) -> procs.Proc:
     ]
     if hold:
         argv += ["--hold-batch", str(HOLD_BATCH), "--hold", str(HOLD_SECONDS)]
+    argv += list(extra)
     env = procs.clean_env(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     return procs.Proc(name=name, argv=argv, env=env, log_path=ctx.log_dir / f"{name}.log")
 

@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--routing-key", default="rk")
     parser.add_argument("--hold-batch", type=int, default=-1)
     parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--standby-wait", type=float, default=None)
     args = parser.parse_args(argv)
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -79,6 +80,7 @@ def main(argv: list[str]) -> int:
             routing_key=args.routing_key,
             body_column="payload",
             on_partition_committed=Hook(markers, batch_id, hold),
+            **({} if args.standby_wait is None else {"standby_wait": args.standby_wait}),
         )
         result = sink(df, batch_id)
         Path(markers, f"batch-{batch_id}.done").write_text(f"{result}\n")

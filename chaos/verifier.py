@@ -63,6 +63,10 @@ class Received:
     copies: dict[str, int]  # message_id -> distinct publishes seen (distinct attempts)
     deliveries: int  # every delivery, redeliveries to the consumer included
     records: int  # distinct (message_id, attempt)
+    #: message_id -> copies of an (id, attempt) already seen that the broker did not flag
+    #: ``redelivered``: published again under an attempt number already used (a failover undid
+    #: the claim that had counted it, so the next claim gave the same number again)
+    same_attempt: dict[str, int] = field(default_factory=dict)
 
     @property
     def ids(self) -> set[str]:
@@ -70,16 +74,19 @@ class Received:
 
     @property
     def duplicates(self) -> int:
-        """Publisher-side duplicates: extra copies of a message_id (different attempts)."""
-        return self.records - len(self.copies)
+        """Publisher-side duplicates: extra copies of a message_id, with another attempt
+        number or unflagged with the same one."""
+        return self.records - len(self.copies) + sum(self.same_attempt.values())
 
     @property
     def redeliveries(self) -> int:
         """Consumer-side redeliveries (same publish delivered again after a lost ack)."""
-        return self.deliveries - self.records
+        return self.deliveries - self.records - sum(self.same_attempt.values())
 
     def duplicated_ids(self) -> set[str]:
-        return {m for m, n in self.copies.items() if n > 1}
+        return {m for m, n in self.copies.items() if n > 1} | {
+            m for m, n in self.same_attempt.items() if n
+        }
 
 
 @dataclass(slots=True)
@@ -267,13 +274,17 @@ class Verifier:
         """Read back the table (not the in-memory mirror) for this run."""
         with psycopg.connect(_conninfo(self.db_url), autocommit=True) as conn:
             rows = conn.execute(
-                "SELECT message_id, count(*), sum(deliveries) FROM received WHERE run = %s "
+                "SELECT message_id, count(*), sum(deliveries), "
+                "sum(greatest(deliveries - redelivered - 1, 0)) FROM received WHERE run = %s "
                 "GROUP BY message_id",
                 (self.run,),
             ).fetchall()
-        copies = {m: int(n) for m, n, _ in rows}
+        copies = {m: int(n) for m, n, _, _ in rows}
         return Received(
-            copies=copies, deliveries=sum(int(d) for _, _, d in rows), records=sum(copies.values())
+            copies=copies,
+            deliveries=sum(int(d) for _, _, d, _ in rows),
+            records=sum(copies.values()),
+            same_attempt={m: int(s) for m, _, _, s in rows if s},
         )
 
     async def queue_depth(self) -> int | None:
