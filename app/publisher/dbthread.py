@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+#: an outage is over once a call succeeds this long after the last call that failed
+SETTLED_AFTER = 1.0
 log = logging.getLogger("app.publisher")
 
 
@@ -51,6 +53,7 @@ class DbThread:
         #: what was written just before it, however long the outage lasts)
         self.failed_at: float | None = None
         self._down_since: float | None = None  # the outage being logged
+        self._failed_last: float | None = None  # when the last call failed
 
     def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-db")
@@ -86,6 +89,7 @@ class DbThread:
             now = self.clock()
             if self.failed_at is None:
                 self.failed_at = now
+            self._failed_last = now
             if self._down_since is None:
                 self._down_since = now
                 log.warning(
@@ -96,7 +100,7 @@ class DbThread:
             raise
         self.last_ok = time.monotonic()
         self.last_error = None
-        if self._down_since is not None:
+        if self._down_since is not None and self._settled():
             log.info(
                 "the database answers again after %.1fs (%d calls failed meanwhile)",
                 self.clock() - self._down_since,
@@ -104,6 +108,14 @@ class DbThread:
             )
             self._down_since = None
         return result
+
+    def _settled(self) -> bool:
+        """An outage ends at a call that succeeds :data:`SETTLED_AFTER` s after the last one
+        that failed. A server shutting down kills its sessions one by one: a call on a session
+        not killed yet succeeded between two that failed, and the outage was logged as over
+        after 0.0 s, then as begun again (scenario 19-long)."""
+        last = self._failed_last
+        return last is None or self.clock() - last >= SETTLED_AFTER
 
     def orphans_checked(self, *, failures_seen: int) -> None:
         """An orphan check that began after ``failures_seen`` failures is done: the horizon
