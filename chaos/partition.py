@@ -35,7 +35,7 @@ from chaos import outbox as ob
 from chaos.amqp import Topology
 from chaos.runner import Ctx, Scenario, ScenarioError, default_topology
 from chaos.scenarios import CLUSTER_ENV
-from chaos.services import REPO, ServiceError
+from chaos.services import REPO, ServiceError, run_script
 
 SCRIPT = REPO / "deploy" / "local" / "netns-cluster.sh"
 NODES = (1, 2, 3)
@@ -59,26 +59,8 @@ class NetnsCluster:
     def for_matrix(cls) -> NetnsCluster:
         return cls(local_dir=str(REPO / ".local" / "chaos"))
 
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env["OUTBOX_LOCAL_DIR"] = self.local_dir
-        return env
-
     def run(self, *args: str, timeout: float = 180) -> str:
-        proc = subprocess.run(
-            [str(SCRIPT), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=self.env(),
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise ServiceError(
-                f"netns-cluster.sh {' '.join(args)} failed ({proc.returncode}): "
-                f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-            )
-        return proc.stdout
+        return run_script(SCRIPT, *args, local_dir=self.local_dir, timeout=timeout)
 
     # ------------------------------------------------------------ addresses
 

@@ -34,7 +34,7 @@ from chaos.scenarios import (
     start_producing,
     stop_producing,
 )
-from chaos.services import REPO, ServiceError
+from chaos.services import REPO, ServiceError, run_script
 from chaos.spark import (
     HOLD_BATCH,
     HOLD_SECONDS,
@@ -72,27 +72,10 @@ class PgHa:
     def for_matrix(cls) -> PgHa:
         return cls(base_port=MATRIX_PG_HA_PORT, local_dir=REPO / ".local" / "chaos")
 
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env["OUTBOX_PG_HA_PORT"] = str(self.base_port)
-        env["OUTBOX_LOCAL_DIR"] = str(self.local_dir)
-        return env
-
     def run(self, *args: str, timeout: float = 180.0) -> str:
-        proc = subprocess.run(
-            [str(PG_HA), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=self.env(),
-            check=False,
+        return run_script(
+            PG_HA, *args, local_dir=str(self.local_dir), timeout=timeout, pg_ha_port=self.base_port
         )
-        if proc.returncode != 0:
-            raise ServiceError(
-                f"pg-ha.sh {' '.join(args)} failed ({proc.returncode}): "
-                f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-            )
-        return proc.stdout
 
     # ------------------------------------------------------------ addresses
 

@@ -54,6 +54,24 @@ class ServiceError(RuntimeError):
     """A private service did not start, stop or answer as expected."""
 
 
+def run_script(script: Path, *args: str, local_dir: str, timeout: float, **settings: object) -> str:
+    """Run one of ``deploy/local``'s scripts (the cluster, the Patroni pair, the network
+    namespaces) with an environment scrubbed of the shell's ``OUTBOX_*``, its data under
+    ``local_dir`` and ``settings`` as ``OUTBOX_<NAME>``; its stdout, or ServiceError."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["OUTBOX_LOCAL_DIR"] = local_dir
+    env.update({f"OUTBOX_{k.upper()}": str(v) for k, v in settings.items()})
+    proc = subprocess.run(
+        [str(script), *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+    if proc.returncode != 0:
+        raise ServiceError(
+            f"{script.name} {' '.join(args)} failed ({proc.returncode}): "
+            f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
+    return proc.stdout
+
+
 @dataclass(frozen=True)
 class PrivateServices:
     """RabbitMQ on ``amqp_port`` and PostgreSQL on ``pg_port``, data under ``local_dir``."""
@@ -299,27 +317,10 @@ class Cluster:
     def for_matrix(cls) -> Cluster:
         return cls(base_port=MATRIX_CLUSTER_PORT, local_dir=str(REPO / ".local" / "chaos"))
 
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        env["OUTBOX_CLUSTER_PORT"] = str(self.base_port)
-        env["OUTBOX_LOCAL_DIR"] = self.local_dir
-        return env
-
     def run(self, *args: str, timeout: float = 180) -> str:
-        proc = subprocess.run(
-            [str(CLUSTER), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=self.env(),
-            check=False,
+        return run_script(
+            CLUSTER, *args, local_dir=self.local_dir, timeout=timeout, cluster_port=self.base_port
         )
-        if proc.returncode != 0:
-            raise ServiceError(
-                f"cluster.sh {' '.join(args)} failed ({proc.returncode}): "
-                f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-            )
-        return proc.stdout
 
     def port(self, node: int) -> int:
         return self.base_port + node - 1
