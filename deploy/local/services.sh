@@ -7,14 +7,17 @@
 #   deploy/local/services.sh env      print the OUTBOX_* exports that point at these services
 #
 # Data, logs and pid files live under $OUTBOX_LOCAL_DIR (default: <repo>/.local, git-ignored).
-# Ports: $OUTBOX_LOCAL_AMQP_PORT (5673) and $OUTBOX_LOCAL_PG_PORT (5433), chosen apart from the
-# standard ports so that a system-wide broker or database is never touched.
+# Ports: $OUTBOX_LOCAL_AMQP_PORT (5673), $OUTBOX_LOCAL_STREAM_PORT (the AMQP port - 120: 5553)
+# and $OUTBOX_LOCAL_PG_PORT (5433), chosen apart from the standard ports so that a system-wide
+# broker or database is never touched.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 LOCAL_DIR=${OUTBOX_LOCAL_DIR:-$repo/.local}
 AMQP_PORT=${OUTBOX_LOCAL_AMQP_PORT:-5673}
+# the stream protocol's listener (rabbitmq_stream): beside the AMQP port, apart from 5552 too
+STREAM_PORT=${OUTBOX_LOCAL_STREAM_PORT:-$((AMQP_PORT - 120))}
 PG_PORT=${OUTBOX_LOCAL_PG_PORT:-5433}
 NODE=${OUTBOX_LOCAL_RABBIT_NODE:-outbox-$AMQP_PORT@localhost}
 PG_BIN=${OUTBOX_PG_BIN:-/usr/lib/postgresql/15/bin}
@@ -73,7 +76,14 @@ start_rabbitmq() {
 listeners.tcp.default = 127.0.0.1:$AMQP_PORT
 loopback_users.guest = true
 CONF
-  local plugins='[].'
+  # the stream plugin (stream destinations, app/streams): its listener on loopback, and the
+  # address it tells clients to find a stream's leader at (else the host name)
+  grep -q '^stream.listeners' "$RMQ_DIR/rabbitmq.conf" || cat >>"$RMQ_DIR/rabbitmq.conf" <<CONF
+stream.listeners.tcp.default = 127.0.0.1:$STREAM_PORT
+stream.advertised_host = 127.0.0.1
+stream.advertised_port = $STREAM_PORT
+CONF
+  local plugins='[rabbitmq_stream].'
   # A TLS listener when asked (the TLS tests): OUTBOX_LOCAL_TLS_DIR holds ca.pem, server.pem and
   # server.key; clients may log in with a certificate (EXTERNAL, user = the certificate's CN).
   if [ -n "${OUTBOX_LOCAL_TLS_DIR:-}" ] && ! grep -q '^listeners.ssl' "$RMQ_DIR/rabbitmq.conf"; then
@@ -89,8 +99,9 @@ auth_mechanisms.2 = EXTERNAL
 ssl_cert_login_from = common_name
 CONF
   fi
-  grep -q '^listeners.ssl' "$RMQ_DIR/rabbitmq.conf" && plugins='[rabbitmq_auth_mechanism_ssl].'
-  [ -f "$RABBITMQ_ENABLED_PLUGINS_FILE" ] || echo "$plugins" >"$RABBITMQ_ENABLED_PLUGINS_FILE"
+  grep -q '^listeners.ssl' "$RMQ_DIR/rabbitmq.conf" && plugins='[rabbitmq_stream,rabbitmq_auth_mechanism_ssl].'
+  # written at every start: a data directory made before a plugin was added gets it too
+  echo "$plugins" >"$RABBITMQ_ENABLED_PLUGINS_FILE"
   log "starting rabbitmq node $NODE on 127.0.0.1:$AMQP_PORT"
   "$RMQ_BIN/rabbitmq-server" -detached
   "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" wait --timeout 60 "$RABBITMQ_PID_FILE" >/dev/null
@@ -192,13 +203,16 @@ print_env() {  # OUTBOX_KEEP=1: variables already set win over the local default
   local amqp=amqp://guest:guest@127.0.0.1:$AMQP_PORT/
   local db=postgresql+psycopg://outbox:outbox@127.0.0.1:$PG_PORT/outbox
   if [ "${OUTBOX_KEEP:-}" = 1 ]; then amqp=${OUTBOX_AMQP_URL:-$amqp}; db=${OUTBOX_DATABASE_URL:-$db}; fi
+  local stream=rabbitmq-stream://guest:guest@127.0.0.1:$STREAM_PORT/
+  [ "${OUTBOX_KEEP:-}" = 1 ] && stream=${OUTBOX_STREAM_URL:-$stream}
   echo "export OUTBOX_AMQP_URL=$amqp"
+  echo "export OUTBOX_STREAM_URL=$stream"
   echo "export OUTBOX_DATABASE_URL=$db"
   echo "export OUTBOX_LOCAL_RABBIT_NODE=$NODE"
 }
 
 status() {
-  if rmq_alive; then echo "rabbitmq:   running  127.0.0.1:$AMQP_PORT (node $NODE)"; else echo "rabbitmq:   stopped"; fi
+  if rmq_alive; then echo "rabbitmq:   running  127.0.0.1:$AMQP_PORT, streams :$STREAM_PORT (node $NODE)"; else echo "rabbitmq:   stopped"; fi
   if pg_alive; then echo "postgresql: running  127.0.0.1:$PG_PORT ($(pg_dir))"; else echo "postgresql: stopped"; fi
 }
 
