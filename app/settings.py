@@ -10,7 +10,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Secrets that may come from a file instead: ``OUTBOX_<NAME>_FILE`` (a Kubernetes or Docker
 #: secret, a systemd credential) holds the value, trailing newlines dropped.
-SECRET_FILES = ("database_url", "amqp_url", "api_token", "operator_token", "metrics_token")
+SECRET_FILES = (
+    "database_url",
+    "amqp_url",
+    "stream_url",
+    "api_token",
+    "operator_token",
+    "metrics_token",
+)
 
 
 class Settings(BaseSettings):
@@ -51,8 +58,25 @@ class Settings(BaseSettings):
         description="A file holding the database URL (a mounted secret, "
         "a systemd credential); instead of OUTBOX_DATABASE_URL.",
     )
+    stream_url: SecretStr | None = Field(
+        default=None,
+        description="RabbitMQ's stream protocol, for rows with a `stream` "
+        "(rabbitmq-stream://user:pass@host:5552/vhost). Unset: the AMQP URL's host, user and "
+        "vhost on port 5552.",
+    )
+    stream_lanes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Lanes of a stream first seen: each is one producer reference on the broker, "
+        "held by one publisher at a time; a row's lane is its id modulo the lanes. Fixed per "
+        "stream once set (docs/streams.md).",
+    )
     amqp_url_file: str | None = Field(
         default=None, description="A file holding the AMQP URL; instead of OUTBOX_AMQP_URL."
+    )
+    stream_url_file: str | None = Field(
+        default=None, description="A file holding the stream URL; instead of OUTBOX_STREAM_URL."
     )
     api_token_file: str | None = Field(
         default=None, description="A file holding the read token; instead of OUTBOX_API_TOKEN."

@@ -127,19 +127,27 @@ def service_urls() -> dict[str, str]:
     local services (started when needed)."""
     given_amqp = TEST_ENV.get(f"{TEST_PREFIX}AMQP_URL")
     given_pg = TEST_ENV.get(f"{TEST_PREFIX}PG_ADMIN_URL")
-    if given_amqp and given_pg:
-        return {"amqp": given_amqp, "pg": given_pg}
+    given_stream = TEST_ENV.get(f"{TEST_PREFIX}STREAM_URL")
+    if given_amqp and given_pg and given_stream:
+        return {"amqp": given_amqp, "pg": given_pg, "stream": given_stream}
     subprocess.run([str(SERVICES), "start"], check=True, env=services_env())
     env = _local_env()
     return {
         "amqp": given_amqp or env["OUTBOX_AMQP_URL"],
         "pg": given_pg or env["OUTBOX_DATABASE_URL"],
+        "stream": given_stream or env["OUTBOX_STREAM_URL"],
     }
 
 
 @pytest.fixture(scope="session")
 def amqp_url(service_urls: dict[str, str]) -> str:
     return service_urls["amqp"]
+
+
+@pytest.fixture(scope="session")
+def stream_url(service_urls: dict[str, str]) -> str:
+    """The broker's stream protocol (rabbitmq_stream), beside ``amqp_url``."""
+    return service_urls["stream"]
 
 
 @pytest.fixture(scope="session")

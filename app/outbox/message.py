@@ -17,6 +17,7 @@ from typing import Any
 
 from app import tracing
 from app.outbox.content import ContentError, Limits, check_row, check_shortstr
+from app.streams.names import StreamNameError, check_stream_name
 
 log = logging.getLogger("app.outbox.enqueue")
 
@@ -35,6 +36,7 @@ CONTENT_COLUMNS = (
     "headers",
     "properties",
     "ordering_key",
+    "stream",
 )
 DEFAULT_LIMITS = Limits()
 
@@ -89,8 +91,9 @@ def new_message_id() -> str:
 class Message:
     """One message, as the Spark writer's rows carry it (see docs/applications.md)."""
 
-    exchange: str
-    routing_key: str
+    #: an exchange and routing key, or a ``stream`` (then both stay empty)
+    exchange: str = ""
+    routing_key: str = ""
     body: bytes
     message_id: str = field(default_factory=new_message_id)
     content_type: str | None = None
@@ -105,6 +108,9 @@ class Message:
     #: a W3C trace context; None: the current OpenTelemetry context, if any
     traceparent: str | None = None
     tracestate: str | None = None
+    #: a RabbitMQ stream to append the message to, exactly once (docs/streams.md), instead of
+    #: an exchange
+    stream: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +214,7 @@ def _row(
     elif context and not own:
         headers = {**(headers or {}), **context}
     properties = _mapping(message.properties, what="properties")
+    stream = _stream(message)
     checked = check_row(
         exchange=message.exchange,
         routing_key=message.routing_key,
@@ -230,7 +237,33 @@ def _row(
         "properties": properties,
         "ordering_key": _ordering_key(message.ordering_key),
         "not_before": _not_before(message.not_before),
+        "stream": stream,
     }
+
+
+def _stream(message: Message) -> str | None:
+    """The stream a message names (checked), None for an exchange's; a message names one or
+    the other, never both, never neither."""
+    if message.stream is None:
+        if message.exchange == "" and message.routing_key == "":
+            raise ContentError(
+                "a message names an exchange and a routing key, or a stream; this one names none"
+            )
+        return None
+    if message.exchange or message.routing_key:
+        raise ContentError(
+            f"a message for stream {message.stream!r} names no exchange or routing key "
+            f"(got exchange {message.exchange!r}, routing key {message.routing_key!r})"
+        )
+    if message.ordering_key is not None:
+        raise ContentError(
+            "a stream keeps its messages in order by itself (one lane: id order); "
+            "ordering_key is for exchanges"
+        )
+    try:
+        return check_stream_name(message.stream)
+    except StreamNameError as exc:
+        raise ContentError(str(exc)) from None
 
 
 def _mapping(value: object, *, what: str) -> dict[str, Any] | None:

@@ -41,6 +41,8 @@ KEY_OPEN = "ordering_key IS NOT NULL AND status NOT IN ('confirmed', 'skipped')"
 SETTLED_ASIDE = "status IN ('returned', 'nacked', 'failed', 'skipped')"
 #: Pending rows with a delivery time of their own (delayed delivery; few next to the outbox).
 DELAYED = "status = 'pending' AND not_before IS NOT NULL"
+#: Rows for a stream not settled yet: what its lanes claim and take over.
+STREAM_OPEN = "stream IS NOT NULL AND status IN ('pending', 'in_flight')"
 #: Rows whose confirm was lost at least once (possible duplicates).
 LOST = "lost_confirms > 0"
 #: ``BIGINT`` identity on PostgreSQL, ``INTEGER PRIMARY KEY`` (the rowid) on SQLite.
@@ -111,6 +113,12 @@ outbox = Table(
     Column("last_error", Text),
     Column("reply_code", Integer),
     Column("reply_text", Text),
+    # a stream destination (app/streams): the row goes into this RabbitMQ stream, not to an
+    # exchange (``exchange`` and ``routing_key`` are then empty), exactly once: ``stream_seq``
+    # is its publishing id under its lane's reference name, given when first claimed and kept
+    # until confirmed (the broker drops a repeated id); an operator's republish clears it
+    Column("stream", Text),
+    Column("stream_seq", BigInteger),
     UniqueConstraint("message_id", name="uq_outbox_message_id"),
     CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_outbox_status"),
     CheckConstraint("attempts >= 0", name="ck_outbox_attempts_nonneg"),
@@ -168,12 +176,44 @@ outbox = Table(
         postgresql_where=text(SETTLED_ASIDE),
         sqlite_where=text(SETTLED_ASIDE),
     ),
+    # A stream's open rows (pending, in flight), for its lanes' claims and takeovers; rows
+    # for exchanges never enter it.
+    Index(
+        "ix_outbox_stream_open",
+        "stream",
+        "id",
+        postgresql_where=text(STREAM_OPEN),
+        sqlite_where=text(STREAM_OPEN),
+    ),
     Index(
         "ix_outbox_lost",
         "id",
         postgresql_where=text(LOST),
         sqlite_where=text(LOST),
     ),
+)
+
+#: A stream's lanes: each lane is one reference name on the broker, whose publishing ids
+#: strictly increase, so one publisher at a time holds it (``owner`` until ``lease_until``).
+#: A stream's rows belong to lane ``id % lanes``; ``next_seq`` is the next id to give.
+stream_lanes = Table(
+    "outbox_stream_lanes",
+    metadata,
+    Column("stream", Text, nullable=False),
+    Column("lane", Integer, nullable=False),
+    Column("lanes", Integer, nullable=False),
+    # the broker's producer reference: unique to this outbox, so that two outboxes writing
+    # into one stream never drop each other's messages as duplicates
+    Column("reference", Text, nullable=False),
+    Column("next_seq", BigInteger, nullable=False, server_default=text("1")),
+    Column("owner", Text),
+    Column("lease_until", UTCDateTime),
+    # when the current owner took it, and how often it changed hands (the console's view)
+    Column("taken_at", UTCDateTime),
+    Column("takeovers", Integer, nullable=False, server_default=text("0")),
+    PrimaryKeyConstraint("stream", "lane", name="pk_outbox_stream_lanes"),
+    CheckConstraint("lane >= 0 AND lane < lanes", name="ck_outbox_stream_lanes_lane"),
+    CheckConstraint("next_seq >= 1", name="ck_outbox_stream_lanes_next_seq"),
 )
 
 batches = Table(

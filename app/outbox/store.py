@@ -100,6 +100,8 @@ class PublisherStore(Recounts):
         due = (
             select(outbox.c.id)
             .where(outbox.c.status == pending_test(keyed), outbox.c.available_at <= now)
+            # a stream's rows go out through its lanes (app/streams), never on a channel
+            .where(outbox.c.stream.is_(None))
             # NOT IN, not NOT EXISTS: PostgreSQL cannot turn it into an anti-join, so the plan
             # stays the walk of ix_outbox_due with the (few) held batch ids hashed once per
             # statement, whatever it guesses about outbox_held (never analysed, it guessed 1,200
@@ -513,7 +515,13 @@ class PublisherStore(Recounts):
         therefore an upper bound of the duplicates, never an undercount.
         """
         now = self.db.clock()
-        expired = (outbox.c.status == Status.IN_FLIGHT, outbox.c.lease_until < now)
+        # a stream's rows stay with their lane, whose lease governs them (app/streams): put
+        # back to pending here, one could go out again after later ids of its lane
+        expired = (
+            outbox.c.status == Status.IN_FLIGHT,
+            outbox.c.lease_until < now,
+            outbox.c.stream.is_(None),
+        )
         where: Any = expired
         if self.db.is_postgres:
             # step past rows a live (or frozen) publisher has locked: one UPDATE over all of

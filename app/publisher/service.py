@@ -14,6 +14,8 @@ from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.publisher.metrics import PublisherMetrics, PublisherStats
 from app.settings import Settings
+from app.streams.relay import StreamRelay
+from app.streams.store import StreamStore
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,17 @@ async def run_publisher(
     try:
         await asyncio.to_thread(check_schema, engine)  # never publish on a schema we don't know
         publisher = Publisher(settings=settings, store=PublisherStore(engine), metrics=metrics)
-        return await publisher.run(stop=stop, until_empty=until_empty)
+        # rows for streams go out through their lanes, beside the exchanges (app/streams)
+        relay = StreamRelay(
+            settings=settings, store=StreamStore(engine), owner=publisher.publisher_id
+        )
+        relay_stop = asyncio.Event()
+        relay_task = asyncio.create_task(relay.run(relay_stop), name="outbox-streams")
+        try:
+            return await publisher.run(stop=stop, until_empty=until_empty)
+        finally:
+            relay_stop.set()
+            await relay_task
     finally:
         engine.dispose()
 

@@ -13,6 +13,7 @@ from app.settings import SECRET_FILES, Settings
 VALUES = {
     "database_url": "postgresql+psycopg://outbox:p%40ss-from-file@db:5432/outbox",
     "amqp_url": "amqps://outbox:amqp-secret-from-file@rabbit:5671/",
+    "stream_url": "rabbitmq-stream://outbox:stream-secret-from-file@rabbit:5552/",
     "api_token": "read-token-from-a-file-0123456789",
     "operator_token": "operator-token-from-a-file-0123456789",
     "metrics_token": "metrics-token-from-a-file-0123456789",

@@ -1,0 +1,601 @@
+"""The stream relay: drains rows for RabbitMQ streams, exactly once, beside the exchange path.
+
+One :class:`LaneWorker` per lane this publisher holds. A worker connects to the stream's leader
+(the stream protocol, rstream's client), declares a producer under the lane's reference name,
+asks the broker the last publishing id it stored for it, and hands that to
+:meth:`~app.streams.store.StreamStore.resume`: rows at or below it are confirmed without a
+publish, rows above it that already have an id go out again under it, in order. Only then does
+it claim new rows. It does this after every (re)connect and every takeover, so a row's message
+is in the stream once, whatever died when (docs/guarantees.md, "Streams").
+
+Outcomes: a publish confirm settles its rows ``confirmed``; a publish error ends them
+``failed`` with the broker's reason, or (the stream unavailable, the producer unknown) puts them
+back to ``pending`` without their ids; a stream that does not exist or is refused pauses its
+lane with backoff, and after ``destination_retry_budget`` attempts its rows without an id end
+``failed``. A connection that closes, or that answers nothing for ``confirm_timeout`` with
+publishes outstanding, is dropped and made again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
+
+from rstream import exceptions as rs_errors
+from rstream import schema
+from rstream.client import Client
+
+from app.outbox.records import Backoff
+from app.settings import Settings
+from app.streams.envelope import StreamEnvelopeError, to_stream_message
+from app.streams.store import Lane, LaneLost, StreamRow, StreamStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PUBLISHER_ID = 1
+#: A request to the broker (declare, query) that takes longer means the connection is dead.
+REQUEST_TIMEOUT = 10.0
+#: Bytes of a Publish frame besides its messages (size, key, version, publisher id, count).
+FRAME_OVERHEAD = 4 + 2 + 2 + 1 + 4
+#: Bytes per message besides its data: publishing id and data length.
+MESSAGE_OVERHEAD = 8 + 4
+#: Publish errors after which the rows may be tried again under new ids: the broker did not
+#: store them and nothing about the rows is wrong.
+RETRYABLE = {
+    rs_errors.StreamNotAvailable.code,
+    rs_errors.StreamDoesNotExist.code,
+    rs_errors.AccessRefused.code,
+    18,  # PUBLISHER_DOES_NOT_EXIST: the producer went with its connection
+    15,  # INTERNAL_ERROR
+}
+#: The declare's answers that mean the destination is missing or refused, not the connection.
+DESTINATION_ERRORS = (
+    rs_errors.StreamDoesNotExist,
+    rs_errors.AccessRefused,
+    rs_errors.StreamNotAvailable,
+)
+_CODES = {cls.code: cls.__name__ for cls in rs_errors.ServerError._registry.values()}
+
+
+@dataclasses.dataclass(slots=True)
+class StreamStats:
+    """Cumulative counts of the relay (the publisher's metrics and report read them)."""
+
+    published: int = 0
+    confirmed: int = 0
+    #: rows the broker already had when a lane resumed: confirmed without a publish
+    settled_by_sequence: int = 0
+    #: rows published again under their ids after a resume (the broker drops them if it has them)
+    resent: int = 0
+    failed: int = 0
+    requeued: int = 0
+    takeovers: int = 0
+    reconnects: int = 0
+    lanes_held: int = 0
+    outstanding: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamEndpoint:
+    host: str
+    port: int
+    username: str
+    password: str
+    vhost: str
+
+    @classmethod
+    def parse(cls, url: str) -> StreamEndpoint:
+        """``rabbitmq-stream://user:pass@host:port/vhost`` (port 5552, vhost ``/`` by default)."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("rabbitmq-stream", "rabbitmq-stream+tls"):
+            raise ValueError(f"a stream URL starts rabbitmq-stream://, got {parts.scheme!r}")
+        vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
+        return cls(
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or 5552,
+            username=unquote(parts.username or "guest"),
+            password=unquote(parts.password or "guest"),
+            vhost=vhost,
+        )
+
+
+def stream_url_of(settings: Settings) -> str:
+    """The stream URL: ``stream_url``, else the AMQP URL's host, user and vhost on port 5552."""
+    if settings.stream_url is not None:
+        return settings.stream_url.get_secret_value()
+    parts = urlsplit(settings.amqp_url.get_secret_value().split(",")[0])
+    auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+    return f"rabbitmq-stream://{auth}{parts.hostname or '127.0.0.1'}:5552{parts.path or '/'}"
+
+
+class DestinationDown(RuntimeError):
+    """The stream is missing, refused or without a leader: the lane waits (rows untouched)."""
+
+
+class ConnectionDead(RuntimeError):
+    pass
+
+
+async def _in_thread(fn: Callable[..., T], /, **kwargs: Any) -> T:
+    return await asyncio.to_thread(fn, **kwargs)
+
+
+class LaneWorker:
+    def __init__(self, relay: StreamRelay, lane: Lane) -> None:
+        self.relay = relay
+        self.lane = lane
+        self.settings = relay.settings
+        self.store = relay.store
+        self.owner = relay.owner
+        self.client: Client | None = None
+        #: publishing id -> (row id, monotonic send time)
+        self.pending: dict[int, tuple[int, float]] = {}
+        self._confirmed: list[int] = []
+        self._errors: list[tuple[int, int]] = []
+        self._wake = asyncio.Event()
+        self.stopping = False
+        self.lost = False
+        self.task: asyncio.Task[None] | None = None
+        self.failures = 0  # consecutive failed connects or declares
+        self.released = False
+        self.down_reason = ""
+
+    @property
+    def name(self) -> str:
+        return f"stream {self.lane.stream!r} lane {self.lane.lane}"
+
+    # ------------------------------------------------------------ broker
+
+    async def _connect(self) -> Client:
+        ep = self.relay.endpoint
+        locator = await self._client(ep.host, ep.port)
+        props = dict(locator.server_properties or {})  # closing the client clears them
+        try:
+            try:
+                leader, _ = await asyncio.wait_for(
+                    locator.query_leader_and_replicas(self.lane.stream), REQUEST_TIMEOUT
+                )
+            except DESTINATION_ERRORS as exc:
+                raise DestinationDown(_reason(exc, self.lane.stream)) from exc
+        finally:
+            await _close(locator)
+        advertised = (props.get("advertised_host"), str(props.get("advertised_port")))
+        if (leader.host, str(leader.port)) == advertised:
+            # the node we were given leads the stream: the address we were given (a proxy or a
+            # load balancer in front of it may differ from what the node advertises)
+            client = await self._client(ep.host, ep.port)
+        else:
+            client = await self._client(leader.host, leader.port)
+        try:
+            client.add_handler(schema.PublishConfirm, self._on_confirm, name="outbox")
+            client.add_handler(schema.PublishError, self._on_error, name="outbox")
+            try:
+                await asyncio.wait_for(
+                    client.declare_publisher(
+                        stream=self.lane.stream,
+                        reference=self.lane.reference,
+                        publisher_id=PUBLISHER_ID,
+                    ),
+                    REQUEST_TIMEOUT,
+                )
+            except DESTINATION_ERRORS as exc:
+                raise DestinationDown(_reason(exc, self.lane.stream)) from exc
+        except BaseException:
+            await _close(client)
+            raise
+        return client
+
+    async def _client(self, host: str, port: int) -> Client:
+        ep = self.relay.endpoint
+        client = Client(
+            host=host,
+            port=port,
+            frame_max=1024 * 1024,
+            heartbeat=max(1, self.settings.heartbeat or 60),
+            connection_name=f"outbox {self.owner} {self.lane.stream}#{self.lane.lane}",
+            connection_closed_handler=self._on_closed,
+        )
+        try:
+            await asyncio.wait_for(client.start(), REQUEST_TIMEOUT)
+            await asyncio.wait_for(
+                client.authenticate(vhost=ep.vhost, username=ep.username, password=ep.password),
+                REQUEST_TIMEOUT,
+            )
+        except BaseException:
+            await _close(client)
+            raise
+        return client
+
+    def _on_confirm(self, frame: schema.PublishConfirm) -> None:
+        if frame.publisher_id == PUBLISHER_ID:
+            self._confirmed.extend(frame.publishing_ids)
+            self._wake.set()
+
+    def _on_error(self, frame: schema.PublishError) -> None:
+        if frame.publisher_id == PUBLISHER_ID:
+            self._errors.extend((e.publishing_id, e.response_code) for e in frame.errors)
+            self._wake.set()
+
+    def _on_closed(self, info: Any) -> None:
+        self._wake.set()
+
+    def _alive(self, client: Client) -> bool:
+        if not client.is_connection_alive():
+            return False
+        # rstream only logs missing heartbeats; a peer silent for two intervals is gone
+        # (``_last_heartbeat`` is the time any frame last arrived)
+        silent = time.monotonic() - getattr(client, "_last_heartbeat", time.monotonic())
+        return silent <= 2 * max(1, self.settings.heartbeat or 60) + 1
+
+    # ------------------------------------------------------------ loop
+
+    async def run(self) -> None:
+        backoff = Backoff(self.settings.backoff_base, self.settings.reconnect_max_delay)
+        while not self.stopping and not self.relay.stopped.is_set():
+            try:
+                ended = await self._session()
+                if ended == "idle":
+                    await _in_thread(self.store.release, owner=self.owner, lanes=[self.lane])
+                    self.released = True
+                if ended in ("idle", "stopped"):
+                    return
+            except LaneLost as exc:
+                log.warning("%s: lost the lane (%s); its rows are the new owner's", self.name, exc)
+                self.lost = True
+                return
+            except DestinationDown as exc:
+                self.failures += 1
+                self.down_reason = str(exc)
+                await self._destination_down(str(exc))
+                await self._sleep(
+                    Backoff(self.settings.backoff_base, self.settings.backoff_max).delay(
+                        self.failures
+                    )
+                )
+                continue
+            except (
+                TimeoutError,
+                OSError,
+                ConnectionError,
+                ConnectionDead,
+                rs_errors.ServerError,
+            ) as exc:
+                self.failures += 1
+                self.relay.stats.reconnects += 1
+                log.warning(
+                    "%s: the stream connection ended (%s: %s) with %d publishes unconfirmed; "
+                    "reconnecting, the broker's last stored id settles them",
+                    self.name,
+                    type(exc).__name__,
+                    exc,
+                    len(self.pending),
+                )
+            except Exception as exc:  # the database failed a call: the lane starts over
+                self.failures += 1
+                log.warning(
+                    "%s: %s: %s; starting over, the broker's last stored id settles what is "
+                    "outstanding",
+                    self.name,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0][:300],
+                )
+            finally:
+                await self._drop()
+            await self._sleep(backoff.delay(min(self.failures, 10)))
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.relay.stopped.wait(), seconds)
+
+    async def _drop(self) -> None:
+        self.pending.clear()
+        self._confirmed.clear()
+        self._errors.clear()
+        self.relay.stats.outstanding = sum(len(w.pending) for w in self.relay.workers.values())
+        if self.client is not None:
+            client, self.client = self.client, None
+            await _close(client)
+
+    async def _destination_down(self, reason: str) -> None:
+        budget = self.settings.destination_retry_budget
+        if self.failures == 1:
+            log.warning(
+                "%s: %s; its rows wait (retry %d of %d)", self.name, reason, self.failures, budget
+            )
+        if self.failures >= budget:
+            failed = await _in_thread(
+                self.store.fail_pending, owner=self.owner, lane=self.lane, reason=reason
+            )
+            if failed:
+                self.relay.stats.failed += failed
+                log.error(
+                    "%s: %s after %d attempts: %d rows end failed",
+                    self.name,
+                    reason,
+                    self.failures,
+                    failed,
+                )
+
+    async def _session(self) -> str:
+        self.client = client = await self._connect()
+        stored = await asyncio.wait_for(
+            client.query_publisher_sequence(stream=self.lane.stream, reference=self.lane.reference),
+            REQUEST_TIMEOUT,
+        )
+        resumed = await _in_thread(
+            self.store.resume,
+            owner=self.owner,
+            lane=self.lane,
+            stored=stored,
+            limit=1_000_000,
+            lease_seconds=self.settings.lease_seconds,
+        )
+        stats = self.relay.stats
+        stats.settled_by_sequence += resumed.settled
+        stats.resent += len(resumed.again)
+        if self.failures and self.down_reason:
+            log.info("%s: the stream is back (after %d attempts)", self.name, self.failures)
+        self.failures = 0
+        self.down_reason = ""
+        log.info(
+            "%s: producer %s at id %d%s: %d rows the broker already had settled, %d sent again "
+            "under their ids",
+            self.name,
+            self.lane.reference,
+            stored,
+            " (taken over)" if self.lane.taken_over else "",
+            resumed.settled,
+            len(resumed.again),
+        )
+        self.lane = dataclasses.replace(self.lane, taken_over=False)
+        await self._publish(client, resumed.again)
+        idle_since = time.monotonic()
+        while not self.stopping:
+            await self._settle()
+            if not self._alive(client):
+                raise ConnectionDead("the connection closed")
+            self._check_timeout()
+            room = self.settings.window - len(self.pending)
+            rows: list[StreamRow] = []
+            if room > 0 and not self.relay.stopped.is_set():
+                rows = await _in_thread(
+                    self.store.claim,
+                    owner=self.owner,
+                    lane=self.lane,
+                    limit=min(room, self.settings.claim_batch),
+                    lease_seconds=self.settings.lease_seconds,
+                )
+            if rows:
+                idle_since = time.monotonic()
+                await self._publish(client, rows)
+                continue
+            if self.relay.stopped.is_set() and not self.pending:
+                return "stopped"
+            if not self.pending and time.monotonic() - idle_since > self.relay.idle_release:
+                return "idle"  # the lane is given up: the relay takes it again when rows come
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
+        return "stopped"
+
+    def _check_timeout(self) -> None:
+        if not self.pending:
+            return
+        oldest = min(sent for _, sent in self.pending.values())
+        if time.monotonic() - oldest > self.settings.confirm_timeout:
+            raise ConnectionDead(f"no confirm for {self.settings.confirm_timeout:.0f} s")
+
+    async def _publish(self, client: Client, rows: list[StreamRow]) -> None:
+        frame_max = client.frame_max
+        failed: dict[str, list[int]] = {}
+        batch: list[schema.Message] = []
+        size = FRAME_OVERHEAD
+        now = time.monotonic()
+        for row in rows:
+            try:
+                data = to_stream_message(row, limits=self.relay.limits)
+                if FRAME_OVERHEAD + MESSAGE_OVERHEAD + len(data) > frame_max:
+                    raise StreamEnvelopeError(
+                        f"the message is {len(data)} bytes, more than the stream connection's "
+                        f"frame size of {frame_max} bytes"
+                    )
+            except StreamEnvelopeError as exc:
+                failed.setdefault(str(exc), []).append(row.id)
+                continue
+            if size + MESSAGE_OVERHEAD + len(data) > frame_max:
+                await client.send_frame(schema.Publish(publisher_id=PUBLISHER_ID, messages=batch))
+                batch, size = [], FRAME_OVERHEAD
+            batch.append(schema.Message(publishing_id=row.seq, filter_value=None, data=data))
+            size += MESSAGE_OVERHEAD + len(data)
+            self.pending[row.seq] = (row.id, now)
+        if batch:
+            await client.send_frame(schema.Publish(publisher_id=PUBLISHER_ID, messages=batch))
+        self.relay.stats.published += sum(1 for r in rows) - sum(len(v) for v in failed.values())
+        self.relay.stats.outstanding = sum(len(w.pending) for w in self.relay.workers.values())
+        for reason, ids in failed.items():
+            n = await _in_thread(
+                self.store.failed, owner=self.owner, lane=self.lane, ids=ids, reason=reason
+            )
+            self.relay.stats.failed += n
+            log.warning(
+                "%s: %d rows cannot be stream messages and end failed: %s", self.name, n, reason
+            )
+
+    async def _settle(self) -> None:
+        confirmed, self._confirmed = self._confirmed, []
+        errors, self._errors = self._errors, []
+        if confirmed:
+            ids = [self.pending.pop(seq)[0] for seq in confirmed if seq in self.pending]
+            if ids:
+                n = await _in_thread(
+                    self.store.confirmed,
+                    owner=self.owner,
+                    lane=self.lane,
+                    ids=ids,
+                    published_at=dt.datetime.now(dt.UTC),
+                )
+                self.relay.stats.confirmed += n
+                self.relay.note_confirmed(n)
+        if errors:
+            await self._errored(errors)
+        self.relay.stats.outstanding = sum(len(w.pending) for w in self.relay.workers.values())
+
+    async def _errored(self, errors: list[tuple[int, int]]) -> None:
+        retry: dict[int, list[int]] = {}
+        fail: dict[int, list[int]] = {}
+        for seq, code in errors:
+            entry = self.pending.pop(seq, None)
+            if entry is None:
+                continue
+            (retry if code in RETRYABLE else fail).setdefault(code, []).append(entry[0])
+        for code, ids in fail.items():
+            reason = f"the stream refused the message: {_CODES.get(code, 'code')} ({code})"
+            n = await _in_thread(
+                self.store.failed,
+                owner=self.owner,
+                lane=self.lane,
+                ids=ids,
+                reason=reason,
+                code=code,
+            )
+            self.relay.stats.failed += n
+            log.warning("%s: %d rows end failed: %s", self.name, n, reason)
+        for code, ids in retry.items():
+            reason = f"the stream refused the message for now: {_CODES.get(code, 'code')} ({code})"
+            delay = Backoff(self.settings.backoff_base, self.settings.backoff_max).delay(1)
+            n = await _in_thread(
+                self.store.requeue,
+                owner=self.owner,
+                lane=self.lane,
+                ids=ids,
+                reason=reason,
+                delay=delay,
+            )
+            self.relay.stats.requeued += n
+            log.warning("%s: %d rows back to pending under new ids: %s", self.name, n, reason)
+
+    async def finish(self, timeout: float) -> None:
+        """The relay stopped (no more claims): wait up to ``timeout`` for the confirms
+        outstanding to be written, then end. What is left unconfirmed stays ``in_flight`` with
+        its id: the next holder of the lane asks the broker about it."""
+        self._wake.set()
+        if self.task is None:
+            return
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(self.task), timeout)
+        self.stopping = True
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.task
+
+
+def _reason(exc: BaseException, stream: str) -> str:
+    if isinstance(exc, rs_errors.StreamDoesNotExist):
+        return f"stream {stream!r} does not exist"
+    if isinstance(exc, rs_errors.AccessRefused):
+        return f"access to stream {stream!r} refused"
+    if isinstance(exc, rs_errors.StreamNotAvailable):
+        return f"stream {stream!r} has no leader available"
+    return f"stream {stream!r}: {type(exc).__name__} {exc}"
+
+
+async def _close(client: Client) -> None:
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(client.close(), 5)
+
+
+class StreamRelay:
+    """Takes the lanes of streams with open rows and runs a :class:`LaneWorker` for each."""
+
+    def __init__(self, *, settings: Settings, store: StreamStore, owner: str) -> None:
+        self.settings = settings
+        self.store = store
+        self.owner = f"{owner}#stream"
+        self.endpoint = StreamEndpoint.parse(stream_url_of(settings))
+        self.stats = StreamStats()
+        self.workers: dict[tuple[str, int], LaneWorker] = {}
+        self.stopped = asyncio.Event()
+        self.idle_release = 30.0
+        self._known: set[str] = set()
+        from app.outbox.content import Limits
+
+        self.limits = Limits(
+            max_body_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes
+        )
+        self.on_confirmed: Callable[[int], None] | None = None
+
+    def note_confirmed(self, n: int) -> None:
+        if self.on_confirmed is not None and n:
+            self.on_confirmed(n)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: look for streams with open rows every poll interval (at least every
+        second), take their free lanes, renew the ones held."""
+        try:
+            while not stop.is_set():
+                try:
+                    await self._round()
+                except Exception:  # the database is down: the next round tries again
+                    log.exception("stream relay: a round failed; trying again")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(self.settings.poll_interval, 1.0))
+        finally:
+            await self.close()
+
+    async def _round(self) -> None:
+        streams = await _in_thread(self.store.open_streams)
+        for stream in streams:
+            if stream not in self._known:
+                await _in_thread(
+                    self.store.ensure_lanes, stream=stream, lanes=self.settings.stream_lanes
+                )
+                self._known.add(stream)
+        for key, worker in list(self.workers.items()):
+            if worker.task is not None and worker.task.done():
+                del self.workers[key]
+        wanted = set(streams) | {s for s, _ in self.workers}
+        lanes = await _in_thread(
+            self.store.acquire,
+            owner=self.owner,
+            streams=sorted(wanted),
+            lease_seconds=self.settings.lease_seconds,
+        )
+        held = {lane.key for lane in lanes}
+        for key, worker in list(self.workers.items()):
+            if key not in held:  # another took it: stop, writing nothing more of it
+                worker.stopping = True
+                worker.lost = True
+        for lane in lanes:
+            if lane.key in self.workers or lane.stream not in streams:
+                continue
+            if lane.taken_over:
+                self.stats.takeovers += 1
+                log.warning(
+                    "%s lane %d: taken over from a publisher whose lease expired",
+                    lane.stream,
+                    lane.lane,
+                )
+            worker = LaneWorker(self, lane)
+            worker.task = asyncio.create_task(
+                worker.run(), name=f"stream-lane {lane.stream}#{lane.lane}"
+            )
+            self.workers[lane.key] = worker
+        self.stats.lanes_held = len(self.workers)
+
+    async def close(self) -> None:
+        self.stopped.set()
+        workers = list(self.workers.values())
+        await asyncio.gather(*(w.finish(self.settings.shutdown_timeout) for w in workers))
+        mine = [w.lane for w in workers if not w.lost and not w.released]
+        self.workers.clear()
+        if mine:
+            with contextlib.suppress(Exception):
+                await _in_thread(self.store.release, owner=self.owner, lanes=mine)
