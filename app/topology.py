@@ -1,12 +1,14 @@
 """``outbox declare``: the exchange (and optionally a queue bound to it) that an outbox writes to,
 declared durable on the broker, so that a first run does not end every row ``failed`` with
-``404 NOT_FOUND``. Uses the publisher's own connection code: amqps, client certificates and
-failover hosts work the same (``OUTBOX_AMQP_URL``). Declaring what exists with the same
+``404 NOT_FOUND``; and the streams rows name (``x-queue-type: stream``), with their retention.
+Uses the publisher's own connection code: amqps, client certificates and failover hosts work the
+same (``OUTBOX_AMQP_URL``). Declaring what exists with the same
 arguments changes nothing; other arguments are the broker's ``406 PRECONDITION_FAILED``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +37,59 @@ def queue_arguments(
         if delivery_limit < 1:
             raise ValueError(f"delivery limit {delivery_limit}: expected 1 or more")
         args["x-delivery-limit"] = delivery_limit
+    return args
+
+
+#: RabbitMQ's own bound on ``x-stream-max-segment-size-bytes`` (3 GB; it refuses more with 406)
+MAX_SEGMENT_BYTES = 3_000_000_000
+#: ``x-max-age`` as RabbitMQ takes it: a count and one unit, Y(ears), M(onths), D(ays), h, m, s
+MAX_AGE = re.compile(r"[1-9][0-9]*[YMDhms]")
+_BYTE_UNITS = {"": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``"500000000"``, ``"500MB"``, ``"20GB"`` (decimal units, as RabbitMQ's own docs write
+    them) as a number of bytes; ValueError for anything else."""
+    found = re.fullmatch(r"\s*([0-9]+)\s*([kKmMgGtT][bB])?\s*", text)
+    if found is None:
+        raise ValueError(f"{text!r} is not a size: expected bytes, or a number with kB, MB, GB, TB")
+    return int(found[1]) * _BYTE_UNITS[(found[2] or "").lower()]
+
+
+def stream_arguments(
+    *,
+    max_length_bytes: int | None = None,
+    max_age: str | None = None,
+    max_segment_size_bytes: int | None = None,
+    initial_cluster_size: int | None = None,
+) -> common.FieldTable:
+    """The ``queue.declare`` arguments of a stream: retention by size (``x-max-length-bytes``,
+    whole segments of ``x-stream-max-segment-size-bytes`` are dropped from its head once the
+    stream is larger) and by age (``x-max-age``, e.g. ``7D``, ``24h``), and, on a cluster, how
+    many nodes hold it (``x-initial-cluster-size``: a leader and its replicas). ValueError,
+    saying which, for a value RabbitMQ would refuse."""
+    args: common.FieldTable = {"x-queue-type": "stream"}
+    if max_length_bytes is not None:
+        if max_length_bytes < 1:
+            raise ValueError(f"max-length-bytes {max_length_bytes}: expected 1 or more")
+        args["x-max-length-bytes"] = max_length_bytes
+    if max_age is not None:
+        if MAX_AGE.fullmatch(max_age) is None:
+            raise ValueError(
+                f"max-age {max_age!r}: expected a count and a unit, Y M D h m or s (7D, 24h)"
+            )
+        args["x-max-age"] = max_age
+    if max_segment_size_bytes is not None:
+        if not 1 <= max_segment_size_bytes <= MAX_SEGMENT_BYTES:
+            raise ValueError(
+                f"stream-max-segment-size-bytes {max_segment_size_bytes}: expected 1 to "
+                f"{MAX_SEGMENT_BYTES} (RabbitMQ's bound)"
+            )
+        args["x-stream-max-segment-size-bytes"] = max_segment_size_bytes
+    if initial_cluster_size is not None:
+        if initial_cluster_size < 1:
+            raise ValueError(f"initial cluster size {initial_cluster_size}: expected 1 or more")
+        args["x-initial-cluster-size"] = initial_cluster_size
     return args
 
 
@@ -115,5 +170,42 @@ async def declare(
             queue_type=queue_type,
             delivery_limit=delivery_limit,
         )
+    finally:
+        await conn.close()
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredStream:
+    stream: str
+    #: the arguments it was declared with (``x-queue-type`` aside): the broker compared them
+    arguments: dict[str, object]
+
+
+async def declare_streams(
+    url: str, *, streams: Sequence[str], arguments: common.FieldTable, timeout: float = 10.0
+) -> list[DeclaredStream]:
+    """Declare each of ``streams`` (durable, ``arguments`` from :func:`stream_arguments`) through
+    AMQP 0-9-1, the publisher's own connection code. One that exists with the same arguments is
+    left as it is; with others, the broker closes the channel (406 PRECONDITION_FAILED,
+    ``inequivalent arg``): :class:`~app.amqp.errors.ChannelClosedError`, and the streams after
+    it are not declared."""
+    conn = await AMQPConnection.connect(
+        url, listener=_Quiet(), timeout=timeout, name="outbox-declare"
+    )
+    done: list[DeclaredStream] = []
+    try:
+        ch = await conn.open_channel(confirm=False)
+        for name in streams:
+            await conn.call(
+                ch,
+                commands.Queue.Declare(queue=name, durable=True, arguments=arguments),
+                (commands.Queue.DeclareOk,),
+                timeout=timeout,
+            )
+            shown: dict[str, object] = {
+                k: v for k, v in (arguments or {}).items() if k != "x-queue-type"
+            }
+            done.append(DeclaredStream(stream=name, arguments=shown))
+        return done
     finally:
         await conn.close()

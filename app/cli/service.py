@@ -210,38 +210,85 @@ def _consumer_probes(consumer: Any, name: str, args: argparse.Namespace) -> Any:
 
 def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
     import asyncio
+    import dataclasses
 
     from app.amqp.errors import ChannelClosedError, WireError
-    from app.topology import declare, queue_arguments
 
-    if args.bind and args.queue is None:
-        raise UsageError("--bind needs --queue (the queue to bind)")
+    exchange_work, stream_args = _declare_checked(args)
+    url = settings.amqp_url.get_secret_value()
     try:
-        queue_arguments(args.queue_type, delivery_limit=args.delivery_limit)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    try:
-        url = settings.amqp_url.get_secret_value()
-        done = asyncio.run(
-            declare(
-                url,
-                exchange=args.exchange,
-                kind=args.type,
-                queue=args.queue,
-                bindings=args.bind or (),
-                queue_type=args.queue_type,
-                delivery_limit=args.delivery_limit,
-            )
-        )
+        done = asyncio.run(exchange_work(url)) if exchange_work is not None else None
+        streams = asyncio.run(_declare_streams(url, args.stream, stream_args))
     except ChannelClosedError as exc:
         raise Failure(f"the broker refused: {exc.reason}") from None
     except (WireError, TimeoutError) as exc:
         raise Failure(f"broker: {redact(str(exc)) or type(exc).__name__}") from None
     if args.json:
-        import dataclasses
-
-        print_json(dataclasses.asdict(done))
+        shown: dict[str, Any] = dataclasses.asdict(done) if done is not None else {}
+        if streams:
+            shown["streams"] = [dataclasses.asdict(s) for s in streams]
+        print_json(shown)
         return EXIT_OK
+    if done is not None:
+        _print_declared(done)
+    for stream in streams:
+        retention = ", ".join(f"{k}={v}" for k, v in stream.arguments.items()) or "no retention"
+        print(f"stream {stream.stream!r} (durable, {retention}) is declared")
+    return EXIT_OK
+
+
+def _declare_checked(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The command line checked before anything reaches the broker: the exchange's declaration
+    (a coroutine function of the URL, None without an exchange) and the streams' arguments."""
+    import functools
+
+    from app.topology import declare, queue_arguments, stream_arguments
+
+    if args.exchange is None and (args.queue or args.bind):
+        raise UsageError("--queue and --bind need an EXCHANGE (the queue is bound to it)")
+    if args.bind and args.queue is None:
+        raise UsageError("--bind needs --queue (the queue to bind)")
+    given = {
+        "max_length_bytes": args.max_length_bytes,
+        "max_age": args.max_age,
+        "max_segment_size_bytes": args.stream_max_segment_size_bytes,
+        "initial_cluster_size": args.initial_cluster_size,
+    }
+    if not args.stream and any(v is not None for v in given.values()):
+        raise UsageError(
+            "--max-length-bytes, --max-age, --stream-max-segment-size-bytes and "
+            "--initial-cluster-size are a --stream's"
+        )
+    if args.exchange is None and not args.stream:
+        raise UsageError("name an EXCHANGE, or a --stream, or both")
+    try:
+        queue_arguments(args.queue_type, delivery_limit=args.delivery_limit)
+        stream_args = stream_arguments(**given)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.exchange is None:
+        return None, stream_args
+    work = functools.partial(
+        declare,
+        exchange=args.exchange,
+        kind=args.type,
+        queue=args.queue,
+        bindings=args.bind or (),
+        queue_type=args.queue_type,
+        delivery_limit=args.delivery_limit,
+    )
+    return work, stream_args
+
+
+async def _declare_streams(url: str, names: list[str] | None, arguments: Any) -> list[Any]:
+    from app.topology import declare_streams
+
+    if not names:
+        return []
+    return await declare_streams(url, streams=names, arguments=arguments)
+
+
+def _print_declared(done: Any) -> None:
     print(f"exchange {done.exchange!r} ({done.kind}, durable) is declared")
     if done.queue is not None:
         keys = ", ".join(repr(k) for k in done.bindings)
@@ -250,7 +297,6 @@ def _cmd_declare(settings: Settings, args: argparse.Namespace) -> int:
             f"queue {done.queue!r} ({done.queue_type}, durable{limit}) is bound to it with "
             f"{keys}; it holds {done.queue_messages} messages"
         )
-    return EXIT_OK
 
 
 def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
@@ -403,13 +449,15 @@ def _consume_outlets(con: argparse.ArgumentParser) -> None:
 def _add_declare(sub: Sub) -> None:
     dec = sub.add_parser(
         "declare",
-        help="declare the exchange rows go to (and a queue bound to it): durable, idempotent",
+        help="declare the exchange rows go to (and a queue bound to it), or streams: durable, "
+        "idempotent",
         description="Declare EXCHANGE, durable, on OUTBOX_AMQP_URL's broker; with --queue also "
         "a durable queue bound to it. Rows for an exchange that does not exist end 'failed' "
-        "(404 NOT_FOUND) once their retries are spent. Declaring what exists with the same "
-        "type changes nothing.",
+        "(404 NOT_FOUND) once their retries are spent. With --stream, declare streams (rows "
+        "naming a stream) with their retention. Declaring what exists with the same type and "
+        "arguments changes nothing; other arguments are refused (406 PRECONDITION_FAILED).",
     )
-    dec.add_argument("exchange")
+    dec.add_argument("exchange", nargs="?", help="the exchange (optional with --stream)")
     dec.add_argument(
         "--type",
         default="topic",
@@ -437,8 +485,56 @@ def _add_declare(sub: Sub) -> None:
         metavar="KEY",
         help="binding key, repeatable (default '#' for topic, '' else)",
     )
+    _declare_stream_flags(dec)
     json_flag(dec, what="what was declared, as JSON")
     dec.set_defaults(func=_cmd_declare)
+
+
+def _size(text: str) -> int:
+    from app.topology import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _declare_stream_flags(dec: argparse.ArgumentParser) -> None:
+    """A stream's name and retention (RabbitMQ's x-max-length-bytes, x-max-age,
+    x-stream-max-segment-size-bytes) and replication (x-initial-cluster-size)."""
+    dec.add_argument(
+        "--stream",
+        action="append",
+        metavar="NAME",
+        help="declare this stream (x-queue-type stream), repeatable; the retention flags "
+        "apply to each",
+    )
+    dec.add_argument(
+        "--max-length-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="a stream's retention by size: past it, its oldest segments are deleted "
+        "(bytes, or 500MB, 20GB)",
+    )
+    dec.add_argument(
+        "--max-age",
+        metavar="AGE",
+        help="a stream's retention by age: segments whose messages are all older are deleted "
+        "(a count and a unit: Y M D h m s, e.g. 7D, 24h)",
+    )
+    dec.add_argument(
+        "--stream-max-segment-size-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="a stream's segment files' size (RabbitMQ's default 500MB): retention deletes "
+        "whole segments",
+    )
+    dec.add_argument(
+        "--initial-cluster-size",
+        type=int,
+        metavar="N",
+        help="on a cluster, the nodes that hold each stream (its leader and replicas)",
+    )
 
 
 def _add_demo(sub: Sub) -> None:
