@@ -8,12 +8,19 @@
 #   deploy/local/cluster.sh freeze N|thaw N SIGSTOP / SIGCONT node N (a hung node)
 #   deploy/local/cluster.sh start-node N    start node N again (after stop or kill)
 #   deploy/local/cluster.sh status          what runs, where, and the cluster's view of itself
-#   deploy/local/cluster.sh env             OUTBOX_AMQP_URL with the three hosts, for failover
+#   deploy/local/cluster.sh env             OUTBOX_AMQP_URL with the three hosts, for failover;
+#                                           OUTBOX_STREAM_URL (node 1) and each node's stream URL
 #   deploy/local/cluster.sh ctl N ARGS…     rabbitmqctl against node N
 #   deploy/local/cluster.sh leader QUEUE    the node that leads a quorum queue now (its number)
 #
 # Node N listens for AMQP on $OUTBOX_CLUSTER_PORT + N - 1 (default 5691-5693), its Erlang
-# distribution port is that + 20000, its name outbox-cN-<port>@localhost. Data, logs, pid files
+# distribution port is that + 20000, its name outbox-cN-<port>@localhost. The stream plugin
+# (rabbitmq_stream) is on: node N takes stream protocol clients on $OUTBOX_CLUSTER_STREAM_PORT
+# + N - 1 (default the AMQP base port - 1000: 4691-4693; the tests' 4791-4793, the fault
+# matrix's 4781-4783; AMQP - 120, as services.sh has it, would put the tests' cluster on 5671-5673,
+# the AMQPS port and the local broker's) and advertises 127.0.0.1 and that port, so that a client
+# told "node N leads this stream" finds it. Stream replicas copy each other over osiris's own
+# TCP ports (6000-6500 by default, each node takes free ones). Data, logs, pid files
 # and each node's HOME (one shared Erlang cookie) live under $OUTBOX_LOCAL_DIR/cluster-<base port>:
 # one directory per base port, so a cluster of another port (the tests' 5791, the benchmark's
 # 5691) never starts from a configuration written for the other (it listened on the wrong ports).
@@ -27,6 +34,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 LOCAL_DIR=${OUTBOX_LOCAL_DIR:-$repo/.local}
 BASE_PORT=${OUTBOX_CLUSTER_PORT:-5691}
+STREAM_BASE=${OUTBOX_CLUSTER_STREAM_PORT:-$((BASE_PORT - 1000))}
 DIR=$LOCAL_DIR/cluster-$BASE_PORT
 RMQ_BIN=/usr/lib/rabbitmq/bin
 NODES=(1 2 3)
@@ -42,6 +50,7 @@ ensure_packages() {
 }
 
 port_of() { echo $((BASE_PORT + $1 - 1)); }
+stream_port_of() { echo $((STREAM_BASE + $1 - 1)); }
 name_of() { echo "outbox-c$1-$(port_of "$1")@localhost"; }
 pid_file() { echo "$DIR/n$1/rabbitmq.pid"; }
 
@@ -88,7 +97,15 @@ loopback_users.guest = true
 # publisher). pause_minority makes such a node close its connections instead.
 cluster_partition_handling = ${OUTBOX_CLUSTER_PARTITION_HANDLING:-ignore}
 CONF
-    [ -f "$RABBITMQ_ENABLED_PLUGINS_FILE" ] || echo '[].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"
+    # the stream listener and the address clients are sent to for this node's streams (a
+    # configuration written before streams were added gets them too)
+    local sp; sp=$(stream_port_of "$n")
+    grep -q '^stream.listeners' "$DIR/n$n/rabbitmq.conf" || cat >>"$DIR/n$n/rabbitmq.conf" <<CONF
+stream.listeners.tcp.default = 127.0.0.1:$sp
+stream.advertised_host = 127.0.0.1
+stream.advertised_port = $sp
+CONF
+    echo '[rabbitmq_stream].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"  # at every start, as services.sh
     log "starting node $n ($(name_of "$n")) on 127.0.0.1:$(port_of "$n")"
     "$RMQ_BIN/rabbitmq-server" -detached
   )
@@ -98,12 +115,13 @@ wait_node() {
   local n=$1 port i
   ctl "$n" wait --timeout 90 "$(pid_file "$n")" >/dev/null
   ctl "$n" await_startup --timeout 90 >/dev/null
-  port=$(port_of "$n")
-  for i in $(seq 1 60); do  # booted is not listening: check the AMQP port itself
-    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return
-    sleep 0.5
+  for port in "$(port_of "$n")" "$(stream_port_of "$n")"; do
+    for i in $(seq 1 60); do  # booted is not listening: check the AMQP and stream ports
+      (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && continue 2
+      sleep 0.5
+    done
+    log "node $n booted but takes no connection on 127.0.0.1:$port"; return 1
   done
-  log "node $n booted but takes no AMQP connection on 127.0.0.1:$port"; return 1
 }
 
 joined() {  # is node $1 a running member of the cluster node 1 sees?
@@ -124,7 +142,7 @@ start() {
     fi
   done
   for n in "${NODES[@]}"; do
-    log "node $n ready: 127.0.0.1:$(port_of "$n") (pid $(cat "$(pid_file "$n")"))"
+    log "node $n ready: 127.0.0.1:$(port_of "$n"), streams :$(stream_port_of "$n") (pid $(cat "$(pid_file "$n")"))"
   done
 }
 
@@ -160,7 +178,7 @@ signal_node() {
 
 status() {
   for n in "${NODES[@]}"; do
-    if alive "$n"; then echo "node $n: running  127.0.0.1:$(port_of "$n") ($(name_of "$n"), pid $(cat "$(pid_file "$n")"))"
+    if alive "$n"; then echo "node $n: running  127.0.0.1:$(port_of "$n"), streams :$(stream_port_of "$n") ($(name_of "$n"), pid $(cat "$(pid_file "$n")"))"
     elif pid_alive "$n"; then echo "node $n: not answering (pid $(cat "$(pid_file "$n")"), frozen or starting)"
     else echo "node $n: stopped"; fi
   done
@@ -170,10 +188,16 @@ print_env() {
   local hosts="" n
   for n in "${NODES[@]}"; do hosts+="${hosts:+,}127.0.0.1:$(port_of "$n")"; done
   echo "export OUTBOX_AMQP_URL=amqp://guest:guest@$hosts/"
+  # one node is enough for a stream client: it asks that node where each stream's leader and
+  # replicas are (their advertised addresses) and connects there
+  echo "export OUTBOX_STREAM_URL=rabbitmq-stream://guest:guest@127.0.0.1:$(stream_port_of 1)/"
   for n in "${NODES[@]}"; do echo "export OUTBOX_CLUSTER_NODE_$n=$(name_of "$n")"; done
+  for n in "${NODES[@]}"; do
+    echo "export OUTBOX_CLUSTER_STREAM_URL_$n=rabbitmq-stream://guest:guest@127.0.0.1:$(stream_port_of "$n")/"
+  done
 }
 
-leader() {  # the number of the node that leads quorum queue $1 now (asks the first live node)
+leader() {  # the number of the node that leads quorum queue (or stream) $1 now (asks the first live node)
   local q=$1 n out
   for n in "${NODES[@]}"; do
     alive "$n" || continue

@@ -10,7 +10,8 @@
 #                                              (pause_minority) or stopped; the cluster's view
 #   deploy/local/netns-cluster.sh cut N        partition node N from its two peers
 #   deploy/local/netns-cluster.sh heal N       undo cut N
-#   deploy/local/netns-cluster.sh env          OUTBOX_AMQP_URL with the three node addresses
+#   deploy/local/netns-cluster.sh env          OUTBOX_AMQP_URL with the three node addresses;
+#                                              OUTBOX_STREAM_URL (node 1) and each node's
 #   deploy/local/netns-cluster.sh ctl N ARGS…  rabbitmqctl against node N (run in its namespace)
 #   deploy/local/netns-cluster.sh leader QUEUE the node that leads a quorum queue now (its number)
 #
@@ -27,7 +28,11 @@
 # connections and its AMQP listener) and waits; healed, it rejoins and serves again.
 #
 # Each namespace has its own loopback, so each node has its own epmd (started by the node) and
-# takes the usual ports 5672 (AMQP), 25672 (distribution) and 4369 (epmd) on its own address.
+# takes the usual ports 5672 (AMQP), 25672 (distribution), 4369 (epmd) and 5552 (the stream
+# plugin, rabbitmq_stream) on its own address; it advertises that address and 5552 to stream
+# clients, so that one told "node N leads this stream" connects to 10.231.7.1N:5552 (a cut node's
+# streams are reached, or not, as its AMQP port is). Stream replicas copy each other over osiris's
+# TCP ports (6000-6500), which a cut blackholes like the distribution port.
 # Node N is rabbit@10.231.7.1N (long names: no /etc/hosts entry needed). The guest user may log
 # in from the root namespace's address (loopback_users.guest = false): only this machine can
 # reach these addresses. Data, logs, pid files and each node's HOME (one shared Erlang cookie)
@@ -44,6 +49,7 @@ NODES=(1 2 3)
 BRIDGE=obxp0
 NET=10.231.7
 AMQP_PORT=5672
+STREAM_PORT=5552
 DIST_PORT=25672
 TICKTIME=10
 
@@ -160,6 +166,7 @@ app_running() {  # the rabbit application runs on node $1 (false while pause_min
 }
 
 amqp_open() { (exec 3<>"/dev/tcp/$(addr_of "$1")/$AMQP_PORT") 2>/dev/null; }
+stream_open() { (exec 3<>"/dev/tcp/$(addr_of "$1")/$STREAM_PORT") 2>/dev/null; }
 
 start_node() {
   local n=$1 d=$DIR/n$1
@@ -174,7 +181,14 @@ loopback_users.guest = false
 # its listener) until it can again: a publisher on it must move to the majority
 cluster_partition_handling = pause_minority
 CONF
-    [ -f "$RABBITMQ_ENABLED_PLUGINS_FILE" ] || echo '[].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"
+    # the stream listener on the node's address, advertised as it (a configuration written
+    # before streams were added gets them too)
+    grep -q '^stream.listeners' "$d/rabbitmq.conf" || cat >>"$d/rabbitmq.conf" <<CONF
+stream.listeners.tcp.default = $(addr_of "$n"):$STREAM_PORT
+stream.advertised_host = $(addr_of "$n")
+stream.advertised_port = $STREAM_PORT
+CONF
+    echo '[rabbitmq_stream].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"  # at every start, as services.sh
     log "starting node $n ($(name_of "$n")) in namespace $(ns_of "$n") on $(addr_of "$n"):$AMQP_PORT"
     in_ns "$n" "$RMQ_BIN/rabbitmq-server" -detached
   )
@@ -184,11 +198,11 @@ wait_node() {
   local n=$1 i
   ctl "$n" wait --timeout 90 "$(pid_file "$n")" >/dev/null
   ctl "$n" await_startup --timeout 120 >/dev/null
-  for i in $(seq 1 60); do  # booted is not listening: check the AMQP port from the root namespace
-    amqp_open "$n" && return
+  for i in $(seq 1 60); do  # booted is not listening: check the ports from the root namespace
+    amqp_open "$n" && stream_open "$n" && return
     sleep 0.5
   done
-  log "node $n booted but takes no AMQP connection on $(addr_of "$n"):$AMQP_PORT"; return 1
+  log "node $n booted but takes no AMQP or stream connection on $(addr_of "$n")"; return 1
 }
 
 joined() {  # is node $1 a running member of the cluster node 1 sees?
@@ -210,7 +224,7 @@ start() {
     fi
   done
   for n in "${NODES[@]}"; do
-    log "node $n ready: $(addr_of "$n"):$AMQP_PORT (pid $(cat "$(pid_file "$n")"))"
+    log "node $n ready: $(addr_of "$n"):$AMQP_PORT, streams :$STREAM_PORT (pid $(cat "$(pid_file "$n")"))"
   done
 }
 
@@ -258,6 +272,7 @@ status() {
     elif pid_alive "$n"; then state="not answering (pid $(cat "$(pid_file "$n")"))"
     else state="stopped"; fi
     amqp_open "$n" && state+=", AMQP open" || state+=", AMQP closed"
+    stream_open "$n" && state+=", streams open" || state+=", streams closed"
     echo "node $n: $state  $(addr_of "$n"):$AMQP_PORT ($(name_of "$n"))${cut:+  cut from: $cut}"
   done
   for n in "${NODES[@]}"; do
@@ -272,7 +287,12 @@ print_env() {
   local hosts="" n
   for n in "${NODES[@]}"; do hosts+="${hosts:+,}$(addr_of "$n"):$AMQP_PORT"; done
   echo "export OUTBOX_AMQP_URL=amqp://guest:guest@$hosts/"
+  # one node is enough for a stream client: it asks where each stream's leader and replicas are
+  echo "export OUTBOX_STREAM_URL=rabbitmq-stream://guest:guest@$(addr_of 1):$STREAM_PORT/"
   for n in "${NODES[@]}"; do echo "export OUTBOX_NETNS_NODE_$n=$(name_of "$n")"; done
+  for n in "${NODES[@]}"; do
+    echo "export OUTBOX_NETNS_STREAM_URL_$n=rabbitmq-stream://guest:guest@$(addr_of "$n"):$STREAM_PORT/"
+  done
 }
 
 leader() {  # the number of the node that leads quorum queue $1 now (asks the first running node)
