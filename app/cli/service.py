@@ -111,11 +111,19 @@ def _cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_consume(settings: Settings, args: argparse.Namespace) -> int:
-    """Run the consumer kit on QUEUE with the handler MODULE:FUNCTION until SIGTERM/SIGINT."""
+    """Run the consumer kit on QUEUE (or --stream) with the handler MODULE:FUNCTION until
+    SIGTERM/SIGINT."""
     import asyncio
 
     from app.consumer import consumer_engine
 
+    if (args.queue is None) == (args.stream is None):
+        raise UsageError("name a QUEUE or a --stream (one of them)")
+    if args.stream is not None and args.dead_letter_exchange is not None:
+        raise UsageError(
+            "a stream has no dead letters: a message past --delivery-limit is kept in "
+            "outbox_consumer_attempts and skipped (docs/consumer.md, Streams)"
+        )
     handler = _load_handler(args.handler)
     config = _consumer_config(settings, args)
     engine = consumer_engine(
@@ -147,9 +155,10 @@ def _consumer_config(settings: Settings, args: argparse.Namespace) -> Any:
     """The kit's config: each flag given, else its setting."""
     from app.consumer import ConsumerConfig
 
+    source = args.queue or args.stream
     return ConsumerConfig(
-        name=args.name or args.queue,
-        queue=args.queue,
+        name=args.name or source,
+        queue=source,
         mode=args.mode or settings.consumer_mode,
         prefetch=args.prefetch or settings.consumer_prefetch,
         concurrency=args.concurrency or settings.consumer_concurrency,
@@ -175,9 +184,18 @@ async def _consume(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     given = {"batch_handler" if args.batches else "handler": handler}
-    consumer = Consumer(
-        config=config, amqp_url=settings.amqp_url.get_secret_value(), engine=engine, **given
-    )
+    consumer: Any
+    if args.stream is not None:
+        from app.consumer import StreamConsumer
+        from app.streams.relay import stream_url_of
+
+        consumer = StreamConsumer(
+            config=config, stream_url=stream_url_of(settings), engine=engine, **given
+        )
+    else:
+        consumer = Consumer(
+            config=config, amqp_url=settings.amqp_url.get_secret_value(), engine=engine, **given
+        )
     probes = None
     if args.metrics_port is not None:  # /metrics, /healthz, /readyz of this process
         probes = _consumer_probes(consumer, config.name, args)
@@ -363,9 +381,16 @@ def _add_consume(sub: Sub) -> None:
         help="consume a queue with the idempotent consumer kit (manual acks, prefetch, inbox)",
         description="Each message's effect happens once: the handler runs in a database "
         "transaction with the inbox row, then the delivery is acknowledged; a redelivery or a "
-        "duplicate publish is acknowledged without running it again.",
+        "duplicate publish is acknowledged without running it again. With --stream, a RabbitMQ "
+        "stream is read in order from the position stored on the broker under --name (first "
+        "run: its first offset), with the same inbox; the position is stored after the commits.",
     )
-    con.add_argument("queue", help="the queue to consume (it must exist)")
+    con.add_argument("queue", nargs="?", help="the queue to consume (it must exist)")
+    con.add_argument(
+        "--stream",
+        metavar="NAME",
+        help="read this stream instead of a queue (OUTBOX_STREAM_URL's broker)",
+    )
     con.add_argument(
         "--handler", required=True, help="MODULE:FUNCTION taking (message, connection)"
     )
@@ -374,7 +399,11 @@ def _add_consume(sub: Sub) -> None:
         action="store_true",
         help="the handler takes (messages, connection): a window's messages at once",
     )
-    con.add_argument("--name", help="consumer name, the inbox key (default: the queue)")
+    con.add_argument(
+        "--name",
+        help="consumer name, the inbox key and a stream's stored position (default: the queue "
+        "or stream)",
+    )
     _consume_tuning(con)
     _consume_outlets(con)
     con.set_defaults(func=_cmd_consume)

@@ -3,7 +3,9 @@
 ``Consumer(config=ConsumerConfig(name=..., queue=...), amqp_url=..., engine=..., handler=...)``;
 ``await consumer.run(stop)``. The handler gets a :class:`Message` and the kit's database
 connection; its writes and the inbox row commit together, then the delivery is acknowledged.
-``outbox consume QUEUE --handler module:function`` runs one from the command line.
+``outbox consume QUEUE --handler module:function`` runs one from the command line. A RabbitMQ
+stream is read the same way, with the same inbox: :class:`~app.consumer.streams.StreamConsumer`
+(``outbox consume --stream STREAM``).
 
 The names below load on first use (PEP 562): ``import app.consumer.acks`` (pure) does not pull in
 aio-pika and SQLAlchemy through this package.
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from app.consumer.config import ConsumerConfig, ConsumerMetrics
     from app.consumer.inbox import BatchHandler, Handler, Message, handle_once, purge_inbox
     from app.consumer.kit import Consumer, consumer_engine, registry_for
+    from app.consumer.streams import StreamConsumer
 
 _HOME = {
     "Ack": "acks",
@@ -33,6 +36,7 @@ _HOME = {
     "ConsumerMetrics": "config",
     "consumer_engine": "kit",
     "registry_for": "kit",
+    "StreamConsumer": "streams",
 }
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "ConsumerMetrics",
     "Handler",
     "Message",
+    "StreamConsumer",
     "consumer_engine",
     "handle_once",
     "purge_inbox",

@@ -184,3 +184,27 @@ def purge_inbox(engine: Engine, *, older_than: dt.timedelta, chunk: int = 1000) 
     with engine.begin() as conn:
         conn.execute(delete(consumer_attempts).where(consumer_attempts.c.updated_at < cutoff))
     return total
+
+
+def give_up(conn: Connection, *, consumer: str, message_id: str, attempts: int, error: str) -> None:
+    """Keep a message given up (its delivery limit reached) as its attempts row: ``attempts``
+    and why, where an operator finds it. For a stream, which has no dead-letter exchange: the
+    reader moves past it, and reading it again finds it past its limit (its handler does not
+    run again)."""
+    ins = (
+        _dialect(conn)
+        .insert(consumer_attempts)
+        .values(
+            consumer=consumer,
+            message_id=message_id,
+            attempts=attempts,
+            last_error=_clip(error),
+            updated_at=_now(),
+        )
+    )
+    conn.execute(
+        ins.on_conflict_do_update(
+            index_elements=[consumer_attempts.c.consumer, consumer_attempts.c.message_id],
+            set_={"attempts": attempts, "last_error": ins.excluded.last_error},
+        )
+    )
