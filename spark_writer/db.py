@@ -10,9 +10,10 @@ for all or nothing. Then either the driver first *holds* the batch (``hold``: on
 ``outbox_batches`` row once every partition succeeded. Re-running a batch adds no row:
 ``message_id`` is unique and a row whose id is there already is skipped (``ON CONFLICT DO
 NOTHING``), but only when it is the same message (a replay). A row whose id the outbox holds for
-another message (another sink, exchange, routing key, body, headers, ...) is a *conflict*: it
-rolls its partition back in fail mode, and goes to ``outbox_rejects`` with the reason in reject
-mode. Message ids are one namespace across sinks, so a consumer can key on ``message_id`` alone.
+another message (another sink, exchange, routing key, stream, body, headers, ...) is a
+*conflict*: it rolls its partition back in fail mode, and goes to ``outbox_rejects`` with the
+reason in reject mode. Message ids are one namespace across sinks, so a consumer can key on
+``message_id`` alone.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ CONTENT = (
     "headers",
     "ordering_key",
     "properties",
+    "stream",
 )
 CONFLICT = "message id already in the outbox for another message"
 
@@ -294,6 +296,7 @@ class PostgresStore(Store):
         "headers": "json",
         "ordering_key": "text",
         "properties": "json",
+        "stream": "text",
         "available_at": "timestamptz",
     }
     REJECT = _REJECT.format("%s")

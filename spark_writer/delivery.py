@@ -201,8 +201,9 @@ class BatchResult:
     whose ``message_id`` was there already for the same message (a retried task, a re-run, the
     same row twice): true replays, nothing lost; ``rejected``: rows put in ``outbox_rejects``,
     ``conflicts`` among them (reject mode): rows whose ``message_id`` the outbox holds for
-    another message (another sink, exchange, routing key, body, headers, ...); ``replayed``:
-    the batch had been recorded before. ``rows == written + duplicates + rejected``.
+    another message (another sink, exchange, routing key, stream, body, headers, ...);
+    ``replayed``: the batch had been recorded before. ``rows == written + duplicates +
+    rejected``.
     """
 
     batch_id: str

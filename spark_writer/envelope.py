@@ -34,7 +34,7 @@ from pyspark.sql.types import (
 
 from app.outbox.content import HEADER_NAME_MAX, RESERVED_HEADERS
 from spark_writer.options import OutboxOptions
-from spark_writer.rules import ROW, Check, checks
+from spark_writer.rules import ROW, STREAM_CONTROL, STREAM_RESERVED, Check, checks
 
 _NUMBERS = (ByteType, ShortType, IntegerType, LongType, FloatType, DoubleType)
 _PLAIN = (StringType, BooleanType, *_NUMBERS)
@@ -134,7 +134,13 @@ def layout(
     constant: list[tuple[str, str | bool | None]] = [("batch_id", batch.key)]
     if parked:
         constant.append(("available_at", PARKED))
-    for name, literal in (("exchange", options.exchange), ("routing_key", options.routing_key)):
+    if options.stream is not None or options.stream_column is not None:
+        # a stream's rows name no exchange or routing key (both NOT NULL: empty)
+        constant += [("exchange", ""), ("routing_key", "")]
+        destination: tuple[tuple[str, str | None], ...] = (("stream", options.stream),)
+    else:
+        destination = (("exchange", options.exchange), ("routing_key", options.routing_key))
+    for name, literal in destination:
         if literal is None:
             varying.append(name)
         else:
@@ -274,6 +280,10 @@ class ArrowMapper:
             return pc.fill_null(outside, False)
         if check.kind == "empty":
             mask = pc.equal(values, "")
+        elif check.kind == "control":
+            mask = pc.match_substring_regex(values, STREAM_CONTROL)
+        elif check.kind == "reserved":
+            mask = pc.starts_with(values, STREAM_RESERVED)
         elif check.kind in ("too_long", "too_big"):
             mask = pc.greater(pc.binary_length(values), check.limit)
         else:
@@ -315,6 +325,7 @@ class ArrowMapper:
         for name, column in (
             ("exchange", o.exchange_column),
             ("routing_key", o.routing_key_column),
+            ("stream", o.stream_column),
             ("ordering_key", o.ordering_key_column),
         ):
             if column is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from app.outbox.content import EXCHANGE_NAME, HEADER_NAME_MAX, RESERVED_HEADERS
+from app.streams.names import StreamNameError, check_stream_name
 from spark_writer.delivery import DEFAULT_WAIT_TIMEOUT, Wait, checked_timeout, checked_wait
 from spark_writer.errors import OutboxConfigError
 
@@ -38,7 +39,9 @@ class OutboxOptions:
     """Where rows go and how each row maps to a message.
 
     Give exactly one of ``exchange`` (a literal; ``""`` is the default exchange) and
-    ``exchange_column``, and exactly one of ``routing_key`` and ``routing_key_column``. With no
+    ``exchange_column``, and exactly one of ``routing_key`` and ``routing_key_column``; or,
+    for a RabbitMQ stream instead of an exchange, exactly one of ``stream`` and
+    ``stream_column`` (and no exchange, routing key or ordering key). With no
     ``body_column`` the whole row is the body, as JSON with ``content_type=application/json``.
     ``on_invalid="fail"`` refuses a batch holding any bad row; ``"reject"`` writes the good rows
     and puts the bad ones in ``outbox_rejects`` with the reason.
@@ -50,6 +53,11 @@ class OutboxOptions:
     exchange_column: str | None = None
     routing_key: str | None = None
     routing_key_column: str | None = None
+    #: a RabbitMQ stream every row is appended to (``stream``), or a string column naming
+    #: each row's (``stream_column``), instead of an exchange: the rows get ``exchange`` and
+    #: ``routing_key`` ``''`` and the publisher's stream relay appends each exactly once
+    stream: str | None = None
+    stream_column: str | None = None
     body_column: str | None = None
     content_type: str | None = None
     header_columns: tuple[str, ...] = field(default_factory=tuple)
@@ -105,6 +113,7 @@ class OutboxOptions:
         named = [
             ("exchange", self.exchange_column),
             ("routing key", self.routing_key_column),
+            ("stream", self.stream_column),
             ("body", self.body_column),
             ("message id", self.message_id_column),
             ("ordering key", self.ordering_key_column),
@@ -126,8 +135,7 @@ def _problems(o: OutboxOptions) -> list[str]:
         out.append("url must be a postgresql://, postgresql+psycopg:// or sqlite:///PATH URL")
     if not _SINK_NAME.fullmatch(o.sink):
         out.append(f"sink {o.sink!r} must be 1-100 letters, digits, '.', '_' or '-'")
-    out += _one_of("exchange", o.exchange, o.exchange_column)
-    out += _one_of("routing_key", o.routing_key, o.routing_key_column)
+    out += _destination(o)
     for name, literal in (("exchange", o.exchange), ("routing_key", o.routing_key)):
         if literal is not None and len(literal.encode()) > SHORTSTR_MAX:
             out.append(f"{name} is longer than {SHORTSTR_MAX} bytes")
@@ -189,6 +197,49 @@ def _url_password(url: str) -> bool:
     rest = url.split("://", 1)[-1]
     userinfo = rest.split("@", 1)[0] if "@" in rest.split("/", 1)[0] else ""
     return ":" in userinfo
+
+
+def _destination(o: OutboxOptions) -> list[str]:
+    """Exactly one kind of destination: an exchange and a routing key, or a stream."""
+    exchange = [
+        n
+        for n, v in (
+            ("exchange", o.exchange),
+            ("exchange_column", o.exchange_column),
+            ("routing_key", o.routing_key),
+            ("routing_key_column", o.routing_key_column),
+        )
+        if v is not None
+    ]
+    stream = [
+        n for n, v in (("stream", o.stream), ("stream_column", o.stream_column)) if v is not None
+    ]
+    if stream and exchange:
+        return [
+            f"a row goes to an exchange or to a stream, not both: give {' and '.join(stream)} "
+            f"without {', '.join(exchange)}, or the exchange options without a stream"
+        ]
+    if not stream and not exchange:
+        return [
+            "give a destination: exchange or exchange_column with routing_key or "
+            "routing_key_column, or stream or stream_column"
+        ]
+    if exchange:
+        return _one_of("exchange", o.exchange, o.exchange_column) + _one_of(
+            "routing_key", o.routing_key, o.routing_key_column
+        )
+    out = _one_of("stream", o.stream, o.stream_column)
+    if o.stream is not None:
+        try:
+            check_stream_name(o.stream)
+        except StreamNameError as exc:
+            out.append(f"option stream: {exc}")
+    if o.ordering_key_column is not None:
+        out.append(
+            "ordering_key_column is for exchanges: a stream keeps its messages in order by "
+            "itself (one lane: id order)"
+        )
+    return out
 
 
 def _one_of(name: str, literal: str | None, column: str | None) -> list[str]:

@@ -33,11 +33,19 @@ Kind = Literal[
     "out_of_range",
     "header_name",
     "not_utf8",
+    "control",
+    "reserved",
 ]
 #: Largest ``expiration`` RabbitMQ takes (milliseconds, below 2**32).
 EXPIRATION_MAX = 2**32 - 1
 #: Stands for "the whole row" in checks of the JSON body (no ``body_column``).
 ROW = "*"
+#: A stream name as ``app.streams.names.check_stream_name`` takes it, per row in Arrow: at most
+#: 255 bytes, no control character (this RE2 class), not starting with the reserved prefix
+#: (tests/unit/test_spark_stream_options.py holds the two equal)
+STREAM_NAME_MAX = 255
+STREAM_CONTROL = r"[\x00-\x1f\x7f]"
+STREAM_RESERVED = "amq."
 
 
 class Check(NamedTuple):
@@ -68,6 +76,10 @@ class Check(NamedTuple):
             )
         if self.kind == "not_utf8":
             return f"{where} ({self.role}) has a header value that is not UTF-8"
+        if self.kind == "control":
+            return f"{where} ({self.role}) holds a control character"
+        if self.kind == "reserved":
+            return f"{where} ({self.role}) starts with {STREAM_RESERVED!r}, a reserved prefix"
         if self.column == ROW:
             return "row JSON (body) holds NaN or infinity, which JSON cannot carry"
         return f"header column {self.column!r} is NaN or infinite"
@@ -80,6 +92,11 @@ class Check(NamedTuple):
             return f"{self.column} is {value}, outside 0..{self.limit}"
         if self.kind in ("header_name", "not_utf8"):
             return self.summary
+        if self.kind == "control":
+            return f"{self.column} {value!r:.80} holds a control character"
+        if self.kind == "reserved":
+            reserved = f"names starting {STREAM_RESERVED!r} are reserved"
+            return f"{self.column} is {value!r:.80}: {reserved}"
         if self.kind == "too_long":
             return f"{self.column} is {size} bytes, over the {self.limit}-byte limit"
         if self.kind == "too_big":
@@ -98,12 +115,7 @@ def checks(schema: StructType, options: OutboxOptions) -> list[Check]:
                 Check("empty", key, "message id"),
                 Check("too_long", key, "message id", SHORTSTR_MAX),
             ]
-    for role, column in (
-        ("exchange", options.exchange_column),
-        ("routing key", options.routing_key_column),
-    ):
-        if column is not None:
-            out += [Check("null", column, role), Check("too_long", column, role, SHORTSTR_MAX)]
+    out += _destination_checks(options)
     if (body := options.body_column) is not None:
         out += [Check("null", body, "body"), Check("too_big", body, "body", options.max_body_bytes)]
     out += [
@@ -140,6 +152,26 @@ def checks(schema: StructType, options: OutboxOptions) -> list[Check]:
         if any(holds_floats(t) for t in types.values()):
             out.append(Check("non_finite", ROW, "body"))
         out.append(Check("too_big", ROW, "body", options.max_body_bytes))
+    return out
+
+
+def _destination_checks(options: OutboxOptions) -> list[Check]:
+    """The exchange and routing key columns' checks, or the stream column's."""
+    out: list[Check] = []
+    for role, column in (
+        ("exchange", options.exchange_column),
+        ("routing key", options.routing_key_column),
+    ):
+        if column is not None:
+            out += [Check("null", column, role), Check("too_long", column, role, SHORTSTR_MAX)]
+    if (column := options.stream_column) is not None:
+        out += [
+            Check("null", column, "stream"),
+            Check("empty", column, "stream"),
+            Check("too_long", column, "stream", STREAM_NAME_MAX),
+            Check("control", column, "stream"),
+            Check("reserved", column, "stream"),
+        ]
     return out
 
 

@@ -40,6 +40,7 @@ _INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
 ACCEPTED: dict[str, tuple[tuple[type[DataType], ...], str]] = {
     "exchange": ((StringType,), "string"),
     "routing key": ((StringType,), "string"),
+    "stream": ((StringType,), "string"),
     "ordering key": ((StringType,), "string"),
     "sequence": (
         (
