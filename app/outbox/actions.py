@@ -247,6 +247,9 @@ class OperatorActions:
                     status=Status.PENDING,
                     attempts=0,
                     nacks=0,
+                    # a stream row goes out under a new publishing id: its old one is spent
+                    # (docs/streams.md: a republish may append the message again, on purpose)
+                    stream_seq=None,
                     available_at=self.db.clock(),
                     last_error=None,
                     reply_code=None,

@@ -123,7 +123,7 @@ _COLUMNS = (
     "properties",
 )
 #: column -> its value when left to the table's default
-_OPTIONAL = {"mandatory": True, "ordering_key": None, "not_before": None}
+_OPTIONAL = {"mandatory": True, "ordering_key": None, "not_before": None, "stream": None}
 
 
 def optional_columns(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:

@@ -47,15 +47,13 @@ REQUEST_TIMEOUT = 10.0
 FRAME_OVERHEAD = 4 + 2 + 2 + 1 + 4
 #: Bytes per message besides its data: publishing id and data length.
 MESSAGE_OVERHEAD = 8 + 4
-#: Publish errors after which the rows may be tried again under new ids: the broker did not
-#: store them and nothing about the rows is wrong.
-RETRYABLE = {
-    rs_errors.StreamNotAvailable.code,
-    rs_errors.StreamDoesNotExist.code,
-    rs_errors.AccessRefused.code,
-    18,  # PUBLISHER_DOES_NOT_EXIST: the producer went with its connection
-    15,  # INTERNAL_ERROR
-}
+#: RabbitMQ's publish errors (3.10) all say the producer cannot store now: its stream has no
+#: leader, was deleted or is refused, the producer went with its connection or its leader. It
+#: then refuses every later publish of the producer too. So any publish error ends the session,
+#: and the next one asks the broker which ids it has: the rows keep their ids (a copy stored by
+#: a publisher that lost the lane is then settled, never appended again). A row is never ended
+#: ``failed`` on a publish error; a stream that does not exist fails its rows past the retry
+#: budget at the declare (docs/streams.md).
 #: The declare's answers that mean the destination is missing or refused, not the connection.
 DESTINATION_ERRORS = (
     rs_errors.StreamDoesNotExist,
@@ -76,7 +74,6 @@ class StreamStats:
     #: rows published again under their ids after a resume (the broker drops them if it has them)
     resent: int = 0
     failed: int = 0
-    requeued: int = 0
     takeovers: int = 0
     reconnects: int = 0
     lanes_held: int = 0
@@ -117,7 +114,13 @@ def stream_url_of(settings: Settings) -> str:
 
 
 class DestinationDown(RuntimeError):
-    """The stream is missing, refused or without a leader: the lane waits (rows untouched)."""
+    """The stream is missing, refused or without a leader: the lane waits (rows untouched).
+    ``gone``: missing or refused, its rows end failed past the retry budget; else an outage
+    (no leader), its rows wait for it whatever it lasts."""
+
+    def __init__(self, reason: str, *, gone: bool) -> None:
+        super().__init__(reason)
+        self.gone = gone
 
 
 class ConnectionDead(RuntimeError):
@@ -164,7 +167,7 @@ class LaneWorker:
                     locator.query_leader_and_replicas(self.lane.stream), REQUEST_TIMEOUT
                 )
             except DESTINATION_ERRORS as exc:
-                raise DestinationDown(_reason(exc, self.lane.stream)) from exc
+                raise _down(exc, self.lane.stream) from exc
         finally:
             await _close(locator)
         advertised = (props.get("advertised_host"), str(props.get("advertised_port")))
@@ -187,7 +190,7 @@ class LaneWorker:
                     REQUEST_TIMEOUT,
                 )
             except DESTINATION_ERRORS as exc:
-                raise DestinationDown(_reason(exc, self.lane.stream)) from exc
+                raise _down(exc, self.lane.stream) from exc
         except BaseException:
             await _close(client)
             raise
@@ -254,7 +257,7 @@ class LaneWorker:
             except DestinationDown as exc:
                 self.failures += 1
                 self.down_reason = str(exc)
-                await self._destination_down(str(exc))
+                await self._destination_down(str(exc), gone=exc.gone)
                 await self._sleep(
                     Backoff(self.settings.backoff_base, self.settings.backoff_max).delay(
                         self.failures
@@ -304,8 +307,12 @@ class LaneWorker:
             client, self.client = self.client, None
             await _close(client)
 
-    async def _destination_down(self, reason: str) -> None:
+    async def _destination_down(self, reason: str, *, gone: bool) -> None:
         budget = self.settings.destination_retry_budget
+        if not gone:  # an outage: the rows wait for the leader, budgets untouched
+            if self.failures == 1 or self.failures % 20 == 0:
+                log.warning("%s: %s; its rows wait (attempt %d)", self.name, reason, self.failures)
+            return
         if self.failures == 1:
             log.warning(
                 "%s: %s; its rows wait (retry %d of %d)", self.name, reason, self.failures, budget
@@ -445,42 +452,13 @@ class LaneWorker:
                 self.relay.stats.confirmed += n
                 self.relay.note_confirmed(n)
         if errors:
-            await self._errored(errors)
+            self._errored(errors)
         self.relay.stats.outstanding = sum(len(w.pending) for w in self.relay.workers.values())
 
-    async def _errored(self, errors: list[tuple[int, int]]) -> None:
-        retry: dict[int, list[int]] = {}
-        fail: dict[int, list[int]] = {}
-        for seq, code in errors:
-            entry = self.pending.pop(seq, None)
-            if entry is None:
-                continue
-            (retry if code in RETRYABLE else fail).setdefault(code, []).append(entry[0])
-        for code, ids in fail.items():
-            reason = f"the stream refused the message: {_CODES.get(code, 'code')} ({code})"
-            n = await _in_thread(
-                self.store.failed,
-                owner=self.owner,
-                lane=self.lane,
-                ids=ids,
-                reason=reason,
-                code=code,
-            )
-            self.relay.stats.failed += n
-            log.warning("%s: %d rows end failed: %s", self.name, n, reason)
-        for code, ids in retry.items():
-            reason = f"the stream refused the message for now: {_CODES.get(code, 'code')} ({code})"
-            delay = Backoff(self.settings.backoff_base, self.settings.backoff_max).delay(1)
-            n = await _in_thread(
-                self.store.requeue,
-                owner=self.owner,
-                lane=self.lane,
-                ids=ids,
-                reason=reason,
-                delay=delay,
-            )
-            self.relay.stats.requeued += n
-            log.warning("%s: %d rows back to pending under new ids: %s", self.name, n, reason)
+    def _errored(self, errors: list[tuple[int, int]]) -> None:
+        codes = sorted({code for _, code in errors})
+        names = ", ".join(f"{_CODES.get(c, 'code')} ({c})" for c in codes)
+        raise ConnectionDead(f"the stream refused {len(errors)} publishes: {names}")
 
     async def finish(self, timeout: float) -> None:
         """The relay stopped (no more claims): wait up to ``timeout`` for the confirms
@@ -495,6 +473,11 @@ class LaneWorker:
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.task
+
+
+def _down(exc: BaseException, stream: str) -> DestinationDown:
+    gone = not isinstance(exc, rs_errors.StreamNotAvailable)
+    return DestinationDown(_reason(exc, stream), gone=gone)
 
 
 def _reason(exc: BaseException, stream: str) -> str:

@@ -378,41 +378,15 @@ class StreamStore:
                 ).rowcount
             )
 
-    def requeue(
-        self, *, owner: str, lane: Lane, ids: Sequence[int], reason: str, delay: float
-    ) -> int:
-        """The broker refused these rows without storing them and they may be tried again:
-        back to ``pending`` after ``delay``, without their ids (later ids of the lane may be
-        stored already, and the broker would drop these under their old ones)."""
-        now = self.db.clock()
-        with self.db.begin() as conn:
-            self._lock(conn, owner, lane)
-            return int(
-                conn.execute(
-                    update(outbox)
-                    .where(self.db.ids_in(ids), lane.rows(), outbox.c.status.in_(OPEN))
-                    .values(
-                        status=Status.PENDING,
-                        stream_seq=None,
-                        lease_owner=None,
-                        lease_until=None,
-                        available_at=now + dt.timedelta(seconds=delay),
-                        last_error=reason[:2000],
-                    )
-                ).rowcount
-            )
-
     def fail_pending(self, *, owner: str, lane: Lane, reason: str, limit: int = 1000) -> int:
-        """The lane's destination is gone past its retry budget (a stream that does not exist,
-        refused access): its rows without an id end ``failed`` with the reason, a bounded
-        number per call. Rows with an id wait: they may be in the stream already."""
+        """The lane's stream does not exist (or is refused) past its retry budget: its open
+        rows end ``failed`` with the reason, a bounded number per call. A row with an id too:
+        a stream that does not exist holds no message."""
         with self.db.begin() as conn:
             self._lock(conn, owner, lane)
             pick = (
                 select(outbox.c.id)
-                .where(
-                    lane.rows(), outbox.c.status == Status.PENDING, outbox.c.stream_seq.is_(None)
-                )
+                .where(lane.rows(), outbox.c.status.in_(OPEN))
                 .order_by(outbox.c.id)
                 .limit(limit)
             )
@@ -422,7 +396,12 @@ class StreamStore:
             return int(
                 conn.execute(
                     update(outbox)
-                    .where(self.db.ids_in(ids), outbox.c.status == Status.PENDING)
-                    .values(status=Status.FAILED, last_error=reason[:2000])
+                    .where(self.db.ids_in(ids), outbox.c.status.in_(OPEN))
+                    .values(
+                        status=Status.FAILED,
+                        last_error=reason[:2000],
+                        lease_owner=None,
+                        lease_until=None,
+                    )
                 ).rowcount
             )
