@@ -44,6 +44,8 @@ TRANSITIONS: dict[tuple[Status, Status], str] = {
     (Status.IN_FLIGHT, Status.NACKED): "nack, attempts spent",
     (Status.IN_FLIGHT, Status.FAILED): "permanent error",
     (Status.IN_FLIGHT, Status.PENDING): "retry, lost confirm, expired lease or release",
+    # a stream that does not exist past the retry budget: its rows waiting for a claim
+    (Status.PENDING, Status.FAILED): "stream missing past the retry budget",
     # an operator moves a terminal failure back (republish) or past (skip)
     **{(s, Status.PENDING): "operator republish" for s in _FAILURE_ORDER},
     **{(s, Status.SKIPPED): "operator skip" for s in _FAILURE_ORDER},

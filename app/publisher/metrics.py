@@ -99,6 +99,8 @@ class PublisherMetrics:
         self._base: dict[str, float] = {}
         #: set by the engine: current gauge values (held, queued, outstanding, ...)
         self.gauges: Callable[[], dict[str, float | None]] = dict
+        #: set by the service: the stream relay's counts (app.streams.relay.StreamStats)
+        self.streams: object | None = None
 
     # the counters, typed for mypy (set in __init__ from COUNTERS)
     published: int
@@ -277,6 +279,7 @@ class PublisherCollector(Collector):
             flag.add_metric(label, 1.0 if value else 0.0)
             yield flag
         yield from self._histograms(label)
+        yield from self._streams(label)
         info = InfoMetricFamily(
             "outbox_publisher_build", "Version of the running publisher.", labels=["publisher"]
         )
@@ -289,6 +292,25 @@ class PublisherCollector(Collector):
         )
         node.add_metric(label, {"node": m.broker_node or ""})
         yield node
+
+    def _streams(self, label: list[str]) -> Iterator[Metric]:
+        """The stream relay's figures (``outbox_publisher_stream_*``), when it runs."""
+        stats = self.m.streams
+        if stats is None:
+            return
+        for name, (kind, doc) in STREAM_HELP.items():
+            value = float(getattr(stats, name, 0) or 0)
+            family: Metric
+            if kind == "counter":
+                family = CounterMetricFamily(
+                    f"outbox_publisher_stream_{name}", doc, labels=["publisher"]
+                )
+            else:
+                family = GaugeMetricFamily(
+                    f"outbox_publisher_stream_{name}", doc, labels=["publisher"]
+                )
+            family.add_metric(label, value)
+            yield family
 
     def _histograms(self, label: list[str]) -> Iterator[Metric]:
         m = self.m
@@ -309,6 +331,28 @@ class PublisherCollector(Collector):
             family = HistogramMetricFamily(f"outbox_publisher_{name}", doc, labels=["publisher"])
             family.add_metric(label, hist.cumulative(), sum_value=hist.sum)
             yield family
+
+
+#: The stream relay's figures: name -> (kind, help).
+STREAM_HELP = {
+    "published": ("counter", "Rows published into streams (first sends and resends)."),
+    "confirmed": ("counter", "Stream rows confirmed by a publish confirm."),
+    "settled_by_sequence": (
+        "counter",
+        "Stream rows the broker already had when their lane resumed: confirmed by the broker's "
+        "last stored publishing id, never published again.",
+    ),
+    "resent": (
+        "counter",
+        "Stream rows sent again under their publishing id after a resume (the broker drops "
+        "those it has).",
+    ),
+    "failed": ("counter", "Stream rows ended failed (not a message, or the stream missing)."),
+    "takeovers": ("counter", "Lanes taken over from a publisher whose lease expired."),
+    "reconnects": ("counter", "Stream sessions ended and started again (cuts, publish errors)."),
+    "lanes_held": ("gauge", "Stream lanes this publisher holds."),
+    "outstanding": ("gauge", "Stream publishes sent and not yet confirmed."),
+}
 
 
 def registry_for(metrics: PublisherMetrics, *, publisher_id: str) -> CollectorRegistry:

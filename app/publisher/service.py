@@ -49,6 +49,7 @@ async def run_publisher(
         relay = StreamRelay(
             settings=settings, store=StreamStore(engine), owner=publisher.publisher_id
         )
+        publisher.metrics.streams = relay.stats  # outbox_publisher_stream_* on /metrics
         relay_stop = asyncio.Event()
         relay_task = asyncio.create_task(relay.run(relay_stop), name="outbox-streams")
         try:

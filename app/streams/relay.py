@@ -575,6 +575,20 @@ class StreamRelay:
 
     async def close(self) -> None:
         self.stopped.set()
+        st = self.stats
+        if st.published or st.settled_by_sequence or st.failed:
+            log.info(
+                "stream relay %s stopping: published %d, confirmed %d, settled by the broker's "
+                "ids %d, sent again %d, failed %d, lanes taken over %d, sessions restarted %d",
+                self.owner,
+                st.published,
+                st.confirmed,
+                st.settled_by_sequence,
+                st.resent,
+                st.failed,
+                st.takeovers,
+                st.reconnects,
+            )
         workers = list(self.workers.values())
         await asyncio.gather(*(w.finish(self.settings.shutdown_timeout) for w in workers))
         mine = [w.lane for w in workers if not w.lost and not w.released]

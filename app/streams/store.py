@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 
 from app.outbox.database import OutboxDatabase
 from app.outbox.schema import held, outbox, stream_lanes
-from app.outbox.states import Status
+from app.outbox.states import Status, check_transition
 
 OPEN = (Status.PENDING.value, Status.IN_FLIGHT.value)
 #: The columns a stream publish needs.
@@ -237,6 +237,7 @@ class StreamStore:
         same ids, in order. Each such row counts a lost confirm: it may have reached the
         broker after ``stored`` was read (a publisher that lost the lane), and then the broker
         drops it. The lane's next id moves past ``stored`` (a database that lost writes)."""
+        check_transition(Status.IN_FLIGHT, Status.CONFIRMED)
         now = self.db.clock()
         with self.db.begin() as conn:
             next_seq = self._lock(conn, owner, lane, lease_seconds)
@@ -272,6 +273,7 @@ class StreamStore:
     def claim(self, *, owner: str, lane: Lane, limit: int, lease_seconds: float) -> list[StreamRow]:
         """The lane's next due rows without an id, oldest first, into ``in_flight``, each given
         the lane's next id in id order. Never a row of a held batch."""
+        check_transition(Status.PENDING, Status.IN_FLIGHT)
         now = self.db.clock()
         with self.db.begin() as conn:
             next_seq = self._lock(conn, owner, lane, lease_seconds)
@@ -338,6 +340,7 @@ class StreamStore:
         """The broker confirmed these rows' ids: they are in the stream. Written whoever holds
         the lane now: a confirm is the broker's word for that id, and a row keeps its id until
         it is settled."""
+        check_transition(Status.IN_FLIGHT, Status.CONFIRMED)
         now = self.db.clock()
         with self.db.begin(by_id=True) as conn:
             return int(
@@ -360,8 +363,9 @@ class StreamStore:
     def failed(
         self, *, owner: str, lane: Lane, ids: Sequence[int], reason: str, code: int | None = None
     ) -> int:
-        """The broker refused these rows for good (or they cannot be a message): ``failed``
+        """These rows cannot be stream messages (found before they were sent): ``failed``
         with the reason. Their ids are spent; a republish gives them new ones."""
+        check_transition(Status.IN_FLIGHT, Status.FAILED)
         with self.db.begin() as conn:
             self._lock(conn, owner, lane)
             return int(
@@ -382,6 +386,8 @@ class StreamStore:
         """The lane's stream does not exist (or is refused) past its retry budget: its open
         rows end ``failed`` with the reason, a bounded number per call. A row with an id too:
         a stream that does not exist holds no message."""
+        check_transition(Status.PENDING, Status.FAILED)
+        check_transition(Status.IN_FLIGHT, Status.FAILED)
         with self.db.begin() as conn:
             self._lock(conn, owner, lane)
             pick = (

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 from sqlalchemy import Engine, select, text
 
 from app.db import make_engine
@@ -22,6 +23,7 @@ from app.outbox.content import ContentError
 from app.outbox.enqueue import enqueue
 from app.outbox.message import Message
 from app.outbox.schema import outbox, stream_lanes
+from app.publisher.metrics import PublisherMetrics, registry_for
 from app.publisher.service import run_publisher
 from tests.support.env import scrubbed_environ
 from tests.support.publisher import FAST, settings_for
@@ -93,8 +95,13 @@ def test_an_applications_rows_reach_the_stream_once_and_are_confirmed(
     expected = _write(engine, stream, range(2999))
     expected |= _write(engine, stream, [2999])  # one message: the one-row INSERT names it too
     settings = settings_for(db_url=pg_url, amqp_url=amqp_url, stream_url=stream_url)
-    asyncio.run(run_publisher(settings, until_empty=True))
+    metrics = PublisherMetrics()
+    asyncio.run(run_publisher(settings, until_empty=True, metrics=metrics))
     assert _statuses(engine) == {"confirmed": 3000}
+    scraped = generate_latest(registry_for(metrics, publisher_id="p")).decode()
+    assert 'outbox_publisher_stream_confirmed_total{publisher="p"} 3000.0' in scraped
+    assert 'outbox_publisher_stream_published_total{publisher="p"} 3000.0' in scraped
+    assert 'outbox_publisher_stream_settled_by_sequence_total{publisher="p"} 0.0' in scraped
     with engine.connect() as conn:
         seqs = conn.execute(select(outbox.c.stream_seq).order_by(outbox.c.id)).scalars().all()
         lane = conn.execute(select(stream_lanes)).one()
