@@ -30,6 +30,7 @@ GROUPS = (
     "baselines",
     "ceiling",
     "drains",
+    "streams",
     "tracing",
     "cluster",
     "memory",
@@ -279,12 +280,22 @@ class Bench:
         )
 
     def run(self) -> None:
-        from bench.workloads import baselines, ceiling, claim, consume, drain, enqueue, operate
+        from bench.workloads import (
+            baselines,
+            ceiling,
+            claim,
+            consume,
+            drain,
+            enqueue,
+            operate,
+            streams,
+        )
 
         s, z = self.services, self.sizes
         self.group("baselines", lambda: baselines.run(s, z))
         self.group("ceiling", lambda: ceiling.run(s, z))
         self.group("drains", lambda: drain.run_drains(s, z))
+        self.group("streams", lambda: streams.run(s, z))
         self.group("tracing", lambda: drain.run_tracing(s, z))
         self.group("cluster", lambda: drain.run_quorum_drain(s, z))
         self.group("memory", lambda: [drain.run_memory(s, z, one_x=self._drain_rss())])
@@ -369,6 +380,12 @@ class Bench:
                 ceiling = (os.cpu_count() or 1) * 1e6 / total
                 out[f"{key}_cpu_bound_rows_per_s"] = round(ceiling, 1)
                 out[f"ratio_{key}_vs_cpu_bound"] = round(out[key] / ceiling, 3)
+        stream, queue = (
+            out.get("drain_postgres_stream"),
+            out.get("drain_postgres_queue_beside_stream"),
+        )
+        if stream and queue:  # reported, not a target: the stream drain beside the queue's
+            out["ratio_drain_stream_vs_queue_same_run"] = round(stream / queue, 3)
         mem = self.measured.get("publisher_peak_rss_mb")
         if mem is not None:
             one, four = mem.extra["peak_rss_mb_1x"], mem.extra["peak_rss_mb_4x"]

@@ -553,9 +553,15 @@ class StreamRelay:
         )
         held = {lane.key for lane in lanes}
         for key, worker in list(self.workers.items()):
-            if key not in held:  # another took it: stop, writing nothing more of it
+            if key not in held and not worker.lost:  # another took it: stop, writing nothing
                 worker.stopping = True
                 worker.lost = True
+                log.warning(
+                    "%s: lost the lane (its lease ran out: another publisher holds it); "
+                    "%d publishes unconfirmed are the new holder's to settle",
+                    worker.name,
+                    len(worker.pending),
+                )
         for lane in lanes:
             if lane.key in self.workers or lane.stream not in streams:
                 continue

@@ -342,7 +342,9 @@ class StreamStore:
         it is settled."""
         check_transition(Status.IN_FLIGHT, Status.CONFIRMED)
         now = self.db.clock()
-        with self.db.begin(by_id=True) as conn:
+        # not waiting for the disk: a confirm a database crash undoes leaves its row in flight
+        # with its id, and the lane's next resume settles it by the broker's last stored id
+        with self.db.unit_of_work(durable=False), self.db.begin(by_id=True) as conn:
             return int(
                 conn.execute(
                     update(outbox)

@@ -78,6 +78,10 @@ def _start(env: dict[str, str], log: Path, *, until_empty: bool = False) -> subp
         return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
 
 
+def _in_flight(engine: Engine) -> int:
+    return _statuses(engine).get("in_flight", 0)
+
+
 def _confirmed(engine: Engine) -> int:
     return _statuses(engine).get("confirmed", 0)
 
@@ -214,6 +218,7 @@ def test_kill_9_at_random_points_never_duplicates_nor_loses(
     expected: set[str] = set()
     log = tmp_path / "publishers.log"
     kills = 0
+    outstanding: list[int] = []
     for run in range(10):
         expected |= _write(engine, stream, range(run * 1000, (run + 1) * 1000))
         before = _confirmed(engine)
@@ -223,13 +228,12 @@ def test_kill_9_at_random_points_never_duplicates_nor_loses(
         while _confirmed(engine) < target and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(rng.uniform(0, 0.05))
+        while not _in_flight(engine) and time.monotonic() < deadline:  # publishes outstanding
+            time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         kills += 1
-    with engine.connect() as conn:
-        in_flight = conn.execute(
-            text("SELECT count(*) FROM outbox WHERE status = 'in_flight'")
-        ).scalar_one()
+        outstanding.append(_in_flight(engine))
     final = _start(env, log, until_empty=True)
     assert final.wait(120) == 0, log.read_text()[-3000:]
     assert _statuses(engine) == {"confirmed": 10000}
@@ -238,7 +242,7 @@ def test_kill_9_at_random_points_never_duplicates_nor_loses(
     assert lane.takeovers >= kills  # every killed holder's lane was taken over
     text_log = log.read_text()
     assert "taken over" in text_log
-    assert in_flight > 0  # the kills left publishes outstanding
+    assert sum(1 for n in outstanding if n) >= 5, outstanding  # kills with rows in flight
     _exactly_once(stream_url, stream, expected)
 
 
