@@ -312,3 +312,44 @@ def test_connection_cuts_mid_drain_never_duplicate(
     asyncio.run(scenario())
     assert _statuses(engine) == {"confirmed": 20000}
     _exactly_once(stream_url, stream, expected)
+
+
+def test_three_lanes_shared_by_two_publishers_each_once(
+    engine: Engine, pg_url: str, amqp_url: str, stream_url: str, stream: str
+) -> None:
+    """Lanes split a stream between publishers: each lane one reference, its own ids."""
+    expected = _write(engine, stream, range(6000))
+
+    async def both() -> None:
+        runs = [
+            run_publisher(
+                settings_for(
+                    db_url=pg_url,
+                    amqp_url=amqp_url,
+                    stream_url=stream_url,
+                    stream_lanes=3,
+                    publisher_id=f"lanes-{n}",
+                ),
+                until_empty=True,
+            )
+            for n in range(2)
+        ]
+        await asyncio.gather(*runs)
+
+    asyncio.run(both())
+    assert _statuses(engine) == {"confirmed": 6000}
+    with engine.connect() as conn:
+        lanes = conn.execute(select(stream_lanes).order_by(stream_lanes.c.lane)).all()
+        per_lane = conn.execute(
+            text(
+                "SELECT id % 3, min(stream_seq), max(stream_seq), count(*) FROM outbox GROUP BY 1"
+            )
+        ).all()
+    assert [lane.lanes for lane in lanes] == [3, 3, 3]
+    assert len({lane.reference for lane in lanes}) == 3
+    assert sorted((lane, low, high, n) for lane, low, high, n in per_lane) == [
+        (0, 1, 2000, 2000),
+        (1, 1, 2000, 2000),
+        (2, 1, 2000, 2000),
+    ]
+    _exactly_once(stream_url, stream, expected)
