@@ -341,9 +341,7 @@ def test_three_lanes_shared_by_two_publishers_each_once(
     with engine.connect() as conn:
         lanes = conn.execute(select(stream_lanes).order_by(stream_lanes.c.lane)).all()
         per_lane = conn.execute(
-            text(
-                "SELECT id % 3, min(stream_seq), max(stream_seq), count(*) FROM outbox GROUP BY 1"
-            )
+            text("SELECT id % 3, min(stream_seq), max(stream_seq), count(*) FROM outbox GROUP BY 1")
         ).all()
     assert [lane.lanes for lane in lanes] == [3, 3, 3]
     assert len({lane.reference for lane in lanes}) == 3
