@@ -99,7 +99,8 @@ class SnapshotCollector(Collector):
         )
         yield GaugeMetricFamily(
             "outbox_possible_duplicates",
-            "Sum of lost confirms over present rows: publishes that may have been duplicated.",
+            "Sum of lost confirms over present rows for exchanges: publishes that may have been "
+            "duplicated (a stream's rows are exactly once: the broker drops a repeated id).",
             value=snap.possible_duplicates,
         )
         yield GaugeMetricFamily(

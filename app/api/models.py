@@ -35,12 +35,13 @@ from app.outbox.read.batches import BatchSummary
 from app.outbox.read.failures import FailureGroup
 from app.outbox.read.keys import ParkedKey
 from app.outbox.read.messages import MessageRecord
-from app.outbox.read.outstanding import OutstandingConfirm
+from app.outbox.read.outstanding import OutstandingConfirm, StreamLane
 from app.outbox.read.stats import OutboxStats, PublisherInfo
 from app.outbox.reports import PublisherReport
 from app.outbox.scope import CAUSE_LENGTH, CRITERIA, RepublishFilter, ScopeError
 from app.outbox.states import Status
 from app.outbox.upkeep import Upkeep, advice
+from app.streams.names import check_stream_name
 
 #: No control characters (PostgreSQL text refuses NUL), bounded length.
 TEXT_PATTERN = rf"^[^{CONTROL_CHARACTERS}]+$"
@@ -72,6 +73,13 @@ Text = Annotated[
     str, Field(min_length=1, max_length=1024, pattern=TEXT_PATTERN), AfterValidator(utf8_text)
 ]
 Cursor = Annotated[str, Field(min_length=4, max_length=2048, pattern=CURSOR_PATTERN)]
+#: A RabbitMQ stream's name as a filter: what a stream may be named (at most 255 bytes, no
+#: control characters, not ``amq.``), checked as the rows' writers check it.
+StreamName = Annotated[
+    str,
+    Field(min_length=1, max_length=255, description="A RabbitMQ stream's rows only."),
+    AfterValidator(check_stream_name),
+]
 RequestId = Annotated[
     str,
     Field(
@@ -234,7 +242,9 @@ class StatsOut(BaseModel):
     )
     confirm_latency: ConfirmLatency
     possible_duplicates: int = Field(
-        description="Publishes repeated after an unknown outcome (lost confirms), over all rows."
+        description="Publishes repeated after an unknown outcome (lost confirms), over the rows "
+        "for exchanges. A stream's rows are not counted: they are exactly once (a resend goes "
+        "out under the same publishing id, which the broker drops)."
     )
     operator_republished: int = Field(description="Rows operators moved back to pending.")
     parked: int = Field(
@@ -295,8 +305,11 @@ class OutstandingOut(BaseModel):
     id: int
     message_id: str
     batch_id: str
-    publisher: str = Field(description="The publisher holding the row's lease.")
-    channel_id: int | None = Field(description="None until the publish went out.")
+    publisher: str = Field(
+        description="The publisher holding the row's lease (a stream's row: its lane's "
+        "holder, '<publisher id>#stream')."
+    )
+    channel_id: int | None = Field(description="None until sent; None for a stream's row.")
     delivery_tag: int | None = Field(description="Publish sequence number on that channel.")
     attempt: int
     max_attempts: int
@@ -308,7 +321,18 @@ class OutstandingOut(BaseModel):
         description="Seconds since this attempt was published (since its claim while unsent)."
     )
     lease_until: dt.datetime
-    lost_confirms: int
+    lost_confirms: int = Field(
+        description="Exchange row: possible duplicates. Stream row: resends under the same "
+        "publishing id, which the broker drops (exactly once)."
+    )
+    stream: str | None = Field(default=None, description="A stream's row: its stream.")
+    lane: int | None = Field(
+        default=None, description="A stream's row: its lane (GET /v1/streams), id % lanes."
+    )
+    stream_seq: int | None = Field(
+        default=None,
+        description="A stream's row: its publishing id in its lane, kept until confirmed.",
+    )
 
     @classmethod
     def of(cls, o: OutstandingConfirm) -> OutstandingOut:
@@ -318,6 +342,26 @@ class OutstandingOut(BaseModel):
 class OutstandingPage(BaseModel):
     items: list[OutstandingOut]
     next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null at end.")
+
+
+class StreamLaneOut(BaseModel):
+    """A stream's lane: one producer reference on the broker, one publisher at a time."""
+
+    stream: str
+    lane: int
+    lanes: int = Field(description="The stream's lanes; a row's lane is its id % lanes.")
+    reference: str = Field(description="The broker's producer reference of the lane.")
+    next_seq: int = Field(description="The next publishing id the lane gives.")
+    owner: str | None = Field(description="The publisher holding it ('<id>#stream'), if any.")
+    lease_until: dt.datetime | None
+    held: bool = Field(description="Owned and its lease not run out.")
+    taken_at: dt.datetime | None = Field(description="When the current owner took it.")
+    takeovers: int = Field(description="Times it was taken from another publisher.")
+    in_flight: int = Field(description="Its rows in flight now (ids given, not confirmed).")
+
+    @classmethod
+    def of(cls, lane: StreamLane) -> StreamLaneOut:
+        return copied(cls, lane)
 
 
 # ---------------------------------------------------------------------------- batches
@@ -343,7 +387,8 @@ class BatchOut(BaseModel):
     first_confirmed_at: dt.datetime | None
     last_confirmed_at: dt.datetime | None
     republished: int = Field(
-        description="Publishes repeated after an unknown outcome (possible duplicates)."
+        description="Publishes repeated after an unknown outcome (possible duplicates), over "
+        "its rows for exchanges (a stream's rows are exactly once)."
     )
 
     @classmethod
@@ -380,7 +425,11 @@ class MessageOutBase(BaseModel):
 MESSAGE_FIELD_DOCS = {
     "not_before": "Delayed delivery: not published before this time.",
     "nacks": "Broker nacks of this row (its nack budget: max_attempts).",
-    "lost_confirms": "Publishes whose confirm never came: possible duplicates.",
+    "lost_confirms": "Publishes whose confirm never came: possible duplicates for an "
+    "exchange's row. For a stream's row, resends under the same publishing id, which the broker "
+    "drops: not duplicates (see delivery).",
+    "stream": "A RabbitMQ stream's row: its stream (exchange and routing key are then empty).",
+    "stream_seq": "A stream's row: its publishing id in its lane, given at its first claim.",
     "body_size": "The body's length in bytes.",
     "last_error": "Why the row failed; a reason over 8,192 characters is cut and says so.",
     "reply_text": "The broker's reply; over 8,192 characters it is cut and says so.",
@@ -391,13 +440,27 @@ def _message_fields() -> dict[str, Any]:
     """The answer's fields: every field of :class:`MessageRecord` but the raw body, with
     its type (one shape for a message row: a column added there is in the answer too)."""
     return record_fields(MessageRecord, leave_out="body", docs=MESSAGE_FIELD_DOCS) | {
+        "destination": (
+            str,
+            Field(
+                description="Where it goes, in words: its exchange and routing key, or its "
+                "stream and publishing id."
+            ),
+        ),
+        "delivery": (
+            Literal["at least once", "exactly once"],
+            Field(
+                description="Exactly once for a stream's row (the broker drops a repeated "
+                "publishing id); at least once for an exchange's (see lost_confirms)."
+            ),
+        ),
         "body_base64": (
             str | None,
             Field(
                 description="The body, only with `include_body=true`: its first MiB when "
                 "`body_size` is larger."
             ),
-        )
+        ),
     }
 
 
@@ -442,6 +505,7 @@ class RepublishRequest(_RepublishBase):
     batch_id: Text | None = None
     exchange: Text | None = None
     routing_key: Text | None = None
+    stream: StreamName | None = None
     ordering_key: Text | None = Field(
         default=None,
         description="The rows of one ordering key: republish a parked key's "
@@ -491,6 +555,7 @@ class RepublishFilterOut(BaseModel):
     created_before: dt.datetime | None
     message_id: str | None = None
     routing_key: str | None = None
+    stream: str | None = None
     ordering_key: str | None = None
     reason: str | None = None
     cause: str | None = None
@@ -527,6 +592,11 @@ class FailureGroupOut(BaseModel):
     first_created: dt.datetime | None
     last_created: dt.datetime | None
     sample_message_id: str = Field(description="One message of the group (GET /v1/messages/{id}).")
+    stream: str | None = Field(
+        default=None,
+        description="A stream's failures: its stream (exchange and routing key empty); pass "
+        "it as `stream` to POST /v1/republish.",
+    )
 
     @classmethod
     def of(cls, g: FailureGroup) -> FailureGroupOut:

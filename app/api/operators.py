@@ -1,6 +1,7 @@
 """``/v1/failures`` (terminal failures grouped by cause), ``/v1/audit`` (operator actions),
 ``/v1/rejects`` (rows the Spark writer refused) and
-``/v1/messages`` (messages by status, batch, exchange, routing key, ordering key, reason)."""
+``/v1/messages`` (messages by status, batch, exchange, routing key, stream, ordering key,
+reason)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 
 from app.api.context import ApiContext
-from app.api.models import FailuresOut, MessageOut, Text, UtcDatetime, copied
+from app.api.models import FailuresOut, MessageOut, StreamName, Text, UtcDatetime, copied
 from app.api.v1 import Ctx, reader_router
 from app.outbox.read.audit import audit_trail
 from app.outbox.read.failures import failures_by_cause
@@ -133,7 +134,8 @@ After = Annotated[
 @router.get(
     "/messages",
     response_model=MessagePage,
-    summary="Messages by status, batch, exchange, routing key, ordering key, reason, created range",
+    summary="Messages by status, batch, exchange, routing key, stream, ordering key, reason, "
+    "created range",
 )
 def list_messages(
     ctx: Ctx,
@@ -141,6 +143,7 @@ def list_messages(
     batch_id: Annotated[Text | None, Query()] = None,
     exchange: Annotated[Text | None, Query()] = None,
     routing_key: Annotated[Text | None, Query()] = None,
+    stream: Annotated[StreamName | None, Query()] = None,
     ordering_key: Annotated[Text | None, Query()] = None,
     reason: Reason = None,
     created_after: CreatedAfter = None,
@@ -155,6 +158,7 @@ def list_messages(
             batch_id=batch_id,
             exchange=exchange,
             routing_key=routing_key,
+            stream=stream,
             ordering_key=ordering_key,
             reason=reason,
             created_after=created_after,

@@ -22,13 +22,20 @@ from app.api.models import (
     RepublishOut,
     RepublishRequest,
     StatsOut,
+    StreamLaneOut,
+    StreamName,
     Text,
 )
 from app.outbox.actions import RequestIdReused
 from app.outbox.read.batches import BatchCursor, batch_exists, batch_summary, list_batches
 from app.outbox.read.cursors import BadCursor
 from app.outbox.read.messages import message
-from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
+from app.outbox.read.outstanding import (
+    OutstandingFilter,
+    OutstandingKey,
+    list_lanes,
+    outstanding_confirms,
+)
 from app.outbox.read.stats import stats_for
 from app.outbox.scope import RepublishFilter
 from app.outbox.shown import MAX_SHOWN_BODY
@@ -105,6 +112,7 @@ def get_outstanding(
     publisher: Annotated[Text | None, Query(description="Lease owner (publisher id).")] = None,
     exchange: Annotated[Text | None, Query()] = None,
     batch_id: Annotated[Text | None, Query()] = None,
+    stream: Annotated[StreamName | None, Query()] = None,
     min_age_seconds: Annotated[
         float | None, Query(ge=0, le=MAX_AGE_SECONDS, allow_inf_nan=False)
     ] = None,
@@ -116,12 +124,26 @@ def get_outstanding(
     except BadCursor as exc:
         raise _bad_cursor(exc) from None
     flt = OutstandingFilter(
-        publisher=publisher, exchange=exchange, batch_id=batch_id, min_age_seconds=min_age_seconds
+        publisher=publisher,
+        exchange=exchange,
+        batch_id=batch_id,
+        min_age_seconds=min_age_seconds,
+        stream=stream,
     )
     page = outstanding_confirms(ctx.engine, now=ctx.now(), flt=flt, limit=limit, after=after)
     return OutstandingPage(
         items=[OutstandingOut.of(o) for o in page.items], next_cursor=page.next_cursor
     )
+
+
+@router.get(
+    "/streams",
+    response_model=list[StreamLaneOut],
+    summary="Streams' lanes: holder, lease, next publishing id, takeovers, rows in flight",
+)
+def get_streams(ctx: Ctx, stream: Annotated[StreamName | None, Query()] = None) -> Any:
+    """Every lane of every stream the outbox has written to (few: a stream has a handful)."""
+    return [StreamLaneOut.of(lane) for lane in list_lanes(ctx.engine, now=ctx.now(), stream=stream)]
 
 
 @router.get("/batches", response_model=BatchPage, summary="Batches, newest first")

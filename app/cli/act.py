@@ -25,6 +25,7 @@ from app.cli.common import (
     one_line,
     positive_days,
     print_json,
+    stream_name,
     timestamp,
 )
 from app.cli.render import render_republish
@@ -253,6 +254,7 @@ def _republish_filter(args: argparse.Namespace) -> RepublishFilter:
             batch_id=args.batch,
             exchange=args.exchange,
             routing_key=args.routing_key,
+            stream=args.stream,
             ordering_key=args.ordering_key,
             reason=args.reason,
             created_after=args.created_after,
@@ -279,6 +281,7 @@ def _add_republish(sub: Sub) -> None:
     )
     rep.add_argument("--exchange", help="only rows for this exchange")
     rep.add_argument("--routing-key", help="only rows with this routing key")
+    rep.add_argument("--stream", type=stream_name, help="only rows for this RabbitMQ stream")
     rep.add_argument("--reason", help="only rows whose error or reply text holds this, any case")
     rep.add_argument(
         "--ordering-key", help="only rows of this ordering key (a parked key's blocking row)"

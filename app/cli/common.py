@@ -130,6 +130,16 @@ def one_line(most: int) -> Callable[[str], str]:
     return check
 
 
+def stream_name(text: str) -> str:
+    """A stream filter: a name RabbitMQ takes for a stream (as the API checks it)."""
+    from app.streams.names import StreamNameError, check_stream_name
+
+    try:
+        return check_stream_name(text)
+    except StreamNameError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def default_actor() -> str:
     try:
         user = getpass.getuser()

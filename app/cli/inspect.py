@@ -1,4 +1,5 @@
-"""Commands that look: status, message, outstanding, failures, rejects, audit, batches."""
+"""Commands that look: status, message, outstanding, streams, failures, rejects, audit,
+batches."""
 
 from __future__ import annotations
 
@@ -18,12 +19,18 @@ from app.cli.common import (
     json_flag,
     positive_seconds,
     print_json,
+    stream_name,
 )
 from app.cli.render import (
     BATCH_HEADERS,
+    LANE_HEADERS,
+    OUTSTANDING_HEADERS,
     audit_line,
     batch_row,
-    duration,
+    delivery_line,
+    failure_place,
+    lane_row,
+    outstanding_row,
     reject_line,
     render_batches,
     render_stats,
@@ -36,7 +43,12 @@ from app.outbox.read.batches import batch_summary, list_batches
 from app.outbox.read.cursors import BadCursor
 from app.outbox.read.failures import failures_by_cause
 from app.outbox.read.messages import message
-from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
+from app.outbox.read.outstanding import (
+    OutstandingFilter,
+    OutstandingKey,
+    list_lanes,
+    outstanding_confirms,
+)
 from app.outbox.read.rejects import writer_rejects
 from app.outbox.read.stats import stats_for
 from app.outbox.states import Status
@@ -85,6 +97,7 @@ def _cmd_message(settings: Settings, args: argparse.Namespace) -> int:
     for name, value in out.model_dump().items():
         if value not in (None, {}, []):
             print(f"{name:<16} {value}")
+    print(delivery_line(found))
     return EXIT_OK
 
 
@@ -94,6 +107,7 @@ def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
         exchange=args.exchange,
         batch_id=args.batch,
         min_age_seconds=args.min_age,
+        stream=args.stream,
     )
     try:
         after = OutstandingKey.decode(args.cursor) if args.cursor else None
@@ -112,24 +126,25 @@ def _cmd_outstanding(settings: Settings, args: argparse.Namespace) -> int:
     if not page.items:
         print("nothing awaits a broker confirm")
         return EXIT_OK
-    show_table(
-        ["message", "publisher", "channel", "tag", "attempt", "exchange", "routing key", "age"],
-        [
-            (
-                o.message_id,
-                o.publisher,
-                o.channel_id,
-                o.delivery_tag if o.delivery_tag is not None else "not sent",
-                f"{o.attempt}/{o.max_attempts}",
-                o.exchange,
-                o.routing_key,
-                duration(o.age_seconds),
-            )
-            for o in page.items
-        ],
-    )
+    show_table(OUTSTANDING_HEADERS, [outstanding_row(o) for o in page.items])
     if page.next_cursor:
         print(f"more: outbox outstanding --cursor {page.next_cursor}")
+    return EXIT_OK
+
+
+def _cmd_streams(settings: Settings, args: argparse.Namespace) -> int:
+    with database(settings) as engine:
+        now = utcnow()
+        lanes = list_lanes(engine, now=now, stream=args.stream)
+    if args.json:
+        from app.api.models import StreamLaneOut
+
+        print_json([StreamLaneOut.of(lane).model_dump(mode="json") for lane in lanes])
+        return EXIT_OK
+    if not lanes:
+        print("no stream lanes: no row for a stream was published yet")
+        return EXIT_OK
+    show_table(LANE_HEADERS, [lane_row(lane, now) for lane in lanes])
     return EXIT_OK
 
 
@@ -146,13 +161,12 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_OK
     if fancy():
         show_table(
-            ["rows", "status", "exchange", "routing key", "reason", "sample"],
+            ["rows", "status", "exchange/stream", "routing key", "reason", "sample"],
             [
                 (
                     g.rows,
                     g.status.value,
-                    g.exchange,
-                    g.routing_key,
+                    *failure_place(g),
                     g.reason[:70],
                     g.sample_message_id,
                 )
@@ -161,18 +175,16 @@ def _cmd_failures(settings: Settings, args: argparse.Namespace) -> int:
         )
         say(
             "a message: outbox message ID; fix the cause, then outbox republish --status ... "
-            "--exchange ..."
+            "--exchange ... (or --stream ...)"
         )
         return EXIT_OK
-    print(f"{'rows':>6}  {'status':<9} {'exchange':<20} {'routing key':<20} reason")
+    print(f"{'rows':>6}  {'status':<9} {'exchange/stream':<20} {'routing key':<20} reason")
     for g in groups:
-        print(
-            f"{g.rows:>6}  {g.status.value:<9} {g.exchange[:20]:<20} {g.routing_key[:20]:<20} "
-            f"{g.reason[:70]}"
-        )
+        place, key = failure_place(g)
+        print(f"{g.rows:>6}  {g.status.value:<9} {place[:20]:<20} {key[:20]:<20} {g.reason[:70]}")
     print(
         "a message: outbox message ID; fix the cause, then outbox republish --status ... "
-        "--exchange ..."
+        "--exchange ... (or --stream ...)"
     )
     return EXIT_OK
 
@@ -284,22 +296,6 @@ def _add_status(sub: Sub) -> None:
     fail.add_argument("--limit", type=bounded_int(1, 500), default=50, help="most groups shown")
     json_flag(fail, "GET /v1/failures")
     fail.set_defaults(func=_cmd_failures)
-    out = sub.add_parser(
-        "outstanding", help="publishes awaiting a broker confirm: publisher, channel, tag, age"
-    )
-    out.add_argument("--publisher", help="only rows held by this publisher id")
-    out.add_argument("--exchange", help="only rows for this exchange")
-    out.add_argument("--batch", help="only rows of this batch id")
-    out.add_argument(
-        "--min-age",
-        type=positive_seconds,
-        metavar="SECONDS",
-        help="only rows waiting at least this long",
-    )
-    out.add_argument("--limit", type=bounded_int(1, 1000), default=100, help="most rows shown")
-    out.add_argument("--cursor", help="the `more:` cursor of the previous page")
-    json_flag(out, "GET /v1/confirms/outstanding")
-    out.set_defaults(func=_cmd_outstanding)
     rej = sub.add_parser(
         "rejects",
         help="rows the Spark writer refused (reject mode): bad values and message id "
@@ -315,6 +311,36 @@ def _add_status(sub: Sub) -> None:
     aud.set_defaults(func=_cmd_audit)
 
 
+def _add_outstanding(sub: Sub) -> None:
+    out = sub.add_parser(
+        "outstanding", help="publishes awaiting a broker confirm: publisher, channel, tag, age"
+    )
+    out.add_argument("--publisher", help="only rows held by this publisher id")
+    out.add_argument("--exchange", help="only rows for this exchange")
+    out.add_argument("--stream", type=stream_name, help="only rows for this RabbitMQ stream")
+    out.add_argument("--batch", help="only rows of this batch id")
+    out.add_argument(
+        "--min-age",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="only rows waiting at least this long",
+    )
+    out.add_argument("--limit", type=bounded_int(1, 1000), default=100, help="most rows shown")
+    out.add_argument("--cursor", help="the `more:` cursor of the previous page")
+    json_flag(out, "GET /v1/confirms/outstanding")
+    out.set_defaults(func=_cmd_outstanding)
+
+
+def _add_streams(sub: Sub) -> None:
+    lanes = sub.add_parser(
+        "streams",
+        help="the streams' lanes: holder, lease, next publishing id, takeovers, rows in flight",
+    )
+    lanes.add_argument("--stream", type=stream_name, help="only this stream's lanes")
+    json_flag(lanes, "GET /v1/streams")
+    lanes.set_defaults(func=_cmd_streams)
+
+
 def _add_batches(sub: Sub) -> None:
     bat = sub.add_parser("batches", help="rows per status for each batch, newest first")
     bat.add_argument("batch_id", nargs="?", help="show this batch only")
@@ -327,7 +353,9 @@ def _add_batches(sub: Sub) -> None:
 
 
 def register(sub: Sub) -> None:
-    """This group's commands (reading: status, message, failures, outstanding, rejects,
-    audit, batches)."""
+    """This group's commands (reading: status, message, failures, outstanding, streams,
+    rejects, audit, batches)."""
     _add_status(sub)
+    _add_outstanding(sub)
+    _add_streams(sub)
     _add_batches(sub)

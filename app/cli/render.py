@@ -10,6 +10,9 @@ from app.cli.common import json_compact
 from app.cli_output import cell, plain_table, say, show_table
 from app.outbox.read.audit import AuditEntry
 from app.outbox.read.batches import BatchSummary
+from app.outbox.read.failures import FailureGroup
+from app.outbox.read.messages import MessageRecord
+from app.outbox.read.outstanding import OutstandingConfirm, StreamLane
 from app.outbox.read.rejects import WriterReject
 from app.outbox.read.stats import OutboxStats
 from app.outbox.scope import RepublishFilter
@@ -32,6 +35,10 @@ def duration(seconds: float | None) -> str:
     return " ".join(shown) or "0s"
 
 
+#: Beside the possible duplicates: whose they are.
+STREAMS_APART = " (rows for exchanges; a stream's rows are exactly once)"
+
+
 def render_stats(s: OutboxStats) -> str:
     lat = s.confirm_latency
     counts = [(status.value, n) for status, n in s.counts.items()]
@@ -50,7 +57,7 @@ def render_stats(s: OutboxStats) -> str:
         f"oldest unconfirmed    {duration(s.oldest_in_flight_age_seconds)}",
         f"confirm latency       p50 {duration(lat.p50)}, p90 {duration(lat.p90)}, "
         f"p99 {duration(lat.p99)} ({lat.samples} confirms, last {duration(lat.window_seconds)})",
-        f"possible duplicates   {s.possible_duplicates}",
+        f"possible duplicates   {s.possible_duplicates}{STREAMS_APART}",
         f"operator republished  {s.operator_republished}",
         f"parked (uncommitted)  {s.parked}"
         + (f", oldest {duration(s.oldest_parked_age_seconds)}" if s.parked else ""),
@@ -115,7 +122,7 @@ def show_stats(s: OutboxStats) -> None:
                 f"p99 {duration(lat.p99)} ({lat.samples} confirms, last "
                 f"{duration(lat.window_seconds)})",
             ),
-            ("possible duplicates", str(s.possible_duplicates)),
+            ("possible duplicates", f"{s.possible_duplicates}{STREAMS_APART}"),
             ("operator republished", str(s.operator_republished)),
             (
                 "parked (uncommitted Spark batches)",
@@ -220,3 +227,62 @@ def render_republish(r: Any, *, flt: RepublishFilter, request_id: str | None) ->
         )
     sample = ", ".join(r.sample) if r.sample else "-"
     return f"{head}\nsample: {sample}"
+
+
+OUTSTANDING_HEADERS = [
+    "message",
+    "publisher",
+    "channel/lane",
+    "tag/id",
+    "attempt",
+    "exchange/stream",
+    "routing key",
+    "age",
+]
+
+
+def outstanding_row(o: OutstandingConfirm) -> tuple[Any, ...]:
+    """An in-flight row: its channel and delivery tag, or a stream's lane and publishing id."""
+    if o.stream is not None:
+        where: tuple[Any, ...] = (f"lane {o.lane}", f"id {o.stream_seq}", f"stream {o.stream}", "")
+    else:
+        tag = o.delivery_tag if o.delivery_tag is not None else "not sent"
+        where = (o.channel_id, tag, o.exchange, o.routing_key)
+    attempt = f"{o.attempt}/{o.max_attempts}"
+    return (o.message_id, o.publisher, *where[:2], attempt, *where[2:], duration(o.age_seconds))
+
+
+LANE_HEADERS = ["stream", "lane", "holder", "lease", "next id", "in flight", "takeovers"]
+
+
+def lane_row(lane: StreamLane, now: dt.datetime) -> tuple[Any, ...]:
+    if lane.owner is None:
+        lease = "free"
+    elif lane.held:
+        lease = f"for {duration(_ago(now, lane.lease_until or now))}"
+    else:
+        lease = "expired: the next publisher to look takes it over"
+    return (
+        lane.stream,
+        f"{lane.lane}/{lane.lanes}",
+        lane.owner or "-",
+        lease,
+        lane.next_seq,
+        lane.in_flight,
+        lane.takeovers,
+    )
+
+
+def failure_place(g: FailureGroup) -> tuple[str, str]:
+    """Where a failure group's rows went: its exchange and routing key, or its stream."""
+    return (f"stream {g.stream}", "") if g.stream is not None else (g.exchange, g.routing_key)
+
+
+def delivery_line(m: MessageRecord) -> str:
+    """How often the broker may hold the message, in words."""
+    if m.stream is not None:
+        resent = f" ({m.lost_confirms} resend(s) under the same id)" if m.lost_confirms else ""
+        why = "exactly once: the broker drops a repeated id"
+        return f"guarantee        {m.destination}, {why}{resent}"
+    dups = f", {m.lost_confirms} possible duplicate(s)" if m.lost_confirms else ""
+    return f"guarantee        {m.destination}, at least once{dups}"

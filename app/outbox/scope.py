@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.outbox.states import TERMINAL_FAILURES, Status
+from app.streams.names import StreamNameError, check_stream_name
 
 #: A failure's cause is the first this many characters of its reason (``last_error``, else
 #: ``reply_text``): the failures view groups by it, and a group's republish matches it exactly.
@@ -26,6 +27,7 @@ CRITERIA = (
     "batch_id",
     "exchange",
     "routing_key",
+    "stream",
     "ordering_key",
     "reason",
     "cause",
@@ -37,6 +39,7 @@ _WORDS = {
     "batch_id": "batch",
     "exchange": "exchange",
     "routing_key": "routing key",
+    "stream": "stream",
     "ordering_key": "ordering key",
     "reason": "reason containing",
     "cause": "reason",
@@ -61,6 +64,8 @@ class Scope:
     batch_id: str | None = None
     exchange: str | None = None
     routing_key: str | None = None
+    #: a RabbitMQ stream's rows (their ``exchange`` and ``routing_key`` are empty)
+    stream: str | None = None
     ordering_key: str | None = None
     #: case-insensitive substring of ``last_error`` or ``reply_text`` (what a search types)
     reason: str | None = None
@@ -79,6 +84,11 @@ class Scope:
             raise ScopeError("created_after must be earlier than created_before")
         if self.cause is not None and len(self.cause) > CAUSE_LENGTH:
             raise ScopeError(f"a cause is at most {CAUSE_LENGTH} characters")
+        if self.stream is not None:
+            try:
+                check_stream_name(self.stream)
+            except StreamNameError as exc:
+                raise ScopeError(str(exc)) from None
 
     def criteria(self) -> dict[str, Any]:
         """The conditions given besides statuses."""
@@ -136,7 +146,7 @@ class RepublishFilter(Scope):
         if statuses is None and not given and not everything:
             raise ScopeError(
                 "say what to republish: a filter (status, batch, exchange, routing key, "
-                'ordering key, reason, message, created_after/created_before) or "all"'
+                'stream, ordering key, reason, message, created_after/created_before) or "all"'
             )
         try:
             chosen = TERMINAL_FAILURES if statuses is None else frozenset(map(Status, statuses))
@@ -155,7 +165,7 @@ class RepublishFilter(Scope):
             "created_after": self.created_after.isoformat() if self.created_after else None,
             "created_before": self.created_before.isoformat() if self.created_before else None,
         }
-        for name in ("message_id", "routing_key", "ordering_key", "reason", "cause"):
+        for name in ("message_id", "routing_key", "stream", "ordering_key", "reason", "cause"):
             if getattr(self, name) is not None:
                 doc[name] = getattr(self, name)
         return doc

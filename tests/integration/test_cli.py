@@ -46,6 +46,7 @@ COMMANDS = [
     "parked",
     "skip",
     "outstanding",
+    "streams",
     "message",
     "failures",
     "audit",
@@ -571,7 +572,7 @@ def test_tables_and_colour_on_a_terminal_plain_when_piped_or_no_color(
     assert "\x1b[" not in out and out.splitlines()[0].split() == [
         "rows",
         "status",
-        "exchange",
+        "exchange/stream",
         "routing",
         "key",
         "reason",
@@ -608,7 +609,7 @@ def test_outstanding_lists_held_rows_with_channel_tag_and_age_in_pages(
     rc, out, _ = run(capsys, "outstanding")
     assert rc == EXIT_OK
     lines = out.splitlines()
-    assert lines[0].split()[:4] == ["message", "publisher", "channel", "tag"]
+    assert lines[0].split()[:4] == ["message", "publisher", "channel/lane", "tag/id"]
     assert len(lines) == 1 + 4 and sum("not sent" in line for line in lines) == 1
     rc, out, _ = run(capsys, "outstanding", "--limit", "3")
     more = out.splitlines()[-1]

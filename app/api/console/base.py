@@ -338,7 +338,7 @@ def status_param(request: Request) -> Status | None:
         raise ConsoleError(400, f"Unknown status {value!r}: one of {known}.") from None
 
 
-SEARCH_FIELDS = ("batch_id", "exchange", "routing_key", "ordering_key", "reason")
+SEARCH_FIELDS = ("batch_id", "exchange", "routing_key", "stream", "ordering_key", "reason")
 
 
 TIME_FIELDS = ("created_after", "created_before")

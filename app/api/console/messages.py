@@ -105,6 +105,7 @@ def message(request: Request, message_id: str) -> HTMLResponse:
         "exchange": found.exchange,
         "message_id": found.message_id,
         "routing_key": found.routing_key,
+        "stream": found.stream,
         "ordering_key": found.ordering_key,
     }
     actions = [
@@ -177,24 +178,33 @@ def _history(m: MessageRecord, events: list[MessageEvent]) -> list[Step]:
             )
         )
     if m.published_at:
-        where = (
-            f" on channel {m.channel_id}, delivery tag {m.delivery_tag}"
-            if m.delivery_tag is not None
-            else ""
-        )
-        steps.append((m.published_at, PUBLISHED, f"published to {m.exchange!r}{where}"))
+        steps.append((m.published_at, PUBLISHED, _published(m)))
     steps += [(at, NOW, words) for at, words in _current(m, kinds)]
     if m.lost_confirms and "lost" not in kinds:
-        steps.append(
-            (
-                None,
-                NOW,
-                f"{m.lost_confirms} confirm(s) lost to a closed channel: the "
-                "broker may hold a duplicate",
-            )
-        )
+        steps.append((None, NOW, _lost(m)))
     steps.sort(key=lambda s: (s[0] is None, s[0] or m.created_at, s[1]))
     return [(at, words) for at, _place, words in steps]
+
+
+def _published(m: MessageRecord) -> str:
+    if m.stream is not None:
+        return f"published to {m.destination}"
+    where = (
+        f" on channel {m.channel_id}, delivery tag {m.delivery_tag}"
+        if m.delivery_tag is not None
+        else ""
+    )
+    return f"published to {m.exchange!r}{where}"
+
+
+def _lost(m: MessageRecord) -> str:
+    """A row's lost confirms: possible duplicates, but for a stream's row (exactly once)."""
+    if m.stream is not None:
+        return (
+            f"{m.lost_confirms} resend(s) under the same publishing id after a lost confirm: "
+            "the broker drops a repeated id, so not a duplicate"
+        )
+    return f"{m.lost_confirms} confirm(s) lost to a closed channel: the broker may hold a duplicate"
 
 
 def _current(m: MessageRecord, kinds: set[str]) -> list[Step]:

@@ -1,4 +1,5 @@
-"""The overview (verdict, counts, rates), the outstanding confirms and the parked keys."""
+"""The overview (verdict, counts, rates), the outstanding confirms with the streams' lanes,
+and the parked keys."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ from app.api.console.base import (
 from app.api.context import get_ctx
 from app.outbox import health
 from app.outbox.read.keys import parked_keys as read_parked_keys
-from app.outbox.read.outstanding import OutstandingFilter, OutstandingKey, outstanding_confirms
+from app.outbox.read.outstanding import (
+    OutstandingFilter,
+    OutstandingKey,
+    list_lanes,
+    outstanding_confirms,
+)
 from app.outbox.read.rates import Rates
 from app.outbox.read.rates import rates as read_rates
 from app.outbox.read.rejects import reject_count
@@ -106,7 +112,8 @@ def outstanding(request: Request) -> HTMLResponse:
     with ctx.engine.connect() as conn:
         known = publisher_rows(conn, now=ctx.now(), alive_after=ctx.alive_after)
     alive = {p.publisher_id for p in known if p.alive}
-    return render(request, "outstanding.html", session=session, page=page, alive=alive)
+    lanes = list_lanes(ctx.engine, now=ctx.now())
+    return render(request, "outstanding.html", session=session, page=page, alive=alive, lanes=lanes)
 
 
 @router.get("/parked")

@@ -169,6 +169,12 @@ def _per_batch(batch_ids: Sequence[str], *figures: ColumnElement[Any]) -> Select
     )
 
 
+def _possible_duplicates() -> ColumnElement[int]:
+    """A row's possible duplicates: its lost confirms, an exchange's row only (a stream's
+    resends go out under their publishing id, which the broker drops: exactly once)."""
+    return case((outbox.c.stream.is_(None), outbox.c.lost_confirms), else_=0)
+
+
 def _aggregates(conn: Connection, batch_ids: Sequence[str]) -> dict[str, Any]:
     """Per batch, every figure of its summary, read from its rows."""
     per_status = [func.sum(case((outbox.c.status == s, 1), else_=0)).label(s.value) for s in Status]
@@ -180,7 +186,7 @@ def _aggregates(conn: Connection, batch_ids: Sequence[str]) -> dict[str, Any]:
         func.max(outbox.c.published_at).label("last_published_at"),
         func.min(confirmed_at).label("first_confirmed_at"),
         func.max(confirmed_at).label("last_confirmed_at"),
-        func.sum(outbox.c.lost_confirms).label("republished"),
+        func.sum(_possible_duplicates()).label("republished"),
     )
     return {row["batch_id"]: row for row in conn.execute(agg).mappings()}
 
@@ -220,7 +226,7 @@ def _tallies(conn: Connection, batch_ids: Sequence[str]) -> dict[str, dict[str, 
         out[batch_id][status] = int(n)
     lost = (
         select(outbox.c.batch_id, func.sum(outbox.c.lost_confirms))
-        .where(mine, outbox.c.lost_confirms > 0)
+        .where(mine, outbox.c.lost_confirms > 0, outbox.c.stream.is_(None))
         .group_by(outbox.c.batch_id)
     )
     for batch_id, n in conn.execute(lost).all():

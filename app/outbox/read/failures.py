@@ -1,6 +1,7 @@
-"""Terminal failures grouped by cause: by status, exchange, routing key and reason for
-``GET /v1/failures`` and ``outbox failures``; a page of causes with their routing keys and
-the totals for the console's failures page.
+"""Terminal failures grouped by cause: by status, exchange (or stream), routing key and reason
+for ``GET /v1/failures`` and ``outbox failures``; a page of causes with their routing keys and
+the totals for the console's failures page. A stream's rows (exchange and routing key empty)
+are grouped by their stream, never with another stream's or the default exchange's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from app.outbox.states import TERMINAL_FAILURES, Status
 
 @dataclass(frozen=True, slots=True)
 class FailureGroup:
-    """Terminal failures sharing a cause: status, exchange, routing key and reason."""
+    """Terminal failures sharing a cause: status, exchange, routing key and reason (a
+    stream's: status, stream and reason)."""
 
     status: Status
     exchange: str
@@ -30,6 +32,7 @@ class FailureGroup:
     first_created: dt.datetime | None
     last_created: dt.datetime | None
     sample_message_id: str
+    stream: str | None = None
 
 
 def failures_by_cause(engine: Engine, *, limit: int = 50) -> list[FailureGroup]:
@@ -41,6 +44,7 @@ def failures_by_cause(engine: Engine, *, limit: int = 50) -> list[FailureGroup]:
             outbox.c.status,
             outbox.c.exchange,
             outbox.c.routing_key,
+            outbox.c.stream,
             reason.label("reason"),
             func.count().label("n"),
             func.min(outbox.c.created_at).label("first"),
@@ -48,8 +52,8 @@ def failures_by_cause(engine: Engine, *, limit: int = 50) -> list[FailureGroup]:
             func.min(outbox.c.message_id).label("sample"),
         )
         .where(outbox.c.status.in_([s.value for s in TERMINAL_FAILURES]))
-        .group_by(outbox.c.status, outbox.c.exchange, outbox.c.routing_key, reason)
-        .order_by(func.count().desc(), outbox.c.exchange)
+        .group_by(outbox.c.status, outbox.c.exchange, outbox.c.routing_key, outbox.c.stream, reason)
+        .order_by(func.count().desc(), outbox.c.exchange, outbox.c.stream)
         .limit(limit)
     )
     with engine.connect() as conn:
@@ -64,6 +68,7 @@ def failures_by_cause(engine: Engine, *, limit: int = 50) -> list[FailureGroup]:
             first_created=r.first,
             last_created=r.last,
             sample_message_id=r.sample,
+            stream=r.stream,
         )
         for r in rows
     ]
@@ -80,11 +85,13 @@ class KeyCount:
 
 @dataclass(frozen=True, slots=True)
 class CauseGroup:
-    """Terminal failures with one cause: status, exchange and reason (:func:`cause_of`), with
-    the breakdown by routing key (the largest ``keys`` first; the rest summed in ``more_*``)."""
+    """Terminal failures with one cause: status, exchange or stream, and reason
+    (:func:`cause_of`), with the breakdown by routing key (the largest ``keys`` first; the rest
+    summed in ``more_*``)."""
 
     status: Status
     exchange: str
+    stream: str | None
     cause: str
     rows: int
     first_created: dt.datetime | None
@@ -106,7 +113,7 @@ class FailuresPage:
 
 
 def _cause_key() -> list[ColumnElement[Any]]:
-    return [outbox.c.status, outbox.c.exchange, cause_of()]
+    return [outbox.c.status, outbox.c.exchange, outbox.c.stream, cause_of()]
 
 
 def failures_page(
@@ -118,7 +125,9 @@ def failures_page(
     terminal = outbox.c.status.in_(sorted(s.value for s in TERMINAL_FAILURES))
     cause = cause_of().label("cause")
     grouped = (
-        select(outbox.c.status, outbox.c.exchange, cause).where(terminal).group_by(*_cause_key())
+        select(outbox.c.status, outbox.c.exchange, outbox.c.stream, cause)
+        .where(terminal)
+        .group_by(*_cause_key())
     )
     counted = grouped.add_columns(func.count().label("n")).subquery()
     totals = select(func.count(), func.coalesce(func.sum(counted.c.n), 0)).select_from(counted)
@@ -129,22 +138,25 @@ def failures_page(
             func.max(outbox.c.created_at).label("last"),
             func.min(outbox.c.message_id).label("sample"),
         )
-        .order_by(func.count().desc(), outbox.c.status, outbox.c.exchange, cause_of())
+        .order_by(
+            func.count().desc(), outbox.c.status, outbox.c.exchange, outbox.c.stream, cause_of()
+        )
         .limit(limit)
         .offset(offset)
     )
     with snapshot(engine) as conn:
         n_groups, n_rows = conn.execute(totals).one()
         rows = conn.execute(page).all()
-        keys = _keys_of(conn, [(r.status, r.exchange, r.cause) for r in rows]) if rows else {}
+        keys = _keys_of(conn, [_key(r) for r in rows]) if rows else {}
     groups = []
     for r in rows:
-        every = keys.get((r.status, r.exchange, r.cause), [])
+        every = keys.get(_key(r), [])
         shown, rest = every[:keys_per_group], every[keys_per_group:]
         groups.append(
             CauseGroup(
                 status=Status(r.status),
                 exchange=r.exchange,
+                stream=r.stream,
                 cause=r.cause,
                 rows=int(r.n),
                 first_created=r.first,
@@ -160,18 +172,32 @@ def failures_page(
     )
 
 
-def _keys_of(
-    conn: Connection, causes: Sequence[tuple[str, str, str]]
-) -> dict[tuple[str, str, str], list[KeyCount]]:
+Cause = tuple[str, str, str | None, str]
+
+
+def _key(row: Any) -> Cause:
+    return (row.status, row.exchange, row.stream, row.cause)
+
+
+def _keys_of(conn: Connection, causes: Sequence[Cause]) -> dict[Cause, list[KeyCount]]:
     """The routing keys of these causes, largest first."""
     cause = cause_of()
     which = or_(
-        *[and_(outbox.c.status == st, outbox.c.exchange == ex, cause == c) for st, ex, c in causes]
+        *[
+            and_(
+                outbox.c.status == st,
+                outbox.c.exchange == ex,
+                outbox.c.stream.is_not_distinct_from(sm),
+                cause == c,
+            )
+            for st, ex, sm, c in causes
+        ]
     )
     stmt = (
         select(
             outbox.c.status,
             outbox.c.exchange,
+            outbox.c.stream,
             cause.label("cause"),
             outbox.c.routing_key,
             func.count().label("n"),
@@ -181,9 +207,9 @@ def _keys_of(
         .group_by(*_cause_key(), outbox.c.routing_key)
         .order_by(func.count().desc(), outbox.c.routing_key)
     )
-    out: dict[tuple[str, str, str], list[KeyCount]] = {}
+    out: dict[Cause, list[KeyCount]] = {}
     for r in conn.execute(stmt):
-        out.setdefault((r.status, r.exchange, r.cause), []).append(
+        out.setdefault(_key(r), []).append(
             KeyCount(routing_key=r.routing_key, rows=int(r.n), sample_message_id=r.sample)
         )
     return out

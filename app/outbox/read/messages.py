@@ -62,6 +62,27 @@ class MessageRecord:
     reply_text: str | None
     body_size: int
     body: bytes | None
+    #: a RabbitMQ stream's row: its stream (``exchange`` and ``routing_key`` are empty) and its
+    #: publishing id, given at its first claim and kept until it is settled
+    stream: str | None = None
+    stream_seq: int | None = None
+
+    @property
+    def delivery(self) -> str:
+        """How often the broker may hold it: a stream drops a repeated publishing id."""
+        return "exactly once" if self.stream is not None else "at least once"
+
+    @property
+    def destination(self) -> str:
+        """Where it goes, in words: its stream (with its publishing id), or its exchange."""
+        if self.stream is None:
+            return f"exchange {self.exchange!r}, routing key {self.routing_key!r}"
+        seq = (
+            "no publishing id yet"
+            if self.stream_seq is None
+            else f"publishing id {self.stream_seq}"
+        )
+        return f"stream {self.stream!r}, {seq}"
 
 
 #: Text columns a reader sees cut at :data:`~app.outbox.shown.MAX_SHOWN_TEXT` characters.
@@ -70,6 +91,7 @@ _SHOWN_TEXT = (
     "batch_id",
     "exchange",
     "routing_key",
+    "stream",
     "content_type",
     "ordering_key",
     "lease_owner",

@@ -36,6 +36,7 @@ def scope_conditions(flt: Scope) -> list[ColumnElement[bool]]:
         (outbox.c.batch_id, flt.batch_id),
         (outbox.c.exchange, flt.exchange),
         (outbox.c.routing_key, flt.routing_key),
+        (outbox.c.stream, flt.stream),
         (outbox.c.ordering_key, flt.ordering_key),
     ):
         if value is not None:
