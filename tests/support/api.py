@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from pydantic import SecretStr
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, func, insert, select
 
 from app.outbox.records import Backoff, ReturnedRow
 from app.outbox.schema import audit, batches, outbox, publishers
@@ -245,3 +245,65 @@ def statuses_of(engine: Engine, message_ids: list[str]) -> dict[str, str]:
 def audit_rows(engine: Engine) -> list[dict[str, object]]:
     with engine.connect() as conn:
         return [dict(r) for r in conn.execute(select(audit).order_by(audit.c.id)).mappings()]
+
+
+@dataclass
+class StreamSeed:
+    """Rows for two RabbitMQ streams (``s-a``, ``s-b``; two lanes each), written by
+    :func:`app.outbox.enqueue.enqueue` and moved by the stream relay's own store: message ids
+    by what became of them."""
+
+    owner: str
+    in_flight: list[str] = field(default_factory=list)
+    #: in flight again under their publishing ids after a resume (``lost_confirms`` 1 each)
+    resent: list[str] = field(default_factory=list)
+    confirmed: list[str] = field(default_factory=list)
+    failed: dict[str, list[str]] = field(default_factory=dict)
+
+
+STREAM_FAILURE = "stream refused the message: frame too large"
+
+
+def seed_streams(engine: Engine, clock: Clock, *, owner: str = "p9#stream") -> StreamSeed:
+    """``s-a``: 6 rows; lane 0 has one confirmed, one failed and the rest in flight; lane 1 was
+    resumed after a lost confirm (its rows in flight again under their ids, one confirmed).
+    ``s-b``: 2 rows, failed with the same reason as ``s-a``'s. ``clock`` is moved up to the
+    rows' due time if behind it (``enqueue`` makes rows due at the database's ``now()``)."""
+    from app.outbox.database import OutboxDatabase
+    from app.outbox.enqueue import enqueue
+    from app.outbox.message import Message
+    from app.streams.store import StreamStore
+
+    store = StreamStore(OutboxDatabase(engine, clock=clock))
+    with engine.begin() as conn:
+        enqueue(
+            conn,
+            [Message(stream="s-a", body=b"a%d" % i, message_id=f"sa-{i}") for i in range(6)]
+            + [Message(stream="s-b", body=b"b%d" % i, message_id=f"sb-{i}") for i in range(2)],
+            source="streams:1",
+        )
+    with engine.connect() as conn:
+        due = select(func.max(outbox.c.available_at)).where(outbox.c.stream.is_not(None))
+        clock.now = max(clock.now, conn.execute(due).scalar_one())
+    for name in ("s-a", "s-b"):
+        store.ensure_lanes(name, 2)
+    lanes = store.acquire(owner=owner, streams=["s-a", "s-b"], lease_seconds=60)
+    seed = StreamSeed(owner=owner, failed={"s-a": [], "s-b": []})
+    for lane in lanes:
+        rows = store.claim(owner=owner, lane=lane, limit=10, lease_seconds=60)
+        if lane.stream == "s-b":
+            store.failed(owner=owner, lane=lane, ids=[r.id for r in rows], reason=STREAM_FAILURE)
+            seed.failed["s-b"] += [r.message_id for r in rows]
+            continue
+        if lane.lane == 1:  # a new session: the broker had none of its ids, all go out again
+            rows = store.resume(owner=owner, lane=lane, stored=0, limit=10, lease_seconds=60).again
+        first, *rest = rows
+        store.confirmed(owner=owner, lane=lane, ids=[first.id], published_at=clock.now)
+        seed.confirmed.append(first.message_id)
+        if lane.lane == 0:
+            last = rest.pop()
+            store.failed(owner=owner, lane=lane, ids=[last.id], reason=STREAM_FAILURE)
+            seed.failed["s-a"].append(last.message_id)
+        seed.in_flight += [r.message_id for r in rest]
+        seed.resent += [r.message_id for r in rest] if lane.lane == 1 else []
+    return seed

@@ -75,3 +75,21 @@ def test_an_audit_document_of_before_the_new_conditions_still_compares_equal() -
         "created_before": None,
     }
     assert RepublishFilter.of(batch_id="orders:1", statuses=["nacked"]).as_json() == old
+
+
+def test_a_stream_is_a_condition_named_in_words_and_in_the_audit_only_when_set() -> None:
+    flt = RepublishFilter.of(stream="orders-stream", cause="")
+    assert flt.describe() == (
+        "status failed or nacked or returned, stream 'orders-stream', no reason recorded"
+    )
+    assert flt.as_json()["stream"] == "orders-stream"
+    assert "stream" not in RepublishFilter.of(exchange="orders").as_json()
+    assert Scope(stream="s").criteria() == {"stream": "s"}
+
+
+@pytest.mark.parametrize("bad", ["", "a\x00b", "a\nb", "s" * 256, "\u00e9" * 128, "amq.x"])
+def test_a_stream_rabbitmq_would_refuse_is_refused_by_every_scope(bad: str) -> None:
+    with pytest.raises(ScopeError, match="stream name"):
+        Scope(stream=bad)
+    with pytest.raises(ScopeError, match="stream name"):
+        RepublishFilter.of(stream=bad)
