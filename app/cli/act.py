@@ -170,6 +170,25 @@ def _cmd_skip(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_move_lane(settings: Settings, args: argparse.Namespace) -> int:
+    from app.streams.store import StreamStore
+
+    with database(settings) as engine:
+        done = StreamStore(engine).move(stream=args.stream, lane=args.lane, actor=args.actor)
+    if args.json:
+        print_json(done)
+        return EXIT_OK
+    if not done["freed"]:
+        print(f"no lane of stream {args.stream!r} was held; audit {done['audit_id']}")
+        return EXIT_OK
+    held = ", ".join(f"lane {f['lane']} (held by {f['owner']})" for f in done["freed"])
+    print(
+        f"freed {held} of stream {args.stream!r}: the next publisher takes over from the "
+        f"broker's last stored id; audit {done['audit_id']}"
+    )
+    return EXIT_OK
+
+
 def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     from app.consumer import purge_inbox
 
@@ -325,6 +344,18 @@ def _add_keys(sub: Sub) -> None:
     skip.set_defaults(func=_cmd_skip)
 
 
+def _add_move_lane(sub: Sub) -> None:
+    move = sub.add_parser(
+        "move-lane",
+        help="free a stream's lanes (audited): another publisher takes them over, exactly once",
+    )
+    move.add_argument("stream", type=stream_name, help="the stream (see `outbox streams`)")
+    move.add_argument("--lane", type=bounded_int(0, 63), help="one lane (default: all)")
+    actor_flag(move)
+    json_flag(move)
+    move.set_defaults(func=_cmd_move_lane)
+
+
 def _add_purge(sub: Sub) -> None:
     pur = sub.add_parser(
         "purge",
@@ -356,7 +387,9 @@ def _add_purge(sub: Sub) -> None:
 
 
 def register(sub: Sub) -> None:
-    """This group's commands (acting, audited: republish, keys (parked, skip), purge)."""
+    """This group's commands (acting, audited: republish, keys (parked, skip), purge,
+    move-lane)."""
     _add_republish(sub)
     _add_keys(sub)
     _add_purge(sub)
+    _add_move_lane(sub)

@@ -180,19 +180,38 @@ class StreamStore:
                     .values(owner=None, lease_until=None)
                 )
 
-    def move(self, *, stream: str, lane: int | None = None) -> int:
-        """An operator frees a stream's lanes (all, or one): the next publisher to look takes
-        them over and asks the broker first. The one that held them writes nothing more of
-        them. Returns how many lanes were freed."""
+    def move(
+        self, *, stream: str, lane: int | None = None, actor: str, **who: Any
+    ) -> dict[str, Any]:
+        """An operator frees a stream's lanes (all, or one), audited: the next publisher to look
+        takes each over and asks the broker its last stored id first; the one that held it
+        writes nothing more of it (its next claim finds the lane gone). Safe at any moment:
+        ids stay with their rows. Returns what was freed and the audit row's id."""
         cond = [stream_lanes.c.stream == stream, stream_lanes.c.owner.is_not(None)]
         if lane is not None:
             cond.append(stream_lanes.c.lane == lane)
         with self.db.begin() as conn:
-            return int(
+            pick = select(stream_lanes.c.lane, stream_lanes.c.owner).where(*cond)
+            if self.db.is_postgres:
+                pick = pick.with_for_update()
+            freed = [{"lane": r.lane, "owner": r.owner} for r in conn.execute(pick).all()]
+            if freed:
+                lanes = [f["lane"] for f in freed]
                 conn.execute(
-                    update(stream_lanes).where(*cond).values(owner=None, lease_until=None)
-                ).rowcount
+                    update(stream_lanes)
+                    .where(stream_lanes.c.stream == stream, stream_lanes.c.lane.in_(lanes))
+                    .values(owner=None, lease_until=None)
+                )
+            audit_id = self.db.audit(
+                conn,
+                actor=actor,
+                action="move lane",
+                filter={"stream": stream, "lane": lane},
+                count=len(freed),
+                result={"freed": freed},
+                **who,
             )
+        return {"stream": stream, "freed": freed, "audit_id": audit_id}
 
     def lanes(self) -> list[dict[str, Any]]:
         """Every lane, as operators see it."""

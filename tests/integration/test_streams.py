@@ -351,3 +351,49 @@ def test_three_lanes_shared_by_two_publishers_each_once(
         (2, 1, 2000, 2000),
     ]
     _exactly_once(stream_url, stream, expected)
+
+
+def test_an_operator_moves_a_lane_mid_drain_and_nothing_doubles(
+    engine: Engine,
+    pg_url: str,
+    amqp_url: str,
+    stream_url: str,
+    stream: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`outbox move-lane` frees a held lane while publishes are outstanding (audited): its
+    holder stops writing it, a publisher takes it over from the broker's last stored id."""
+    from app.cli import main as cli
+
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", pg_url)
+    expected = _write(engine, stream, range(12000))
+    settings = settings_for(
+        db_url=pg_url, amqp_url=amqp_url, stream_url=stream_url, claim_batch=100, window=400
+    )
+
+    async def scenario() -> int:
+        task = asyncio.create_task(run_publisher(settings, until_empty=True))
+        while await asyncio.to_thread(_confirmed, engine) < 2000:
+            await asyncio.sleep(0.01)
+        rc = await asyncio.to_thread(cli, ["move-lane", stream, "--actor", "on-call"])
+        await asyncio.wait_for(task, 120)
+        return rc
+
+    assert asyncio.run(scenario()) == 0
+    assert "freed lane 0 (held by " in capsys.readouterr().out
+    assert _statuses(engine) == {"confirmed": 12000}
+    with engine.connect() as conn:
+        audit = conn.execute(
+            text("SELECT actor, action, count FROM outbox_audit WHERE action = 'move lane'")
+        ).all()
+    assert audit == [("on-call", "move lane", 1)]
+    said = caplog.text
+    assert "lost the lane" in said
+    # after the move, the lane resumed from the broker's last stored id
+    assert said.index("lost the lane") < said.rindex("rows the broker already had settled"), said
+    _exactly_once(stream_url, stream, expected)
