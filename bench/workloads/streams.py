@@ -9,22 +9,16 @@ a drain that left a duplicate or missed a message is a broken workload, not a nu
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import os
 import tempfile
 import uuid
-from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
-from rstream.amqp import amqp_decoder
-from rstream.client import Client
-from rstream.constants import ConsumerOffsetSpecification, OffsetType
-from rstream.consumer import Consumer
 
-from app.streams.relay import StreamEndpoint
 from bench.common import BODY, Measured, Services, Sizes, libpq_url, temp_postgres
 from bench.proccpu import ServiceCpu
 from bench.workloads.drain import (
@@ -34,79 +28,20 @@ from bench.workloads.drain import (
     drain_once,
     start_publisher,
 )
+from tests.support.streams import delete_stream, new_stream, read_stream
 
 
-def _endpoint() -> StreamEndpoint:
-    return StreamEndpoint.parse(
-        os.environ.get("OUTBOX_STREAM_URL", "rabbitmq-stream://guest:guest@127.0.0.1:5553/")
-    )
-
-
-async def _client(ep: StreamEndpoint) -> Client:
-    client = Client(host=ep.host, port=ep.port, frame_max=1024 * 1024, heartbeat=60)
-    await client.start()
-    await client.authenticate(vhost=ep.vhost, username=ep.username, password=ep.password)
-    return client
+def _url() -> str:
+    return os.environ.get("OUTBOX_STREAM_URL", "rabbitmq-stream://guest:guest@127.0.0.1:5553/")
 
 
 @contextlib.contextmanager
-def _stream():  # type: ignore[no-untyped-def]
-    ep = _endpoint()
-    name = f"bench-stream-{uuid.uuid4().hex[:8]}"
-
-    async def make() -> None:
-        client = await _client(ep)
-        try:
-            await client.create_stream(name, {"max-length-bytes": 2_000_000_000})
-        finally:
-            await client.close()
-
-    async def drop() -> None:
-        client = await _client(ep)
-        try:
-            await client.delete_stream(name)
-        finally:
-            await client.close()
-
-    asyncio.run(make())
+def _stream() -> Iterator[str]:
+    name = new_stream(_url(), prefix="bench-stream")
     try:
         yield name
     finally:
-        asyncio.run(drop())
-
-
-def _count(stream: str, expect: int, timeout: float) -> Counter[str]:
-    """Every message id of ``stream`` from its first offset (until ``expect`` came, then 1 s)."""
-    ep = _endpoint()
-
-    async def read() -> Counter[str]:
-        consumer = Consumer(
-            host=ep.host, port=ep.port, vhost=ep.vhost, username=ep.username, password=ep.password
-        )
-        await consumer.start()
-        seen: Counter[str] = Counter()
-        enough = asyncio.Event()
-
-        async def on_message(message: object, context: object) -> None:
-            seen[str(message.properties.message_id)] += 1  # type: ignore[attr-defined]
-            if sum(seen.values()) >= expect:
-                enough.set()
-
-        try:
-            await consumer.subscribe(
-                stream=stream,
-                callback=on_message,
-                decoder=amqp_decoder,
-                offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST),
-            )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(enough.wait(), timeout)
-            await asyncio.sleep(1.0)
-        finally:
-            await consumer.close()
-        return seen
-
-    return asyncio.run(read())
+        delete_stream(_url(), name)
 
 
 def _seed(url: str, *, n: int, stream: str) -> None:
@@ -136,7 +71,7 @@ def stream_drain_once(services: Services, *, n: int) -> DrainResult:
         proc.check()
         used = cpu.stop()
         count, first, last = _confirmed(db_url)
-        seen = _count(stream, n, timeout=60 + n / 5000)
+        seen = read_stream(_url(), stream, expect=n, timeout=60 + n / 5000).counts
     if count != n or first is None or last is None:
         raise RuntimeError(f"stream drain: {count} of {n} rows confirmed")
     duplicates = sum(v - 1 for v in seen.values())
