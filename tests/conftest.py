@@ -80,7 +80,6 @@ def _local_env() -> dict[str, str]:
 #: pytest 9.2 ignores the node ids that rewrites, pytest-dev/pytest-xdist#1386.)
 UNITS = {
     "tests/spark/": "spark",
-    "tests/integration/test_spark_streams.py": "spark",
     "tests/integration/test_large_outbox.py": "large-outbox",
     "tests/integration/test_console_plans.py": "large-outbox",
     "tests/integration/test_cluster.py": "cluster",

@@ -6,10 +6,8 @@ Bad stream names in a column are that row's problem only, as bad routing keys ar
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +19,6 @@ from spark_writer import (
     OutboxConfigError,
     OutboxDataError,
     OutboxSink,
-    register_data_source,
     write_outbox,
 )
 from tests.support import dbview
@@ -38,34 +35,6 @@ ROWS = StructType(
         StructField("n", LongType()),
     ]
 )
-
-
-@pytest.fixture(scope="session")
-def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
-    """The run's local SparkSession, built as tests/spark/conftest.py builds it (fixtures there
-    are not visible here; ``getOrCreate`` hands both the same session in one process, and the
-    ``spark`` unit of tests/conftest.py keeps this module on that process)."""
-    tmp: Path = tmp_path_factory.mktemp("spark-streams")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYSPARK_PYTHON", sys.executable)
-        mp.setenv("PYSPARK_DRIVER_PYTHON", sys.executable)
-        session = (
-            SparkSession.builder.master("local[2,2]")
-            .appName("outbox-spark-tests")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.sql.shuffle.partitions", "2")
-            .config("spark.default.parallelism", "2")
-            .config("spark.driver.host", "127.0.0.1")
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.sql.warehouse.dir", str(tmp / "warehouse"))
-            .config("spark.local.dir", str(tmp / "local"))
-            .getOrCreate()
-        )
-        session.sparkContext.setLogLevel("ERROR")
-        register_data_source(session)
-        yield session
-        session.stop()
 
 
 @pytest.fixture
