@@ -6,7 +6,8 @@ commit fails (PostgreSQL down, a session killed), it retries the same rows until
 succeeds, as an application that must not drop its writes does: the ids are fixed, so a commit
 that went through but whose reply was lost comes back as ``duplicates`` and is counted once. What
 it counts as committed is exactly the rows a successful commit holds; the scenario expects every
-one of them confirmed and received.
+one of them confirmed and received. With ``stream``, its rows name a RabbitMQ stream instead of
+an exchange (21a-long, :mod:`chaos.streams`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ class SteadyProducer:
         self,
         *,
         db_url: str,
-        exchange: str,
-        routing_key: str,
+        exchange: str = "",
+        routing_key: str = "",
+        stream: str | None = None,
         prefix: str,
         rate: float = 50.0,
         per_commit: int = 10,
     ) -> None:
         self.exchange, self.routing_key, self.prefix = exchange, routing_key, prefix
+        self.stream = stream  # rows for a RabbitMQ stream (exchange and routing key empty)
         self.per_commit = per_commit
         self.interval = per_commit / rate
         self.rate = rate
@@ -92,6 +95,7 @@ class SteadyProducer:
                 routing_key=self.routing_key,
                 body=ob.body_for(int(m.rsplit("p", 1)[1])),
                 message_id=m,
+                stream=self.stream,
             )
             for m in ids
         ]

@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("aiormq").setLevel(logging.CRITICAL)  # the verifier's expected disconnects
+    logging.getLogger("rstream").setLevel(logging.ERROR)  # "leader not yet elected" (21c)
     keys = _select(args.only, args.skip, long=args.long) * max(1, args.repeat)
     services = PrivateServices.for_matrix()
     began = time.monotonic()

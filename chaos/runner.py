@@ -127,6 +127,10 @@ class Scenario:
     produce: Step | None = None
     verifier_prefetch: int = 500
     verifier_flush: float = 0.05
+    #: what records the deliveries instead of the AMQP :class:`~chaos.verifier.Verifier` on the
+    #: topology's queues: an object with its ``start``, ``stop``, ``settle`` and ``results``
+    #: (:class:`chaos.streams.StreamVerifier` reads a stream whole)
+    verifier: Callable[[Ctx, Topology], Any] | None = None
     #: a fault that lasts minutes: ``make chaos-long`` only (``python -m chaos.run --long``)
     long: bool = False
     #: on the matrix's three-node cluster, into a quorum queue (the publisher gets a multi-host
@@ -231,6 +235,8 @@ class Ctx:
     #: a cluster scenario: the verifier's (and the topology's) node, and the publishers' URL
     verifier_url: str | None = None
     publishers_url: str | None = None
+    #: publisher settings of this run on top of the scenario's (a stream URL found at run time)
+    publisher_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def services(self) -> PrivateServices:
@@ -328,7 +334,7 @@ class Ctx:
             db_url=self.publisher_db_url(),
             amqp_url=self.publisher_url(),
             log_path=self.log_dir / f"{name}.log",
-            env={**self.scenario.env, **(env or {})},
+            env={**self.scenario.env, **self.publisher_env, **(env or {})},
         )
         proc.start()
         self.publishers.append(proc)
@@ -428,14 +434,17 @@ async def _run(ctx: Ctx, topology: Topology) -> None:
         ctx.lost_commit = LostCommitReply()
         ctx.db_proxy = TcpProxy("127.0.0.1", ctx.services.pg_port, tap_factory=ctx.lost_commit.tap)
         await ctx.db_proxy.start()
-    ctx.verifier = Verifier(
-        amqp_url=ctx.amqp_url,
-        db_url=ctx.env.verifier_db_url,
-        run=ctx.run,
-        queues=topology.verified,
-        prefetch=sc.verifier_prefetch,
-        flush_interval=sc.verifier_flush,
-    )
+    if sc.verifier is not None:
+        ctx.verifier = sc.verifier(ctx, topology)
+    else:
+        ctx.verifier = Verifier(
+            amqp_url=ctx.amqp_url,
+            db_url=ctx.env.verifier_db_url,
+            run=ctx.run,
+            queues=topology.verified,
+            prefetch=sc.verifier_prefetch,
+            flush_interval=sc.verifier_flush,
+        )
     await ctx.verifier.start()
     for i in range(sc.publishers):
         await ctx.spawn_publisher(f"{ctx.run}-{'ab'[i] if sc.publishers > 1 else 'p1'}")
