@@ -141,7 +141,11 @@ class LaneWorker:
         self.client: Client | None = None
         #: publishing id -> (row id, monotonic send time)
         self.pending: dict[int, tuple[int, float]] = {}
+        #: rows confirmed by the broker, not yet written (the writer task's)
         self._confirmed: list[int] = []
+        self._write_due = asyncio.Event()
+        self._writing = 0
+        self._writer_task: asyncio.Task[None] | None = None
         self._errors: list[tuple[int, int]] = []
         self._wake = asyncio.Event()
         self.stopping = False
@@ -218,9 +222,48 @@ class LaneWorker:
         return client
 
     def _on_confirm(self, frame: schema.PublishConfirm) -> None:
-        if frame.publisher_id == PUBLISHER_ID:
-            self._confirmed.extend(frame.publishing_ids)
-            self._wake.set()
+        if frame.publisher_id != PUBLISHER_ID:
+            return
+        for seq in frame.publishing_ids:
+            entry = self.pending.pop(seq, None)
+            if entry is not None:
+                self._confirmed.append(entry[0])
+        self._write_due.set()
+        self._wake.set()
+
+    async def _writer(self) -> None:
+        """Writes the confirmed rows, all that came while the previous write ran in one
+        transaction (a write per confirm frame cost PostgreSQL more than the claims)."""
+        while True:
+            await self._write_due.wait()
+            self._write_due.clear()
+            while self._confirmed:
+                ids, self._confirmed = self._confirmed, []
+                self._writing = len(ids)
+                n = await _in_thread(
+                    self.store.confirmed,
+                    owner=self.owner,
+                    lane=self.lane,
+                    ids=ids,
+                    published_at=dt.datetime.now(dt.UTC),
+                )
+                self._writing = 0
+                self.relay.stats.confirmed += n
+                self.relay.note_confirmed(n)
+
+    async def _flush(self, timeout: float = 10.0) -> None:
+        """Let the writer write what came, then stop it."""
+        task, self._writer_task = self._writer_task, None
+        if task is None:
+            return
+        deadline = time.monotonic() + timeout
+        while (self._confirmed or self._writing) and not task.done():
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
     def _on_error(self, frame: schema.PublishError) -> None:
         if frame.publisher_id == PUBLISHER_ID:
@@ -299,6 +342,7 @@ class LaneWorker:
             await asyncio.wait_for(self.relay.stopped.wait(), seconds)
 
     async def _drop(self) -> None:
+        await self._flush()
         self.pending.clear()
         self._confirmed.clear()
         self._errors.clear()
@@ -333,6 +377,7 @@ class LaneWorker:
 
     async def _session(self) -> str:
         self.client = client = await self._connect()
+        self._writer_task = asyncio.create_task(self._writer(), name=f"{self.name} writes")
         stored = await asyncio.wait_for(
             client.query_publisher_sequence(stream=self.lane.stream, reference=self.lane.reference),
             REQUEST_TIMEOUT,
@@ -437,22 +482,16 @@ class LaneWorker:
             )
 
     async def _settle(self) -> None:
-        confirmed, self._confirmed = self._confirmed, []
+        """Publish errors end the session at once; a failed confirm write ends it too."""
         errors, self._errors = self._errors, []
-        if confirmed:
-            ids = [self.pending.pop(seq)[0] for seq in confirmed if seq in self.pending]
-            if ids:
-                n = await _in_thread(
-                    self.store.confirmed,
-                    owner=self.owner,
-                    lane=self.lane,
-                    ids=ids,
-                    published_at=dt.datetime.now(dt.UTC),
-                )
-                self.relay.stats.confirmed += n
-                self.relay.note_confirmed(n)
         if errors:
             self._errored(errors)
+        task = self._writer_task
+        if task is not None and task.done():
+            self._writer_task = None
+            exc = task.exception()
+            if exc is not None:
+                raise exc
         self.relay.stats.outstanding = sum(len(w.pending) for w in self.relay.workers.values())
 
     def _errored(self, errors: list[tuple[int, int]]) -> None:

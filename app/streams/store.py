@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, or_, select, update
+from sqlalchemy import BigInteger, Connection, and_, bindparam, case, func, or_, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Engine
 
 from app.outbox.database import OutboxDatabase
@@ -286,7 +287,11 @@ class StreamStore:
                 .limit(limit)
             )
             ids = list(conn.scalars(pick))
-            again = self._take(conn, owner, ids, now, lease_seconds, resend=True) if ids else []
+            again = []
+            if ids:
+                again = self._take(
+                    conn, owner, self.db.ids_in(ids), now, lease_seconds, resend=True
+                )
         return Resumed(stored=stored, settled=int(settled), again=again)
 
     def claim(self, *, owner: str, lane: Lane, limit: int, lease_seconds: float) -> list[StreamRow]:
@@ -313,29 +318,39 @@ class StreamStore:
             ids = list(conn.scalars(pick))
             if not ids:
                 return []
-            seqs = {row_id: next_seq + n for n, row_id in enumerate(ids)}
-            conn.execute(
-                update(outbox)
-                .where(self.db.ids_in(ids))
-                .values(stream_seq=case(seqs, value=outbox.c.id))
-            )
             conn.execute(
                 update(stream_lanes)
                 .where(*self._held(owner, lane))
                 .values(next_seq=next_seq + len(ids))
             )
-            return self._take(conn, owner, ids, now, lease_seconds, resend=False)
+            seqs = list(range(next_seq, next_seq + len(ids)))  # ids are in row order
+            if self.db.is_postgres:  # ids and their publishing ids side by side: one join
+                given = select(
+                    func.unnest(bindparam("claim_ids", ids, type_=ARRAY(BigInteger))).label("id"),
+                    func.unnest(bindparam("claim_seqs", seqs, type_=ARRAY(BigInteger))).label(
+                        "seq"
+                    ),
+                ).subquery("given")
+                where: Any = outbox.c.id == given.c.id
+                seq: Any = given.c.seq
+            else:
+                where = self.db.ids_in(ids)
+                seq = case(dict(zip(ids, seqs, strict=True)), value=outbox.c.id)
+            return self._take(conn, owner, where, now, lease_seconds, resend=False, seq=seq)
 
     def _take(
         self,
         conn: Connection,
         owner: str,
-        ids: Sequence[int],
+        where: Any,
         now: dt.datetime,
         lease_seconds: float,
         *,
         resend: bool,
+        seq: Any = None,
     ) -> list[StreamRow]:
+        """Rows matching ``where`` into ``in_flight`` under ``owner``'s lease, in one
+        statement (with their publishing ids, ``seq``, on a first claim)."""
         values: dict[str, Any] = {
             "status": Status.IN_FLIGHT,
             "lease_owner": owner,
@@ -348,7 +363,9 @@ class StreamStore:
             values["lost_confirms"] = outbox.c.lost_confirms + case(
                 (outbox.c.status == Status.IN_FLIGHT, 1), else_=0
             )
-        stmt = update(outbox).where(self.db.ids_in(ids)).values(**values).returning(*ROW_COLUMNS)
+        if seq is not None:
+            values["stream_seq"] = seq
+        stmt = update(outbox).where(where).values(**values).returning(*ROW_COLUMNS)
         rows = [StreamRow(*r[:2], *r[2:]) for r in conn.execute(stmt).all()]
         rows.sort(key=lambda r: r.seq)
         return rows

@@ -5,6 +5,7 @@ was killed, frozen or cut on the way (issue 46)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -367,6 +368,7 @@ def test_an_operator_moves_a_lane_mid_drain_and_nothing_doubles(
     holder stops writing it, a publisher takes it over from the broker's last stored id."""
     from app.cli import main as cli
 
+    caplog.set_level(logging.INFO, logger="app.streams")
     for name in list(os.environ):
         if name.startswith("OUTBOX_"):
             monkeypatch.delenv(name)
@@ -385,13 +387,14 @@ def test_an_operator_moves_a_lane_mid_drain_and_nothing_doubles(
         return rc
 
     assert asyncio.run(scenario()) == 0
-    assert "freed lane 0 (held by " in capsys.readouterr().out
+    said_cli = capsys.readouterr().out
+    assert "freed lane 0 (held by " in said_cli, said_cli
     assert _statuses(engine) == {"confirmed": 12000}
     with engine.connect() as conn:
         audit = conn.execute(
             text("SELECT actor, action, count FROM outbox_audit WHERE action = 'move lane'")
         ).all()
-    assert audit == [("on-call", "move lane", 1)]
+    assert audit == [("on-call", "move lane", 1)], caplog.text
     said = caplog.text
     assert "lost the lane" in said
     # after the move, the lane resumed from the broker's last stored id
