@@ -61,8 +61,8 @@ class Settings(BaseSettings):
     stream_url: SecretStr | None = Field(
         default=None,
         description="RabbitMQ's stream protocol, for rows with a `stream` "
-        "(rabbitmq-stream://user:pass@host:5552/vhost). Unset: the AMQP URL's host, user and "
-        "vhost on port 5552.",
+        "(rabbitmq-stream://user:pass@host:5552/vhost; a cluster's nodes comma-separated, "
+        "host:port each). Unset: the AMQP URL's first host, user and vhost on port 5552.",
     )
     stream_lanes: int = Field(
         default=1,

@@ -35,7 +35,7 @@ from sqlalchemy import Engine, select, text
 
 from app.outbox.enqueue import Message, enqueue
 from app.outbox.schema import outbox
-from app.streams.relay import StreamEndpoint
+from app.streams.endpoint import StreamEndpoint
 from app.topology import stream_arguments
 from chaos import outbox as ob
 from chaos import procs

@@ -187,7 +187,7 @@ async def _consume(
     consumer: Any
     if args.stream is not None:
         from app.consumer import StreamConsumer
-        from app.streams.relay import stream_url_of
+        from app.streams.endpoint import stream_url_of
 
         consumer = StreamConsumer(
             config=config, stream_url=stream_url_of(settings), engine=engine, **given

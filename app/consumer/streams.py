@@ -197,7 +197,7 @@ class StreamConsumer:
         from rstream.constants import ConsumerOffsetSpecification, OffsetType
         from rstream.consumer import Consumer, MessageContext
 
-        from app.streams.relay import StreamEndpoint
+        from app.streams.endpoint import StreamEndpoint
 
         ep = StreamEndpoint.parse(self.stream_url)
         lost = asyncio.Event()

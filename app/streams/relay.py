@@ -26,7 +26,6 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
 
 from rstream import exceptions as rs_errors
 from rstream import schema
@@ -34,6 +33,7 @@ from rstream.client import Client
 
 from app.outbox.records import Backoff
 from app.settings import Settings
+from app.streams.endpoint import StreamEndpoint, stream_url_of
 from app.streams.envelope import StreamEnvelopeError, to_stream_message
 from app.streams.store import Lane, LaneLost, StreamRow, StreamStore
 
@@ -78,39 +78,6 @@ class StreamStats:
     reconnects: int = 0
     lanes_held: int = 0
     outstanding: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StreamEndpoint:
-    host: str
-    port: int
-    username: str
-    password: str
-    vhost: str
-
-    @classmethod
-    def parse(cls, url: str) -> StreamEndpoint:
-        """``rabbitmq-stream://user:pass@host:port/vhost`` (port 5552, vhost ``/`` by default)."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("rabbitmq-stream", "rabbitmq-stream+tls"):
-            raise ValueError(f"a stream URL starts rabbitmq-stream://, got {parts.scheme!r}")
-        vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
-        return cls(
-            host=parts.hostname or "127.0.0.1",
-            port=parts.port or 5552,
-            username=unquote(parts.username or "guest"),
-            password=unquote(parts.password or "guest"),
-            vhost=vhost,
-        )
-
-
-def stream_url_of(settings: Settings) -> str:
-    """The stream URL: ``stream_url``, else the AMQP URL's host, user and vhost on port 5552."""
-    if settings.stream_url is not None:
-        return settings.stream_url.get_secret_value()
-    parts = urlsplit(settings.amqp_url.get_secret_value().split(",")[0])
-    auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
-    return f"rabbitmq-stream://{auth}{parts.hostname or '127.0.0.1'}:5552{parts.path or '/'}"
 
 
 class DestinationDown(RuntimeError):
@@ -161,9 +128,25 @@ class LaneWorker:
 
     # ------------------------------------------------------------ broker
 
+    async def _locator(self) -> tuple[Client, tuple[str, int]]:
+        """A connection to the first node of the URL that answers, starting after the one that
+        answered last: a node that is down costs one refused connect per session."""
+        addresses = self.relay.endpoint.addresses
+        last: BaseException | None = None
+        for n in range(len(addresses)):
+            address = addresses[(self.relay.next_node + n) % len(addresses)]
+            try:
+                client = await self._client(*address)
+            except (OSError, TimeoutError, rs_errors.ServerError) as exc:
+                last = exc
+                continue
+            self.relay.next_node = (self.relay.next_node + n) % len(addresses)
+            return client, address
+        assert last is not None
+        raise last
+
     async def _connect(self) -> Client:
-        ep = self.relay.endpoint
-        locator = await self._client(ep.host, ep.port)
+        locator, given = await self._locator()
         props = dict(locator.server_properties or {})  # closing the client clears them
         try:
             try:
@@ -178,7 +161,7 @@ class LaneWorker:
         if (leader.host, str(leader.port)) == advertised:
             # the node we were given leads the stream: the address we were given (a proxy or a
             # load balancer in front of it may differ from what the node advertises)
-            client = await self._client(ep.host, ep.port)
+            client = await self._client(*given)
         else:
             client = await self._client(leader.host, leader.port)
         try:
@@ -542,6 +525,7 @@ class StreamRelay:
         self.store = store
         self.owner = f"{owner}#stream"
         self.endpoint = StreamEndpoint.parse(stream_url_of(settings))
+        self.next_node = 0  # the URL's node a lane asks first (the last that answered)
         self.stats = StreamStats()
         self.workers: dict[tuple[str, int], LaneWorker] = {}
         self.stopped = asyncio.Event()

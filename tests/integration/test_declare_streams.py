@@ -14,7 +14,7 @@ import pytest
 from rstream.client import Client
 
 from app.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from app.streams.relay import StreamEndpoint
+from app.streams.endpoint import StreamEndpoint
 from tests.support.cli import env, run
 from tests.support.streams import delete_stream
 

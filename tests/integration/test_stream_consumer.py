@@ -28,7 +28,7 @@ from app.outbox.enqueue import enqueue
 from app.outbox.message import Message as OutboxMessage
 from app.outbox.schema import consumer_attempts, inbox
 from app.publisher.service import run_publisher
-from app.streams.relay import StreamEndpoint
+from app.streams.endpoint import StreamEndpoint
 from tests.support.consumer import create_effects, effects, record
 from tests.support.env import scrubbed_environ
 from tests.support.publisher import settings_for

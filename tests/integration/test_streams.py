@@ -286,7 +286,7 @@ def test_connection_cuts_mid_drain_never_duplicate(
 ) -> None:
     """The stream connection cut five times while publishes are outstanding (a proxy in
     front of the broker): after each cut the lane asks the broker and sends only what it lacks."""
-    from app.streams.relay import StreamEndpoint
+    from app.streams.endpoint import StreamEndpoint
     from chaos.proxy import TcpProxy
 
     ep = StreamEndpoint.parse(stream_url)
@@ -399,4 +399,25 @@ def test_an_operator_moves_a_lane_mid_drain_and_nothing_doubles(
     assert "lost the lane" in said
     # after the move, the lane resumed from the broker's last stored id
     assert said.index("lost the lane") < said.rindex("rows the broker already had settled"), said
+    _exactly_once(stream_url, stream, expected)
+
+
+def test_a_url_naming_a_cluster_finds_a_node_that_answers(
+    engine: Engine, pg_url: str, amqp_url: str, stream_url: str, stream: str
+) -> None:
+    """OUTBOX_STREAM_URL may list a cluster's nodes: a node that refuses connections (here a
+    port nobody listens on, first in the list) costs a refused connect, not the rows."""
+    import socket
+
+    from app.streams.endpoint import StreamEndpoint
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    ep = StreamEndpoint.parse(stream_url)
+    url = f"rabbitmq-stream://{ep.username}:{ep.password}@127.0.0.1:{dead},{ep.host}:{ep.port}/"
+    expected = _write(engine, stream, range(2000))
+    settings = settings_for(db_url=pg_url, amqp_url=amqp_url, stream_url=url)
+    asyncio.run(run_publisher(settings, until_empty=True))
+    assert _statuses(engine) == {"confirmed": 2000}
     _exactly_once(stream_url, stream, expected)

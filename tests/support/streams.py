@@ -14,7 +14,7 @@ from rstream.client import Client
 from rstream.constants import ConsumerOffsetSpecification, OffsetType
 from rstream.consumer import Consumer
 
-from app.streams.relay import StreamEndpoint
+from app.streams.endpoint import StreamEndpoint
 
 
 async def _client(url: str) -> Client:
