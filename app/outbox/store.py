@@ -100,8 +100,6 @@ class PublisherStore(Recounts):
         due = (
             select(outbox.c.id)
             .where(outbox.c.status == pending_test(keyed), outbox.c.available_at <= now)
-            # a stream's rows go out through its lanes (app/streams), never on a channel
-            .where(outbox.c.stream.is_(None))
             # NOT IN, not NOT EXISTS: PostgreSQL cannot turn it into an anti-join, so the plan
             # stays the walk of ix_outbox_due with the (few) held batch ids hashed once per
             # statement, whatever it guesses about outbox_held (never analysed, it guessed 1,200
@@ -114,6 +112,10 @@ class PublisherStore(Recounts):
             due = due.where(outbox.c.id.in_(select(KEY_HEADS.c.id)))
         else:
             due = due.where(outbox.c.ordering_key.is_(None))
+        # a stream's rows go out through its lanes (app/streams), never on a channel (a stream
+        # row has no ordering key: the message model and the Spark writers refuse one)
+        if not keyed:
+            due = due.where(outbox.c.stream.is_(None))
         if floor is not None:
             due = due.where(tuple_(outbox.c.available_at, outbox.c.id) >= tuple_(*floor))
         return due.with_for_update(skip_locked=True) if self.db.is_postgres else due
