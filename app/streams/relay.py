@@ -31,6 +31,7 @@ from rstream import exceptions as rs_errors
 from rstream import schema
 from rstream.client import Client
 
+from app.outbox.content import Limits
 from app.outbox.records import Backoff
 from app.settings import Settings
 from app.streams.endpoint import StreamEndpoint, stream_url_of
@@ -232,7 +233,6 @@ class LaneWorker:
                 )
                 self._writing = 0
                 self.relay.stats.confirmed += n
-                self.relay.note_confirmed(n)
 
     async def _flush(self, timeout: float = 10.0) -> None:
         """Let the writer write what came, then stop it."""
@@ -453,7 +453,7 @@ class LaneWorker:
             self.pending[row.seq] = (row.id, now)
         if batch:
             await client.send_frame(schema.Publish(publisher_id=PUBLISHER_ID, messages=batch))
-        self.relay.stats.published += sum(1 for r in rows) - sum(len(v) for v in failed.values())
+        self.relay.stats.published += len(rows) - sum(len(v) for v in failed.values())
         self.relay.stats.outstanding = sum(len(w.pending) for w in self.relay.workers.values())
         for reason, ids in failed.items():
             n = await _in_thread(
@@ -531,16 +531,9 @@ class StreamRelay:
         self.stopped = asyncio.Event()
         self.idle_release = 30.0
         self._known: set[str] = set()
-        from app.outbox.content import Limits
-
         self.limits = Limits(
             max_body_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes
         )
-        self.on_confirmed: Callable[[int], None] | None = None
-
-    def note_confirmed(self, n: int) -> None:
-        if self.on_confirmed is not None and n:
-            self.on_confirmed(n)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``: look for streams with open rows every poll interval (at least every

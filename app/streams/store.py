@@ -214,12 +214,6 @@ class StreamStore:
             )
         return {"stream": stream, "freed": freed, "audit_id": audit_id}
 
-    def lanes(self) -> list[dict[str, Any]]:
-        """Every lane, as operators see it."""
-        with self.db.begin() as conn:
-            rows = conn.execute(select(stream_lanes).order_by("stream", "lane")).mappings().all()
-        return [dict(r) for r in rows]
-
     @staticmethod
     def _held(owner: str, lane: Lane) -> tuple[Any, ...]:
         return (
