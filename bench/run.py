@@ -39,6 +39,7 @@ GROUPS = (
     "spark_wait",
     "consume",
     "operate",
+    "settle",
 )
 #: Groups whose failure is reported but does not fail the run (diagnostics, not issue keys).
 OPTIONAL = {"ceiling"}
@@ -288,6 +289,7 @@ class Bench:
             drain,
             enqueue,
             operate,
+            settle,
             streams,
         )
 
@@ -306,6 +308,7 @@ class Bench:
         self.group("operate", lambda: operate.run(s, z))
         self.group("claim", lambda: claim.run(s, z))
         self.group("enqueue", lambda: enqueue.run(s, z))
+        self.group("settle", lambda: settle.run(s, z))
 
     def _latency(self) -> list[Measured]:
         """The product's confirm latency at half the drain rate, and the broker's own at the same
@@ -353,6 +356,10 @@ class Bench:
             if by_process:
                 for proc, median in median_by_process(by_process).items():
                     out[f"{key}_cpu_us_per_msg_{proc}"] = round(median, 2)
+            for step in ("insert", "drain", "purge", "vacuum"):  # the settle group's steps
+                steps = m.extra.get(f"{step}_pg_us_per_row")
+                if steps:
+                    out[f"{key}_{step}"] = round(statistics.median(steps), 2)
             if m.extra.get("peak_tmp_mb"):
                 out[f"{key}_peak_tmp_mb"] = round(max(m.extra["peak_tmp_mb"]), 2)
         mine = out.get("drain_postgres_cpu_us_per_row_publisher")
