@@ -910,6 +910,18 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool, str]]:
                 f"{taken}",
             )
         )
+        if floor and floor.get("windows"):  # issue 47's stricter reading: against the floor
+            alone = floor["windows"][0]["p99_ms"]
+            over = [i + 1 for i, w in enumerate(windows) if w["p99_ms"] > P99_GROWTH_LIMIT * alone]
+            out.append(
+                (
+                    "p99 of every window within 1.5 x the broker alone's",
+                    not over,
+                    f"the broker alone {alone:.1f} ms, worst window {worst:.1f} ms "
+                    f"({worst / alone:.2f} x); "
+                    + (f"over in windows {', '.join(map(str, over))}" if over else "none over"),
+                )
+            )
     per_window = _by_window(samples, result["window_minutes"] * 60)
     if len(per_window) >= 2:
         rss = [statistics.median(max(s["rss_mb"]) for s in group) for group in per_window]
