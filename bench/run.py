@@ -205,6 +205,9 @@ def _spark(services: Services, sizes: Sizes) -> list[Measured]:
         "jdbc_keys": "spark_jdbc_rows_same_keys",
         "derived": "spark_outbox_rows_derived_ids",
         "copy_floor": "spark_copy_floor_rows",
+        # Spark's part alone: the rows handed to the Python workers, then also mapped
+        "handoff": "spark_handoff_floor_rows",
+        "mapped": "spark_mapped_no_write_rows",
     }
     return [
         Measured(
@@ -387,6 +390,19 @@ class Bench:
                 ceiling = (os.cpu_count() or 1) * 1e6 / total
                 out[f"{key}_cpu_bound_rows_per_s"] = round(ceiling, 1)
                 out[f"ratio_{key}_vs_cpu_bound"] = round(out[key] / ceiling, 3)
+        # what any Spark writer can reach on these cores: Spark handing the rows to Python
+        # (handoff) plus PostgreSQL's COPY of them and its client (copy_floor), CPU per row
+        parts = [
+            out.get("spark_handoff_floor_rows_cpu_us_per_row_spark"),
+            out.get("spark_copy_floor_rows_cpu_us_per_row_spark"),
+            out.get("spark_copy_floor_rows_cpu_us_per_row_postgres"),
+        ]
+        if None not in parts and "spark_outbox_rows" in out:
+            floor = (os.cpu_count() or 1) * 1e6 / sum(p for p in parts if p is not None)
+            out["spark_cpu_bound_floor_rows"] = round(floor, 1)
+            out["ratio_spark_outbox_vs_cpu_bound_floor"] = round(
+                out["spark_outbox_rows"] / floor, 3
+            )
         stream, queue = (
             out.get("drain_postgres_stream"),
             out.get("drain_postgres_queue_beside_stream"),

@@ -140,6 +140,57 @@ def _write_outbox(
         raise RuntimeError(f"write_outbox wrote {result.written} of {result.rows} rows")
 
 
+def _handoff(batches: Any) -> Any:
+    """The rows handed to a Python worker as Arrow, counted: Spark's part alone."""
+    n = sum(rb.num_rows for rb in batches)
+    yield pa.RecordBatch.from_pylist([{"n": n}])
+
+
+def _mapped(batches: Any, *, schema: Any) -> Any:
+    """The hand-off and the writer's own checks and mapping of each row, nothing written."""
+    from pyspark import TaskContext
+
+    from spark_writer.envelope import ArrowMapper, BatchRef
+    from spark_writer.options import options_of
+
+    context = TaskContext.get()
+    mapper = ArrowMapper(
+        options=options_of(None, _OPTIONS),
+        schema=schema,
+        batch=BatchRef(sink="bench", spark_batch_id=0),
+        partition=context.partitionId() if context else 0,
+    )
+    n = 0
+    for rb in batches:
+        chunk = mapper.map(rb, n)
+        if chunk.rejected:
+            raise RuntimeError(f"the mapping rejected {len(chunk.rejected)} rows")
+        n += rb.num_rows
+    yield pa.RecordBatch.from_pylist([{"n": n}])
+
+
+#: ``_write_outbox``'s options (fail mode, a key column)
+_OPTIONS = {
+    "url": "postgresql://unused",
+    "sink": "bench",
+    "exchange": "bench.spark",
+    "routing_key": "bench",
+    "body_column": "payload",
+    "message_id_column": "key",
+}
+
+
+def _read_only(df: Any, rows: int, *, mapped: bool) -> None:
+    """Spark's floor under the writer: every row handed to the Python workers (and with
+    ``mapped``, checked and mapped by the writer), nothing written."""
+    from functools import partial
+
+    task = partial(_mapped, schema=df.schema) if mapped else _handoff
+    counted = sum(r["n"] for r in df.mapInArrow(task, "n long").collect())
+    if counted != rows:
+        raise RuntimeError(f"the read-only pass counted {counted} of {rows} rows")
+
+
 COPY_COLUMNS = "message_id, body, batch_id, exchange, routing_key"
 
 
@@ -251,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     spark = _spark(tmp)
     spark.sparkContext.setLogLevel("ERROR")
     postgres = ServiceCpu(postgres=int(_jdbc_props(args.url)[0].rsplit(":", 1)[1].split("/")[0]))
-    names = ("outbox", "reject", "jdbc", "jdbc_keys", "derived", "copy_floor")
+    names = ("outbox", "reject", "jdbc", "jdbc_keys", "derived", "copy_floor", "handoff", "mapped")
     out: dict[str, Any] = {name: [] for name in names}
     out["cpu_us_per_row"] = {name: [] for name in names}
     out["peak_tmp_mb"] = {name: [] for name in names}
@@ -276,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             # the floor: the same rows COPYed into the emptied outbox by as many connections
             # as the tasks hold (two), no Spark
             "copy_floor": lambda i: copy_rows(args.url, "outbox", floor),
+            # Spark's own floor under the writer: the rows handed to the Python workers and
+            # counted (``handoff``), and also checked and mapped by the writer (``mapped``)
+            "handoff": lambda i: _read_only(df, args.rows, mapped=False),
+            "mapped": lambda i: _read_only(df, args.rows, mapped=True),
         }
         for i in range(args.repeats):
             for name, write in writers.items():
