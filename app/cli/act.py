@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -194,6 +196,8 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
 
     days = settings.retention_days if args.older_than_days is None else args.older_than_days
     inbox_days = settings.inbox_retention_days
+    if args.every is not None:
+        return _purge_every(settings, args, days, inbox_days)
     with database(settings) as engine:
         retention = Retention(engine)
         if args.dry_run:
@@ -230,6 +234,58 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
         "audit_id": audit_id,
     }
     _print_purge(done, as_json=args.json)
+    return EXIT_OK
+
+
+def _purge_every(
+    settings: Settings, args: argparse.Namespace, days: float, inbox_days: float
+) -> int:
+    """``--every``: a pass every so many seconds until SIGTERM or SIGINT; a line (or a JSON
+    line) per audit row, a failed pass on stderr."""
+    from app.consumer import purge_inbox
+    from app.outbox.purging import PurgeLoop, PurgeSchedule
+
+    schedule = PurgeSchedule(
+        older_than=dt.timedelta(days=days),
+        inbox_older_than=dt.timedelta(days=inbox_days),
+        every=args.every,
+        audit_every=args.audit_every,
+        chunk=args.chunk,
+        sleep_coef=settings.purge_sleep_coef if args.sleep_coef is None else args.sleep_coef,
+        actor=args.actor,
+    )
+
+    def audited(done: dict[str, Any]) -> None:
+        if args.json:
+            print_json({"older_than_days": days, "every_s": args.every, **done})
+        else:
+            print(
+                f"deleted {done['deleted']} confirmed rows confirmed more than {days:g} days "
+                f"ago and {done['inbox_deleted']} consumer inbox rows, in {done['passes']} "
+                f"passes ({done['failed_passes']} failed); audit {done['audit_id']}"
+            )
+        sys.stdout.flush()
+
+    def failed(why: str) -> None:
+        print(f"outbox purge: a pass failed, the next in {args.every:g} s: {why}", file=sys.stderr)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with database(settings) as engine:
+        loop = PurgeLoop(
+            Retention(engine),
+            schedule,
+            inbox=lambda older, chunk: purge_inbox(engine, older_than=older, chunk=chunk),
+            on_audit=audited,
+            on_failure=failed,
+        )
+        total = loop.run(stop)
+    if not args.json:
+        print(
+            f"stopped after {total.passes} passes: {total.deleted} confirmed rows and "
+            f"{total.inbox_deleted} inbox rows deleted"
+        )
     return EXIT_OK
 
 
@@ -361,7 +417,8 @@ def _add_purge(sub: Sub) -> None:
         "purge",
         help="delete confirmed rows past the retention period (bounded chunks)",
         description="Delete confirmed rows confirmed longer ago than the retention period, "
-        "a bounded chunk per transaction so publishers never wait on it. Run it periodically.",
+        "a bounded chunk per transaction so publishers never wait on it. Run it periodically, "
+        "or keep it running with --every.",
     )
     pur.add_argument(
         "--older-than-days",
@@ -380,7 +437,24 @@ def _add_purge(sub: Sub) -> None:
         "OUTBOX_PURGE_SLEEP_COEF, 0: no pause; 1: at most half the database's time, twice "
         "as long)",
     )
-    pur.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    once = pur.add_mutually_exclusive_group()
+    once.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    once.add_argument(
+        "--every",
+        type=bounded_float(0.1, 86_400),
+        default=None,
+        metavar="SECONDS",
+        help="keep running: a pass every SECONDS until SIGTERM, so each deletes a few seconds "
+        "of rows rather than a cron interval's at once (say 5)",
+    )
+    pur.add_argument(
+        "--audit-every",
+        type=bounded_float(1, 86_400),
+        default=3600.0,
+        metavar="SECONDS",
+        help="with --every: one audit row per SECONDS for the passes that deleted rows, and "
+        "one at the stop (default 3600)",
+    )
     actor_flag(pur, "who purges")
     json_flag(pur, what="what was (or would be) deleted, as JSON")
     pur.set_defaults(func=_cmd_purge)

@@ -49,22 +49,30 @@ class Retention:
         inbox_deleted: int = 0,
         sleep_coef: float = 0.0,
         seconds: float | None = None,
+        every: float | None = None,
+        passes: int | None = None,
     ) -> int:
         """An audit row for a purge (who, the retention and pacing it ran with, what was
-        deleted and how long it took)."""
+        deleted and how long it took); for ``outbox purge --every``, the interval and how many
+        passes the row covers."""
         result: dict[str, Any] = {"deleted": deleted, "inbox_deleted": inbox_deleted}
         if seconds is not None:
             result["seconds"] = round(seconds, 3)
+        if passes is not None:
+            result["passes"] = passes
+        ran_with: dict[str, Any] = {
+            "older_than_days": older_than.total_seconds() / 86400,
+            "sleep_coef": sleep_coef,
+        }
+        if every is not None:
+            ran_with["every_s"] = every
         with self.db.begin() as conn:
             return self.db.audit(
                 conn,
                 actor=actor,
                 action="purge",
                 count=deleted,
-                filter={
-                    "older_than_days": older_than.total_seconds() / 86400,
-                    "sleep_coef": sleep_coef,
-                },
+                filter=ran_with,
                 result=result,
             )
 
