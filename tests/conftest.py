@@ -79,6 +79,19 @@ def _local_env() -> dict[str, str]:
 #: units with the most tests out first. (Not ``xdist_group`` marks with ``--dist loadgroup``:
 #: pytest 9.2 ignores the node ids that rewrites, pytest-dev/pytest-xdist#1386.)
 UNITS = {
+    # Spark tests without the SparkSession fixture (spark-submit, a driver to kill, or the
+    # writer's tasks called directly): each module a unit apart, free to run beside the session
+    **{
+        f"tests/spark/{name}.py": f"tests/spark/{name}.py"
+        for name in (
+            "test_cluster_recipe",
+            "test_parked_rows",
+            "test_readme_example",
+            "test_rejects_visible",
+            "test_replay_identity",
+            "test_segments",
+        )
+    },
     "tests/spark/": "spark",
     "tests/integration/test_large_outbox.py": "large-outbox",
     "tests/integration/test_console_plans.py": "large-outbox",
