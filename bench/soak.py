@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -305,6 +306,31 @@ def purge(
             stderr=subprocess.STDOUT,
             check=True,
         )
+
+
+def follow_purge(
+    db_url: str, args: argparse.Namespace, retention_days: float, logdir: Path
+) -> subprocess.Popen[bytes]:
+    """``outbox purge --every PURGE_EVERY`` for the whole run (its audit row each minute)."""
+    env = dict(os.environ, OUTBOX_DATABASE_URL=db_url)
+    pacing = [] if args.purge_sleep_coef is None else ["--sleep-coef", repr(args.purge_sleep_coef)]
+    argv = ["purge", "--every", repr(args.purge_every), "--audit-every", "60", "--actor", "soak"]
+    log = (logdir / "purge.log").open("ab")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            *argv,
+            "--older-than-days",
+            repr(retention_days),
+            *pacing,
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 class Purger(threading.Thread):
@@ -673,6 +699,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         activity.start()
         next_purge = args.purge_every
         purger: Purger | None = None
+        # --purge-follow: one `outbox purge --every` for the whole run, not one per interval
+        follower = follow_purge(db_url, args, retention_days, logdir) if args.purge_follow else None
         last_scrape: dict[str, float] | None = None
         try:
             with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
@@ -692,7 +720,13 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                             raise RuntimeError(f"publisher exited: {p.log.read_text()[-3000:]}")
                     if purger is not None and purger.error is not None:
                         raise RuntimeError(f"the purge failed: {purger.error!r}")
-                    if t >= next_purge and (purger is None or not purger.is_alive()):
+                    if follower is not None and follower.poll() is not None:
+                        raise RuntimeError(f"outbox purge --every exited ({follower.returncode})")
+                    if (
+                        follower is None
+                        and t >= next_purge
+                        and (purger is None or not purger.is_alive())
+                    ):
                         # beside the sampling, as a cron job runs it (a paced purge of a
                         # minute's rows can take longer than a sample's interval)
                         purger = Purger(
@@ -757,6 +791,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                     if t > duration + 600:
                         raise RuntimeError(f"the backlog did not drain: {s.backlog} rows left")
                     time.sleep(SAMPLE_SECONDS)
+                if follower is not None:  # its last audit row is written as it stops
+                    follower.send_signal(signal.SIGTERM)
+                    if follower.wait(120) != 0:
+                        raise RuntimeError(f"outbox purge --every ended {follower.returncode}")
                 windows = _windows(conn, duration, window, started=started_wall, activity=activity)
                 produced = producer.produced
                 lost = conn.execute(
@@ -771,6 +809,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             activity.stopping.set()
             if purger is not None:
                 purger.join(600)
+            if follower is not None and follower.poll() is None:
+                follower.kill()
+                follower.wait(30)
             for p in procs:
                 if p.popen.poll() is None:
                     p.stop()
@@ -787,6 +828,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         "retention_minutes": args.retention_minutes,
         "purge_every_s": args.purge_every,
         "purge_sleep_coef": args.purge_sleep_coef,
+        "purge_follow": args.purge_follow,
         "window_minutes": args.window,
         "produced": produced,
         "not_confirmed": int(lost[0]),
@@ -1158,6 +1200,12 @@ def main(argv: list[str] | None = None) -> int:
         help="confirmed rows older than this are purged",
     )
     parser.add_argument("--purge-every", type=float, default=60.0, help="seconds between purges")
+    parser.add_argument(
+        "--purge-follow",
+        action="store_true",
+        help="one `outbox purge --every PURGE_EVERY` for the whole run (retention as a "
+        "trickle) instead of one `outbox purge` per interval",
+    )
     parser.add_argument(
         "--purge-sleep-coef",
         type=float,
