@@ -121,9 +121,10 @@ chaos: venv tools  ## fault matrix: every fault injected mid-flow, every message
 # disk alarm for 3; CHAOS_LONG_OUTAGE / CHAOS_DISK_ALARM=seconds to change them; 19-long: the
 # primary of the Patroni pair down 10 minutes with no promotion, CHAOS_PG_DOWN), or they add
 # variants of a regular scenario (19d, 19e: a Spark write through a failover of the pair; 20b:
-# the queue's leader cut off with the publisher; 21a-c-long: 20 publisher kills, 10 broker kills
+# the queue's leader cut off with the publisher; 21a: 5 publisher kills into a stream, which
+# make test's test_streams.py proves too; 21a-c-long: 20 publisher kills, 10 broker kills
 # and 3 stream-leader kills into a stream), run apart.
-chaos-long: venv tools  ## the faults that last minutes, and variants (about 63 min; CHAOS_ARGS="--only 18a")
+chaos-long: venv tools  ## the faults that last minutes, and variants (about 64 min; CHAOS_ARGS="--only 18a")
 	@$(PY) -m chaos.run --long $(CHAOS_ARGS)
 
 LINT_PATHS = $(wildcard app spark_writer migrations tests bench chaos)

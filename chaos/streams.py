@@ -618,6 +618,8 @@ SCENARIOS: list[Scenario] = [
         flow=30.0,
         env=STREAM_ENV,
         verify=kills_accounted,
+        # make test's test_streams.py kills ten publishers into a stream; 21a-long twenty
+        long=True,
     ),
     _stream(
         "21b",
