@@ -79,6 +79,12 @@ _CONTROLS = {
 }
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception as ``Type: its first line`` (a driver's error can run to many lines)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def one_line(text: str) -> str:
     """``text`` with its line breaks and control characters escaped: one log line, always."""
     return text.translate(_CONTROLS)

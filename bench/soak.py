@@ -315,22 +315,22 @@ def follow_purge(
     env = dict(os.environ, OUTBOX_DATABASE_URL=db_url)
     pacing = [] if args.purge_sleep_coef is None else ["--sleep-coef", repr(args.purge_sleep_coef)]
     argv = ["purge", "--every", repr(args.purge_every), "--audit-every", "60", "--actor", "soak"]
-    log = (logdir / "purge.log").open("ab")
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            *argv,
-            "--older-than-days",
-            repr(retention_days),
-            *pacing,
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    with (logdir / "purge.log").open("ab") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                *argv,
+                "--older-than-days",
+                repr(retention_days),
+                *pacing,
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 class Purger(threading.Thread):

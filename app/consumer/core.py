@@ -36,6 +36,7 @@ from typing import Any, Literal, TypeAlias
 from app.consumer.acks import AckTracker
 from app.consumer.config import CUT_AFTER, WINDOW_SECONDS, ConsumerConfig, ConsumerMetrics
 from app.consumer.held import Held, Message, Outcome, Window
+from app.logs import first_line
 
 log = logging.getLogger("app.consumer")
 
@@ -527,11 +528,6 @@ def broker_verdict(broker_count: int, broker_limit: int | None) -> str | None:
         f"broker delivery limit {broker_limit} reached: the broker returned it "
         f"{broker_count} times (x-delivery-count)"
     )
-
-
-def first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def delivery_count(headers: Mapping[str, Any], *, redelivered: bool) -> int:

@@ -62,13 +62,13 @@ from sqlalchemy import Connection, Engine
 
 from app.consumer.config import COUNTERS, ConsumerMetrics
 from app.consumer.config import ConsumerConfig as ConsumerConfig
-from app.consumer.core import Abandoned, DeadLetter, Frame, KitCore, KitState, Start, first_line
+from app.consumer.core import Abandoned, DeadLetter, Frame, KitCore, KitState, Start
 from app.consumer.core import Outage as Outage
 from app.consumer.held import ERROR_CHARS, Held, Message, Outcome, Window
 from app.consumer.inbox import BatchHandler, Handler
 from app.consumer.work import Jobs
 from app.db import make_engine
-from app.logs import redact_url
+from app.logs import first_line, redact_url
 
 log = logging.getLogger("app.consumer")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from app.logs import first_line
 from app.outbox.retention import Retention
 
 
@@ -108,7 +109,7 @@ class PurgeLoop:
             done.inbox_deleted = self.inbox(s.inbox_older_than, s.chunk)
         except SQLAlchemyError as error:
             done.failed_passes = 1
-            self.on_failure(_one_line(error))
+            self.on_failure(first_line(error)[:300])
         done.seconds = self.clock() - began
         self.owed.add(done)
         self.total.add(done)
@@ -132,13 +133,8 @@ class PurgeLoop:
                 passes=owed.passes,
             )
         except SQLAlchemyError as error:
-            self.on_failure(f"the audit row could not be written ({_one_line(error)})")
+            self.on_failure(f"the audit row could not be written ({first_line(error)[:300]})")
             return False
         self.on_audit({**asdict(owed), "audit_id": audit_id})
         self.owed = Owed()
         return True
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]

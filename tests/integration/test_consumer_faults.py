@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import aio_pika
 import pytest
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Engine
 
 from app.consumer import Consumer, ConsumerConfig, consumer_engine
 from app.db import make_engine
@@ -36,6 +36,7 @@ from tests.support.consumer import (
     until,
 )
 from tests.support.env import close_broker_connections, scrubbed_environ
+from tests.support.pgfaults import database_refusing
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,29 +92,6 @@ async def consuming(
 # ---------------------------------------------------------------- the database fails
 
 
-@contextlib.asynccontextmanager
-async def database_refusing(service_urls: dict[str, str], pg_url: str) -> AsyncIterator[None]:
-    """PostgreSQL refuses the test database's connections (``ALLOW_CONNECTIONS false``) and
-    ends every open one, until the block exits."""
-    admin = make_engine(service_urls["pg"], isolation_level="AUTOCOMMIT")
-    name = make_url(pg_url).database
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false'))
-            conn.execute(
-                text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE datname = :d AND pid <> pg_backend_pid()"
-                ),
-                {"d": name},
-            )
-        yield
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true'))
-        admin.dispose()
-
-
 @pytest.mark.parametrize(("fault", "seconds"), [("refused", 10.0), ("tcp-cut", 5.0)])
 async def test_a_database_outage_pauses_the_kit_and_dead_letters_nothing(
     service_urls: dict[str, str],
@@ -141,7 +119,7 @@ async def test_a_database_outage_pauses_the_kit_and_dead_letters_nothing(
                 ) as consumer:
                     await until(lambda: len(effects(engine)) >= 600, what="600 effects")
                     if fault == "refused":
-                        async with database_refusing(service_urls, pg_url):
+                        with database_refusing(service_urls["pg"], pg_url):
                             await asyncio.sleep(1.0)
                             ready_during.append(consumer.ready()[0])
                             await asyncio.sleep(seconds - 1.0)

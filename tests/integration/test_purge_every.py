@@ -15,13 +15,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, make_url, select, text, update
+from sqlalchemy import Engine, func, select, update
 
 from app.db import make_engine
 from app.outbox.schema import audit, outbox
 from tests.support.env import scrubbed_environ
 from tests.support.factories import add_rows
 from tests.support.outbox_clients import OutboxClients
+from tests.support.pgfaults import database_refusing
 
 EVERY = "0.2"
 
@@ -136,25 +137,14 @@ def test_a_database_that_refuses_connections_pauses_the_passes_and_loses_no_coun
     pg_url: str, service_urls: dict[str, str]
 ) -> None:
     engine = make_engine(pg_url)
-    admin = make_engine(service_urls["pg"], isolation_level="AUTOCOMMIT")
-    name = make_url(pg_url).database
     try:
         first = _settle(engine, 20, days_ago=10)
         with _purging(pg_url) as proc:
             _until(lambda: _left(engine, first) == 0, "the first rows gone")
             engine.dispose()
-            with admin.connect() as conn:  # refused for 3 s, every open connection ended
-                conn.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false'))
-                conn.execute(
-                    text(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE datname = :d AND pid <> pg_backend_pid()"
-                    ),
-                    {"d": name},
-                )
+            with database_refusing(service_urls["pg"], pg_url):  # refused for 3 s
                 time.sleep(3.0)
                 assert proc.poll() is None, "the purge must outlive the outage"
-                conn.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true'))
             second = _settle(engine, 20, days_ago=10)
             _until(lambda: _left(engine, second) == 0, "the rows written after the outage gone")
             out, err = _stop(proc)
@@ -164,9 +154,6 @@ def test_a_database_that_refuses_connections_pauses_the_passes_and_loses_no_coun
         assert sum(r["count"] for r in rows) == 40, rows
         assert "40 confirmed rows" in out.splitlines()[-1], out
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true'))
-        admin.dispose()
         engine.dispose()
 
 
