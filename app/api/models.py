@@ -69,9 +69,10 @@ def utf8_text(value: str) -> str:
     return value
 
 
-Text = Annotated[
-    str, Field(min_length=1, max_length=1024, pattern=TEXT_PATTERN), AfterValidator(utf8_text)
-]
+utf8 = AfterValidator(utf8_text)
+Text = Annotated[str, Field(min_length=1, max_length=1024, pattern=TEXT_PATTERN), utf8]
+#: An exchange or routing key as a filter: "" is one (the default exchange; never a stream's).
+Place = Annotated[str, Field(max_length=1024, pattern=rf"^[^{CONTROL_CHARACTERS}]*$"), utf8]
 Cursor = Annotated[str, Field(min_length=4, max_length=2048, pattern=CURSOR_PATTERN)]
 #: A RabbitMQ stream's name as a filter: what a stream may be named (at most 255 bytes, no
 #: control characters, not ``amq.``), checked as the rows' writers check it.
@@ -503,8 +504,8 @@ class RepublishRequest(_RepublishBase):
 
     message_id: Text | None = Field(default=None, description="One message.")
     batch_id: Text | None = None
-    exchange: Text | None = None
-    routing_key: Text | None = None
+    exchange: Place | None = Field(default=None, description='"" is the default exchange.')
+    routing_key: Place | None = None
     stream: StreamName | None = None
     ordering_key: Text | None = Field(
         default=None,

@@ -13,7 +13,15 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 
 from app.api.context import ApiContext
-from app.api.models import FailuresOut, MessageOut, StreamName, Text, UtcDatetime, copied
+from app.api.models import (
+    FailuresOut,
+    MessageOut,
+    Place,
+    StreamName,
+    Text,
+    UtcDatetime,
+    copied,
+)
 from app.api.v1 import Ctx, reader_router
 from app.outbox.read.audit import audit_trail
 from app.outbox.read.failures import failures_by_cause
@@ -141,8 +149,8 @@ def list_messages(
     ctx: Ctx,
     status: Statuses = None,
     batch_id: Annotated[Text | None, Query()] = None,
-    exchange: Annotated[Text | None, Query()] = None,
-    routing_key: Annotated[Text | None, Query()] = None,
+    exchange: Annotated[Place | None, Query(description='"" is the default exchange.')] = None,
+    routing_key: Annotated[Place | None, Query()] = None,
     stream: Annotated[StreamName | None, Query()] = None,
     ordering_key: Annotated[Text | None, Query()] = None,
     reason: Reason = None,

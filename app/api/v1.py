@@ -19,6 +19,7 @@ from app.api.models import (
     MessageOut,
     OutstandingOut,
     OutstandingPage,
+    Place,
     RepublishOut,
     RepublishRequest,
     StatsOut,
@@ -110,7 +111,7 @@ def get_stats(ctx: Ctx) -> StatsOut:
 def get_outstanding(
     ctx: Ctx,
     publisher: Annotated[Text | None, Query(description="Lease owner (publisher id).")] = None,
-    exchange: Annotated[Text | None, Query()] = None,
+    exchange: Annotated[Place | None, Query(description='"" is the default exchange.')] = None,
     batch_id: Annotated[Text | None, Query()] = None,
     stream: Annotated[StreamName | None, Query()] = None,
     min_age_seconds: Annotated[

@@ -108,6 +108,10 @@ class Scope:
                 parts.append(f"written before {_when(value)}")
             elif name == "cause" and value == "":
                 parts.append("no reason recorded")
+            elif name == "exchange" and value == "":
+                parts.append("the default exchange")
+            elif name == "routing_key" and value == "":
+                parts.append("an empty routing key")
             else:
                 parts.append(f"{_WORDS[name]} {value!r}")
         return ", ".join(parts)

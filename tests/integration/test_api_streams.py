@@ -37,6 +37,8 @@ from tests.support.api import (
     statuses_of,
 )
 from tests.support.cli import env, run  # noqa: F401 (fixture)
+from tests.support.factories import add_rows
+from tests.support.outbox_clients import OutboxClients
 
 BAD_STREAMS = ["a\x01b", "s" * 256, "é" * 128, "amq.s"]
 
@@ -182,6 +184,41 @@ async def test_failures_are_grouped_by_stream_and_a_group_republishes_only_its_r
     plain = {"request_id": "orders-1", "exchange": "orders", "dry_run": True}
     shown = (await client.post("/v1/republish", json=plain, headers=OP)).json()["filter"]
     assert shown["stream"] is None
+
+
+async def test_the_default_exchange_is_a_filter_that_leaves_stream_rows_out(
+    client: httpx.AsyncClient, streams: StreamSeed, engine: Engine, clock: Clock
+) -> None:
+    """``exchange=""`` is the default exchange: a stream row's exchange is empty too, and no
+    search, outstanding page or republish of the default exchange reaches it."""
+    repo = OutboxClients(engine, clock=clock)
+    now = repo.db.clock()
+    rows = add_rows(
+        engine, n=3, exchange="", routing_key="q", prefix="dx", created_at=now, available_at=now
+    )
+    claimed = repo.store.claim(owner="p7", limit=500, lease_seconds=600)
+    failed = [r.id for r in claimed if r.message_id in rows[:2]]
+    repo.store.mark_failed(owner="p7", ids=failed, reason=STREAM_FAILURE)
+    default = (outbox.c.exchange == "", outbox.c.stream.is_(None))
+
+    r = await client.get("/v1/messages", params={"exchange": "", "limit": 500}, headers=R)
+    assert r.status_code == 200, r.text
+    found = {m["message_id"] for m in r.json()["items"]}
+    assert found == {row.message_id for row in scan(engine, *default)} == set(rows)
+    r = await client.get("/v1/confirms/outstanding", params={"exchange": ""}, headers=R)
+    assert r.status_code == 200, r.text
+    flying = scan(engine, *default, outbox.c.status == "in_flight")
+    assert (
+        {i["message_id"] for i in r.json()["items"]} == {rows[2]} == {f.message_id for f in flying}
+    )
+
+    body = {"request_id": "default-1", "exchange": "", "cause": STREAM_FAILURE}
+    r = await client.post("/v1/republish", json=body, headers=OP)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == 2 and r.json()["filter"]["exchange"] == ""
+    assert set(statuses_of(engine, rows[:2]).values()) == {"pending"}
+    for name in ("s-a", "s-b"):  # the same reason, an empty exchange: not moved
+        assert set(statuses_of(engine, streams.failed[name]).values()) == {"failed"}
 
 
 @pytest.mark.parametrize("bad", BAD_STREAMS)

@@ -2,8 +2,9 @@
 """The console on rows for RabbitMQ streams, in a real Chromium against a real ``uvicorn`` over
 a real PostgreSQL: the outstanding page shows a stream row's lane and publishing id and the
 lanes beneath, a message page says exactly once, a search by stream lists that stream's rows,
-a stream's failures are a group of their own whose republish moves exactly them, and a stream
-name RabbitMQ would refuse is a clear 400.
+a stream's failures are a group of their own whose republish moves exactly them, so are the
+default exchange's (an empty exchange, like a stream row's), and a stream name RabbitMQ would
+refuse is a clear 400.
 
 Rows are written by ``enqueue`` and moved by the stream relay's store (``seed_streams``).
 """
@@ -24,6 +25,7 @@ from app.outbox.schema import audit, outbox
 from tests.support.api import OPERATOR, READ, STREAM_FAILURE, Clock, StreamSeed, seed_streams
 from tests.support.console import (  # noqa: F401 (fixtures)
     Server,
+    _settle,
     browser,
     confirm,
     engine,
@@ -33,6 +35,7 @@ from tests.support.console import (  # noqa: F401 (fixtures)
     statuses,
     text,
 )
+from tests.support.outbox_clients import OutboxClients
 
 pytestmark = pytest.mark.browser
 
@@ -110,3 +113,60 @@ def test_a_streams_failures_are_its_own_group_and_republish_only_its_rows(
     with engine.connect() as conn:
         doc = conn.execute(select(audit.c.filter).order_by(audit.c.id.desc()).limit(1)).scalar()
     assert doc is not None and doc["stream"] == "s-b" and doc["exchange"] is None
+
+
+def test_the_default_exchanges_failures_republish_only_its_rows(
+    browser: webdriver.Chrome, server: Server, streams: StreamSeed, engine: Engine, clock: Clock
+) -> None:
+    """The default exchange's group: exchange "" (a stream row's exchange is empty too). Its
+    republish, its routing key "" row and its Messages link once dropped the empty exchange and
+    reached every exchange's and stream's rows with the same reason."""
+    repo = OutboxClients(engine, clock=clock)
+    settle = {"engine": engine, "outcome": "failed", "reason": STREAM_FAILURE}
+    named = _settle(
+        repo, n=3, exchange="", routing_key="q-a", batch_id="d:1", prefix="dq", **settle
+    )
+    unnamed = _settle(repo, n=2, exchange="", routing_key="", batch_id="d:1", prefix="de", **settle)
+    _settle(repo, n=2, exchange="other", routing_key="", batch_id="o:1", prefix="ot", **settle)
+    sign_in(browser, server, OPERATOR, "/ui/failures")
+    group = browser.find_element(
+        By.CSS_SELECTOR, '#failures tr.group[data-exchange=""]:not([data-stream])'
+    )
+    assert int(group.find_elements(By.TAG_NAME, "td")[4].text) == 5
+
+    group.find_element(By.LINK_TEXT, "Messages").click()
+    listed = {a.text for a in browser.find_elements(By.CSS_SELECTOR, "#messages tr.found a")}
+    assert listed == set(named + unnamed) and text(browser, "total") == "5"
+    assert "the default exchange" in text(browser, "matches")
+
+    browser.get(server.base + "/ui/failures")
+    key = browser.find_element(
+        By.CSS_SELECTOR, '#failures tr.key[data-exchange=""][data-routing-key=""]'
+    )
+    before = statuses(engine)
+    described, count = confirm(browser, key.find_element(By.CSS_SELECTOR, "button.go"))
+    assert described == (
+        f"status failed, the default exchange, an empty routing key, reason {STREAM_FAILURE!r}"
+    )
+    assert count == "2 rows would move back to pending."
+    assert moved(before, statuses(engine)) == set(unnamed)
+
+    browser.get(server.base + "/ui/failures")
+    group = browser.find_element(
+        By.CSS_SELECTOR, '#failures tr.group[data-exchange=""]:not([data-stream])'
+    )
+    before = statuses(engine)
+    described, count = confirm(browser, group.find_element(By.CSS_SELECTOR, "button.go"))
+    assert described == f"status failed, the default exchange, reason {STREAM_FAILURE!r}"
+    assert count == "3 rows would move back to pending."
+    assert moved(before, statuses(engine)) == set(named)
+    with engine.connect() as conn:
+        doc = conn.execute(select(audit.c.filter).order_by(audit.c.id.desc()).limit(1)).scalar()
+    assert doc is not None and doc["exchange"] == "" and "stream" not in doc
+
+
+def test_asking_for_an_empty_field_the_console_does_not_know_is_a_400(
+    browser: webdriver.Chrome, server: Server
+) -> None:
+    sign_in(browser, server, READ, "/ui/messages?empty=batch_id")
+    assert "Only the exchange or routing_key may be asked for empty" in text(browser, "message")

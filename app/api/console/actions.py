@@ -16,6 +16,7 @@ from app.api.console.base import (
     REPUBLISH_STATUSES,
     ConsoleError,
     acting,
+    empty_conditions,
     log,
     one,
     page_router,
@@ -45,6 +46,7 @@ def _republish_request(
         value = one(form, name)
         if value is not None:
             doc[name] = value
+    doc |= empty_conditions(form.get("empty", []), doc)
     if "cause" in form:
         doc["cause"] = form["cause"][0]
     statuses = [s for s in form.get("statuses", []) if s]

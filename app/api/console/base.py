@@ -339,6 +339,49 @@ def status_param(request: Request) -> Status | None:
 
 
 SEARCH_FIELDS = ("batch_id", "exchange", "routing_key", "stream", "ordering_key", "reason")
+#: Conditions whose empty value is a real one: the default exchange, an empty routing key. A
+#: field left empty in a form means "any", so these travel as ``empty=<name>`` instead.
+EMPTY_FIELDS = ("exchange", "routing_key")
+
+
+def empty_conditions(names: list[str], given: Mapping[str, Any]) -> dict[str, str]:
+    """The conditions ``empty=<name>`` asks for (``{name: ""}``), checked against ``given``."""
+    out: dict[str, str] = {}
+    for raw in names:
+        name = raw.strip()
+        if not name:
+            continue
+        if name not in EMPTY_FIELDS:
+            allowed = " or ".join(EMPTY_FIELDS)
+            raise ConsoleError(
+                400, f"Only the {allowed} may be asked for empty, not {name[:40]!r}."
+            )
+        if given.get(name):
+            raise ConsoleError(400, f"The {name} is asked for both empty and as {given[name]!r}.")
+        out[name] = ""
+    return out
+
+
+def scope_fields(conditions: Mapping[str, Any]) -> dict[str, Any]:
+    """Conditions as form or query fields: an empty exchange or routing key as ``empty``."""
+    empty = sorted(n for n in EMPTY_FIELDS if conditions.get(n) == "")
+    fields = {n: v for n, v in conditions.items() if n not in empty}
+    return fields | {"empty": empty} if empty else fields
+
+
+def place_fields(
+    exchange: str, stream: str | None, routing_key: str | None = None
+) -> dict[str, Any]:
+    """Where a failures group's rows go, as fields: its stream, or its exchange (and key)."""
+    if stream is not None:
+        return {"stream": stream}
+    place = {"exchange": exchange}
+    if routing_key is not None:
+        place["routing_key"] = routing_key
+    return scope_fields(place)
+
+
+env.globals["place_fields"] = place_fields
 
 
 TIME_FIELDS = ("created_after", "created_before")
@@ -376,6 +419,9 @@ def search_scope(request: Request) -> tuple[Scope, dict[str, Any]]:
     """The search's scope, and its parameters as given (for links and the form)."""
     status = status_param(request)
     fields: dict[str, Any] = {name: param(request, name) for name in SEARCH_FIELDS}
+    asked = [n for n in request.query_params.getlist("empty") if not fields.get(n.strip())]
+    empty = empty_conditions(asked, fields)  # a value typed into the form wins
+    fields |= empty
     times = {name: time_param(request, name) for name in TIME_FIELDS}
     cause = cause_param(request)
     try:
@@ -388,7 +434,9 @@ def search_scope(request: Request) -> tuple[Scope, dict[str, Any]]:
         )
     except ScopeError as exc:
         raise ConsoleError(400, f"The search is not valid: {exc}.") from None
-    shown = {k: v for k, v in fields.items() if v}
+    shown: dict[str, Any] = {k: v for k, v in fields.items() if v}
+    if empty:
+        shown["empty"] = sorted(empty)
     shown |= {k: v.isoformat() for k, v in times.items() if v}
     if status:
         shown["status"] = status.value

@@ -19,6 +19,7 @@ from app.api.console.base import (
     int_param,
     page_router,
     render,
+    scope_fields,
     search_scope,
     session_of,
 )
@@ -84,10 +85,12 @@ def _search_republish(scope: Scope) -> dict[str, Any] | None:
 
 def _as_fields(scope: Scope) -> dict[str, Any]:
     """A scope's conditions as form fields (times in ISO 8601)."""
-    return {
-        name: value.isoformat() if isinstance(value, dt.datetime) else value
-        for name, value in scope.criteria().items()
-    }
+    return scope_fields(
+        {
+            name: value.isoformat() if isinstance(value, dt.datetime) else value
+            for name, value in scope.criteria().items()
+        }
+    )
 
 
 @router.get("/messages/{message_id}")

@@ -98,6 +98,8 @@ def _outstanding_where(
         cond = and_(cond, outbox.c.lease_owner == flt.publisher)
     if flt.exchange is not None:
         cond = and_(cond, outbox.c.exchange == flt.exchange)
+        if flt.stream is None:  # the default exchange's rows (""), not a stream's
+            cond = and_(cond, outbox.c.stream.is_(None))
     if flt.stream is not None:
         cond = and_(cond, outbox.c.stream == flt.stream)
     if flt.batch_id is not None:

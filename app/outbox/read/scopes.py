@@ -41,6 +41,10 @@ def scope_conditions(flt: Scope) -> list[ColumnElement[bool]]:
     ):
         if value is not None:
             conds.append(column == value)
+    if flt.stream is None and (flt.exchange is not None or flt.routing_key is not None):
+        # a stream's rows have an empty exchange and routing key too: the default exchange's
+        # rows (exchange "") are never a stream's
+        conds.append(outbox.c.stream.is_(None))
     if flt.reason:
         needle = flt.reason.lower()
         conds.append(
