@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import signal
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from app.cli.common import (
@@ -198,6 +199,8 @@ def _cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     inbox_days = settings.inbox_retention_days
     if args.every is not None:
         return _purge_every(settings, args, days, inbox_days)
+    if args.metrics_port is not None:
+        raise UsageError("--metrics-port serves a running purge: give --every too")
     with database(settings) as engine:
         retention = Retention(engine)
         if args.dry_run:
@@ -280,13 +283,34 @@ def _purge_every(
             on_audit=audited,
             on_failure=failed,
         )
-        total = loop.run(stop)
+        with _probes(loop, args):
+            total = loop.run(stop)
     if not args.json:
         print(
             f"stopped after {total.passes} passes: {total.deleted} confirmed rows and "
             f"{total.inbox_deleted} inbox rows deleted"
         )
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _probes(loop: Any, args: argparse.Namespace) -> Iterator[None]:
+    """``--metrics-port``: the loop's /metrics, /healthz and /readyz while it runs."""
+    if args.metrics_port is None:
+        yield
+        return
+    from app.cli.purgeprobes import ProbesThread, purge_probes
+
+    probes = ProbesThread(purge_probes(loop, host=args.metrics_host, port=args.metrics_port))
+    try:
+        url = probes.start()
+    except OSError as exc:
+        raise UsageError(f"--metrics-port {args.metrics_port}: {exc.strerror or exc}") from None
+    print(f"outbox purge: metrics on {url}/metrics", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        probes.close()
 
 
 def _purge_dry_run(retention: Retention, days: float, *, as_json: bool) -> int:
@@ -455,6 +479,13 @@ def _add_purge(sub: Sub) -> None:
         help="with --every: one audit row per SECONDS for the passes that deleted rows, and "
         "one at the stop (default 3600)",
     )
+    pur.add_argument(
+        "--metrics-port",
+        type=bounded_int(0, 65535),
+        default=None,
+        help="with --every: serve /metrics, /healthz, /readyz on this port (0: any free one)",
+    )
+    pur.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     actor_flag(pur, "who purges")
     json_flag(pur, what="what was (or would be) deleted, as JSON")
     pur.set_defaults(func=_cmd_purge)

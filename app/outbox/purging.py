@@ -70,6 +70,7 @@ class PurgeLoop:
         on_audit: Callable[[dict[str, Any]], None],
         on_failure: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.retention = retention
         self.schedule = schedule
@@ -79,6 +80,11 @@ class PurgeLoop:
         self.clock = clock
         self.owed = Owed()  # not yet in an audit row
         self.total = Owed()  # since the start
+        self.wall = wall
+        #: when a pass last succeeded (the start until one has), and the last failure's reason
+        #: while the latest pass failed: what /metrics and /readyz show
+        self.last_success = wall()
+        self.failing: str | None = None
 
     def run(self, stop: threading.Event) -> Owed:
         """Passes until ``stop``; then the last audit row. Returns the totals."""
@@ -109,7 +115,10 @@ class PurgeLoop:
             done.inbox_deleted = self.inbox(s.inbox_older_than, s.chunk)
         except SQLAlchemyError as error:
             done.failed_passes = 1
-            self.on_failure(first_line(error)[:300])
+            self.failing = first_line(error)[:300]
+            self.on_failure(self.failing)
+        else:
+            self.last_success, self.failing = self.wall(), None
         done.seconds = self.clock() - began
         self.owed.add(done)
         self.total.add(done)

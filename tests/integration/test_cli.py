@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -398,6 +399,8 @@ def test_the_insecure_switch_obeys_one_rule_whichever_way_it_is_set(
         (["purge", "--every", "soon"], "not a number"),
         (["purge", "--every", "5", "--dry-run"], "not allowed with argument --every"),
         (["purge", "--every", "5", "--audit-every", "0"], "must be within 1..86400"),
+        (["purge", "--metrics-port", "9465"], "give --every too"),
+        (["purge", "--every", "5", "--metrics-port", "65536"], "must be within 0..65535"),
         (["republish", "--limit", "0"], "must be within"),
         (["batches", "--status", "lost"], "invalid choice"),
         (["nosuchcommand"], "invalid choice"),
@@ -426,6 +429,20 @@ def test_every_bad_argument_is_one_line_and_exit_2(
     out, err = capsys.readouterr()
     assert rc == EXIT_USAGE, (argv, out, err)
     assert says in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_a_purge_metrics_port_in_use_is_one_line_and_exit_2(
+    env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc = main(["purge", "--every", "5", "--metrics-port", str(port)])
+    out, err = capsys.readouterr()
+    assert rc == EXIT_USAGE, (out, err)
+    assert f"--metrics-port {port}: " in err and len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
 
 

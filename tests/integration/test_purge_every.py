@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import Engine, func, select, update
 
@@ -136,18 +137,36 @@ def test_every_pass_deletes_what_passed_retention_and_the_audit_counts_each_row(
 def test_a_database_that_refuses_connections_pauses_the_passes_and_loses_no_count(
     pg_url: str, service_urls: dict[str, str]
 ) -> None:
+    """Also what /metrics and /readyz show meanwhile (``--metrics-port``): the refused passes
+    counted as failed, not ready while they fail, the deleted rows counted once each."""
     engine = make_engine(pg_url)
     try:
         first = _settle(engine, 20, days_ago=10)
-        with _purging(pg_url) as proc:
+        with _purging(pg_url, "--metrics-port", "0") as proc:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert line.startswith("outbox purge: metrics on http://127.0.0.1:"), line
+            base = line.split(" on ", 1)[1].strip().removesuffix("/metrics")
             _until(lambda: _left(engine, first) == 0, "the first rows gone")
+            _until(lambda: _probe(base, "/readyz")[0] == 200, "ready")
             engine.dispose()
             with database_refusing(service_urls["pg"], pg_url):  # refused for 3 s
+                _until(
+                    lambda: _metric(base, 'outbox_purge_passes_total{result="failed"}') >= 2,
+                    "failed passes counted",
+                )
+                status, doc = _probe(base, "/readyz")
+                assert status == 503 and "failing" in doc, doc
+                assert _probe(base, "/healthz")[0] == 200
                 time.sleep(3.0)
                 assert proc.poll() is None, "the purge must outlive the outage"
             second = _settle(engine, 20, days_ago=10)
             _until(lambda: _left(engine, second) == 0, "the rows written after the outage gone")
+            _until(lambda: _probe(base, "/readyz")[0] == 200, "ready again")
+            deleted = _metric(base, 'outbox_purge_deleted_rows_total{table="outbox"}')
+            since = time.time() - _metric(base, "outbox_purge_last_success_timestamp_seconds")
             out, err = _stop(proc)
+        assert deleted == 40 and 0 <= since < 5, (deleted, since)
         assert "a pass failed, the next in 0.2 s" in err, err
         assert "Traceback" not in err
         rows = _audited(engine)
@@ -155,6 +174,20 @@ def test_a_database_that_refuses_connections_pauses_the_passes_and_loses_no_coun
         assert "40 confirmed rows" in out.splitlines()[-1], out
     finally:
         engine.dispose()
+
+
+def _probe(base: str, path: str) -> tuple[int, dict[str, Any]]:
+    r = httpx.get(base + path, timeout=5)
+    return r.status_code, r.json()
+
+
+def _metric(base: str, sample: str) -> float:
+    """One sample's value from /metrics (``name{labels}`` as exposed)."""
+    text = httpx.get(base + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{sample} not in /metrics:\n{text}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -3,20 +3,25 @@ metrics the product exports; every alert has a runbook section."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import cast
 
 import pytest
 import yaml
 from prometheus_client.core import Metric
 
 from app.api.metrics import SnapshotCollector
+from app.cli.purgeprobes import PurgeCollector
 from app.consumer import ConsumerMetrics
 from app.consumer import registry_for as consumer_registry
+from app.outbox.purging import PurgeLoop, PurgeSchedule
 from app.outbox.read.metrics import MetricsSnapshot
+from app.outbox.retention import Retention
 from app.outbox.states import Status
 from app.outbox.upkeep import Upkeep
 from app.publisher.metrics import PublisherMetrics, registry_for
@@ -62,9 +67,30 @@ def exported() -> set[str]:
             )
         ).collect(),
     ]
+    families += PurgeCollector(_idle_purge_loop()).collect()
     for fam in families:
         names |= {s.name for s in fam.samples}
     return names
+
+
+def _idle_purge_loop() -> PurgeLoop:
+    """An ``outbox purge --every`` loop that has run no pass (its metrics exist from the start)."""
+    schedule = PurgeSchedule(
+        older_than=dt.timedelta(days=7),
+        inbox_older_than=dt.timedelta(days=7),
+        every=5.0,
+        audit_every=3600.0,
+        chunk=1000,
+        sleep_coef=0.0,
+        actor="retention",
+    )
+    return PurgeLoop(
+        cast(Retention, None),  # never called: no pass runs
+        schedule,
+        inbox=lambda _older, _chunk: 0,
+        on_audit=lambda _doc: None,
+        on_failure=lambda _why: None,
+    )
 
 
 def metric_names(expr: str) -> set[str]:
