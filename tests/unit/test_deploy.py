@@ -90,6 +90,25 @@ def test_publisher_pods_have_probes_on_their_metrics_port() -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
 
 
+def test_retention_runs_as_a_trickle_with_probes_everywhere() -> None:
+    """Issue 47: retention keeps running (``purge --every``), not an hourly job deleting an
+    hour of rows at once; its probes and /metrics on the pod's address, as the CLI parses them."""
+    from app.cli import build_parser
+
+    container = WORKLOADS["outbox-purge"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["args"])
+    assert (args.command, args.every, args.metrics_host) == ("purge", 5.0, "0.0.0.0")
+    port = next(p for p in container["ports"] if p["name"] == "metrics")
+    assert port["containerPort"] == args.metrics_port
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert not [d for d in K8S_DOCS if d["kind"] == "CronJob"]
+    unit = dict(_directives(DEPLOY / "systemd" / "outbox-purge.service"))
+    argv = unit["ExecStart"].split()[1:]
+    assert build_parser().parse_args(argv).every == 5.0 and unit["Restart"] == "always"
+    assert not list((DEPLOY / "systemd").glob("outbox-purge.timer"))
+
+
 @pytest.mark.parametrize("path", ENV_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_unit_and_env_files_use_known_settings(path: Path) -> None:
     names = set(re.findall(r"\bOUTBOX_[A-Z0-9_]+", path.read_text())) - LOCAL_ONLY
@@ -231,7 +250,7 @@ TRAFFIC = {
     "outbox-api": ({("TCP", 8443)}, DNS | POSTGRES),
     "outbox-publisher": ({("TCP", 9600)}, DNS | POSTGRES | AMQP),
     "outbox-migrate": (set(), DNS | POSTGRES),
-    "outbox-purge": (set(), DNS | POSTGRES),
+    "outbox-purge": ({("TCP", 9465)}, DNS | POSTGRES),
 }
 
 
@@ -253,9 +272,10 @@ PROMETHEUS = {
 }
 
 
-@pytest.mark.parametrize("name", ["outbox-api", "outbox-publisher"])
+@pytest.mark.parametrize("name", ["outbox-api", "outbox-publisher", "outbox-purge"])
 def test_prometheus_reaches_every_metrics_endpoint(name: str) -> None:
-    """The API's /metrics (what the database knows) and each publisher's own (what it did)."""
+    """The API's /metrics (what the database knows), each publisher's own (what it did) and the
+    purge's (its passes: OutboxPurgeStalled)."""
     (port,) = TRAFFIC[name][0]
     rules = [r for p in _policies_for(name) for r in p.get("ingress", [])]
     assert any(
