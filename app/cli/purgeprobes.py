@@ -45,6 +45,16 @@ class PurgeCollector(Collector):
         yield CounterMetricFamily(
             "outbox_purge_pass_seconds", "Time spent in passes.", value=total.seconds
         )
+        yield CounterMetricFamily(
+            "outbox_purge_read_rows",
+            "Outbox rows the passes read (deleted, kept, and one window past retention).",
+            value=total.read,
+        )
+        yield CounterMetricFamily(
+            "outbox_purge_full_walks",
+            "Passes that walked from the table's first row (the others start at a floor).",
+            value=total.full_walks,
+        )
         yield GaugeMetricFamily(
             "outbox_purge_last_success_timestamp_seconds",
             "When a pass last succeeded (the process's start until one has), Unix time.",

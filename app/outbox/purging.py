@@ -35,6 +35,9 @@ class Owed:
     passes: int = 0
     failed_passes: int = 0
     seconds: float = 0.0
+    #: outbox rows the passes read, and the passes that walked from the table's first row
+    read: int = 0
+    full_walks: int = 0
 
     def add(self, other: Owed) -> None:
         self.deleted += other.deleted
@@ -42,6 +45,8 @@ class Owed:
         self.passes += other.passes
         self.failed_passes += other.failed_passes
         self.seconds += other.seconds
+        self.read += other.read
+        self.full_walks += other.full_walks
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,14 @@ class PurgeSchedule:
     chunk: int
     sleep_coef: float
     actor: str
+
+    @property
+    def full_walk_every(self) -> float:
+        """Seconds between passes that walk from the table's first row; the others start at
+        the last walk's floor (:class:`app.outbox.retention.Walked`). Half the retention at
+        most, so a row below the floor that is confirmed later is deleted within half a
+        retention of passing it, and an hour at most."""
+        return min(3600.0, self.older_than.total_seconds() / 2)
 
 
 class PurgeLoop:
@@ -85,6 +98,9 @@ class PurgeLoop:
         #: while the latest pass failed: what /metrics and /readyz show
         self.last_success = wall()
         self.failing: str | None = None
+        #: where the next pass starts (a walk's floor), and when the next whole walk is due
+        self.floor = 0
+        self.full_walk_due = clock()
 
     def run(self, stop: threading.Event) -> Owed:
         """Passes until ``stop``; then the last audit row. Returns the totals."""
@@ -108,10 +124,18 @@ class PurgeLoop:
         def deleted(n: int) -> None:  # each chunk as it commits: a failed pass counts its own
             done.deleted += n
 
+        full = began >= self.full_walk_due
         try:
-            self.retention.purge_confirmed(
-                older_than=s.older_than, chunk=s.chunk, sleep_coef=s.sleep_coef, on_chunk=deleted
+            walked = self.retention.walk(
+                older_than=s.older_than,
+                chunk=s.chunk,
+                start_after=0 if full else self.floor,
+                sleep_coef=s.sleep_coef,
+                on_chunk=deleted,
             )
+            self.floor, done.read, done.full_walks = walked.floor, walked.read, int(full)
+            if full:
+                self.full_walk_due = began + s.full_walk_every
             done.inbox_deleted = self.inbox(s.inbox_older_than, s.chunk)
         except SQLAlchemyError as error:
             done.failed_passes = 1

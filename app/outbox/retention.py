@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -19,6 +20,19 @@ from sqlalchemy import (
 from app.outbox.database import OutboxDatabase
 from app.outbox.schema import events, outbox, samples
 from app.outbox.states import Status
+
+
+@dataclass(frozen=True)
+class Walked:
+    """What one walk of the purge did: rows deleted, rows read, and its floor: the highest id
+    with every row up to it deleted or not ``confirmed`` when read. Such a row, once confirmed,
+    has ``confirmed_at`` no earlier than the walk (less a write-back's lag), so none below the
+    floor is past retention before ``older_than`` after the walk: a walk that soon after may
+    start there (``outbox purge --every``: not re-reading old failed rows every pass)."""
+
+    deleted: int
+    read: int
+    floor: int
 
 
 class Retention:
@@ -101,10 +115,31 @@ class Retention:
         twice as long, so its rows must take well under its interval: in the 30-minute soak a
         purge paced at 1 fell behind a minute's rows at 4,768 rows/s (bench/results/soak). 0, the
         default, runs the windows back to back."""
+        return self.walk(
+            older_than=older_than,
+            chunk=chunk,
+            on_chunk=on_chunk,
+            sleep_coef=sleep_coef,
+            sleep=sleep,
+        ).deleted
+
+    def walk(
+        self,
+        *,
+        older_than: dt.timedelta,
+        chunk: int = 1000,
+        start_after: int = 0,
+        on_chunk: Callable[[int], None] | None = None,
+        sleep_coef: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> Walked:
+        """:meth:`purge_confirmed` from the row after ``start_after`` (a previous walk's
+        :attr:`Walked.floor`, younger than ``older_than``; 0: the whole walk)."""
         cutoff = self.db.clock() - older_than
         with self.db.begin() as conn:  # the publishers' samples past retention go with them
             conn.execute(delete(samples).where(samples.c.at < cutoff))
-        total, after = 0, 0
+        total, read, after, floor = 0, 0, start_after, start_after
+        below = True  # every row read so far deleted or not confirmed
         while True:
             began = time.monotonic()
             with self.db.begin() as conn:
@@ -122,10 +157,16 @@ class Retention:
                     gone = ~select(outbox.c.id).where(outbox.c.id == events.c.outbox_id).exists()
                     conn.execute(delete(events).where(events.c.outbox_id.in_(doomed), gone))
             total += deleted
+            read += len(window)
             if on_chunk is not None:
                 on_chunk(deleted)
+            for row in window if below else ():
+                if row.confirmed and not row.doomed:  # purgeable before long: stop here
+                    below = False
+                    break
+                floor = row.id
             if _past_retention(window, doomed, chunk):
-                return total
+                return Walked(deleted=total, read=read, floor=floor)
             after = window[-1].id
             if deleted and sleep_coef > 0:
                 sleep(sleep_coef * (time.monotonic() - began))
@@ -135,10 +176,13 @@ def _purge_window(after: int, chunk: int, cutoff: dt.datetime) -> Select[Any]:
     """The next ``chunk`` rows by id after ``after`` (a range of the primary key), each with
     whether it is past retention and whether it was written after the cutoff (compared in
     SQL: a value a producer stored badly is never parsed here)."""
-    doomed = and_(outbox.c.status == Status.CONFIRMED.value, outbox.c.confirmed_at < cutoff)
+    confirmed = outbox.c.status == Status.CONFIRMED.value
+    doomed = and_(confirmed, outbox.c.confirmed_at < cutoff)
     fresh = outbox.c.created_at >= cutoff
     return (
-        select(outbox.c.id, doomed.label("doomed"), fresh.label("fresh"))
+        select(
+            outbox.c.id, doomed.label("doomed"), fresh.label("fresh"), confirmed.label("confirmed")
+        )
         .where(outbox.c.id > after)
         .order_by(outbox.c.id)
         .limit(chunk)
