@@ -7,6 +7,7 @@ import importlib
 import pytest
 from alembic import command
 from sqlalchemy import Engine, inspect, text
+from sqlalchemy.exc import DBAPIError
 
 from app.db import (
     SchemaMismatch,
@@ -54,6 +55,40 @@ def test_plain_sql_insert_gets_defaults(db_url: str) -> None:
     assert bool(row["mandatory"]) is True
     assert row["available_at"] is not None and row["created_at"] is not None
     engine.dispose()
+
+
+def test_a_plain_sql_stream_row_with_an_ordering_key_is_refused_and_nothing_else(
+    db_url: str,
+) -> None:
+    """Migration 0022: the row is refused with the reason; valid stream and keyed rows, and an
+    update that does not give a stream row a key, go through; the rows before it stay."""
+    engine = make_engine(db_url)
+    insert = text(
+        "INSERT INTO outbox (message_id, batch_id, exchange, routing_key, body, stream, "
+        "ordering_key) VALUES (:m, 'plain:1', '', '', :body, :stream, :key)"
+    )
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert, {"m": "s-1", "body": b"{}", "stream": "events", "key": None})
+            conn.execute(insert, {"m": "k-1", "body": b"{}", "stream": None, "key": "order-7"})
+        refusal = pytest.raises(DBAPIError, match="a stream row has no ordering key")
+        with refusal as refused, engine.begin() as conn:
+            conn.execute(insert, {"m": "s-2", "body": b"{}", "stream": "events", "key": "k"})
+        if engine.dialect.name == "postgresql":
+            assert getattr(refused.value.orig, "sqlstate", None) == "23514"  # check_violation
+            assert "message_id s-2" in str(refused.value)
+        give_key = text("UPDATE outbox SET ordering_key = 'k' WHERE message_id = 's-1'")
+        with (
+            pytest.raises(DBAPIError, match="a stream row has no ordering key"),
+            engine.begin() as c,
+        ):
+            c.execute(give_key)
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE outbox SET status = 'skipped' WHERE message_id = 's-1'"))
+            got = conn.execute(text("SELECT message_id, status FROM outbox ORDER BY id")).all()
+        assert [tuple(r) for r in got] == [("s-1", "skipped"), ("k-1", "pending")]
+    finally:
+        engine.dispose()
 
 
 def test_the_outbox_keeps_its_own_version_table_beside_another_alembic_app(db_url: str) -> None:
