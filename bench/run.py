@@ -40,6 +40,7 @@ GROUPS = (
     "consume",
     "operate",
     "settle",
+    "settle_publishers",
 )
 #: Groups whose failure is reported but does not fail the run (diagnostics, not issue keys).
 OPTIONAL = {"ceiling"}
@@ -293,6 +294,7 @@ class Bench:
             enqueue,
             operate,
             settle,
+            settle_publishers,
             streams,
         )
 
@@ -312,6 +314,7 @@ class Bench:
         self.group("claim", lambda: claim.run(s, z))
         self.group("enqueue", lambda: enqueue.run(s, z))
         self.group("settle", lambda: settle.run(s, z))
+        self.group("settle_publishers", lambda: settle_publishers.run(s, z))
 
     def _latency(self) -> list[Measured]:
         """The product's confirm latency at half the drain rate, and the broker's own at the same
