@@ -3,18 +3,25 @@
 
 A claim takes the next rows past one cursor in (xid, id) order, only from transactions older
 than every running one (``pg_snapshot_xmin``), skipping parked rows (a held Spark batch), and
-records them as a range: the interval from the old cursor (excluded) to its last row. A held
-batch's release re-stamps its rows' ``xid`` with its own transaction's, so they come through
-the cursor after it commits. A range's rows must be, for ever, exactly those of its interval
-that are not parked: its members never change after the claim, or a status derived from it
-would be wrong.
+records them as a range: the interval from the old cursor (excluded) to its last row. Two kinds
+of Spark batches wait for their driver: a parked batch (``format("outbox")``: rows written not
+due, then released by an UPDATE) and a held one (the sink and ``write_outbox``: the batch id in
+``outbox_held``, rows untouched). A release re-stamps its rows' ``xid`` with its own
+transaction's, so they come through the cursor after it commits. A claim passes a held batch's
+rows and records the batch in its range (``skipped``); once the hold is lifted, the next claim
+(under the cursor's lock, so every range that skipped it has committed) takes the rows those
+ranges skipped as a range of their own (``late_batch``). A range's rows must be, for ever,
+exactly those it was given: its members never change after the claim, or a status derived from
+it would be wrong.
 
 Generated schedules (Hypothesis) drive three producers, each with a transaction it may leave
-open, insert into, commit or roll back; a releaser whose release may stay open; and claims in
-between, on real PostgreSQL connections. Checked after every claim and once all transactions
-have ended and the cursor is drained: no row is taken twice, none rolled back or still parked
-is taken, every committed row not parked is taken, and each range's members are the rows its
-interval holds.
+open, insert into (plain, parked or held rows), commit or roll back; a releaser whose release
+may stay open; holds lifted; and claims in between, on real PostgreSQL connections. Checked
+after every claim and once all transactions have ended and the cursor is drained: no row is
+taken twice, none rolled back, still parked or held is taken, every committed row not parked is
+taken, and each range's members are the rows it holds now. The schedules run one step at a
+time: a hold lifted while a claim is under way is covered by the claim's order (the cursor
+locked, then a fresh statement), not by a generated interleaving.
 
 The SQL is the design's (a table of this test's own), the one the build must keep passing.
 """
@@ -41,7 +48,9 @@ DDL = [
     "CREATE TABLE rc_cursor (one boolean PRIMARY KEY DEFAULT true, xid xid8 NOT NULL, "
     "id bigint NOT NULL)",
     "CREATE TABLE rc_ranges (range_id bigserial PRIMARY KEY, lo_xid xid8 NOT NULL, "
-    "lo_id bigint NOT NULL, hi_xid xid8 NOT NULL, hi_id bigint NOT NULL, n integer NOT NULL)",
+    "lo_id bigint NOT NULL, hi_xid xid8 NOT NULL, hi_id bigint NOT NULL, n integer NOT NULL, "
+    "skipped text[] NOT NULL DEFAULT '{}', late_batch text)",
+    "CREATE TABLE rc_held (batch text PRIMARY KEY)",
 ]
 CURSOR = "SELECT xid, id FROM rc_cursor FOR UPDATE"
 CLAIM = """
@@ -50,23 +59,51 @@ WITH picked AS (
   WHERE (o.xid, o.id) > (%(cx)s::xid8, %(ci)s::bigint)
     AND o.xid < pg_snapshot_xmin(pg_current_snapshot())
     AND NOT o.parked
+    AND o.batch NOT IN (SELECT batch FROM rc_held)
   ORDER BY o.xid, o.id LIMIT %(n)s),
 last AS (SELECT xid, id FROM picked ORDER BY xid DESC, id DESC LIMIT 1),
 moved AS (UPDATE rc_cursor SET xid = last.xid, id = last.id FROM last RETURNING 1),
 rng AS (
-  INSERT INTO rc_ranges (lo_xid, lo_id, hi_xid, hi_id, n)
-  SELECT %(cx)s::xid8, %(ci)s::bigint, last.xid, last.id, (SELECT count(*) FROM picked)
+  INSERT INTO rc_ranges (lo_xid, lo_id, hi_xid, hi_id, n, skipped)
+  SELECT %(cx)s::xid8, %(ci)s::bigint, last.xid, last.id, (SELECT count(*) FROM picked),
+         ARRAY(SELECT DISTINCT o.batch FROM rc_rows o
+               WHERE (o.xid, o.id) > (%(cx)s::xid8, %(ci)s::bigint)
+                 AND (o.xid, o.id) <= (last.xid, last.id) AND NOT o.parked
+                 AND o.batch IN (SELECT batch FROM rc_held))
   FROM last RETURNING range_id)
 SELECT picked.id, (SELECT range_id FROM rng), (SELECT count(*) FROM moved) FROM picked
 """
-#: A held batch released: its rows go through the cursor after this transaction commits.
-RELEASE = "UPDATE rc_rows SET parked = false, xid = pg_current_xact_id() WHERE batch = %s"
-#: The rows a range holds now: its interval's rows that are not parked.
-MEMBERS = (
-    "SELECT r.range_id, o.id FROM rc_ranges r JOIN rc_rows o "
-    "ON (o.xid, o.id) > (r.lo_xid, r.lo_id) AND (o.xid, o.id) <= (r.hi_xid, r.hi_id) "
-    "WHERE NOT o.parked"
+#: Batches whose hold was lifted after a range skipped them, not yet claimed late.
+LIFTED = (
+    "SELECT DISTINCT b FROM rc_ranges r, unnest(r.skipped) b "
+    "WHERE b NOT IN (SELECT batch FROM rc_held) "
+    "AND b NOT IN (SELECT late_batch FROM rc_ranges WHERE late_batch IS NOT NULL) ORDER BY b"
 )
+#: A lifted batch's rows that ranges skipped, as a range of their own (its interval unused).
+LATE_CLAIM = """
+WITH picked AS (
+  SELECT DISTINCT o.id FROM rc_rows o JOIN rc_ranges r ON %(b)s = ANY(r.skipped)
+    AND (o.xid, o.id) > (r.lo_xid, r.lo_id) AND (o.xid, o.id) <= (r.hi_xid, r.hi_id)
+  WHERE o.batch = %(b)s AND NOT o.parked),
+rng AS (
+  INSERT INTO rc_ranges (lo_xid, lo_id, hi_xid, hi_id, n, late_batch)
+  VALUES ('0', 0, '0', 0, (SELECT count(*) FROM picked), %(b)s) RETURNING range_id)
+SELECT picked.id, (SELECT range_id FROM rng), 0 FROM picked
+"""
+#: A parked batch released: its rows go through the cursor after this transaction commits.
+RELEASE = "UPDATE rc_rows SET parked = false, xid = pg_current_xact_id() WHERE batch = %s"
+#: The rows a range holds now: its interval's unparked rows outside the batches it skipped; a
+#: late range, its batch's rows in the intervals of the ranges that skipped it.
+MEMBERS = """
+SELECT r.range_id, o.id FROM rc_ranges r JOIN rc_rows o
+  ON (o.xid, o.id) > (r.lo_xid, r.lo_id) AND (o.xid, o.id) <= (r.hi_xid, r.hi_id)
+WHERE r.late_batch IS NULL AND NOT o.parked AND NOT (o.batch = ANY(r.skipped))
+UNION ALL
+SELECT l.range_id, o.id FROM rc_ranges l JOIN rc_ranges r ON l.late_batch = ANY(r.skipped)
+  JOIN rc_rows o ON o.batch = l.late_batch
+   AND (o.xid, o.id) > (r.lo_xid, r.lo_id) AND (o.xid, o.id) <= (r.hi_xid, r.hi_id)
+WHERE NOT o.parked
+"""
 PRODUCERS = 3
 HORIZON_PASSED = (
     "SELECT coalesce(max(xid) < pg_snapshot_xmin(pg_current_snapshot()), true) FROM rc_rows"
@@ -82,6 +119,8 @@ class World:
     committed: set[int] = field(default_factory=set)
     rolled_back: set[int] = field(default_factory=set)
     parked: dict[str, list[int]] = field(default_factory=dict)  # committed, not released
+    held: set[str] = field(default_factory=set)  # batches held (outbox_held)
+    batch_of: dict[int, str] = field(default_factory=dict)
     releasing: list[str] = field(default_factory=list)  # released, not committed yet
     taken: dict[int, int] = field(default_factory=dict)  # row -> range
     batches: Iterator[int] = field(default_factory=itertools.count)
@@ -99,7 +138,7 @@ class Session:
     def reset(self) -> None:
         for conn in (*self.producers, self.releaser, self.claimer):
             conn.rollback()
-        self.admin.execute("TRUNCATE rc_rows, rc_ranges, rc_cursor RESTART IDENTITY")
+        self.admin.execute("TRUNCATE rc_rows, rc_ranges, rc_cursor, rc_held RESTART IDENTITY")
         self.admin.execute("INSERT INTO rc_cursor VALUES (true, '0', 0)")
 
     def close(self) -> None:
@@ -126,27 +165,36 @@ def _claim(s: Session, w: World, n: int) -> int:
     conn = s.claimer
     with conn.transaction():
         cx, ci = conn.execute(CURSOR).fetchone()  # type: ignore[misc]
-        rows = conn.execute(CLAIM, {"cx": cx, "ci": ci, "n": n}).fetchall()
+        rows = []
+        for (batch,) in conn.execute(LIFTED).fetchall():  # after the lock: a fresh snapshot
+            rows += conn.execute(LATE_CLAIM, {"b": batch}).fetchall()
+        rows += conn.execute(CLAIM, {"cx": cx, "ci": ci, "n": n}).fetchall()
     conn.commit()
     for row_id, range_id, _ in rows:
         assert row_id not in w.taken, f"row {row_id} taken twice"
         assert row_id in w.committed, f"row {row_id} taken but not committed"
         assert not any(row_id in ids for ids in w.parked.values()), f"row {row_id} parked"
+        assert w.batch_of[row_id] not in w.held, f"row {row_id} of a held batch"
         w.taken[row_id] = range_id
     return len(rows)
 
 
 def _step(s: Session, w: World, step: tuple[str, int, int]) -> None:
     kind, who, n = step
-    if kind == "insert" or kind == "insert_parked":
+    if kind in ("insert", "insert_parked", "insert_held"):
         batch = f"b{next(w.batches)}"
         parked = kind == "insert_parked"
+        if kind == "insert_held":  # the driver holds the batch before its tasks write
+            s.admin.execute("INSERT INTO rc_held VALUES (%s)", (batch,))
+            w.held.add(batch)
         cur = s.producers[who].execute(
             "INSERT INTO rc_rows (batch, parked) SELECT %s, %s FROM generate_series(1, %s) "
             "RETURNING id",
             (batch, parked, n),
         )
-        w.open_rows.setdefault(who, []).extend(r[0] for r in cur.fetchall())
+        ids = [r[0] for r in cur.fetchall()]
+        w.open_rows.setdefault(who, []).extend(ids)
+        w.batch_of.update((i, batch) for i in ids)
         if parked:
             w.open_parked.setdefault(who, []).append(batch)
     elif kind in ("commit", "rollback"):
@@ -169,6 +217,11 @@ def _step(s: Session, w: World, step: tuple[str, int, int]) -> None:
             batch = waiting[who % len(waiting)]
             s.releaser.execute(RELEASE, (batch,))
             w.releasing.append(batch)
+    elif kind == "unhold":  # the driver lifts a hold (its tasks' rows committed or not)
+        if w.held:
+            batch = sorted(w.held)[who % len(w.held)]
+            s.admin.execute("DELETE FROM rc_held WHERE batch = %s", (batch,))
+            w.held.discard(batch)
     elif kind == "release_end":
         if who % 2 == 0:
             s.releaser.commit()
@@ -187,6 +240,8 @@ def _step(s: Session, w: World, step: tuple[str, int, int]) -> None:
 KINDS = [
     *["insert"] * 3,
     "insert_parked",
+    *["insert_held"] * 2,
+    "unhold",
     *["commit"] * 2,
     "rollback",
     "release",
@@ -205,6 +260,18 @@ STEPS = st.tuples(st.sampled_from(KINDS), st.integers(0, PRODUCERS - 1), st.inte
 # a transaction left open while a later one commits and a claim runs: without the horizon the
 # cursor passes its rows, which commit behind it
 @example(steps=[("insert", 0, 2), ("insert", 1, 2), ("commit", 1, 0), ("claim", 0, 5)])
+# a held batch's rows a claim passes, then the hold lifted: taken late, once, by their batch
+@example(
+    steps=[
+        ("insert_held", 0, 2),
+        ("commit", 0, 0),
+        ("insert", 1, 2),
+        ("commit", 1, 0),
+        ("claim", 0, 5),
+        ("unhold", 0, 0),
+        ("claim", 0, 5),
+    ]
+)
 # parked rows a claim passes, then released: without the new xid they stay behind the cursor
 @example(
     steps=[
@@ -228,6 +295,8 @@ def test_a_range_holds_exactly_its_rows_and_every_committed_row_is_taken_once(
     for who in range(PRODUCERS):
         _step(session, w, ("commit", who, 0))
     _step(session, w, ("release_end", 0, 0))
+    while w.held:
+        _step(session, w, ("unhold", 0, 0))
     never_released = {i for ids in w.parked.values() for i in ids}
     expected = w.committed - never_released
     # a transaction open anywhere on the server (another test's) holds the horizon back for a
