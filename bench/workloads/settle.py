@@ -19,6 +19,9 @@ it is lumpy), WAL bytes and client time are counted:
   land behind the cursor), and records them as one range row; a confirm settles the range row
   (exceptions would be written per row: none on this path); the purge deletes the settled
   ranges' rows by their key range;
+- ``ranges_holes``: ``ranges`` whose claims take every committed row and record the running
+  transactions they pass as holes (``pg_snapshot_xip``) rather than wait for them (none runs
+  here: the figure is the rule's own cost);
 - ``partitions``: ``ranges`` on an outbox partitioned by id, one partition per block: the purge
   drops the partition once its ranges are settled. A unique ``message_id`` cannot span
   partitions in PostgreSQL, so it lives in a table of its own (one more insert and delete).
@@ -59,7 +62,7 @@ INSERT_ROWS = 5_000  # rows per INSERT statement (a Spark task writes thousands 
 PURGE_CHUNK = 1_000
 BODY = bytes(i % 256 for i in range(256))
 STEPS = ("insert", "drain", "purge", "vacuum")
-CANDIDATES = ("today", "split", "ranges", "partitions")
+CANDIDATES = ("today", "split", "ranges", "ranges_holes", "partitions")
 ROWS = (
     "SELECT 'm-' || g, 'b-' || (g / 10000), 'ex', 'rk', %(body)s "
     "FROM generate_series(%(first)s::bigint, %(last)s::bigint) g"
@@ -78,7 +81,8 @@ RANGE_DDL = [
     "INSERT INTO r_cursor VALUES (true, '0', 0)",
     "CREATE TABLE r_ranges (range_id bigserial PRIMARY KEY, lo_xid xid8 NOT NULL, "
     "lo_id bigint NOT NULL, hi_xid xid8 NOT NULL, hi_id bigint NOT NULL, rows integer NOT NULL, "
-    "owner text NOT NULL, lease_until timestamptz NOT NULL, settled_at timestamptz)",
+    "owner text NOT NULL, lease_until timestamptz NOT NULL, settled_at timestamptz, "
+    "holes xid8[] NOT NULL DEFAULT '{}')",
 ]
 #: Lock the cursor (the claims of every publisher take turns on it), then in one statement take
 #: the next rows past it from finished transactions only, move it and record the range; return
@@ -101,6 +105,21 @@ rng AS (
   FROM last RETURNING range_id)
 SELECT picked.*, (SELECT range_id FROM rng), (SELECT count(*) FROM moved) FROM picked
 """
+#: ``ranges_holes``: every committed row past the cursor, the running transactions the range
+#: spans recorded as its holes (tests/conformance/test_range_claim.py); none run here, so this
+#: prices reading the snapshot's xip and the column, not the holes' own later claims.
+RANGE_CLAIM_HOLES = (
+    RANGE_CLAIM.replace("    AND o.xid < pg_snapshot_xmin(pg_current_snapshot())\n", "")
+    .replace(
+        "INSERT INTO r_ranges (lo_xid, lo_id, hi_xid, hi_id, rows, owner, lease_until)",
+        "INSERT INTO r_ranges (lo_xid, lo_id, hi_xid, hi_id, rows, owner, lease_until, holes)",
+    )
+    .replace(
+        "%(until)s\n",
+        "%(until)s, ARRAY(SELECT x FROM pg_snapshot_xip(pg_current_snapshot()) x "
+        "WHERE x > %(cx)s::xid8 AND x < last.xid)\n",
+    )
+)
 RANGE_CONFIRM = (
     "UPDATE r_ranges SET settled_at = %(now)s, lease_until = %(now)s WHERE range_id = %(r)s"
 )
@@ -127,10 +146,12 @@ DDL: dict[str, list[str]] = {
         "CREATE TABLE p_ids (message_id text PRIMARY KEY, id bigint NOT NULL)",
     ],
 }
+DDL["ranges_holes"] = DDL["ranges"]
 TABLES = {
     "today": ["outbox"],
     "split": ["message", "state"],
     "ranges": ["r_outbox", "r_ranges", "r_cursor"],
+    "ranges_holes": ["r_outbox", "r_ranges", "r_cursor"],
     "partitions": ["p_outbox", "p_ids", "r_ranges", "r_cursor"],
 }
 
@@ -279,6 +300,7 @@ class Ranges(Candidate):
 
     name = "ranges"
     table = "r_outbox"
+    claim_sql = RANGE_CLAIM
 
     def _insert(self, first: int, last: int) -> None:
         values = {"body": BODY, "first": first, "last": last}
@@ -289,7 +311,7 @@ class Ranges(Candidate):
         with self.conn.transaction():
             cx, ci = self.conn.execute(RANGE_CURSOR).fetchone()  # type: ignore[misc]
             values = {"n": CLAIM_ROWS, "until": now + dt.timedelta(seconds=60), "cx": cx, "ci": ci}
-            return self.conn.execute(RANGE_CLAIM.format(t=self.table), values).fetchall()
+            return self.conn.execute(self.claim_sql.format(t=self.table), values).fetchall()
 
     def confirm(self, claimed: Any) -> None:
         with self.conn.transaction():
@@ -314,6 +336,13 @@ class Ranges(Candidate):
                     self.conn.execute(RANGE_PURGE_ROWS.format(t=self.table), {"r": chunk})
                     self.conn.execute(RANGE_PURGE_RANGES, {"r": chunk})
                 chunk, rows = [], 0
+
+
+class RangesHoles(Ranges):
+    """``Ranges`` whose claims record running transactions as holes instead of waiting for them."""
+
+    name = "ranges_holes"
+    claim_sql = RANGE_CLAIM_HOLES
 
 
 class Partitions(Ranges):
@@ -366,6 +395,7 @@ KINDS: dict[str, Callable[[str], Candidate]] = {
     "today": Today,
     "split": Split,
     "ranges": Ranges,
+    "ranges_holes": RangesHoles,
     "partitions": Partitions,
 }
 
@@ -448,9 +478,10 @@ def run(services: Services, sizes: Any = None) -> list[Measured]:
         temp_postgres(services) as u2,
         temp_postgres(services) as u3,
         temp_postgres(services) as u4,
+        temp_postgres(services) as u5,
     ):
         candidates = [
-            KINDS[name](url) for name, url in zip(CANDIDATES, (u1, u2, u3, u4), strict=True)
+            KINDS[name](url) for name, url in zip(CANDIDATES, (u1, u2, u3, u4, u5), strict=True)
         ]
         try:
             for candidate in candidates:
