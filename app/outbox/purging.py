@@ -139,13 +139,17 @@ class PurgeLoop:
             done.inbox_deleted = self.inbox(s.inbox_older_than, s.chunk)
         except SQLAlchemyError as error:
             done.failed_passes = 1
-            self.failing = first_line(error)[:300]
-            self.on_failure(self.failing)
+            failing: str | None = first_line(error)[:300]
+            self.on_failure(failing or "")
         else:
-            self.last_success, self.failing = self.wall(), None
+            failing = None
         done.seconds = self.clock() - began
         self.owed.add(done)
         self.total.add(done)
+        # after the totals: a scrape that sees this pass's outcome sees its counts too
+        if failing is None:
+            self.last_success = self.wall()
+        self.failing = failing
 
     def _audit(self) -> bool:
         """An audit row for what the passes since the last one deleted (none when they

@@ -25,7 +25,8 @@ from app.outbox.states import Status
 @dataclass(frozen=True)
 class Walked:
     """What one walk of the purge did: rows deleted, rows read, and its floor: the highest id
-    with every row up to it deleted or not ``confirmed`` when read. Such a row, once confirmed,
+    with every row up to it deleted, or not ``confirmed`` and written before the cutoff, when
+    read. Such a row, once confirmed,
     has ``confirmed_at`` no earlier than the walk (less a write-back's lag), so none below the
     floor is past retention before ``older_than`` after the walk: a walk that soon after may
     start there (``outbox purge --every``: not re-reading old failed rows every pass)."""
@@ -161,7 +162,10 @@ class Retention:
             if on_chunk is not None:
                 on_chunk(deleted)
             for row in window if below else ():
-                if row.confirmed and not row.doomed:  # purgeable before long: stop here
+                # a row confirmed within retention passes it before long, and a row written
+                # after the cutoff may be confirmed with a time from before this walk (a
+                # write-back's lag, a producer's backdating): the floor stops at either
+                if (row.confirmed and not row.doomed) or row.fresh:
                     below = False
                     break
                 floor = row.id

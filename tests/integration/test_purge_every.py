@@ -163,8 +163,13 @@ def test_a_database_that_refuses_connections_pauses_the_passes_and_loses_no_coun
             second = _settle(engine, 20, days_ago=10)
             _until(lambda: _left(engine, second) == 0, "the rows written after the outage gone")
             _until(lambda: _probe(base, "/readyz")[0] == 200, "ready again")
-            deleted = _metric(base, 'outbox_purge_deleted_rows_total{table="outbox"}')
-            since = time.time() - _metric(base, "outbox_purge_last_success_timestamp_seconds")
+            # the rows go as each chunk commits, the counter when its pass ends
+            deleted_total = 'outbox_purge_deleted_rows_total{table="outbox"}'
+            _until(lambda: _metric(base, deleted_total) >= 40, "the deletes counted")
+            deleted = _metric(base, deleted_total)
+            # read first: a pass may end while /metrics is scraped, after a time taken before
+            last_success = _metric(base, "outbox_purge_last_success_timestamp_seconds")
+            since = time.time() - last_success
             out, err = _stop(proc)
         assert deleted == 40 and 0 <= since < 5, (deleted, since)
         assert "a pass failed, the next in 0.2 s" in err, err
