@@ -164,16 +164,22 @@ class PublisherStore(Recounts):
             "claim_limit": limit,
         }
         rows: list[Any] = []
-        with self.db.begin() as conn:
-            # PostgreSQL: one round trip says whether a key is open and, when none is, makes
-            # the unkeyed claim's walk settings (app/outbox/planner.py)
-            if self._any_key_open(conn):
-                rows = list(conn.execute(self._claim_statement(True), params).all())
-                if self.db.is_postgres and len(rows) < limit:
-                    conn.execute(WALK_DUE_INDEX)
-            if len(rows) < limit:
-                params["claim_limit"] = limit - len(rows)
-                rows += self._claim_unkeyed(conn, params, now)
+        try:
+            with self.db.begin() as conn:
+                # PostgreSQL: one round trip says whether a key is open and, when none is,
+                # makes the unkeyed claim's walk settings (app/outbox/planner.py)
+                if self._any_key_open(conn):
+                    rows = list(conn.execute(self._claim_statement(True), params).all())
+                    if self.db.is_postgres and len(rows) < limit:
+                        conn.execute(WALK_DUE_INDEX)
+                if len(rows) < limit:
+                    params["claim_limit"] = limit - len(rows)
+                    rows += self._claim_unkeyed(conn, params, now)
+        except BaseException:
+            # the floor moved past rows this transaction took and then rolled back (the
+            # server ended an idle session, a commit failed): walk from the start next time
+            self._floor.rewalk()
+            raise
         claimed = [ClaimedRow._make(row) for row in rows]
         claimed.sort(key=lambda r: r.id)
         return claimed

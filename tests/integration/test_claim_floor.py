@@ -14,7 +14,8 @@ import datetime as dt
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, insert, text
+from sqlalchemy import Engine, event, insert, text
+from sqlalchemy.exc import DBAPIError
 
 from app.outbox.planner import CLAIM_REWALK
 from app.outbox.schema import held
@@ -199,3 +200,33 @@ def test_rows_released_at_the_floors_own_time_are_claimed_at_once(engine: Engine
     clock.advance(120)  # the other two rows' lease runs out
     assert repo.store.release_expired() == 2
     assert claim(repo, 10) == ["s001", "s002"]
+
+
+def test_a_claim_whose_transaction_never_commits_leaves_no_row_behind_the_floor(
+    engine: Engine,
+) -> None:
+    """The server ends the claim's session after its unkeyed claim ran (as it does for a claim
+    idle in its transaction past its limit: a CI run on two busy cores saw it): the rows it
+    took roll back, and the next claim takes them at once, not after ``CLAIM_REWALK``. Before,
+    the floor had moved past them and the next claim found 1 row of 2,000."""
+    clock = Clock()
+    repo = OutboxClients(engine, clock=clock)
+    add(engine, names("r", 50), at=T0 - dt.timedelta(seconds=10))
+    ended: list[int] = []
+
+    def end_session(conn: Any, _cursor: Any, _sql: str, params: Any, *_: Any) -> None:
+        if not ended and isinstance(params, dict) and "claim_limit" in params:
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+            with engine.connect() as other:
+                other.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            ended.append(pid)
+
+    event.listen(engine, "after_cursor_execute", end_session)
+    try:
+        with pytest.raises(DBAPIError):
+            claim(repo, 20)
+    finally:
+        event.remove(engine, "after_cursor_execute", end_session)
+    assert ended
+    assert claim(repo, 20) == names("r", 20)  # at once, from the start
+    assert claim(repo, 100) == names("r", 50)[20:]
