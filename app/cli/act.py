@@ -25,6 +25,7 @@ from app.cli.common import (
     bounded_int,
     database,
     json_flag,
+    metrics_flags,
     one_line,
     positive_days,
     print_json,
@@ -479,13 +480,7 @@ def _add_purge(sub: Sub) -> None:
         help="with --every: one audit row per SECONDS for the passes that deleted rows, and "
         "one at the stop (default 3600)",
     )
-    pur.add_argument(
-        "--metrics-port",
-        type=bounded_int(0, 65535),
-        default=None,
-        help="with --every: serve /metrics, /healthz, /readyz on this port (0: any free one)",
-    )
-    pur.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    metrics_flags(pur, when="with --every: ")
     actor_flag(pur, "who purges")
     json_flag(pur, what="what was (or would be) deleted, as JSON")
     pur.set_defaults(func=_cmd_purge)

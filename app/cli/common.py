@@ -78,6 +78,17 @@ def _number(text: str, kind: Callable[[str], N], what: str) -> N:
         raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
 
 
+def metrics_flags(parser: argparse.ArgumentParser, *, when: str = "") -> None:
+    """``--metrics-port`` and ``--metrics-host``: a long-running command's own probes."""
+    parser.add_argument(
+        "--metrics-port",
+        type=bounded_int(0, 65535),
+        default=None,
+        help=f"{when}serve /metrics, /healthz, /readyz on this port (0: any free one)",
+    )
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+
+
 def bounded_int(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = _number(text, int, "a whole number")

@@ -15,6 +15,7 @@ from app.cli.common import (
     UsageError,
     bounded_int,
     json_flag,
+    metrics_flags,
     positive_seconds,
     print_json,
 )
@@ -466,13 +467,7 @@ def _consume_outlets(con: argparse.ArgumentParser) -> None:
         default=None,
         help="routing key for --dead-letter-exchange (default: the message's)",
     )
-    con.add_argument(
-        "--metrics-port",
-        type=bounded_int(0, 65535),
-        default=None,
-        help="serve /metrics, /healthz, /readyz on this port (0: any free one)",
-    )
-    con.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    metrics_flags(con)
 
 
 def _add_declare(sub: Sub) -> None:
