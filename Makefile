@@ -113,8 +113,10 @@ conformance: venv  ## the confirm core over 5,000 generated broker schedules (CO
 
 # The matrix starts (and stops) a RabbitMQ and a PostgreSQL of its own with $(SERVICES) on ports
 # 5683/5443, data in .local/chaos: it stops and kills them, so it never touches the shared ones.
+# Two lanes side by side, each on servers of its own (chaos/lanes.py): a scenario mostly waits.
+CHAOS_LANES ?= 2
 chaos: venv tools  ## fault matrix: every fault injected mid-flow, every message accounted (CHAOS_ARGS="--only 1,4 --rows 2000")
-	@$(PY) -m chaos.run $(CHAOS_ARGS)
+	@$(PY) -m chaos.run --lanes $(CHAOS_LANES) $(CHAOS_ARGS)
 
 # Not part of make chaos nor make test: each fault lasts minutes (17c-long: the quorum queue
 # leaderless for 10 minutes; 18a/18b: the broker, then PostgreSQL, stopped for 10 minutes; 18c: a

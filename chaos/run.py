@@ -5,25 +5,25 @@
     python -m chaos.run --skip 13 --keep-services
     python -m chaos.run --only 3b --rows 2000 --repeat 5      (hunting a flaky outcome)
     python -m chaos.run --long               the faults that last minutes (make chaos-long)
+    python -m chaos.run --lanes 2            two lanes side by side (make chaos; chaos/lanes.py)
 
-Starts a RabbitMQ and a PostgreSQL of its own (ports 5683 and 5443, data in .local/chaos), stops
-them at the end. Exit 1 if any scenario lost a message, exceeded its duplicate bound, left a row in
-an unexpected state or failed one of its checks; exit 2 if the services could not be started.
+Starts a RabbitMQ and a PostgreSQL of its own (ports 5683 and 5443, data in .local/chaos; lane K
+of ``--lanes`` 10 K ports up, data in .local/chaos-laneK), stops them at the end. Exit 1 if any
+scenario lost a message, exceeded its duplicate bound, left a row in an unexpected state or failed
+one of its checks; exit 2 if the services could not be started.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
-from chaos import procs
+from chaos import lanes, procs
 from chaos.matrix import BY_KEY, SCENARIOS
 from chaos.runner import MatrixEnv, Result, run_scenario
 from chaos.services import PrivateServices, ServiceError
@@ -127,12 +127,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--repeat", type=int, default=1, help="run the selection N times")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        default=1,
+        help="run the selection in N lanes side by side, each on servers of its own (chaos.lanes)",
+    )
+    parser.add_argument("--lane", help=argparse.SUPPRESS)  # K/N: one lane's child (chaos.lanes)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("aiormq").setLevel(logging.CRITICAL)  # the verifier's expected disconnects
     logging.getLogger("rstream").setLevel(logging.ERROR)  # "leader not yet elected" (21c)
     keys = _select(args.only, args.skip, long=args.long) * max(1, args.repeat)
-    services = PrivateServices.for_matrix()
+    if args.lanes > 1 and not args.lane:
+        return _in_lanes(keys, args)
+    lane = lanes.lane_of(args.lane)[0] if args.lane else 0
+    services = PrivateServices.for_matrix(lane=lane)
     began = time.monotonic()
     try:
         env = MatrixEnv.open(services)
@@ -154,8 +164,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(results))
     print(f"\n{sum(r.ok for r in results)} of {len(results)} scenarios ok in {minutes:.1f} min")
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2, default=str))
+        args.json.write_text(lanes.out_json(results))
     return 0 if all(r.ok for r in results) else 1
+
+
+def _in_lanes(keys: Sequence[str], args: argparse.Namespace) -> int:
+    began = time.monotonic()
+    code, results = lanes.run_lanes(
+        keys, args.lanes, rows=args.rows, keep_services=args.keep_services, json_out=args.json
+    )
+    print()
+    print(table(results))
+    ok = sum(r.ok for r in results)
+    print(f"\n{ok} of {len(keys)} scenarios ok in {lanes.wall(began)} ({args.lanes} lanes)")
+    if code == 0 and ok != len(keys):
+        code = 1  # a lane that reported fewer results than it was given
+    return code
 
 
 if __name__ == "__main__":

@@ -82,9 +82,12 @@ class PrivateServices:
     log: list[str] = field(default_factory=list, compare=False)
 
     @classmethod
-    def for_matrix(cls) -> PrivateServices:
+    def for_matrix(cls, lane: int = 0) -> PrivateServices:
+        """The matrix's servers; lane K of ``chaos.run --lanes`` has its own, 10 K ports up."""
         return cls(
-            local_dir=REPO / ".local" / "chaos", amqp_port=MATRIX_PORTS[0], pg_port=MATRIX_PORTS[1]
+            local_dir=REPO / ".local" / ("chaos" if lane == 0 else f"chaos-lane{lane}"),
+            amqp_port=MATRIX_PORTS[0] + 10 * lane,
+            pg_port=MATRIX_PORTS[1] + 10 * lane,
         )
 
     @classmethod

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 from pamqp.commands import Basic
 
-from chaos import amqp, procs
+from chaos import amqp, lanes, procs
 from chaos.matrix import SCENARIOS
 from chaos.run import _select, table
 from chaos.runner import Ctx, MatrixEnv, Result, Scenario, Step, run_scenario
@@ -56,6 +56,37 @@ def test_long_faults_run_only_in_chaos_long() -> None:
     assert set(_select(None, None)) | long == {s.key for s in SCENARIOS}
     assert set(_select(None, None, long=True)) == long
     assert _select("17c-long", None) == ["17c-long"]
+
+
+def test_lanes_run_every_scenario_once_with_fixed_port_servers_in_one_lane() -> None:
+    """``make chaos --lanes 2``: each selected scenario in exactly one lane; the three-node
+    cluster's and the network namespaces' scenarios all in lane 0, the Patroni pair's all in
+    lane 1 (those servers have fixed ports); each lane's own servers on ports of its own."""
+    keys = _select(None, None)
+    for n in (1, 2, 3):
+        plan = lanes.assign(keys, n)
+        assert sorted(k for lane in plan for k in lane) == sorted(keys)
+        for lane in plan:  # the matrix's order within a lane
+            assert lane == [k for k in keys if k in lane]
+    plan = lanes.assign(keys, 2)
+    where = {k: i for i, lane in enumerate(plan) for k in lane}
+    cluster = [s.key for s in SCENARIOS if s.key in where and s.cluster]
+    netns = [
+        s.key for s in SCENARIOS if s.key in where and s.inject.__module__ == "chaos.partition"
+    ]
+    pair = [
+        s.key for s in SCENARIOS if s.key in where and s.inject.__module__ == "chaos.pg_failover"
+    ]
+    assert cluster and netns and pair
+    assert {where[k] for k in cluster + netns} == {0}
+    assert {where[k] for k in pair} == {1}
+    assert all(plan), "no lane left idle"
+    ports = [PrivateServices.for_matrix(lane=i) for i in range(3)]
+    assert len({(p.amqp_port, p.pg_port, p.local_dir) for p in ports}) == 3
+    assert lanes.lane_of("1/2") == (1, 2)
+    for bad in ("2/2", "x", "1"):
+        with pytest.raises(SystemExit, match="--lane"):
+            lanes.lane_of(bad)
 
 
 # ---------------------------------------------------------------- the harness can pass and fail
