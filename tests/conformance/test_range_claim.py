@@ -28,6 +28,15 @@ taken, and each range's members are the rows it holds now. The schedules run one
 time: a hold lifted while a claim is under way is covered by the claim's order (the cursor
 locked, then a fresh statement), not by a generated interleaving.
 
+Exceptions (the row path taking rows over) must not change a range's members either: a failure
+or a release back to pending written on a row a range took, an operator's skip of a row no range
+took yet, rows written not due (a claim hands those to the row path, its members all the same)
+and made due later, and the row path's own claim of its pending rows are steps too. Checked
+besides: each range's members after the drain are exactly those recorded at its claim, a claim
+never takes a row the row path owns or one not due, every committed row not parked is taken
+once or owned by the row path, and every row's derived status (its own once the row path owns
+it, else its range's) equals the model's.
+
 The SQL is the design's (a table of this test's own), the one the build must keep passing.
 """
 
@@ -48,7 +57,9 @@ from tests.support.env import copy_database, database_url, drop_database
 
 DDL = [
     "CREATE TABLE rc_rows (id bigserial PRIMARY KEY, batch text NOT NULL, "
-    "parked boolean NOT NULL DEFAULT false, xid xid8 NOT NULL DEFAULT pg_current_xact_id())",
+    "parked boolean NOT NULL DEFAULT false, xid xid8 NOT NULL DEFAULT pg_current_xact_id(), "
+    "due boolean NOT NULL DEFAULT true, row_path boolean NOT NULL DEFAULT false, "
+    "status text NOT NULL DEFAULT 'pending')",
     "CREATE INDEX ON rc_rows (xid, id)",
     "CREATE TABLE rc_cursor (one boolean PRIMARY KEY DEFAULT true, xid xid8 NOT NULL, "
     "id bigint NOT NULL)",
@@ -59,15 +70,27 @@ DDL = [
     "CREATE TABLE rc_held (batch text PRIMARY KEY)",
 ]
 CURSOR = "SELECT xid, id FROM rc_cursor FOR UPDATE"
-CLAIM = """
-WITH picked AS (
-  SELECT o.id, o.xid FROM rc_rows o
+#: The tail of every claim: of the window's rows (its members), publish those the row path does
+#: not own and that are due; a member not due yet (a plain-SQL row written with a later
+#: ``available_at``) is passed to the row path in the same statement (one rewrite, rare).
+PUBLISH = """
+passed AS (
+  UPDATE rc_rows o SET row_path = true FROM win
+  WHERE o.id = win.id AND NOT win.due AND NOT win.row_path RETURNING 1),
+picked AS (SELECT id, xid FROM win WHERE win.due AND NOT win.row_path)"""
+CLAIM = (
+    """
+WITH win AS (
+  SELECT o.id, o.xid, o.due, o.row_path FROM rc_rows o
   WHERE (o.xid, o.id) > (%(cx)s::xid8, %(ci)s::bigint)
     {horizon}
     AND NOT o.parked
     AND o.batch NOT IN (SELECT batch FROM rc_held)
   ORDER BY o.xid, o.id LIMIT %(n)s),
-last AS (SELECT xid, id FROM picked ORDER BY xid DESC, id DESC LIMIT 1),
+"""
+    + PUBLISH
+    + """,
+last AS (SELECT xid, id FROM win ORDER BY xid DESC, id DESC LIMIT 1),
 moved AS (UPDATE rc_cursor SET xid = last.xid, id = last.id FROM last RETURNING 1),
 rng AS (
   INSERT INTO rc_ranges (lo_xid, lo_id, hi_xid, hi_id, n, skipped, holes)
@@ -78,8 +101,11 @@ rng AS (
                  AND o.batch IN (SELECT batch FROM rc_held)),
          {holes}
   FROM last RETURNING range_id)
-SELECT picked.id, (SELECT range_id FROM rng), (SELECT count(*) FROM moved) FROM picked
+SELECT picked.id, (SELECT range_id FROM rng), (SELECT count(*) FROM moved),
+       (SELECT count(*) FROM passed)
+FROM picked
 """
+)
 #: Two ways to keep commit order. ``horizon``: take rows only from transactions older than every
 #: running one (a transaction left open anywhere holds every claim back). ``holes``: take every
 #: committed row, and record the transactions still running that the interval spans (few); each
@@ -100,18 +126,23 @@ ENDED = (
     "AND h NOT IN (SELECT late_xid FROM rc_ranges WHERE late_xid IS NOT NULL) ORDER BY h"
 )
 #: An ended hole's rows (all behind the cursor), as a range of their own.
-HOLE_CLAIM = """
-WITH picked AS (
-  SELECT o.id FROM rc_rows o
+HOLE_CLAIM = (
+    """
+WITH win AS (
+  SELECT o.id, o.xid, o.due, o.row_path FROM rc_rows o
   WHERE o.xid = %(h)s::xid8 AND NOT o.parked AND o.batch NOT IN (SELECT batch FROM rc_held)),
+"""
+    + PUBLISH
+    + """,
 rng AS (
   INSERT INTO rc_ranges (lo_xid, lo_id, hi_xid, hi_id, n, late_xid, skipped)
   VALUES ('0', 0, '0', 0, (SELECT count(*) FROM picked), %(h)s::xid8,
           ARRAY(SELECT DISTINCT o.batch FROM rc_rows o WHERE o.xid = %(h)s::xid8
                 AND NOT o.parked AND o.batch IN (SELECT batch FROM rc_held)))
   RETURNING range_id)
-SELECT picked.id, (SELECT range_id FROM rng), 0 FROM picked
+SELECT picked.id, (SELECT range_id FROM rng), 0, (SELECT count(*) FROM passed) FROM picked
 """
+)
 #: Where a range's rows are: its interval less its holes, or a hole's transaction.
 DOMAIN = (
     "((r.late_batch IS NULL AND r.late_xid IS NULL AND (o.xid, o.id) > (r.lo_xid, r.lo_id) "
@@ -125,15 +156,21 @@ LIFTED = (
     "AND b NOT IN (SELECT late_batch FROM rc_ranges WHERE late_batch IS NOT NULL) ORDER BY b"
 )
 #: A lifted batch's rows that ranges skipped, as a range of their own (its interval unused).
-LATE_CLAIM = f"""
-WITH picked AS (
-  SELECT DISTINCT o.id FROM rc_rows o JOIN rc_ranges r ON %(b)s = ANY(r.skipped) AND {DOMAIN}
+LATE_CLAIM = (
+    f"""
+WITH win AS (
+  SELECT DISTINCT o.id, o.xid, o.due, o.row_path
+  FROM rc_rows o JOIN rc_ranges r ON %(b)s = ANY(r.skipped) AND {DOMAIN}
   WHERE o.batch = %(b)s AND NOT o.parked),
+"""
+    + PUBLISH
+    + """,
 rng AS (
   INSERT INTO rc_ranges (lo_xid, lo_id, hi_xid, hi_id, n, late_batch)
   VALUES ('0', 0, '0', 0, (SELECT count(*) FROM picked), %(b)s) RETURNING range_id)
-SELECT picked.id, (SELECT range_id FROM rng), 0 FROM picked
+SELECT picked.id, (SELECT range_id FROM rng), 0, (SELECT count(*) FROM passed) FROM picked
 """
+)
 #: A parked batch released: its rows go through the cursor after this transaction commits.
 RELEASE = "UPDATE rc_rows SET parked = false, xid = pg_current_xact_id() WHERE batch = %s"
 #: The rows a range holds now: its interval's unparked rows outside the batches it skipped; a
@@ -146,6 +183,15 @@ SELECT l.range_id, o.id FROM rc_ranges l JOIN rc_ranges r ON l.late_batch = ANY(
   JOIN rc_rows o ON o.batch = l.late_batch AND {DOMAIN}
 WHERE NOT o.parked
 """
+#: A row's status, derived (ranges are leased, never settled, in these schedules): its own
+#: once the row path owns it, ``in_flight`` as a member of a range, else ``pending``.
+DERIVED = f"""
+SELECT o.id, CASE WHEN o.row_path THEN o.status
+                  WHEN o.id IN (SELECT m.id FROM ({MEMBERS}) m) THEN 'in_flight'
+                  ELSE 'pending' END
+FROM rc_rows o WHERE NOT o.parked
+"""
+NEW_RANGES = "SELECT range_id FROM rc_ranges WHERE range_id > %s ORDER BY range_id"
 PRODUCERS = 3
 #: Rows at or behind the cursor: a claim never takes them any more.
 BEHIND = "SELECT o.id FROM rc_rows o, rc_cursor c WHERE (o.xid, o.id) <= (c.xid, c.id)"
@@ -169,6 +215,12 @@ class World:
     releasing: list[str] = field(default_factory=list)  # released, not committed yet
     taken: dict[int, int] = field(default_factory=dict)  # row -> range
     batches: Iterator[int] = field(default_factory=itertools.count)
+    not_due: set[int] = field(default_factory=set)  # written with a later available_at
+    #: rows the row path owns, with their own status: an exception after a range took the
+    #: row (a failure, a release back to pending), an operator's skip, a member not due yet
+    row_path: dict[int, str] = field(default_factory=dict)
+    members: dict[int, set[int]] = field(default_factory=dict)  # range -> rows, at its claim
+    last_range: int = 0
 
 
 class Session:
@@ -206,7 +258,9 @@ def session(service_urls: dict[str, str], pg_template: str) -> Iterator[Session]
         admin.dispose()
 
 
-def _claim(s: Session, w: World, n: int) -> int:
+def _claim(s: Session, w: World, n: int) -> bool:
+    """One claim (late batches, ended holes, then the cursor's next rows); whether it made
+    progress (took a row or recorded a range)."""
     conn = s.claimer
     with conn.transaction():
         cx, ci = conn.execute(CURSOR).fetchone()  # type: ignore[misc]
@@ -218,29 +272,87 @@ def _claim(s: Session, w: World, n: int) -> int:
         claim = CLAIM.format(**MODES[w.mode])
         rows += conn.execute(claim, {"cx": cx, "ci": ci, "n": n}).fetchall()
     conn.commit()
-    for row_id, range_id, _ in rows:
+    for row_id, range_id, *_ in rows:
         assert row_id not in w.taken, f"row {row_id} taken twice"
         assert row_id in w.committed, f"row {row_id} taken but not committed"
         assert not any(row_id in ids for ids in w.parked.values()), f"row {row_id} parked"
         assert w.batch_of[row_id] not in w.held, f"row {row_id} of a held batch"
+        assert row_id not in w.row_path, f"row {row_id} owned by the row path"
+        assert row_id not in w.not_due, f"row {row_id} not due"
         w.taken[row_id] = range_id
-    return len(rows)
+    new = [r[0] for r in s.admin.execute(NEW_RANGES, (w.last_range,)).fetchall()]
+    for range_id in new:
+        w.members[range_id] = set()
+    for range_id, row_id in s.admin.execute(MEMBERS).fetchall():
+        if range_id in new:
+            w.members[range_id].add(row_id)
+    for range_id in new:  # members the claim did not take: the row path owns them
+        for row_id in w.members[range_id] - {i for i, r in w.taken.items() if r == range_id}:
+            if row_id in w.not_due:
+                w.row_path.setdefault(row_id, "pending")  # passed to the row path
+            assert row_id in w.row_path, (
+                f"row {row_id} of range {range_id} neither taken nor row path"
+            )
+    w.last_range = max(new, default=w.last_range)
+    return bool(rows or new)
+
+
+def _row_path_step(s: Session, w: World, kind: str, who: int) -> None:
+    """What the row path does to single rows: an exception written on a row a range took (a
+    failure, or a release back to pending), an operator's skip of a row no range took yet, a
+    row written not due becoming due, and the row path's own claim."""
+    if kind == "except":
+        open_ = sorted(i for i in w.taken if i not in w.row_path)
+        if open_:
+            row = open_[who % len(open_)]
+            status = "failed" if who % 2 else "pending"
+            s.admin.execute(
+                "UPDATE rc_rows SET row_path = true, status = %s WHERE id = %s", (status, row)
+            )
+            w.row_path[row] = status
+    elif kind == "skip":
+        parked = {i for ids in w.parked.values() for i in ids}
+        free = sorted(w.committed - set(w.taken) - set(w.row_path) - parked)
+        if free:
+            row = free[who % len(free)]
+            s.admin.execute(
+                "UPDATE rc_rows SET row_path = true, status = 'skipped' WHERE id = %s", (row,)
+            )
+            w.row_path[row] = "skipped"
+    elif kind == "now_due":
+        ready = sorted(w.not_due & w.committed)
+        if ready:
+            row = ready[who % len(ready)]
+            s.admin.execute("UPDATE rc_rows SET due = true WHERE id = %s", (row,))
+            w.not_due.discard(row)
+    else:  # the row path's claim: its own rows, pending and due
+        got = s.admin.execute(
+            "UPDATE rc_rows SET status = 'in_flight' WHERE row_path AND status = 'pending' "
+            "AND due RETURNING id"
+        ).fetchall()
+        for (row,) in got:
+            assert w.row_path.get(row) == "pending" and row not in w.not_due, row
+            w.row_path[row] = "in_flight"
 
 
 def _step(s: Session, w: World, step: tuple[str, int, int]) -> None:
     kind, who, n = step
-    if kind in ("insert", "insert_parked", "insert_held"):
+    if kind in ("except", "skip", "now_due", "row_path_claim"):
+        _row_path_step(s, w, kind, who)
+    elif kind in ("insert", "insert_parked", "insert_held", "insert_not_due"):
         batch = f"b{next(w.batches)}"
         parked = kind == "insert_parked"
         if kind == "insert_held":  # the driver holds the batch before its tasks write
             s.admin.execute("INSERT INTO rc_held VALUES (%s)", (batch,))
             w.held.add(batch)
         cur = s.producers[who].execute(
-            "INSERT INTO rc_rows (batch, parked) SELECT %s, %s FROM generate_series(1, %s) "
-            "RETURNING id",
-            (batch, parked, n),
+            "INSERT INTO rc_rows (batch, parked, due) SELECT %s, %s, %s "
+            "FROM generate_series(1, %s) RETURNING id",
+            (batch, parked, kind != "insert_not_due", n),
         )
         ids = [r[0] for r in cur.fetchall()]
+        if kind == "insert_not_due":
+            w.not_due |= set(ids)
         w.open_rows.setdefault(who, []).extend(ids)
         w.batch_of.update((i, batch) for i in ids)
         if parked:
@@ -287,6 +399,11 @@ def _step(s: Session, w: World, step: tuple[str, int, int]) -> None:
 #: release; releases committed or rolled back.
 KINDS = [
     *["insert"] * 3,
+    "insert_not_due",
+    "now_due",
+    "except",
+    "skip",
+    "row_path_claim",
     "insert_parked",
     *["insert_held"] * 2,
     "unhold",
@@ -368,15 +485,22 @@ def test_a_range_holds_exactly_its_rows_and_every_committed_row_is_taken_once(
         time.sleep(0.01)
     assert not set(w.taken) & w.rolled_back
     assert set(w.taken) <= expected
+    owned = set(w.taken) | set(w.row_path)
     if passed:
-        assert set(w.taken) == expected, "every committed, unparked row taken"
+        assert owned == expected, "every committed, unparked row taken or on the row path"
     else:
         behind = {r[0] for r in session.admin.execute(BEHIND).fetchall()}
-        assert not (expected - set(w.taken)) & behind, "a row the cursor passed, never taken"
+        assert not (expected - owned) & behind, "a row the cursor passed, owned by no one"
     members: dict[int, set[int]] = {}
     for range_id, row_id in session.admin.execute(MEMBERS).fetchall():
         members.setdefault(range_id, set()).add(row_id)
-    claimed: dict[int, set[int]] = {}
+    at_claim = {r: ids for r, ids in w.members.items() if ids}
+    assert members == at_claim, "a range's members changed after its claim"
     for row_id, range_id in w.taken.items():
-        claimed.setdefault(range_id, set()).add(row_id)
-    assert members == claimed, "a range's members changed after its claim"
+        assert row_id in members[range_id]
+    on_row_path = {r[0] for r in session.admin.execute("SELECT id FROM rc_rows WHERE row_path")}
+    assert on_row_path == set(w.row_path), "the rows the row path owns"
+    # each row's status, derived: its own once the row path owns it, else its range's
+    derived = dict(session.admin.execute(DERIVED).fetchall())
+    model = {i: w.row_path.get(i, "in_flight" if i in w.taken else "pending") for i in expected}
+    assert {i: derived[i] for i in expected} == model, "a derived status differs from the model"
