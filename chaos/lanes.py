@@ -108,20 +108,52 @@ def _pump(prefix: str, stream: IO[str]) -> None:
         print(f"{prefix}{line}", end="", flush=True)
 
 
+def child_argv(
+    lane: str, keys: Sequence[str], *, rows: int, repeat: int, keep_services: bool, out: Path
+) -> list[str]:
+    """One lane's ``chaos.run``: its scenarios, each run ``repeat`` times."""
+    argv = [sys.executable, "-m", "chaos.run", "--lane", lane, "--only", ",".join(keys)]
+    argv += ["--rows", str(rows), "--repeat", str(repeat), "--json", str(out)]
+    return [*argv, "--keep-services"] if keep_services else argv
+
+
 def run_lanes(
-    keys: Sequence[str], lanes: int, *, rows: int, keep_services: bool, json_out: Path | None
+    keys: Sequence[str],
+    lanes: int,
+    *,
+    rows: int,
+    repeat: int,
+    keep_services: bool,
+    json_out: Path | None,
 ) -> tuple[int, list[Result]]:
-    """Run ``keys`` in ``lanes`` child processes; (exit code, every lane's results)."""
-    workdir = Path(tempfile.mkdtemp(prefix="chaos-lanes-"))
+    """Run the scenarios ``keys`` (each once in the list), ``repeat`` times each, in ``lanes``
+    child processes; (exit code, every lane's results)."""
+    with tempfile.TemporaryDirectory(prefix="chaos-lanes-") as workdir:
+        return _run(keys, lanes, rows, repeat, keep_services, json_out, Path(workdir))
+
+
+def _run(
+    keys: Sequence[str],
+    lanes: int,
+    rows: int,
+    repeat: int,
+    keep_services: bool,
+    json_out: Path | None,
+    workdir: Path,
+) -> tuple[int, list[Result]]:
     children = []
     for index, lane_keys in enumerate(assign(keys, lanes)):
         if not lane_keys:
             continue
         out = workdir / f"lane{index}.json"
-        argv = [sys.executable, "-m", "chaos.run", "--lane", f"{index}/{lanes}"]
-        argv += ["--only", ",".join(lane_keys), "--rows", str(rows), "--json", str(out)]
-        if keep_services:
-            argv.append("--keep-services")
+        argv = child_argv(
+            f"{index}/{lanes}",
+            lane_keys,
+            rows=rows,
+            repeat=repeat,
+            keep_services=keep_services,
+            out=out,
+        )
         print(f"lane {index}: {', '.join(lane_keys)}", flush=True)
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1

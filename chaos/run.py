@@ -138,9 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("aiormq").setLevel(logging.CRITICAL)  # the verifier's expected disconnects
     logging.getLogger("rstream").setLevel(logging.ERROR)  # "leader not yet elected" (21c)
-    keys = _select(args.only, args.skip, long=args.long) * max(1, args.repeat)
+    selected = _select(args.only, args.skip, long=args.long)
     if args.lanes > 1 and not args.lane:
-        return _in_lanes(keys, args)
+        return _in_lanes(selected, args)
+    keys = selected * max(1, args.repeat)
     lane = lanes.lane_of(args.lane)[0] if args.lane else 0
     services = PrivateServices.for_matrix(lane=lane)
     began = time.monotonic()
@@ -170,14 +171,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _in_lanes(keys: Sequence[str], args: argparse.Namespace) -> int:
     began = time.monotonic()
+    repeat = max(1, args.repeat)
     code, results = lanes.run_lanes(
-        keys, args.lanes, rows=args.rows, keep_services=args.keep_services, json_out=args.json
+        keys,
+        args.lanes,
+        rows=args.rows,
+        repeat=repeat,
+        keep_services=args.keep_services,
+        json_out=args.json,
     )
     print()
     print(table(results))
-    ok = sum(r.ok for r in results)
-    print(f"\n{ok} of {len(keys)} scenarios ok in {lanes.wall(began)} ({args.lanes} lanes)")
-    if code == 0 and ok != len(keys):
+    ok, runs = sum(r.ok for r in results), len(keys) * repeat
+    print(f"\n{ok} of {runs} scenarios ok in {lanes.wall(began)} ({args.lanes} lanes)")
+    if code == 0 and ok != runs:
         code = 1  # a lane that reported fewer results than it was given
     return code
 

@@ -26,10 +26,10 @@ from app.outbox.states import Status
 class Walked:
     """What one walk of the purge did: rows deleted, rows read, and its floor: the highest id
     with every row up to it deleted, or not ``confirmed`` and written before the cutoff, when
-    read. Such a row, once confirmed,
-    has ``confirmed_at`` no earlier than the walk (less a write-back's lag), so none below the
-    floor is past retention before ``older_than`` after the walk: a walk that soon after may
-    start there (``outbox purge --every``: not re-reading old failed rows every pass)."""
+    read. Such a row, once confirmed, has ``confirmed_at`` no earlier than the walk (less a
+    write-back's lag), so none below the floor is past retention before ``older_than`` after
+    the walk: a walk that soon after may start there (``outbox purge --every``: not re-reading
+    old failed rows every pass)."""
 
     deleted: int
     read: int

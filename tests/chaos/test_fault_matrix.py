@@ -83,6 +83,9 @@ def test_lanes_run_every_scenario_once_with_fixed_port_servers_in_one_lane() -> 
     assert all(plan), "no lane left idle"
     ports = [PrivateServices.for_matrix(lane=i) for i in range(3)]
     assert len({(p.amqp_port, p.pg_port, p.local_dir) for p in ports}) == 3
+    # a lane's child runs its scenarios, each as often as asked (--repeat hunts a flaky one)
+    argv = lanes.child_argv("1/2", ["3b", "4"], rows=2000, repeat=5, keep_services=False, out=REPO)
+    assert argv[argv.index("--only") + 1] == "3b,4" and argv[argv.index("--repeat") + 1] == "5"
     assert lanes.lane_of("1/2") == (1, 2)
     for bad in ("2/2", "x", "1"):
         with pytest.raises(SystemExit, match="--lane"):
