@@ -302,7 +302,12 @@ class PostgresStore(Store):
     REJECT = _REJECT.format("%s")
     RECORD = _RECORD.format("%s")
     PARKED = PARKED + "+00"
-    RELEASE = "UPDATE outbox SET available_at = now() WHERE batch_id = %s AND available_at = %s"
+    #: Also re-stamps the rows' ``xid`` with this transaction's: a range claim may have passed
+    #: them parked, and must meet them again after this commits (app/outbox/ranges.py).
+    RELEASE = (
+        "UPDATE outbox SET available_at = now(), xid = pg_current_xact_id() "
+        "WHERE batch_id = %s AND available_at = %s"
+    )
     DISCARD = "DELETE FROM outbox WHERE batch_id = %s AND available_at = %s"
     HOLD = _HOLD.format("%s")
     UNHOLD = _UNHOLD.format("%s")

@@ -25,7 +25,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import TypeDecorator, UserDefinedType
 
 from app.outbox.states import Status
 
@@ -47,6 +47,21 @@ STREAM_OPEN = "stream IS NOT NULL AND status IN ('pending', 'in_flight')"
 LOST = "lost_confirms > 0"
 #: ``BIGINT`` identity on PostgreSQL, ``INTEGER PRIMARY KEY`` (the rowid) on SQLite.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class _PgXid8(UserDefinedType[str]):
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "xid8"
+
+
+#: A transaction id (``xid8``) on PostgreSQL, read as its decimal text; ``BIGINT`` on SQLite.
+Xid8 = BigInteger().with_variant(_PgXid8(), "postgresql")
+#: Columns of the settlement's own bookkeeping, never shown as a message's fields.
+SETTLEMENT_COLUMNS = frozenset({"xid", "row_path"})
+#: Range-shaped rows: the ones a range claim may take (ix_outbox_range's predicate).
+RANGE_SHAPE = "xid IS NOT NULL AND ordering_key IS NULL AND stream IS NULL AND not_before IS NULL"
 
 
 class UTCDateTime(TypeDecorator[dt.datetime]):
@@ -119,6 +134,11 @@ outbox = Table(
     # until confirmed (the broker drops a repeated id); an operator's republish clears it
     Column("stream", Text),
     Column("stream_seq", BigInteger),
+    # settlement by ranges (app/outbox/ranges.py): the writing transaction (PostgreSQL only;
+    # NULL on rows written before 0023 and on SQLite: the row path owns those), and whether
+    # the row path owns this row's status although a range may hold it
+    Column("xid", Xid8),
+    Column("row_path", Boolean, nullable=False, server_default=text("false")),
     UniqueConstraint("message_id", name="uq_outbox_message_id"),
     CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_outbox_status"),
     CheckConstraint("attempts >= 0", name="ck_outbox_attempts_nonneg"),
@@ -191,6 +211,14 @@ outbox = Table(
         postgresql_where=text(LOST),
         sqlite_where=text(LOST),
     ),
+    # The range-shaped rows in cursor order: what a range claim walks past its cursor.
+    Index(
+        "ix_outbox_range",
+        "xid",
+        "id",
+        postgresql_where=text(RANGE_SHAPE),
+        sqlite_where=text(RANGE_SHAPE),
+    ),
 )
 
 #: A stream's lanes: each lane is one reference name on the broker, whose publishing ids
@@ -227,6 +255,60 @@ batches = Table(
     Column("rejected_count", BigInteger, nullable=False, server_default=text("0")),
     Column("committed_at", UTCDateTime, nullable=False, server_default=_now()),
     CheckConstraint("row_count >= 0", name="ck_outbox_batches_row_count_nonneg"),
+)
+
+#: Settlement by ranges (app/outbox/ranges.py): each claim's interval of ``(xid, id)`` past the
+#: cursor, less the running transactions it passed (``holes``) and the held batches it skipped
+#: (``skipped``); or a late claim of one ended hole (``late_xid``) or one lifted batch
+#: (``late_batch``). Leased to ``owner`` until ``lease_until``, then settled.
+ranges = Table(
+    "outbox_ranges",
+    metadata,
+    Column("range_id", BigId, primary_key=True, autoincrement=True),
+    Column("lo_xid", Xid8, nullable=False, server_default=text("'0'")),
+    Column("lo_id", BigInteger, nullable=False, server_default=text("0")),
+    Column("hi_xid", Xid8, nullable=False, server_default=text("'0'")),
+    Column("hi_id", BigInteger, nullable=False, server_default=text("0")),
+    Column("late_batch", Text),
+    Column("late_xid", Xid8),
+    Column("rows", Integer, nullable=False),
+    Column("owner", Text),
+    Column("lease_until", UTCDateTime),
+    Column("claimed_at", UTCDateTime, nullable=False, server_default=_now()),
+    Column("settled_at", UTCDateTime),
+    Column("attempts", Integer, nullable=False, server_default=text("1")),
+    Column("skipped", Text, nullable=False),  # text[] on PostgreSQL
+    Column("holes", Text, nullable=False),  # xid8[] on PostgreSQL
+    Index(
+        "ix_outbox_ranges_leased",
+        "lease_until",
+        postgresql_where=text("settled_at IS NULL"),
+        sqlite_where=text("settled_at IS NULL"),
+    ),
+    Index("ix_outbox_ranges_settled", "settled_at"),
+    *(
+        Index(name, *columns.split(", "), postgresql_where=text(w), sqlite_where=text(w))
+        for name, columns, w in (
+            (
+                "ix_outbox_ranges_interval",
+                "hi_xid, hi_id",
+                "late_batch IS NULL AND late_xid IS NULL",
+            ),
+            ("ix_outbox_ranges_late_xid", "late_xid", "late_xid IS NOT NULL"),
+            ("ix_outbox_ranges_late_batch", "late_batch", "late_batch IS NOT NULL"),
+            ("ix_outbox_ranges_holes", "range_id", "holes <> '{}'"),
+            ("ix_outbox_ranges_skipped", "range_id", "skipped <> '{}'"),
+        )
+    ),
+)
+
+#: The last ``(xid, id)`` a range claim passed: one row, locked by each claim.
+range_cursor = Table(
+    "outbox_range_cursor",
+    metadata,
+    Column("one", Boolean, primary_key=True, server_default=text("true")),
+    Column("xid", Xid8, nullable=False),
+    Column("id", BigInteger, nullable=False),
 )
 
 #: Spark batches whose rows are written but must not be published yet (fail mode: the driver

@@ -14,7 +14,7 @@ from sqlalchemy import ColumnElement, Engine, Text, and_, cast, func, literal, s
 
 from app.outbox.read.scopes import scope_conditions
 from app.outbox.read.sql import as_dict
-from app.outbox.schema import events, outbox
+from app.outbox.schema import SETTLEMENT_COLUMNS, events, outbox
 from app.outbox.scope import Scope
 from app.outbox.shown import (
     MAX_SHOWN_DOCUMENT,
@@ -110,7 +110,7 @@ def _message_columns() -> list[Any]:
             cols += document_of(c)
         elif c.name in _SHOWN_TEXT:
             cols += text_of(c)
-        elif c.name != "body":
+        elif c.name != "body" and c.name not in SETTLEMENT_COLUMNS:
             cols.append(c)
     return cols
 

@@ -17,7 +17,7 @@ from sqlalchemy import ColumnElement, Engine, ScalarSelect, and_, case, func, or
 from app.outbox.read.cursors import MAX_ROW_ID, BadCursor, Page, decode_cursor, encode_cursor
 from app.outbox.read.figures import age_seconds
 from app.outbox.read.sql import from_row, held_since, sent_at
-from app.outbox.schema import outbox, stream_lanes
+from app.outbox.schema import SETTLEMENT_COLUMNS, outbox, stream_lanes
 from app.outbox.shown import marked, text_of
 from app.outbox.states import Status
 
@@ -146,7 +146,13 @@ def outstanding_confirms(
     """In-flight rows, oldest publish first (claimed-but-unsent rows lead), keyset paginated."""
     sent = sent_at().label("sent_at")
     shown = [*(text_of(outbox.c[n]) for n in _OUTSTANDING_NAMES)]
-    plain = [c for c in outbox.c if c.name not in _OUTSTANDING_NAMES and c.name != "body"]
+    plain = [
+        c
+        for c in outbox.c
+        if c.name not in _OUTSTANDING_NAMES
+        and c.name != "body"
+        and c.name not in SETTLEMENT_COLUMNS
+    ]
     stmt = (
         select(
             *plain, *(c for pair in shown for c in pair), sent, _lanes_of_stream().label("lanes")
