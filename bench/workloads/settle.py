@@ -26,6 +26,10 @@ it is lumpy), WAL bytes and client time are counted:
   drops the partition once its ranges are settled. A unique ``message_id`` cannot span
   partitions in PostgreSQL, so it lives in a table of its own (one more insert and delete).
 
+- ``ranges_product``: the product's own ``RangeStore`` (app/outbox/ranges.py) on its migrated
+  outbox: the design's holes, held batches and late claims in full, every row-path index in
+  place; the purge by ranges hand-written (not built yet).
+
 ``insert`` alone (each candidate's first step) is the floor: the issue's bound for a drained row
 (15 us) is set against it. Hand-written SQL for the candidates, the product's calls for today:
 ``today`` also pays what the product does beyond the happy path (floors, key checks, the WAL
@@ -45,6 +49,7 @@ from typing import Any
 import psycopg
 
 from app.db import make_engine
+from app.outbox.ranges import RangeStore
 from app.outbox.records import Published
 from app.outbox.retention import Retention
 from app.outbox.store import PublisherStore
@@ -62,7 +67,7 @@ INSERT_ROWS = 5_000  # rows per INSERT statement (a Spark task writes thousands 
 PURGE_CHUNK = 1_000
 BODY = bytes(i % 256 for i in range(256))
 STEPS = ("insert", "drain", "purge", "vacuum")
-CANDIDATES = ("today", "split", "ranges", "ranges_holes", "partitions")
+CANDIDATES = ("today", "split", "ranges", "ranges_holes", "partitions", "ranges_product")
 ROWS = (
     "SELECT 'm-' || g, 'b-' || (g / 10000), 'ex', 'rk', %(body)s "
     "FROM generate_series(%(first)s::bigint, %(last)s::bigint) g"
@@ -128,6 +133,12 @@ RANGE_PURGE_ROWS = (
     "AND (o.xid, o.id) > (r.lo_xid, r.lo_id) AND (o.xid, o.id) <= (r.hi_xid, r.hi_id)"
 )
 RANGE_PURGE_RANGES = "DELETE FROM r_ranges WHERE range_id = ANY(%(r)s)"
+PRODUCT_PURGE_ROWS = (
+    "DELETE FROM outbox o USING outbox_ranges r WHERE r.range_id = ANY(%(r)s) "
+    "AND r.late_batch IS NULL AND r.late_xid IS NULL AND o.xid IS NOT NULL "
+    "AND o.ordering_key IS NULL AND o.stream IS NULL AND o.not_before IS NULL "
+    "AND (o.xid, o.id) > (r.lo_xid, r.lo_id) AND (o.xid, o.id) <= (r.hi_xid, r.hi_id)"
+)
 DDL: dict[str, list[str]] = {
     "split": NARROW_DDL["narrow"],
     "ranges": [
@@ -153,6 +164,7 @@ TABLES = {
     "ranges": ["r_outbox", "r_ranges", "r_cursor"],
     "ranges_holes": ["r_outbox", "r_ranges", "r_cursor"],
     "partitions": ["p_outbox", "p_ids", "r_ranges", "r_cursor"],
+    "ranges_product": ["outbox", "outbox_ranges", "outbox_range_cursor"],
 }
 
 
@@ -391,12 +403,54 @@ class Partitions(Ranges):
             self.conn.execute(RANGE_PURGE_RANGES, {"r": [r for r, _ in settled]})
 
 
+class RangesProduct(Today):
+    """The product's own range settlement (``app.outbox.ranges.RangeStore``, migration 0023) on
+    its migrated outbox, every row-path index still in place: ``RangeStore.claim`` (holes, held
+    batches, late claims), the settle in a write-back's unit of work not waiting for the disk.
+    The purge is hand-written (retention by ranges is not built yet): a settled range's members
+    deleted by its interval, then the range."""
+
+    name = "ranges_product"
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.ranges = RangeStore(self.engine)
+
+    def claim(self) -> Any:
+        claims = self.ranges.claim(owner="me", limit=CLAIM_ROWS, lease_seconds=60)
+        return [(c.range_id, len(c.rows)) for c in claims]
+
+    def confirm(self, claimed: Any) -> None:
+        with self.ranges.db.unit_of_work(durable=False, positions=True):
+            settled = self.ranges.settle(owner="me", range_ids=[r for r, _ in claimed])
+        assert settled == len(claimed), (settled, claimed)
+
+    def purge(self) -> None:
+        while True:
+            with self.conn.transaction():
+                chunk = [
+                    r[0]
+                    for r in self.conn.execute(
+                        "SELECT range_id FROM outbox_ranges WHERE settled_at IS NOT NULL "
+                        "ORDER BY range_id LIMIT %s",
+                        (max(1, PURGE_CHUNK // CLAIM_ROWS),),
+                    )
+                ]
+                if not chunk:
+                    return
+                self.conn.execute(PRODUCT_PURGE_ROWS, {"r": chunk})
+                self.conn.execute(
+                    "DELETE FROM outbox_ranges WHERE range_id = ANY(%(r)s)", {"r": chunk}
+                )
+
+
 KINDS: dict[str, Callable[[str], Candidate]] = {
     "today": Today,
     "split": Split,
     "ranges": Ranges,
     "ranges_holes": RangesHoles,
     "partitions": Partitions,
+    "ranges_product": RangesProduct,
 }
 
 
@@ -479,10 +533,10 @@ def run(services: Services, sizes: Any = None) -> list[Measured]:
         temp_postgres(services) as u3,
         temp_postgres(services) as u4,
         temp_postgres(services) as u5,
+        temp_postgres(services) as u6,
     ):
-        candidates = [
-            KINDS[name](url) for name, url in zip(CANDIDATES, (u1, u2, u3, u4, u5), strict=True)
-        ]
+        urls = (u1, u2, u3, u4, u5, u6)
+        candidates = [KINDS[name](url) for name, url in zip(CANDIDATES, urls, strict=True)]
         try:
             for candidate in candidates:
                 _block(candidate, cpu)  # warm-up
