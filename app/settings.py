@@ -119,6 +119,14 @@ class Settings(BaseSettings):
         description="Write-backs of outcomes wait for the disk (claims always do); off, a "
         "database crash can undo the last ones: those rows are published again, counted.",
     )
+    settlement: Literal["rows", "ranges"] = Field(
+        default="rows",
+        description="How a publisher settles exchange rows: `rows` writes each row's claim and "
+        "confirm; `ranges` (PostgreSQL; being built, issue 47: the console's and the API's "
+        "counts do not derive statuses from ranges yet, so not for production) leases each "
+        "claim as one range and writes only a row's exceptions. Every publisher of one outbox "
+        "uses the same. See docs/ranges-build.md.",
+    )
     publisher_tracing: bool = Field(
         default=False,
         description="Record one OpenTelemetry PRODUCER span per published batch, from its "
@@ -365,6 +373,14 @@ class Settings(BaseSettings):
                 )
             data = {**data, name: _read_secret(str(path), f"OUTBOX_{name.upper()}_FILE")}
         return data
+
+    @model_validator(mode="after")
+    def _ranges_need_postgres(self) -> Settings:
+        if self.settlement == "ranges" and self.is_sqlite:
+            raise ValueError(
+                "settlement 'ranges' needs PostgreSQL (SQLite has one writer and settles rows)"
+            )
+        return self
 
     @property
     def is_sqlite(self) -> bool:

@@ -124,13 +124,14 @@ class OutboxDatabase:
             yield
             return
         committed: list[Callable[[], None]] = []
+        undo: list[Callable[[], None]] = []
         sqlite_relaxed = not durable and not self.is_postgres
         with self.engine.connect() as conn:
             if sqlite_relaxed:  # a connection setting, outside the transaction
                 conn.exec_driver_sql("PRAGMA synchronous=NORMAL")
                 conn.commit()
             try:
-                with conn.begin():
+                with _undone_on_failure(undo), conn.begin():
                     if self.is_postgres and (positions or not durable):
                         if durable:
                             first = POSITIONS_BY_ID if by_id else POSITIONS
@@ -148,11 +149,13 @@ class OutboxDatabase:
                         self.by_id(conn)
                     self._local.conn = conn
                     self._local.committed = committed
+                    self._local.undo = undo
                     try:
                         yield
                     finally:
                         self._local.conn = None
                         self._local.committed = None
+                        self._local.undo = None
                 for done in committed:
                     done()
             finally:
@@ -172,6 +175,13 @@ class OutboxDatabase:
             done()
         else:
             committed.append(done)
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` if the unit of work in progress rolls back (its commit failing too):
+        for state kept in memory beside the rows it wrote. Nothing outside one."""
+        pending = getattr(self._local, "undo", None)
+        if pending is not None:
+            pending.append(undo)
 
     @contextmanager
     def begin(self, *, by_id: bool = False) -> Iterator[Connection]:
@@ -296,3 +306,15 @@ def by_multiplicity(ids: Sequence[int]) -> list[tuple[int, list[int]]]:
     for row_id, n in times.items():
         groups.setdefault(n, []).append(row_id)
     return sorted(groups.items())
+
+
+@contextmanager
+def _undone_on_failure(undo: list[Callable[[], None]]) -> Iterator[None]:
+    """Around a unit of work's transaction: on any failure (the commit's too), its undo
+    callbacks in reverse order, then the failure."""
+    try:
+        yield
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise

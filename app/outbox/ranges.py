@@ -33,7 +33,8 @@ the design's own tables, tests/conformance/test_range_store.py on this module):
 
 A row's status (:meth:`RangeStore.statuses`): its own once the row path owns it (``row_path``,
 or not range-shaped, or parked); else ``confirmed`` as a member of a settled range, ``in_flight``
-of a leased one; else ``pending``.
+of a leased one; else its own (``pending``: nothing wrote it; and exact for rows a publisher
+settling rows, before ranges, settled on the row itself).
 """
 
 from __future__ import annotations
@@ -61,7 +62,16 @@ PICKED = (
     "id, message_id, batch_id, exchange, routing_key, mandatory, body, content_type, headers, "
     "properties, ordering_key, attempts, max_attempts"
 )
-CURSOR = "SELECT xid::text, id FROM outbox_range_cursor FOR UPDATE"
+#: Locks the cursor; and gives the planner back its choices, which the row path's claim earlier
+#: in the same transaction may have narrowed to its index walk (app/outbox/planner.py): the
+#: window's sort, the snapshot's scans and the late claims' joins need them. By its key: planned
+#: with sequential scans off, a scan of the one-row table cost 1e10 and was compiled by the JIT
+#: (150 ms).
+CURSOR = (
+    "SELECT xid::text, id, set_config('enable_bitmapscan', 'on', true) || "
+    "set_config('enable_seqscan', 'on', true) || set_config('enable_sort', 'on', true) "
+    "FROM outbox_range_cursor WHERE one FOR UPDATE"
+)
 #: The tail of every claim: of the window's rows (its members) publish those the row path does
 #: not own and that are due; hand a member not due yet to the row path in the same statement.
 PUBLISH = f"""
@@ -168,6 +178,11 @@ WHERE l.range_id = ANY(%(ranges)s) AND {SHAPE} AND {UNPARKED}
 SETTLE = """
 UPDATE outbox_ranges SET settled_at = %(now)s, owner = NULL, lease_until = NULL
 WHERE range_id = ANY(%(ranges)s) AND owner = %(owner)s AND settled_at IS NULL
+RETURNING range_id
+"""
+LEASED = """
+SELECT range_id FROM outbox_ranges
+WHERE range_id = ANY(%(ranges)s) AND owner = %(owner)s AND settled_at IS NULL
 """
 RENEW = """
 UPDATE outbox_ranges SET lease_until = %(until)s
@@ -189,6 +204,12 @@ EXPIRED = """
 SELECT range_id FROM outbox_ranges
 WHERE settled_at IS NULL AND lease_until < %(now)s ORDER BY range_id FOR UPDATE SKIP LOCKED
 """
+#: Ranges leased to ``owner`` that it does not hold (the claimer's orphan check).
+ORPHANED = """
+SELECT range_id FROM outbox_ranges
+WHERE settled_at IS NULL AND owner = %(owner)s AND NOT (range_id = ANY(%(keep)s))
+ORDER BY range_id FOR UPDATE SKIP LOCKED
+"""
 #: An expired range's members the row path does not own yet: pending again, possible
 #: duplicates (their publish may have reached the broker); then the range is closed.
 EXPIRE = f"""
@@ -196,9 +217,11 @@ WITH m AS ({MEMBERS}),
 handed AS (
   UPDATE outbox o SET row_path = true, lost_confirms = o.lost_confirms + 1,
          available_at = %(now)s
-  FROM m WHERE o.id = m.id AND NOT o.row_path AND o.status = 'pending' RETURNING 1)
-UPDATE outbox_ranges SET settled_at = %(now)s, owner = NULL, lease_until = NULL
-WHERE range_id = ANY(%(ranges)s) AND (SELECT count(*) FROM handed) >= 0
+  FROM m WHERE o.id = m.id AND NOT o.row_path AND o.status = 'pending' RETURNING 1),
+closed AS (
+  UPDATE outbox_ranges SET settled_at = %(now)s, owner = NULL, lease_until = NULL
+  WHERE range_id = ANY(%(ranges)s) RETURNING 1)
+SELECT (SELECT count(*) FROM handed), (SELECT count(*) FROM closed)
 """
 #: Each row's range, as the read views derive a status: the interval range holding its
 #: ``(xid, id)``; the hole range if it is in that range's holes; the late range if its batch
@@ -206,7 +229,7 @@ WHERE range_id = ANY(%(ranges)s) AND (SELECT count(*) FROM handed) >= 0
 STATUSES = f"""
 SELECT o.id,
   CASE WHEN o.row_path OR NOT ({SHAPE}) OR NOT ({UNPARKED}) THEN o.status
-       WHEN fin.range_id IS NULL THEN 'pending'
+       WHEN fin.range_id IS NULL THEN o.status
        WHEN fin.settled_at IS NOT NULL THEN 'confirmed'
        ELSE 'in_flight' END
 FROM outbox o
@@ -228,6 +251,23 @@ LEFT JOIN LATERAL (
          CASE WHEN o.batch_id = ANY(pr.skipped) THEN lb.settled_at ELSE pr.settled_at END
   ) fin(range_id, settled_at) ON true
 WHERE o.id = ANY(%(ids)s)
+"""
+
+
+#: Work left for ranges: committed range-shaped rows past the cursor (``%(until)s``: due by
+#: then), leased ranges' rows, ended holes and lifted batches not yet claimed late.
+OPEN_WORK = f"""
+SELECT (SELECT count(*) FROM outbox o, outbox_range_cursor c
+        WHERE (o.xid, o.id) > (c.xid, c.id) AND {SHAPE} AND {UNPARKED} AND NOT o.row_path
+          AND o.available_at <= %(until)s)
+     + (SELECT coalesce(sum(rows), 0) FROM outbox_ranges WHERE settled_at IS NULL)
+     + (SELECT count(*) FROM ({ENDED}) e) + (SELECT count(*) FROM ({LIFTED}) l)
+"""
+#: The row path's open rows: pending (due by ``%(until)s``) and in flight.
+ROW_PATH_OPEN = f"""
+SELECT (SELECT count(*) FROM outbox o WHERE o.status = 'pending' AND o.available_at <= %(until)s
+          AND (o.row_path OR NOT ({SHAPE})))
+     + (SELECT count(*) FROM outbox WHERE status = 'in_flight')
 """
 
 
@@ -258,7 +298,7 @@ class RangeStore:
         }
         claims: list[RangeClaim] = []
         with self.db.begin() as conn:
-            cx, ci = _one(conn, CURSOR, {})
+            cx, ci, _ = _one(conn, CURSOR, {})
             # after the cursor's lock: a fresh snapshot sees every range that skipped a batch
             for batch, lo, hi in _all(conn, LIFTED, {}):
                 claims += _ranges(
@@ -272,7 +312,18 @@ class RangeStore:
 
     def settle(self, *, owner: str, range_ids: Sequence[int]) -> int:
         """Every member of these ranges was acked or adopted: settled, in one write each."""
-        return self._write(SETTLE, {"owner": owner, "ranges": list(range_ids)})
+        return len(self.settle_ids(owner=owner, range_ids=range_ids))
+
+    def settle_ids(self, *, owner: str, range_ids: Sequence[int]) -> list[int]:
+        """:meth:`settle`; the ranges settled (the others are no longer ``owner``'s)."""
+        params = {"owner": owner, "ranges": list(range_ids), "now": self.db.clock()}
+        with self.db.begin() as conn:
+            return [row[0] for row in _all(conn, SETTLE, params)]
+
+    def leased(self, *, owner: str, range_ids: Sequence[int]) -> list[int]:
+        """Of ``range_ids``, those ``owner`` leases now."""
+        with self.db.begin() as conn:
+            return [r[0] for r in _all(conn, LEASED, {"owner": owner, "ranges": list(range_ids)})]
 
     def renew(self, *, owner: str, range_ids: Sequence[int], lease_seconds: float) -> int:
         until = self.db.clock() + dt.timedelta(seconds=lease_seconds)
@@ -286,16 +337,37 @@ class RangeStore:
         with self.db.begin() as conn:
             return [row[0] for row in _all(conn, ADOPT, params)]
 
-    def expire(self) -> int:
-        """Ranges whose lease ran out (their publisher died or stalled): each member the row
-        path does not own yet is handed to it, pending, a possible duplicate; the range is
-        closed. Returns the ranges expired."""
+    def expire(self, *, owner: str | None = None, keep: Sequence[int] = ()) -> tuple[int, int]:
+        """Ranges whose lease ran out (their publisher died or stalled), or with ``owner``
+        those leased to it but not in ``keep`` (the ranges it holds): each member the row path
+        does not own yet is handed to it, pending, a possible duplicate (``lost_confirms + 1``);
+        the range is closed. Returns the ranges closed and the rows handed back."""
         now = self.db.clock()
         with self.db.begin() as conn:
-            expired = [row[0] for row in _all(conn, EXPIRED, {"now": now})]
-            if expired:
-                conn.exec_driver_sql(EXPIRE, {"now": now, "ranges": expired})
-        return len(expired)
+            if owner is None:
+                found = _all(conn, EXPIRED, {"now": now})
+            else:
+                found = _all(conn, ORPHANED, {"owner": owner, "keep": list(keep)})
+            closed = [row[0] for row in found]
+            if not closed:
+                return 0, 0
+            handed, _ = _one(conn, EXPIRE, {"now": now, "ranges": closed})
+        return len(closed), int(handed)
+
+    def open_work(self, *, due_within: float | None = None) -> int:
+        """Rows ranges have still to take or settle (zero: drained, as far as ranges go)."""
+        with self.db.begin() as conn:
+            return int(_one(conn, OPEN_WORK, {"until": self._horizon(due_within)})[0])
+
+    def row_path_open(self, *, due_within: float | None = None) -> int:
+        """The row path's pending (due within ``due_within`` seconds) and in-flight rows."""
+        with self.db.begin() as conn:
+            return int(_one(conn, ROW_PATH_OPEN, {"until": self._horizon(due_within)})[0])
+
+    def _horizon(self, due_within: float | None) -> dt.datetime:
+        if due_within is None:
+            return dt.datetime.max.replace(tzinfo=dt.UTC)
+        return self.db.clock() + dt.timedelta(seconds=due_within)
 
     def members(self, range_ids: Sequence[int]) -> dict[int, set[int]]:
         found: dict[int, set[int]] = {r: set() for r in range_ids}

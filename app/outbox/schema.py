@@ -58,6 +58,11 @@ class _PgXid8(UserDefinedType[str]):
 
 #: A transaction id (``xid8``) on PostgreSQL, read as its decimal text; ``BIGINT`` on SQLite.
 Xid8 = BigInteger().with_variant(_PgXid8(), "postgresql")
+#: The row path's own unkeyed pending rows (ix_outbox_row_path_due's predicate).
+ROW_PATH_DUE = (
+    "status = 'pending' AND ordering_key IS NULL AND stream IS NULL "
+    "AND (xid IS NULL OR row_path OR not_before IS NOT NULL)"
+)
 #: Columns of the settlement's own bookkeeping, never shown as a message's fields.
 SETTLEMENT_COLUMNS = frozenset({"xid", "row_path"})
 #: Range-shaped rows: the ones a range claim may take (ix_outbox_range's predicate).
@@ -211,6 +216,14 @@ outbox = Table(
         postgresql_where=text(LOST),
         sqlite_where=text(LOST),
     ),
+    # The row path's unkeyed due rows (PostgreSQL), walked by its claim when publishers
+    # settle by ranges (a range's members stay pending in ix_outbox_due): migration 0024.
+    Index(
+        "ix_outbox_row_path_due",
+        "available_at",
+        "id",
+        postgresql_where=text(ROW_PATH_DUE),
+    ).ddl_if(dialect="postgresql"),
     # The range-shaped rows in cursor order: what a range claim walks past its cursor.
     Index(
         "ix_outbox_range",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -23,6 +23,7 @@ from sqlalchemy import (
     bindparam,
     cast,
     func,
+    or_,
     select,
     tuple_,
     update,
@@ -83,6 +84,9 @@ class PublisherStore(Recounts):
         self._update_rows = HeldRowUpdates(self.db)
         #: claims run again because the server ended their session, idle past the bound
         self.claims_retried = 0  # the write-backs' one statement
+        #: the unkeyed claim takes only the row path's rows (publishers settling by ranges,
+        #: app/outbox/ranged.py): rows written before 0023, ``row_path``, delayed
+        self.row_path_only = False
 
     def _walk_from_start(self) -> None:
         self._floor.rewalk()
@@ -112,6 +116,10 @@ class PublisherStore(Recounts):
             due = due.where(outbox.c.id.in_(select(KEY_HEADS.c.id)))
         else:
             due = due.where(outbox.c.ordering_key.is_(None))
+            if self.row_path_only:  # ix_outbox_row_path_due's predicate, in its words
+                due = due.where(
+                    or_(outbox.c.xid.is_(None), outbox.c.row_path, outbox.c.not_before.is_not(None))
+                )
         # a stream's rows go out through its lanes (app/streams), never on a channel (a stream
         # row has no ordering key: the message model and the Spark writers refuse one)
         if not keyed:
@@ -554,6 +562,19 @@ class PublisherStore(Recounts):
         if moved:
             self.db.on_commit(self._walk_from_start)
         return moved
+
+    # settling by ranges (app/outbox/ranged.py) overrides these; settling rows, none apply
+    def range_members(self, ids: Iterable[int]) -> set[int]:
+        """Of ``ids``, the rows held as a range's members."""
+        return set()
+
+    def renew(self, *, owner: str, lease_seconds: float) -> int:
+        """Extend the leases of the ranges this publisher holds (the heartbeat)."""
+        return 0
+
+    def release_orphans(self, *, owner: str) -> int:
+        """Close the ranges leased to ``owner`` that it does not hold (the orphan check)."""
+        return 0
 
     def leased_ids(self, *, owner: str) -> list[int]:
         """Ids of the ``in_flight`` rows leased to ``owner`` (to find rows a lost reply hid)."""

@@ -123,6 +123,7 @@ class Publisher:
         )
         self.probes: ProbeServer | None = None
         self.metrics.gauges = self._gauges
+        self.metrics.ranges = getattr(store, "counts", None)  # ranges: app/outbox/ranged.py
         self._stop = asyncio.Event()
         self._tasks: dict[str, asyncio.Task[Any]] = {}
 

@@ -75,13 +75,17 @@ class Housekeeping:
         """Renew the leases of the rows we hold and write our report. Only rows we know we hold:
         one leased to us unseen (a claim whose reply was lost) must expire and come back."""
         p = self.p
+        held = list(p.holdings.held)
+        ranged = p.store.range_members(held)  # their range's lease is renewed, not the row's
         await p.db.call(
             p.registry.heartbeat,
             publisher_id=p.owner,
             lease_seconds=p.settings.lease_seconds,
-            held=list(p.holdings.held),
+            held=[i for i in held if i not in ranged] if ranged else held,
             stats=self.report().model_dump(mode="json"),
         )
+        if ranged:
+            await p.db.call(p.store.renew, owner=p.owner, lease_seconds=p.settings.lease_seconds)
 
     async def sample(self) -> None:
         """Write this publisher's figures to ``outbox_samples``: its counters and the confirm

@@ -101,6 +101,8 @@ class PublisherMetrics:
         self.gauges: Callable[[], dict[str, float | None]] = dict
         #: set by the service: the stream relay's counts (app.streams.relay.StreamStats)
         self.streams: object | None = None
+        #: set by the service when settling by ranges: app.outbox.ranged.RangeCounts
+        self.ranges: object | None = None
 
     # the counters, typed for mypy (set in __init__ from COUNTERS)
     published: int
@@ -239,6 +241,15 @@ COUNTER_HELP: dict[str, str] = {
     "returns_retried": "Publishes returned NO_ROUTE within return_grace of connecting (bindings "
     "not recovered yet), put back to be published again.",
 }
+RANGE_HELP: dict[str, str] = {
+    "claimed": "Ranges claimed (OUTBOX_SETTLEMENT=ranges).",
+    "members": "Rows published as a range's members.",
+    "settled": "Ranges settled by the confirms of all their members.",
+    "settle_lost": "Ranges whose settle found them no longer this publisher's (lease lost).",
+    "adopted": "Range members handed to the row path for an outcome other than a confirm.",
+    "expired": "Ranges of dead publishers (or orphaned) closed, their members handed back.",
+    "expired_rows": "Rows handed back from expired or orphaned ranges (possible duplicates).",
+}
 GAUGE_HELP: dict[str, str] = {
     "held": "Rows held: claimed and not yet settled in the database.",
     "queued": "Rows claimed and not yet published.",
@@ -280,6 +291,7 @@ class PublisherCollector(Collector):
             yield flag
         yield from self._histograms(label)
         yield from self._streams(label)
+        yield from self._ranges(label)
         info = InfoMetricFamily(
             "outbox_publisher_build", "Version of the running publisher.", labels=["publisher"]
         )
@@ -292,6 +304,18 @@ class PublisherCollector(Collector):
         )
         node.add_metric(label, {"node": m.broker_node or ""})
         yield node
+
+    def _ranges(self, label: list[str]) -> Iterator[Metric]:
+        """Settling by ranges (``outbox_publisher_range_*``), when this publisher does."""
+        counts = self.m.ranges
+        if counts is None:
+            return
+        for name, doc in RANGE_HELP.items():
+            family = CounterMetricFamily(
+                f"outbox_publisher_range_{name}", doc, labels=["publisher"]
+            )
+            family.add_metric(label, float(getattr(counts, name)))
+            yield family
 
     def _streams(self, label: list[str]) -> Iterator[Metric]:
         """The stream relay's figures (``outbox_publisher_stream_*``), when it runs."""

@@ -9,7 +9,10 @@ import logging
 import os
 import signal
 
-from app.db import check_schema, make_engine, session_limits
+from sqlalchemy import Engine
+
+from app.db import SchemaMismatch, check_schema, make_engine, session_limits
+from app.outbox.ranged import RangedPublisherStore
 from app.outbox.store import PublisherStore
 from app.publisher.engine import Publisher
 from app.publisher.metrics import PublisherMetrics, PublisherStats
@@ -44,7 +47,10 @@ async def run_publisher(
     engine = make_engine(url, pool_pre_ping=False, **extra)
     try:
         await asyncio.to_thread(check_schema, engine)  # never publish on a schema we don't know
-        publisher = Publisher(settings=settings, store=PublisherStore(engine), metrics=metrics)
+        store = await asyncio.to_thread(settling_store, engine, settings)
+        publisher = Publisher(settings=settings, store=store, metrics=metrics)
+        if isinstance(store, RangedPublisherStore):
+            log.info("settling by ranges (OUTBOX_SETTLEMENT=ranges; docs/ranges-build.md)")
         # rows for streams go out through their lanes, beside the exchanges (app/streams)
         relay = StreamRelay(
             settings=settings, store=StreamStore(engine), owner=publisher.publisher_id
@@ -59,6 +65,23 @@ async def run_publisher(
             await relay_task
     finally:
         engine.dispose()
+
+
+def settling_store(engine: Engine, settings: Settings) -> PublisherStore:
+    """The store for ``OUTBOX_SETTLEMENT``. Settling rows on an outbox that has ranges would
+    publish their members again (their rows still read ``pending``): refused, naming the fix."""
+    if settings.settlement == "ranges":
+        return RangedPublisherStore(engine)
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            ranged = conn.exec_driver_sql("SELECT 1 FROM outbox_ranges LIMIT 1").first()
+        if ranged is not None:
+            raise SchemaMismatch(
+                "this outbox is settled by ranges (outbox_ranges has rows): run every "
+                "publisher with OUTBOX_SETTLEMENT=ranges; settling rows would publish a range's "
+                "members again"
+            )
+    return PublisherStore(engine)
 
 
 def main(settings: Settings, *, until_empty: bool = False) -> PublisherStats:

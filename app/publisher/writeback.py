@@ -156,6 +156,8 @@ class Writeback:
             return True
         started = time.perf_counter()
         self.settling = frozenset(out.settled_ids())
+        # a range's members: their confirm is the range's settle, never a row a crash undoes
+        ranged = p.store.range_members(out.confirmed)
         try:
             written, wal = await p.db.call(self._write, out=out)
         except Exception:
@@ -176,12 +178,13 @@ class Writeback:
         if wal is not None or not p.settings.synchronous_commit:
             if wal is not None:
                 self._durable(wal)
-            again = set(written.again_ids)
+            again = set(written.again_ids) | ranged
             published, bare = _published((i for i in out.confirmed if i not in again), out.sent)
             held = p.holdings.held
             messages = {f.id: row.message_id for f in published if (row := held.get(f.id))}
+            rows = [i for i in settled if i not in ranged] if ranged else settled
             self._undoable.append(
-                Undoable(p.clock(), settled, published=published, bare=bare, messages=messages)
+                Undoable(p.clock(), rows, published=published, bare=bare, messages=messages)
             )
             self._forget_durable()
         news = bool(out.lost or out.released or out.postponed) or self._keys_moved_on(settled)

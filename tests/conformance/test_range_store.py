@@ -155,7 +155,7 @@ def _publisher_step(s: Session, w: World, kind: str, who: int) -> None:
             "UPDATE outbox_ranges SET lease_until = now() - interval '1 s' WHERE range_id = %s",
             (range_id,),
         )
-        assert s.store.expire() == 1
+        assert s.store.expire()[0] == 1
         for i in w.members[range_id]:
             if i not in w.row_path:
                 w.row_path[i] = "pending"
