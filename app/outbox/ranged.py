@@ -83,6 +83,12 @@ class RangedPublisherStore(PublisherStore):
                 if empty:  # every member the row path's: nothing to wait for
                     self.ranges.settle(owner=owner, range_ids=empty)
         with self._lock:
+            # a row the row path gave us had been a member of a range that expired while we
+            # held it (our lease ran out): the row path's now, never that range's
+            for row in rows:
+                range_id = self._range_of.pop(row.id, None)
+                if range_id is not None:
+                    self.owed.get(range_id, set()).discard(row.id)
             for claim in claims:
                 if claim.rows:
                     ids = {r.id for r in claim.rows}
@@ -97,6 +103,11 @@ class RangedPublisherStore(PublisherStore):
         """Of ``ids``, the rows held as a range's members (their outcome is not on the row)."""
         with self._lock:
             return {i for i in ids if i in self._range_of}
+
+    def range_of(self, row_id: int) -> int | None:
+        """The held range whose member this row is, if it is one."""
+        with self._lock:
+            return self._range_of.get(row_id)
 
     def held_ranges(self) -> list[int]:
         with self._lock:
@@ -132,7 +143,7 @@ class RangedPublisherStore(PublisherStore):
             return set()
         for range_id in done:
             self.owed.pop(range_id, None)
-        self.db.on_rollback(lambda: self._reopen(done))
+        # rolled back, the members taken for them are put back (``_take``): owed again
         settled = self.ranges.settle_ids(owner=owner, range_ids=done)
         lost = set(done) - set(settled)
         self.counts.settled += len(settled)
@@ -146,11 +157,6 @@ class RangedPublisherStore(PublisherStore):
                 len(done),
             )
         return lost
-
-    def _reopen(self, range_ids: list[int]) -> None:
-        with self._lock:
-            for range_id in range_ids:
-                self.owed.setdefault(range_id, set())
 
     def _adopt(self, owner: str, ids: Iterable[int]) -> None:
         """Before an outcome other than a confirm: the named members go to the row path,
