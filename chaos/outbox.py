@@ -8,6 +8,7 @@ Every read retries while the database is away (a scenario restarts it).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime as dt
 import time
 import uuid
@@ -15,10 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, func, insert, make_url, select, text
+from sqlalchemy import Connection, Engine, func, insert, make_url, select, text
 from sqlalchemy.exc import DBAPIError
 
 from app.db import make_engine, migrate
+from app.outbox.ranges import DERIVED
 from app.outbox.schema import outbox, publishers
 
 RUNNER_APP = "chaos-runner"
@@ -185,22 +187,46 @@ def insert_rows(
 # ---------------------------------------------------------------- reads
 
 
+#: Every row's status as a reader derives it, and who holds it in flight (publishers settling by
+#: ranges, ``CHAOS_SETTLEMENT=ranges``: a range's members keep ``pending`` in their own column).
+DERIVED_ROWS = "SELECT * FROM (" + DERIVED.replace("{where}", "") + ") d"
+
+
+def _ranged(conn: Connection) -> bool:
+    """Does this outbox settle by ranges (has it any)? Then statuses are derived."""
+    if conn.dialect.name != "postgresql":
+        return False
+    return bool(conn.exec_driver_sql("SELECT EXISTS (SELECT 1 FROM outbox_ranges)").scalar())
+
+
 def status_counts(engine: Engine) -> collections.Counter[str]:
     def run() -> collections.Counter[str]:
         with engine.connect() as conn:
+            if _ranged(conn):
+                sql = f"SELECT status, count(*) FROM ({DERIVED_ROWS}) s GROUP BY status"
+                return collections.Counter({s: int(n) for s, n in conn.exec_driver_sql(sql)})
             stmt = select(outbox.c.status, func.count()).group_by(outbox.c.status)
             return collections.Counter({s: int(n) for s, n in conn.execute(stmt)})
 
     return retrying(run)
 
 
+def _in_flight(conn: Connection, owner: str | None) -> set[str]:
+    if _ranged(conn):
+        sql = f"SELECT message_id FROM ({DERIVED_ROWS}) s WHERE status = 'in_flight'"
+        if owner is not None:
+            sql += " AND owner = %(owner)s"
+        return {m for (m,) in conn.exec_driver_sql(sql, {"owner": owner})}
+    stmt = select(outbox.c.message_id).where(outbox.c.status == "in_flight")
+    if owner is not None:
+        stmt = stmt.where(outbox.c.lease_owner == owner)
+    return {m for (m,) in conn.execute(stmt)}
+
+
 def in_flight_ids(engine: Engine, *, owner: str | None = None) -> set[str]:
     def run() -> set[str]:
-        stmt = select(outbox.c.message_id).where(outbox.c.status == "in_flight")
-        if owner is not None:
-            stmt = stmt.where(outbox.c.lease_owner == owner)
         with engine.connect() as conn:
-            return {m for (m,) in conn.execute(stmt)}
+            return _in_flight(conn, owner)
 
     return retrying(run)
 
@@ -214,8 +240,9 @@ def in_flight_during(engine: Engine, action: Callable[[], T]) -> tuple[set[str],
     Write-backs wait too, which only keeps settled rows in the set a little longer."""
     with engine.connect() as conn, conn.begin():
         conn.execute(text("LOCK TABLE outbox IN SHARE MODE"))
-        stmt = select(outbox.c.message_id).where(outbox.c.status == "in_flight")
-        ids = {m for (m,) in conn.execute(stmt)}
+        if _ranged(conn):  # a range claim writes its range row: no claim either
+            conn.execute(text("LOCK TABLE outbox_ranges IN SHARE MODE"))
+        ids = _in_flight(conn, None)
         return ids, action()
 
 
@@ -243,7 +270,13 @@ def final_rows(engine: Engine) -> list[FinalRow]:
 
     def run() -> list[FinalRow]:
         with engine.connect() as conn:
-            return [FinalRow(**r._asdict()) for r in conn.execute(select(*cols))]
+            rows = [FinalRow(**r._asdict()) for r in conn.execute(select(*cols))]
+            if not _ranged(conn):
+                return rows
+            derived = dict(
+                conn.exec_driver_sql(f"SELECT message_id, status FROM ({DERIVED_ROWS}) s")
+            )
+        return [dataclasses.replace(r, status=derived[r.message_id]) for r in rows]
 
     return retrying(run)
 
@@ -300,6 +333,12 @@ def open_up_to(engine: Engine, mark: int) -> int:
 
     def run() -> int:
         with engine.connect() as conn:
+            if _ranged(conn):
+                sql = (
+                    f"SELECT count(*) FROM ({DERIVED_ROWS}) s WHERE id <= %(mark)s "
+                    "AND status IN ('pending', 'in_flight')"
+                )
+                return int(conn.exec_driver_sql(sql, {"mark": mark}).scalar_one())
             return int(conn.execute(stmt).scalar_one())
 
     return retrying(run)

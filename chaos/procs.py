@@ -158,7 +158,8 @@ def group_members(pgid: int) -> list[int]:
 def publisher(
     *, name: str, db_url: str, amqp_url: str, log_path: Path, env: dict[str, str] | None = None
 ) -> Proc:
-    """A publisher process (not started) with :data:`PUBLISHER_ENV` and ``env`` on top."""
+    """A publisher process (not started) with :data:`PUBLISHER_ENV` and ``env`` on top; with
+    ``CHAOS_SETTLEMENT=ranges`` in the matrix's environment, settling by ranges on PostgreSQL."""
     settings = {
         **PUBLISHER_ENV,
         "OUTBOX_DATABASE_URL": db_url,
@@ -166,6 +167,8 @@ def publisher(
         "OUTBOX_PUBLISHER_ID": name,
         **(env or {}),
     }
+    if os.environ.get("CHAOS_SETTLEMENT") == "ranges" and db_url.startswith("postgresql"):
+        settings.setdefault("OUTBOX_SETTLEMENT", "ranges")  # the matrix on ranges (issue 47)
     environ = clean_env(**settings)
     return Proc(
         name=name, argv=[sys.executable, "-m", "app.publisher"], env=environ, log_path=log_path

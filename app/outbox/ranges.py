@@ -226,32 +226,41 @@ SELECT (SELECT count(*) FROM handed), (SELECT count(*) FROM closed)
 #: Each row's range, as the read views derive a status: the interval range holding its
 #: ``(xid, id)``; the hole range if it is in that range's holes; the late range if its batch
 #: was skipped there.
-STATUSES = f"""
-SELECT o.id,
+#: Each row's status as a reader derives it, and who holds it when in flight (the row's lease
+#: owner, or its range's); ``{where}`` narrows the rows (``o``).
+DERIVED = f"""
+SELECT o.id, o.message_id,
   CASE WHEN o.row_path OR NOT ({SHAPE}) OR NOT ({UNPARKED}) THEN o.status
        WHEN fin.range_id IS NULL THEN o.status
        WHEN fin.settled_at IS NOT NULL THEN 'confirmed'
-       ELSE 'in_flight' END
+       ELSE 'in_flight' END AS status,
+  CASE WHEN o.row_path OR NOT ({SHAPE}) OR NOT ({UNPARKED}) OR fin.range_id IS NULL
+       THEN o.lease_owner ELSE fin.owner END AS owner
 FROM outbox o
 LEFT JOIN LATERAL (
-  SELECT r.range_id, r.settled_at, r.skipped, o.xid = ANY(r.holes) AS in_hole
+  SELECT r.range_id, r.settled_at, r.owner, r.skipped, o.xid = ANY(r.holes) AS in_hole
   FROM outbox_ranges r
   WHERE r.late_batch IS NULL AND r.late_xid IS NULL
     AND (r.hi_xid, r.hi_id) >= (o.xid, o.id) AND (r.lo_xid, r.lo_id) < (o.xid, o.id)
   ORDER BY r.hi_xid, r.hi_id LIMIT 1) iv ON true
 LEFT JOIN outbox_ranges hx ON iv.in_hole AND hx.late_xid = o.xid
 LEFT JOIN LATERAL (
-  SELECT p.range_id, p.settled_at, p.skipped FROM (
-    SELECT iv.range_id, iv.settled_at, iv.skipped WHERE NOT iv.in_hole
-    UNION ALL SELECT hx.range_id, hx.settled_at, hx.skipped WHERE iv.in_hole) p) pr ON true
+  SELECT p.range_id, p.settled_at, p.owner, p.skipped FROM (
+    SELECT iv.range_id, iv.settled_at, iv.owner, iv.skipped WHERE NOT iv.in_hole
+    UNION ALL SELECT hx.range_id, hx.settled_at, hx.owner, hx.skipped WHERE iv.in_hole) p
+  ) pr ON true
 LEFT JOIN outbox_ranges lb ON o.batch_id = ANY(pr.skipped) AND lb.late_batch = o.batch_id
   AND pr.range_id BETWEEN lb.lo_id AND lb.hi_id
 LEFT JOIN LATERAL (
   SELECT CASE WHEN o.batch_id = ANY(pr.skipped) THEN lb.range_id ELSE pr.range_id END,
-         CASE WHEN o.batch_id = ANY(pr.skipped) THEN lb.settled_at ELSE pr.settled_at END
-  ) fin(range_id, settled_at) ON true
-WHERE o.id = ANY(%(ids)s)
+         CASE WHEN o.batch_id = ANY(pr.skipped) THEN lb.settled_at ELSE pr.settled_at END,
+         CASE WHEN o.batch_id = ANY(pr.skipped) THEN lb.owner ELSE pr.owner END
+  ) fin(range_id, settled_at, owner) ON true
+{{where}}
 """
+STATUSES = (
+    "SELECT d.id, d.status FROM (" + DERIVED.replace("{where}", "WHERE o.id = ANY(%(ids)s)") + ") d"
+)
 
 
 #: Work left for ranges: committed range-shaped rows past the cursor (``%(until)s``: due by
