@@ -103,8 +103,17 @@ CONF
   # written at every start: a data directory made before a plugin was added gets it too
   echo "$plugins" >"$RABBITMQ_ENABLED_PLUGINS_FILE"
   log "starting rabbitmq node $NODE on 127.0.0.1:$AMQP_PORT"
+  rm -f "$RABBITMQ_PID_FILE"  # a killed node's (not running, checked above)
   "$RMQ_BIN/rabbitmq-server" -detached
-  "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" wait --timeout 60 "$RABBITMQ_PID_FILE" >/dev/null
+  # the new node writes its pid file while rabbitmqctl may be reading it: a torn read
+  # ({:garbage_in_pid_file, ...}, once in ten kill -9 and restarts in the fault matrix) is
+  # read again rather than failing the start
+  local tries=0
+  until "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" wait --timeout 60 "$RABBITMQ_PID_FILE" >/dev/null; do
+    tries=$((tries + 1))
+    [ "$tries" -lt 5 ] || return 1
+    sleep 0.5
+  done
   "$RMQ_BIN/rabbitmqctl" -q -n "$NODE" await_startup --timeout 60 >/dev/null
   log "rabbitmq ready (pid $(cat "$RABBITMQ_PID_FILE"))"
 }
