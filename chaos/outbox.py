@@ -273,9 +273,8 @@ def final_rows(engine: Engine) -> list[FinalRow]:
             rows = [FinalRow(**r._asdict()) for r in conn.execute(select(*cols))]
             if not _ranged(conn):
                 return rows
-            derived = dict(
-                conn.exec_driver_sql(f"SELECT message_id, status FROM ({DERIVED_ROWS}) s")
-            )
+            sql = f"SELECT message_id, status FROM ({DERIVED_ROWS}) s"
+            derived = {m: status for m, status in conn.exec_driver_sql(sql)}
         return [dataclasses.replace(r, status=derived[r.message_id]) for r in rows]
 
     return retrying(run)

@@ -243,8 +243,10 @@ class LostCommitReply:
     server: the transaction commits, the client never learns it (a reset instead of the reply).
 
     A claim is recognised by its reply: data rows (``UPDATE … RETURNING``) ending in an
-    ``UPDATE n`` command tag. Needs ``sslmode=disable`` (plain protocol on the wire). Fires
-    ``shots`` times once :meth:`arm` was called; ``fired`` counts.
+    ``UPDATE n`` command tag; settling by ranges, the range claim's rows (``SELECT n``) after
+    the client sent it (``INSERT INTO outbox_ranges``), and never a range's settle (an
+    ``UPDATE outbox_ranges`` with rows too). Needs ``sslmode=disable`` (plain protocol on the
+    wire). Fires ``shots`` times once :meth:`arm` was called; ``fired`` counts.
     """
 
     shots: int = 1
@@ -259,6 +261,7 @@ class LostCommitReply:
 
 
 _PG_HEADER = struct.Struct(">cI")
+_FIRST_FIELD = struct.Struct(">i")  # a data row's first column's length, -1 for NULL
 
 
 @dataclass(eq=False)
@@ -267,6 +270,8 @@ class _PgConnection:
     buffer: bytearray = field(default_factory=bytearray)
     rows_seen: bool = False
     claim_done: bool = False
+    range_claim_sent: bool = False  # the client sent a range claim (settling by ranges)
+    settle_sent: bool = False  # the client sent a range settle: its UPDATE is no claim
 
     def from_server(self, data: bytes) -> None:
         self.buffer += data
@@ -278,17 +283,27 @@ class _PgConnection:
             if end > len(buf):
                 break
             if kind == b"D":
-                self.rows_seen = True
+                # a row whose first column is NULL is no claimed row (a range claim that
+                # found nothing answers one such row)
+                first = _FIRST_FIELD.unpack_from(buf, offset + 7)[0] if length >= 10 else -1
+                self.rows_seen = self.rows_seen or first != -1
             elif kind == b"C":
                 tag = bytes(buf[offset + 5 : end]).rstrip(b"\0")
                 if tag.startswith(b"UPDATE ") and self.rows_seen and tag != b"UPDATE 0":
-                    self.claim_done = True
+                    self.claim_done = self.claim_done or not self.settle_sent
+                elif tag.startswith(b"SELECT ") and self.rows_seen and self.range_claim_sent:
+                    self.claim_done = self.claim_done or tag != b"SELECT 0"
+                self.range_claim_sent = self.settle_sent = False
             elif kind == b"Z":
                 self.rows_seen = False
             offset = end
         del buf[:offset]
 
     def from_client(self, data: bytes) -> bool:
+        if b"INSERT INTO outbox_ranges" in data:
+            self.range_claim_sent = True
+        if b"UPDATE outbox_ranges SET settled_at" in data:
+            self.settle_sent = True
         owner = self.owner
         if not (owner.armed and self.claim_done and owner.fired < owner.shots):
             if b"COMMIT" in data or b"ROLLBACK" in data:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,9 @@ from app.outbox.states import Status
 from app.outbox.store import PublisherStore
 
 log = logging.getLogger("app.outbox.ranged")
+#: Ranges remembered as this store's own (a few MB at most): far more than any window holds
+#: across an outage.
+KNOWN_RANGES = 100_000
 
 
 @dataclass
@@ -61,10 +65,15 @@ class RangedPublisherStore(PublisherStore):
         super().__init__(db)
         self.ranges = RangeStore(self.db)
         self.row_path_only = True
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # commit callbacks may run under it
         #: held range -> its members not yet acked or adopted
         self.owed: dict[int, set[int]] = {}
         self._range_of: dict[int, int] = {}  # member row id -> its held range
+        self._settling: set[int] = set()  # ranges whose settle has not committed yet
+        #: the ranges this store claimed lately: after an outage, one of ours leased to us but
+        #: not held was settled by a write-back a crash undid (published), any other was never
+        #: seen (a claim whose reply was lost)
+        self._known: deque[int] = deque(maxlen=KNOWN_RANGES)
         self.counts = RangeCounts()
 
     # ---------------------------------------------------------------- claims
@@ -89,6 +98,7 @@ class RangedPublisherStore(PublisherStore):
                 range_id = self._range_of.pop(row.id, None)
                 if range_id is not None:
                     self.owed.get(range_id, set()).discard(row.id)
+            self._known.extend(c.range_id for c in claims)
             for claim in claims:
                 if claim.rows:
                     ids = {r.id for r in claim.rows}
@@ -138,13 +148,15 @@ class RangedPublisherStore(PublisherStore):
         """Settle the ranges among ``range_ids`` that owe nothing more; returns those found no
         longer ours (their lease expired and another publisher closed them). Caller holds the
         lock."""
-        done = [r for r in set(range_ids) if not self.owed.get(r)]
+        done = [r for r in set(range_ids) if not self.owed.get(r) and r not in self._settling]
         if not done:
             return set()
-        for range_id in done:
-            self.owed.pop(range_id, None)
-        # rolled back, the members taken for them are put back (``_take``): owed again
+        # owed (empty) until the settle commits: the orphan check, on the claim's thread,
+        # must not take a range being settled for one it does not hold
+        self._settling.update(done)
         settled = self.ranges.settle_ids(owner=owner, range_ids=done)
+        self.db.on_commit(lambda: self._settled(done))
+        self.db.on_rollback(lambda: self._settle_undone(done))
         lost = set(done) - set(settled)
         self.counts.settled += len(settled)
         self.counts.settle_lost += len(lost)
@@ -157,6 +169,17 @@ class RangedPublisherStore(PublisherStore):
                 len(done),
             )
         return lost
+
+    def _settled(self, range_ids: list[int]) -> None:
+        with self._lock:
+            for range_id in range_ids:
+                self._settling.discard(range_id)
+                if not self.owed.get(range_id):
+                    self.owed.pop(range_id, None)
+
+    def _settle_undone(self, range_ids: list[int]) -> None:
+        with self._lock:
+            self._settling.difference_update(range_ids)
 
     def _adopt(self, owner: str, ids: Iterable[int]) -> None:
         """Before an outcome other than a confirm: the named members go to the row path,
@@ -293,18 +316,19 @@ class RangedPublisherStore(PublisherStore):
             self.db.on_commit(self._walk_from_start)
         return moved + rows
 
-    def release_orphans(self, *, owner: str) -> int:
-        """Ranges leased to ``owner`` that it does not hold (a claim whose reply was lost, a
-        settle a database crash undid): closed, their members handed to the row path as
-        possible duplicates. Safe only between claims (the claimer's check)."""
+    def release_orphans(self, *, owner: str) -> tuple[int, int]:
+        """Ranges leased to ``owner`` that it does not hold, closed: a claim's whose reply was
+        lost (never published: their members pending again as they were) and ours whose settle
+        a database crash undid (published: possible duplicates). Safe only between claims (the
+        claimer's check). Returns the rows handed back uncounted and counted."""
         with self._lock:
-            held = list(self.owed)
-        ranges, rows = self.ranges.expire(owner=owner, keep=held)
+            held, known = list(self.owed), list(self._known)
+        ranges, unseen, undone = self.ranges.orphans(owner=owner, keep=held, known=known)
         if ranges:
             self.counts.expired += ranges
-            self.counts.expired_rows += rows
+            self.counts.expired_rows += unseen + undone
             self.db.on_commit(self._walk_from_start)
-        return rows
+        return unseen, undone
 
     def count_open(self, *, due_within: float | None = None) -> int:
         """Rows not settled yet: the row path's pending and in-flight rows, and ranged work

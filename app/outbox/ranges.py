@@ -175,10 +175,17 @@ SELECT l.range_id, o.id FROM outbox_ranges l
   JOIN outbox o ON o.batch_id = l.late_batch AND {DOMAIN}
 WHERE l.range_id = ANY(%(ranges)s) AND {SHAPE} AND {UNPARKED}
 """
+#: A settled range keeps its owner (a closed one, ``expire``'s, has none): a settle retried
+#: because its COMMIT's reply was lost finds the range settled by its owner, and says so.
 SETTLE = """
-UPDATE outbox_ranges SET settled_at = %(now)s, owner = NULL, lease_until = NULL
-WHERE range_id = ANY(%(ranges)s) AND owner = %(owner)s AND settled_at IS NULL
-RETURNING range_id
+WITH s AS (
+  UPDATE outbox_ranges SET settled_at = %(now)s, lease_until = NULL
+  WHERE range_id = ANY(%(ranges)s) AND owner = %(owner)s AND settled_at IS NULL
+  RETURNING range_id)
+SELECT range_id FROM s
+UNION
+SELECT range_id FROM outbox_ranges
+WHERE range_id = ANY(%(ranges)s) AND owner = %(owner)s AND settled_at IS NOT NULL
 """
 LEASED = """
 SELECT range_id FROM outbox_ranges
@@ -215,7 +222,8 @@ ORDER BY range_id FOR UPDATE SKIP LOCKED
 EXPIRE = f"""
 WITH m AS ({MEMBERS}),
 handed AS (
-  UPDATE outbox o SET row_path = true, lost_confirms = o.lost_confirms + 1,
+  UPDATE outbox o SET row_path = true,
+         lost_confirms = o.lost_confirms + CASE WHEN %(counted)s THEN 1 ELSE 0 END,
          available_at = %(now)s
   FROM m WHERE o.id = m.id AND NOT o.row_path AND o.status = 'pending' RETURNING 1),
 closed AS (
@@ -324,7 +332,8 @@ class RangeStore:
         return len(self.settle_ids(owner=owner, range_ids=range_ids))
 
     def settle_ids(self, *, owner: str, range_ids: Sequence[int]) -> list[int]:
-        """:meth:`settle`; the ranges settled (the others are no longer ``owner``'s)."""
+        """:meth:`settle`; the ranges settled by ``owner``, now or by an earlier settle whose
+        reply was lost (the others are no longer ``owner``'s: closed by ``expire``)."""
         params = {"owner": owner, "ranges": list(range_ids), "now": self.db.clock()}
         with self.db.begin() as conn:
             return [row[0] for row in _all(conn, SETTLE, params)]
@@ -360,8 +369,28 @@ class RangeStore:
             closed = [row[0] for row in found]
             if not closed:
                 return 0, 0
-            handed, _ = _one(conn, EXPIRE, {"now": now, "ranges": closed})
+            handed, _ = _one(conn, EXPIRE, {"now": now, "ranges": closed, "counted": True})
         return len(closed), int(handed)
+
+    def orphans(
+        self, *, owner: str, keep: Sequence[int], known: Sequence[int]
+    ) -> tuple[int, int, int]:
+        """Ranges leased to ``owner`` not in ``keep`` (the ranges it holds) are closed, their
+        members the row path does not own yet handed to it, pending: a range in ``known`` (one
+        the owner held and settled, a settle a database crash undid) as possible duplicates,
+        any other (a claim whose reply was lost: never published) as they were. Returns the
+        ranges closed and the rows handed back uncounted and counted."""
+        now = self.db.clock()
+        seen = set(known)
+        with self.db.begin() as conn:
+            found = [r[0] for r in _all(conn, ORPHANED, {"owner": owner, "keep": list(keep)})]
+            rows = [0, 0]
+            for counted in (False, True):
+                closed = [r for r in found if (r in seen) is counted]
+                if closed:
+                    params = {"now": now, "ranges": closed, "counted": counted}
+                    rows[counted] = int(_one(conn, EXPIRE, params)[0])
+        return len(found), rows[0], rows[1]
 
     def open_work(self, *, due_within: float | None = None) -> int:
         """Rows ranges have still to take or settle (zero: drained, as far as ranges go)."""

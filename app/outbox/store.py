@@ -572,9 +572,10 @@ class PublisherStore(Recounts):
         """Extend the leases of the ranges this publisher holds (the heartbeat)."""
         return 0
 
-    def release_orphans(self, *, owner: str) -> int:
-        """Close the ranges leased to ``owner`` that it does not hold (the orphan check)."""
-        return 0
+    def release_orphans(self, *, owner: str) -> tuple[int, int]:
+        """Close the ranges leased to ``owner`` that it does not hold (the orphan check): the
+        rows handed back uncounted (never published) and counted (possible duplicates)."""
+        return 0, 0
 
     def leased_ids(self, *, owner: str) -> list[int]:
         """Ids of the ``in_flight`` rows leased to ``owner`` (to find rows a lost reply hid)."""

@@ -286,15 +286,20 @@ class Claimer:
         orphans = [
             i for i in p.store.leased_ids(owner=p.owner) if i not in held and i not in rewritten
         ]
-        # ranges leased to us that we do not hold: their members back, possible duplicates
-        ranged = p.store.release_orphans(owner=p.owner)
-        if ranged:
-            p.metrics.lost_confirms += ranged
+        # ranges leased to us that we do not hold: their members back to the row path
+        unseen_ranged, undone_ranged = p.store.release_orphans(owner=p.owner)
+        if unseen_ranged:
+            p.metrics.released += unseen_ranged
             log.warning(
-                "%d rows of ranges leased to this publisher that it did not hold (a claim "
-                "whose reply was lost, or a settle a database crash undid) handed back to be "
-                "published again, each a possible duplicate",
-                ranged,
+                "released %d rows of ranges a failed claim had leased to us unseen",
+                unseen_ranged,
+            )
+        if undone_ranged:
+            p.metrics.lost_confirms += undone_ranged
+            log.warning(
+                "%d rows of ranges we had settled are leased to us again (a database crash "
+                "undid the settle): handed back to be published again, each a possible duplicate",
+                undone_ranged,
             )
         undone = [i for i in orphans if i in undoable.ids]
         unseen = [i for i in orphans if i not in undoable.ids]
