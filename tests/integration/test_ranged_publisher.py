@@ -197,3 +197,36 @@ async def test_a_database_outage_mid_drain_counts_no_settled_member_again(
     again = _scalar(pg_engine, "SELECT coalesce(sum(lost_confirms), 0) FROM outbox")
     assert again == sum(n - 1 for n in seen.values()), "each copy counted, nothing else"
     assert _scalar(pg_engine, REWRITTEN) == 0
+
+
+def test_a_settle_retried_after_its_reply_was_lost_finds_its_own(pg_engine: Engine) -> None:
+    """A write-back whose COMMIT went through but whose reply was lost runs again: its settle
+    finds the range settled by its own owner (not lost, so no row counted), while a range
+    ``expire`` closed is no one's to settle."""
+    add_rows(pg_engine, n=6)
+    store = RangeStore(pg_engine)
+    (mine,) = store.claim(owner="p", limit=3, lease_seconds=30)
+    (gone,) = store.claim(owner="p", limit=3, lease_seconds=30)
+    assert store.settle_ids(owner="p", range_ids=[mine.range_id]) == [mine.range_id]
+    assert store.settle_ids(owner="p", range_ids=[mine.range_id]) == [mine.range_id]
+    assert store.settle_ids(owner="q", range_ids=[mine.range_id]) == []
+    assert store.orphans(owner="p", keep=[], known=[gone.range_id]) == (1, 0, 3)
+    assert store.settle_ids(owner="p", range_ids=[gone.range_id]) == []
+
+
+def test_orphaned_ranges_go_back_counted_only_if_they_were_seen(pg_engine: Engine) -> None:
+    """The check after an outage: a range leased to us that we never saw (its claim's reply
+    was lost) goes back as it was; one we had seen (its settle undone) counts each member as a
+    possible duplicate; one we hold is left alone."""
+    ids = add_rows(pg_engine, n=9)
+    store = RangeStore(pg_engine)
+    unseen, seen, held = (store.claim(owner="p", limit=3, lease_seconds=30)[0] for _ in range(3))
+    got = store.orphans(owner="p", keep=[held.range_id], known=[seen.range_id, held.range_id])
+    assert got == (2, 3, 3)
+    with pg_engine.connect() as conn:
+        lost = dict(conn.execute(text("SELECT message_id, lost_confirms FROM outbox")).all())
+    by_range = {c.range_id: {r.message_id for r in c.rows} for c in (unseen, seen, held)}
+    assert {m for m in ids if lost[m]} == by_range[seen.range_id]
+    statuses = _derived(pg_engine)
+    assert {statuses[m] for m in by_range[unseen.range_id] | by_range[seen.range_id]} == {"pending"}
+    assert {statuses[m] for m in by_range[held.range_id]} == {"in_flight"}
